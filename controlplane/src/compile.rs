@@ -1,0 +1,262 @@
+//! Config + runtime state → the wire policy snapshot that data planes apply.
+//!
+//! This is the only place config types meet `oqp_proto` policy types. Keys
+//! leave here as SHA-256 digests; cloud keys (which data planes must present
+//! upstream) are the one secret the snapshot carries.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use oqp_proto::policy::v1 as wire;
+
+use crate::config::{CacheBackend, Config, HostKind, RoutingStrategy, Scope, Tier};
+
+/// Operator state that is not in the config file: pauses, flushes, drains.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Runtime {
+    /// Paused flag per tier, in order high, normal, low.
+    pub paused: [bool; 3],
+    /// Flush generation per tier.
+    pub flush_generation: [u64; 3],
+    /// Drain generation.
+    pub drain_generation: u64,
+}
+
+/// What polling learned about one host.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Inventory {
+    /// Whether the last poll succeeded.
+    pub healthy: bool,
+    /// Installed model names (/api/tags).
+    pub installed: Vec<String>,
+    /// Loaded model names (/api/ps).
+    pub loaded: Vec<String>,
+    /// When it was last polled.
+    pub last_checked: Option<SystemTime>,
+}
+
+/// Builds the snapshot for `version`.
+pub fn snapshot(
+    config: &Config,
+    runtime: &Runtime,
+    inventory: &HashMap<String, Inventory>,
+    extra_clients: &[wire::Client],
+    version: u64,
+) -> wire::PolicySnapshot {
+    let tier_settings = |tier: Tier| {
+        let settings = config.queue.tier(tier);
+        let index = tier_index(tier);
+        wire::TierSettings {
+            max_depth: settings.max_depth,
+            max_wait_ms: millis(settings.max_wait),
+            high_watermark_pct: settings.high_watermark_pct,
+            promote_after_ms: settings.promote_after.map_or(0, millis),
+            paused: runtime.paused[index],
+            flush_generation: runtime.flush_generation[index],
+        }
+    };
+    let mut clients: Vec<wire::Client> = config
+        .auth
+        .keys
+        .iter()
+        .map(|key| wire::Client {
+            client_id: key.client_id.clone(),
+            key_sha256: key.key.sha256().to_vec(),
+            scope: scope_to_wire(key.scope) as i32,
+            max_priority: tier_to_wire(key.max_priority) as i32,
+            default_priority: tier_to_wire(key.default_priority) as i32,
+            max_concurrent: key.max_concurrent,
+            weight: key.weight,
+            max_queued: key.max_queued,
+            description: key.description.clone().unwrap_or_default(),
+            expires_unix_ms: key.expires.map_or(0, unix_ms),
+            source: "config".to_owned(),
+        })
+        .collect();
+    clients.extend(extra_clients.iter().cloned());
+
+    let hosts = config
+        .ollama
+        .hosts
+        .iter()
+        .map(|host| {
+            let seen = inventory.get(&host.name);
+            wire::Host {
+                name: host.name.clone(),
+                url: host.url.clone(),
+                weight: host.weight,
+                max_concurrent: host.max_concurrent,
+                kind: match host.kind {
+                    HostKind::Ollama => wire::HostKind::Ollama,
+                    HostKind::Cloud => wire::HostKind::Cloud,
+                } as i32,
+                // Before the first poll a host is presumed healthy: health is
+                // a cached observation, and a missing one must not black-hole
+                // the proxy.
+                healthy: seen.is_none_or(|s| s.healthy),
+                installed_models: seen.map(|s| s.installed.clone()).unwrap_or_default(),
+                loaded_models: seen.map(|s| s.loaded.clone()).unwrap_or_default(),
+                last_checked_unix_ms: seen.and_then(|s| s.last_checked).map_or(0, unix_ms),
+                cloud_keys: host
+                    .api_keys
+                    .iter()
+                    .map(|k| wire::CloudKey {
+                        key: k.key.expose().to_owned(),
+                        account: k.account.clone(),
+                    })
+                    .collect(),
+                fallback_models: host.fallback_models.clone(),
+                model_sync_interval_seconds: u32::try_from(host.model_sync_interval.as_secs())
+                    .unwrap_or(u32::MAX),
+            }
+        })
+        .collect();
+
+    wire::PolicySnapshot {
+        version,
+        listener: Some(wire::Listener {
+            host: config.proxy.host.clone(),
+            port: u32::from(config.proxy.port),
+        }),
+        proxy: Some(wire::ProxySettings {
+            max_concurrent: config.proxy.max_concurrent,
+            allow_model_management: config.proxy.allow_model_management,
+            max_request_body_bytes: config.proxy.max_request_body_bytes(),
+            request_timeout_ms: millis(config.ollama.request_timeout),
+            drain_timeout_ms: millis(config.proxy.drain_timeout),
+        }),
+        auth: Some(wire::AuthSettings {
+            enabled: config.auth.enabled,
+            rate_limit_max_failures: config.auth.rate_limit.max_failures,
+            rate_limit_window_seconds: u32::try_from(config.auth.rate_limit.window_seconds)
+                .unwrap_or(u32::MAX),
+        }),
+        clients,
+        queue: Some(wire::QueueSettings {
+            high: Some(tier_settings(Tier::High)),
+            normal: Some(tier_settings(Tier::Normal)),
+            low: Some(tier_settings(Tier::Low)),
+            overflow_status_code: u32::from(config.queue.overflow_status_code),
+            max_queued_bytes: config.queue.max_queued_bytes(),
+            fair_share_half_life_ms: millis(config.queue.fair_share.half_life),
+            drain_generation: runtime.drain_generation,
+        }),
+        hosts,
+        routing: Some(wire::RoutingSettings {
+            strategy: match config.routing.strategy {
+                RoutingStrategy::ModelAware => "model_aware",
+                RoutingStrategy::RoundRobin => "round_robin",
+            }
+            .to_owned(),
+            fallback: "any_healthy".to_owned(),
+            acquire_timeout_ms: millis(config.routing.acquire_timeout),
+        }),
+        keep_alive: Some(wire::KeepAliveSettings {
+            default_json: config.keep_alive.default_json.clone(),
+            r#override: config.keep_alive.override_client,
+        }),
+        embedding_cache: Some(wire::EmbeddingCacheSettings {
+            enabled: config.embedding_cache.enabled,
+            backend: match &config.embedding_cache.backend {
+                CacheBackend::Memory => "memory".to_owned(),
+                CacheBackend::Redis(url) => url.clone(),
+            },
+            ttl_seconds: config.embedding_cache.ttl.as_secs(),
+            max_entry_bytes: config.embedding_cache.max_entry_bytes,
+            key_prefix: config.embedding_cache.key_prefix.clone(),
+            connect_timeout_ms: millis(config.embedding_cache.connect_timeout),
+            max_memory_bytes: config
+                .embedding_cache
+                .max_memory_mb
+                .saturating_mul(1024 * 1024),
+            per_client: config.embedding_cache.per_client,
+        }),
+        dashboard: Some(wire::DashboardSettings {
+            enabled: config.dashboard.enabled,
+            refresh_seconds: config.dashboard.refresh_seconds,
+        }),
+        injection_listeners: config
+            .client_injection
+            .listeners
+            .iter()
+            .map(|listener| wire::InjectionListener {
+                bind: listener.bind.clone(),
+                port: u32::from(listener.listen_port),
+                inject_as: listener.inject_as.clone(),
+            })
+            .collect(),
+        logging: Some(wire::LoggingSettings {
+            level: config.logging.level.as_str().to_owned(),
+            format: config.logging.format.as_str().to_owned(),
+        }),
+        created_unix_ms: unix_ms(SystemTime::now()),
+    }
+}
+
+/// The snapshot as one node sees it: its listener override applied.
+pub fn for_node(
+    snapshot: &wire::PolicySnapshot,
+    config: &Config,
+    node: &str,
+) -> wire::PolicySnapshot {
+    let mut snapshot = snapshot.clone();
+    if let (Some(node_override), Some(listener)) =
+        (config.nodes.get(node), snapshot.listener.as_mut())
+    {
+        if let Some(host) = &node_override.host {
+            listener.host = host.clone();
+        }
+        if let Some(port) = node_override.port {
+            listener.port = u32::from(port);
+        }
+    }
+    snapshot
+}
+
+/// The wire form of a tier.
+pub fn tier_to_wire(tier: Tier) -> wire::Tier {
+    match tier {
+        Tier::High => wire::Tier::High,
+        Tier::Normal => wire::Tier::Normal,
+        Tier::Low => wire::Tier::Low,
+    }
+}
+
+/// The config form of a wire tier; `None` for unspecified.
+pub fn tier_from_wire(tier: i32) -> Option<Tier> {
+    match wire::Tier::try_from(tier).ok()? {
+        wire::Tier::High => Some(Tier::High),
+        wire::Tier::Normal => Some(Tier::Normal),
+        wire::Tier::Low => Some(Tier::Low),
+        wire::Tier::Unspecified => None,
+    }
+}
+
+/// The wire form of a scope.
+pub fn scope_to_wire(scope: Scope) -> wire::Scope {
+    match scope {
+        Scope::Read => wire::Scope::Read,
+        Scope::Inference => wire::Scope::Inference,
+        Scope::Management => wire::Scope::Management,
+    }
+}
+
+/// Index of a tier in per-tier arrays (high, normal, low).
+pub fn tier_index(tier: Tier) -> usize {
+    match tier {
+        Tier::High => 0,
+        Tier::Normal => 1,
+        Tier::Low => 2,
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}

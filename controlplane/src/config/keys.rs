@@ -1,0 +1,457 @@
+//! Resolving credentials: `key` / `key_env` / `key_file` (and the `node_token*` trio) into
+//! [`Secret`]s, and building the `auth.keys[]` and cloud key pools.
+//!
+//! Every message names the entry (its client_id, host name or section) and the *source*
+//! (variable name, file path) but never the value.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use super::enums::{Scope, Tier, Vocabulary, parse_word};
+use super::env::Env;
+use super::error::Problems;
+use super::scalar::Text;
+use super::schema::{RawCloudKey, RawKey};
+use super::secret::Secret;
+use super::types::{CloudKey, KeyConfig};
+
+/// The three ways of giving one credential, with the field names of this entry.
+pub(crate) struct KeySource<'a> {
+    /// Field names, e.g. `["key", "key_env", "key_file"]`.
+    pub fields: [&'a str; 3],
+    pub literal: Option<&'a Text>,
+    pub env_var: Option<&'a Text>,
+    pub file: Option<&'a Text>,
+}
+
+/// Whether an entry must give a source or may give none.
+#[derive(Clone, Copy, PartialEq)]
+pub(crate) enum Required {
+    ExactlyOne,
+    AtMostOne,
+}
+
+impl<'a> KeySource<'a> {
+    pub(crate) fn key(
+        literal: Option<&'a Text>,
+        env_var: Option<&'a Text>,
+        file: Option<&'a Text>,
+    ) -> Self {
+        Self {
+            fields: ["key", "key_env", "key_file"],
+            literal,
+            env_var,
+            file,
+        }
+    }
+
+    /// Resolves the source. `subject` starts every message, e.g.
+    /// `auth.keys[] entry for client_id='x'`. Records an error and returns `Err` on failure.
+    pub(crate) fn resolve(
+        &self,
+        subject: &str,
+        required: Required,
+        env: &Env,
+        problems: &mut Problems,
+    ) -> Result<Option<Secret>, ()> {
+        let [literal_field, env_field, file_field] = self.fields;
+        let given: Vec<&str> = [
+            (literal_field, self.literal.is_some()),
+            (env_field, self.env_var.is_some()),
+            (file_field, self.file.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(field, set)| set.then_some(field))
+        .collect();
+        let choice = match required {
+            Required::ExactlyOne => "exactly one",
+            Required::AtMostOne => "at most one",
+        };
+        if given.len() > 1 {
+            problems.error(format!(
+                "{subject} sets {} — set {choice} of {literal_field}, {env_field} or {file_field}",
+                given.join(", ")
+            ));
+            return Err(());
+        }
+        let (value, origin) = if let Some(Text(value)) = self.literal {
+            (value.clone(), literal_field.to_string())
+        } else if let Some(Text(name)) = self.env_var {
+            let Some(value) = env.get(name) else {
+                problems.error(format!(
+                    "{subject} names {env_field}='{name}', which is not set in the environment"
+                ));
+                return Err(());
+            };
+            (value.to_string(), format!("{env_field}='{name}'"))
+        } else if let Some(Text(path)) = self.file {
+            match std::fs::read_to_string(path) {
+                // Trailing newlines from `echo secret > file` would make the key never match.
+                Ok(content) => (
+                    content.trim_end().to_string(),
+                    format!("{file_field}='{path}'"),
+                ),
+                Err(error) => {
+                    problems.error(format!(
+                        "{subject} names {file_field}='{path}', which cannot be read: {error}"
+                    ));
+                    return Err(());
+                }
+            }
+        } else {
+            if required == Required::ExactlyOne {
+                problems.error(format!(
+                    "{subject} has no key: set exactly one of {literal_field}, {env_field} or {file_field}"
+                ));
+                return Err(());
+            }
+            return Ok(None);
+        };
+        if value.trim().is_empty() {
+            problems.error(format!(
+                "{subject} resolved to an empty key from {origin}. An empty credential would \
+                 authenticate no one and is never intentional"
+            ));
+            return Err(());
+        }
+        if let Some(Text(path)) = self.file {
+            warn_if_shared(Path::new(path), subject, problems);
+        }
+        Ok(Some(Secret::new(value)))
+    }
+}
+
+/// Warns when a secret file is accessible to group or others.
+#[cfg(unix)]
+fn warn_if_shared(path: &Path, subject: &str, problems: &mut Problems) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(metadata) = std::fs::metadata(path) {
+        let mode = metadata.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            problems.warn(format!(
+                "{subject}: key file '{}' is accessible by group or others (mode {mode:04o}); \
+                 restrict it with chmod 600",
+                path.display()
+            ));
+        }
+    }
+}
+
+#[cfg(not(unix))]
+fn warn_if_shared(_: &Path, _: &str, _: &mut Problems) {}
+
+/// Resolves `auth.keys[]`. `None` if any entry failed. `proxy_max` is `proxy.max_concurrent`
+/// when that section resolved.
+pub(crate) fn resolve_auth_keys(
+    raw: &[RawKey],
+    proxy_max: Option<u32>,
+    env: &Env,
+    problems: &mut Problems,
+) -> Option<Vec<KeyConfig>> {
+    let before = problems.error_count();
+    let keys: Vec<KeyConfig> = raw
+        .iter()
+        .enumerate()
+        .filter_map(|(index, key)| resolve_key(index, key, proxy_max, env, problems))
+        .collect();
+    if problems.error_count() != before {
+        return None;
+    }
+    let mut seen_ids: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut seen_keys: HashMap<[u8; 32], &str> = HashMap::new();
+    for (index, key) in keys.iter().enumerate() {
+        if let Some(first) = seen_ids.insert(&key.client_id, index) {
+            problems.error(format!(
+                "auth.keys: duplicate client_id '{}' (entries {first} and {index}); every client_id \
+                 must be unique",
+                key.client_id
+            ));
+        }
+        if let Some(other) = seen_keys.insert(key.key.sha256(), &key.client_id) {
+            problems.error(format!(
+                "auth.keys: client_id='{other}' and client_id='{}' resolve to the same key; every \
+                 client needs its own key",
+                key.client_id
+            ));
+        }
+    }
+    (problems.error_count() == before).then_some(keys)
+}
+
+fn resolve_key(
+    index: usize,
+    raw: &RawKey,
+    proxy_max: Option<u32>,
+    env: &Env,
+    problems: &mut Problems,
+) -> Option<KeyConfig> {
+    let client_id = raw.client_id.0.trim().to_string();
+    if client_id.is_empty() {
+        problems.error(format!("auth.keys[{index}].client_id must not be empty"));
+        return None;
+    }
+    let before = problems.error_count();
+    let at = format!("auth.keys[client_id={client_id}]");
+    let subject = format!("auth.keys[] entry for client_id='{client_id}'");
+    let key = KeySource::key(
+        raw.key.as_ref(),
+        raw.key_env.as_ref(),
+        raw.key_file.as_ref(),
+    )
+    .resolve(&subject, Required::ExactlyOne, env, problems)
+    .ok()
+    .flatten();
+
+    let explicit_scope = word::<Scope>(raw.scope.as_ref(), &format!("{at}.scope"), problems);
+    let management = raw.management.is_some_and(|flag| flag.0);
+    let scope = match (management, explicit_scope) {
+        (true, Some(scope)) if scope != Scope::Management => {
+            problems.error(format!(
+                "{at}: management: true and scope: {scope} contradict each other; remove the \
+                 deprecated management: true or set scope: management"
+            ));
+            Scope::Management
+        }
+        (true, _) => {
+            problems.warn(format!(
+                "config.deprecated key={at}.management — superseded by `scope: management`; \
+                 replace management: true with scope: management"
+            ));
+            Scope::Management
+        }
+        (false, scope) => scope.unwrap_or(Scope::Inference),
+    };
+
+    let max_priority = word::<Tier>(
+        raw.max_priority.as_ref(),
+        &format!("{at}.max_priority"),
+        problems,
+    )
+    .unwrap_or(Tier::Normal);
+    let default_priority = match word::<Tier>(
+        raw.default_priority.as_ref(),
+        &format!("{at}.default_priority"),
+        problems,
+    ) {
+        Some(tier) if tier > max_priority => {
+            problems.warn(format!(
+                    "{at}.default_priority {tier} is above max_priority {max_priority}; using {max_priority}"
+                ));
+            max_priority
+        }
+        Some(tier) => tier,
+        None => max_priority.min(Tier::Normal),
+    };
+
+    let max_concurrent = raw.max_concurrent.map_or(0, |value| value.0);
+    let max_concurrent = match u32::try_from(max_concurrent) {
+        Ok(value) => value,
+        Err(_) => {
+            problems.error(format!(
+                "{at}.max_concurrent must be a non-negative integer, got {max_concurrent}"
+            ));
+            0
+        }
+    };
+    if let Some(proxy_max) = proxy_max
+        && max_concurrent > proxy_max
+    {
+        problems.error(format!(
+            "{at}.max_concurrent ({max_concurrent}) exceeds proxy.max_concurrent ({proxy_max}). \
+             Set max_concurrent <= {proxy_max} or increase proxy.max_concurrent."
+        ));
+    }
+
+    let weight = raw.weight.map_or(1.0, |value| value.0);
+    if !(weight.is_finite() && weight > 0.0) {
+        problems.error(format!("{at}.weight must be a number > 0, got {weight}"));
+    }
+    let max_queued = raw.max_queued.map_or(0, |value| value.0);
+    let max_queued = u32::try_from(max_queued).unwrap_or_else(|_| {
+        problems.error(format!(
+            "{at}.max_queued must be a non-negative integer (0 = unlimited), got {max_queued}"
+        ));
+        0
+    });
+    let expires = match raw.expires.as_ref().map(|text| text.0.trim()) {
+        None => None,
+        Some(text) if text.eq_ignore_ascii_case("none") || text.eq_ignore_ascii_case("never") => {
+            None
+        }
+        Some(text) => match parse_timestamp(text) {
+            Ok(time) => {
+                if time <= SystemTime::now() {
+                    problems.warn(format!(
+                        "{at}.expires {text} is in the past; this key will not authenticate"
+                    ));
+                }
+                Some(time)
+            }
+            Err(()) => {
+                problems.error(format!(
+                    "{at}.expires: '{text}' is not an RFC 3339 time (e.g. 2026-12-31T23:59:59Z) or none"
+                ));
+                None
+            }
+        },
+    };
+
+    if problems.error_count() != before {
+        return None;
+    }
+    Some(KeyConfig {
+        client_id,
+        key: key?,
+        description: raw.description.as_ref().map(|text| text.0.clone()),
+        scope,
+        max_priority,
+        default_priority,
+        max_concurrent,
+        weight,
+        max_queued,
+        expires,
+    })
+}
+
+/// Builds a cloud host's pool: its configured keys, then `OLLAMA_API_KEY`, then the
+/// comma-separated `OLLAMA_API_KEYS`; duplicates keep the first position and the first
+/// non-empty account label. `None` if a configured key failed.
+pub(crate) fn resolve_cloud_pool(
+    host: &str,
+    raw: &[RawCloudKey],
+    env: &Env,
+    problems: &mut Problems,
+) -> Option<Vec<CloudKey>> {
+    let before = problems.error_count();
+    let mut candidates = Vec::new();
+    for (index, entry) in raw.iter().enumerate() {
+        let subject = format!("ollama.hosts[name='{host}'].api_keys[{index}]");
+        let source = KeySource::key(
+            entry.key.as_ref(),
+            entry.key_env.as_ref(),
+            entry.key_file.as_ref(),
+        );
+        if let Ok(Some(key)) = source.resolve(&subject, Required::ExactlyOne, env, problems) {
+            let account = entry.account.as_ref().map(|text| text.0.trim().to_string());
+            candidates.push(CloudKey {
+                key,
+                account: account.unwrap_or_default(),
+            });
+        }
+    }
+    if problems.error_count() != before {
+        return None;
+    }
+    let from_env = env
+        .get("OLLAMA_API_KEY")
+        .into_iter()
+        .chain(
+            env.get("OLLAMA_API_KEYS")
+                .into_iter()
+                .flat_map(|list| list.split(',')),
+        )
+        .map(str::trim)
+        .filter(|key| !key.is_empty());
+    candidates.extend(from_env.map(|key| CloudKey {
+        key: Secret::new(key),
+        account: String::new(),
+    }));
+
+    let mut pool: Vec<CloudKey> = Vec::new();
+    for candidate in candidates {
+        match pool.iter_mut().find(|kept| kept.key == candidate.key) {
+            Some(kept) if kept.account.is_empty() => kept.account = candidate.account,
+            Some(_) => {}
+            None => pool.push(candidate),
+        }
+    }
+    Some(pool)
+}
+
+/// Parses an optional config word.
+pub(crate) fn word<T: Vocabulary>(
+    value: Option<&Text>,
+    path: &str,
+    problems: &mut Problems,
+) -> Option<T> {
+    parse_word(&value?.0, path, problems)
+}
+
+/// Parses RFC 3339 (`2026-12-31T23:59:59Z`, `…+02:00`, fractional seconds) or a bare date
+/// (midnight UTC).
+pub(crate) fn parse_timestamp(text: &str) -> Result<SystemTime, ()> {
+    let text = text.trim();
+    if text.len() == 10 {
+        return humantime::parse_rfc3339(&format!("{text}T00:00:00Z")).map_err(|_| ());
+    }
+    let upper = text.to_ascii_uppercase();
+    if upper.ends_with('Z') {
+        return humantime::parse_rfc3339(&upper).map_err(|_| ());
+    }
+    // `±HH:MM` offset: parse the local part as UTC, then shift by the offset.
+    let (local, offset) = upper.split_at(upper.len().saturating_sub(6));
+    let bytes = offset.as_bytes();
+    if bytes.len() != 6 || !matches!(bytes[0], b'+' | b'-') || bytes[3] != b':' {
+        return Err(());
+    }
+    let hours: u64 = offset[1..3].parse().map_err(|_| ())?;
+    let minutes: u64 = offset[4..6].parse().map_err(|_| ())?;
+    if hours > 23 || minutes > 59 {
+        return Err(());
+    }
+    let shift = Duration::from_secs(hours * 3600 + minutes * 60);
+    let time = humantime::parse_rfc3339(&format!("{local}Z")).map_err(|_| ())?;
+    let shifted = if bytes[0] == b'+' {
+        time.checked_sub(shift)
+    } else {
+        time.checked_add(shift)
+    };
+    shifted.ok_or(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timestamps() {
+        let utc = parse_timestamp("2030-01-01T12:00:00Z").unwrap();
+        assert_eq!(parse_timestamp("2030-01-01T14:00:00+02:00"), Ok(utc));
+        assert_eq!(parse_timestamp("2030-01-01T10:30:00-01:30"), Ok(utc));
+        assert_eq!(parse_timestamp("2030-01-01t12:00:00z"), Ok(utc));
+        assert!(parse_timestamp("2030-01-01T12:00:00.250Z").is_ok());
+        assert_eq!(
+            parse_timestamp("2030-01-01"),
+            humantime::parse_rfc3339("2030-01-01T00:00:00Z").map_err(|_| ())
+        );
+        assert!(parse_timestamp("next tuesday").is_err());
+        assert!(parse_timestamp("2030-01-01T12:00:00+25:00").is_err());
+    }
+
+    #[test]
+    fn cloud_pool_order_and_dedup() {
+        let raw = vec![
+            RawCloudKey {
+                key: Some(Text("k1".into())),
+                ..RawCloudKey::default()
+            },
+            RawCloudKey {
+                key: Some(Text("k2".into())),
+                account: Some(Text("me@example.com".into())),
+                ..RawCloudKey::default()
+            },
+        ];
+        let env = Env::from_pairs([
+            ("OLLAMA_API_KEY", "k3"),
+            ("OLLAMA_API_KEYS", "k2, k4,,k3 ,k5"),
+        ]);
+        let mut problems = Problems::default();
+        let pool = resolve_cloud_pool("cloud", &raw, &env, &mut problems).unwrap();
+        let keys: Vec<&str> = pool.iter().map(|key| key.key.expose()).collect();
+        assert_eq!(keys, ["k1", "k2", "k3", "k4", "k5"]);
+        assert_eq!(pool[1].account, "me@example.com");
+        assert_eq!(pool[0].account, "");
+    }
+}

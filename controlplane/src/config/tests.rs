@@ -1,0 +1,976 @@
+//! Loader tests: defaults, the Python project's config, every error class, env overrides and the
+//! shipped examples.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::*;
+
+const ONE_HOST: &str = "ollama:\n  hosts:\n    - url: http://127.0.0.1:11434\n      name: local\n";
+
+fn load(yaml: &str) -> Loaded {
+    load_with(yaml, &[]).unwrap_or_else(|error| panic!("config should load:\n{error}"))
+}
+
+fn load_with(yaml: &str, vars: &[(&str, &str)]) -> Result<Loaded, ConfigError> {
+    load_str(yaml, &Env::from_pairs(vars.iter().copied()))
+}
+
+/// The problems of a config that must fail, one per entry.
+fn problems(yaml: &str, vars: &[(&str, &str)]) -> Vec<String> {
+    match load_with(yaml, vars) {
+        Ok(_) => panic!("config should not load:\n{yaml}"),
+        Err(error) => error.problems(),
+    }
+}
+
+fn with_host(rest: &str) -> String {
+    format!("{ONE_HOST}{rest}")
+}
+
+#[test]
+fn every_default() {
+    let Loaded { config, warnings } = load(ONE_HOST);
+    assert!(warnings.is_empty(), "{warnings:?}");
+
+    assert_eq!(config.proxy, ProxyConfig::default());
+    assert_eq!(config.proxy.host, "127.0.0.1");
+    assert_eq!(config.proxy.port, 11435);
+    assert_eq!(config.proxy.max_concurrent, 2);
+    assert!(!config.proxy.allow_model_management);
+    assert_eq!(config.proxy.drain_timeout, Duration::from_secs(30));
+    assert_eq!(config.proxy.max_request_body_mb, 50);
+    assert_eq!(config.proxy.max_request_body_bytes(), 50 * 1024 * 1024);
+
+    assert_eq!(config.ollama.request_timeout, Duration::from_secs(300));
+    let host = &config.ollama.hosts[0];
+    assert_eq!(host.url, "http://127.0.0.1:11434");
+    assert_eq!(host.name, "local");
+    assert_eq!(host.weight, 1);
+    assert_eq!(host.model_sync_interval, Duration::from_secs(30));
+    assert_eq!(host.max_concurrent, 2);
+    assert_eq!(host.kind, HostKind::Ollama);
+    assert!(host.api_keys.is_empty() && host.fallback_models.is_empty());
+
+    let queue = &config.queue;
+    assert_eq!(queue, &QueueConfig::default());
+    for (tier, depth, wait) in [
+        (Tier::High, 50, 120),
+        (Tier::Normal, 100, 300),
+        (Tier::Low, 200, 600),
+    ] {
+        let block = queue.tier(tier);
+        assert_eq!(
+            (block.max_depth, block.max_wait),
+            (depth, Duration::from_secs(wait))
+        );
+        assert_eq!(block.high_watermark_pct, 80);
+        assert_eq!(block.promote_after, None);
+    }
+    assert_eq!(queue.overflow_status_code, 503);
+    assert_eq!(queue.max_queued_mb, 512);
+    assert_eq!(queue.fair_share.half_life, Duration::from_secs(60));
+
+    assert!(!config.webhooks.enabled);
+    assert_eq!(config.webhooks.url, "");
+    assert_eq!(config.webhooks.events, WebhookEvent::DEFAULTS);
+    assert!(config.webhooks.allowed_hosts.is_empty());
+
+    assert!(!config.auth.enabled);
+    assert!(config.auth.keys.is_empty());
+    assert_eq!(config.auth.rate_limit.max_failures, 10);
+    assert_eq!(config.auth.rate_limit.window_seconds, 60);
+
+    assert_eq!(config.logging.level, LogLevel::Info);
+    assert_eq!(config.logging.format, LogFormat::Text);
+
+    assert!(config.client_injection.listeners.is_empty());
+    assert!(!config.client_injection.allow_public_injection);
+
+    assert_eq!(config.routing.strategy, RoutingStrategy::RoundRobin);
+    assert_eq!(config.routing.fallback, RoutingFallback::AnyHealthy);
+    assert_eq!(config.routing.model_poll_timeout, Duration::from_secs(3));
+    assert!(!config.routing.require_host_at_start);
+    assert_eq!(config.routing.acquire_timeout, Duration::from_secs(5));
+
+    let cache = &config.embedding_cache;
+    assert!(!cache.enabled);
+    assert_eq!(cache.backend, CacheBackend::Memory);
+    assert_eq!(cache.ttl, Duration::from_secs(86_400));
+    assert_eq!(cache.max_entry_bytes, 32_768);
+    assert_eq!(cache.key_prefix, "oqp:embed:");
+    assert_eq!(cache.connect_timeout, Duration::from_secs(2));
+    assert_eq!(cache.max_memory_mb, 256);
+    assert!(!cache.per_client);
+
+    assert_eq!(config.keep_alive.default_json, "\"5m\"");
+    assert!(!config.keep_alive.override_client);
+
+    assert!(!config.dashboard.enabled);
+    assert_eq!(config.dashboard.refresh_seconds, 5);
+
+    assert_eq!(config.control_plane.listen, "127.0.0.1:50051");
+    assert!(config.control_plane.node_token.is_none());
+    assert_eq!(config.control_plane.state_dir, Path::new("./oqp-state"));
+    assert!(config.control_plane.tls.is_none());
+    assert!(config.nodes.is_empty());
+}
+
+/// A config as the Python project documents it (README examples, 0.4 key sources, deprecated
+/// keys), which must load unchanged.
+const PYTHON_CONFIG: &str = r#"
+proxy:
+  host: "0.0.0.0"
+  port: 11435
+  max_concurrent: 4
+  allow_model_management: false
+  drain_timeout: 30
+  max_request_body_mb: 50
+
+ollama:
+  hosts:
+    - url: "http://forge:11434/"
+      name: "primary"
+      weight: 2
+      model_sync_interval: 30
+    - url: "http://helm:11434"
+      name: "secondary"
+      weight: 1
+      model_sync_interval: 30
+  health_check_interval: 30
+  request_timeout: 300
+
+queue:
+  high:   {max_depth: 50,  max_wait: 120, high_watermark_pct: 80}
+  normal: {max_depth: 100, max_wait: 300, high_watermark_pct: 80}
+  low:    {max_depth: 200, max_wait: 600, high_watermark_pct: 80}
+  overflow_status_code: 429
+  max_queued_mb: 512
+
+webhooks:
+  enabled: true
+  url: "https://hooks.example.com/ollama-alerts"
+  events: [queue.full, queue.high_watermark, queue.drained, host.unhealthy, host.recovered]
+  allowed_hosts: []
+
+auth:
+  enabled: true
+  keys:
+    - key: "sk-my-interactive-key"
+      client_id: "openwebui"
+      description: "Open WebUI"
+      max_priority: high
+      scope: inference
+      max_concurrent: 0
+    - key: "sk-my-batch-key"
+      client_id: "memsearch-watch"
+      description: "Background embedding jobs"
+      max_priority: low
+      max_concurrent: 2
+    - key: "sk-my-admin-key"
+      client_id: "admin"
+      description: "Admin"
+      max_priority: high
+      management: true
+    - key: "sk-my-readonly-key"
+      client_id: "homepage"
+      description: "Status widget — cannot spend GPU time"
+      scope: read
+      management: false
+    - key_env: OQP_KEY_SEARXNG
+      client_id: searxng-mcp
+      max_priority: normal
+    - key: "sk-my-metrics-key"
+      client_id: "prometheus-scraper"
+      scope: read
+    - key: "sk-local"
+      client_id: "localllm"
+  rate_limit:
+    max_failures: 10
+    window_seconds: 60
+
+logging:
+  level: INFO
+  format: json
+
+client_injection:
+  listeners:
+    - listen_port: 11436
+      inject_as: memsearch-watch
+      bind: 127.0.0.1
+    - listen_port: 11437
+      inject_as: localllm
+  allow_public_injection: false
+
+routing:
+  strategy: model_aware
+  fallback: any_healthy
+  model_poll_timeout: 3
+
+embedding_cache:
+  enabled: true
+  backend: "redis://valkey:6379/0"
+  ttl: 86400
+  max_entry_bytes: 32768
+  key_prefix: "oqp:embed:"
+  connect_timeout: 2
+
+keep_alive:
+  default: "5m"
+  override: false
+
+dashboard:
+  enabled: true
+  refresh_seconds: 5
+"#;
+
+#[test]
+fn the_python_config_loads() {
+    let Loaded { config, warnings } =
+        load_with(PYTHON_CONFIG, &[("OQP_KEY_SEARXNG", "sk-searxng")])
+            .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.proxy.max_concurrent, 4);
+    assert_eq!(config.ollama.hosts[0].url, "http://forge:11434");
+    assert_eq!(config.ollama.hosts[0].weight, 2);
+    assert_eq!(config.ollama.hosts[1].max_concurrent, 4);
+    assert_eq!(config.queue.overflow_status_code, 429);
+    assert!(config.webhooks.enabled);
+    assert_eq!(config.auth.keys.len(), 7);
+    let admin = config.auth.key("admin").unwrap();
+    assert_eq!(admin.scope, Scope::Management);
+    assert_eq!(admin.default_priority, Tier::Normal);
+    let homepage = config.auth.key("homepage").unwrap();
+    assert_eq!(
+        (homepage.scope, homepage.max_priority),
+        (Scope::Read, Tier::Normal)
+    );
+    let batch = config.auth.key("memsearch-watch").unwrap();
+    assert_eq!(
+        (
+            batch.max_priority,
+            batch.default_priority,
+            batch.max_concurrent
+        ),
+        (Tier::Low, Tier::Low, 2)
+    );
+    assert_eq!(
+        config.auth.key("searxng-mcp").unwrap().key.expose(),
+        "sk-searxng"
+    );
+    assert_eq!(config.logging.level, LogLevel::Info);
+    assert_eq!(config.logging.format, LogFormat::Json);
+    assert_eq!(config.client_injection.listeners[1].bind, "127.0.0.1");
+    assert_eq!(config.routing.strategy, RoutingStrategy::ModelAware);
+    assert_eq!(
+        config.embedding_cache.backend,
+        CacheBackend::Redis("redis://valkey:6379/0".to_string())
+    );
+    assert!(config.dashboard.enabled);
+
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("ollama.health_check_interval")),
+        "{warnings:?}"
+    );
+    let deprecated: Vec<_> = warnings
+        .iter()
+        .filter(|w| w.contains(".management"))
+        .collect();
+    assert_eq!(deprecated.len(), 1, "{warnings:?}");
+    assert!(deprecated[0].contains("client_id=admin"));
+    assert!(
+        !warnings.iter().any(|w| w.contains("SECURITY")),
+        "auth is on: {warnings:?}"
+    );
+}
+
+#[test]
+fn partial_tiers_keep_their_own_defaults() {
+    let config = load(&with_host(
+        "queue:\n  high: {max_wait: 60}\n  low: {max_depth: 0, promote_after: 90s}\n",
+    ))
+    .config;
+    assert_eq!(config.queue.high.max_depth, 50);
+    assert_eq!(config.queue.high.max_wait, Duration::from_secs(60));
+    assert_eq!(config.queue.high.high_watermark_pct, 80);
+    assert_eq!(config.queue.low.max_depth, 0);
+    assert_eq!(config.queue.low.max_wait, Duration::from_secs(600));
+    assert_eq!(
+        config.queue.low.promote_after,
+        Some(Duration::from_secs(90))
+    );
+    assert_eq!(config.queue.normal, TierConfig::default_for(Tier::Normal));
+
+    let errors = problems(
+        &with_host("queue:\n  normal: {high_watermark_pct: 0}\n  low: {max_depth: -1}\n"),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "queue.normal.high_watermark_pct must be in 1..=100, got 0",
+            "queue.low.max_depth must be a non-negative integer (0 = never queue), got -1",
+        ]
+    );
+}
+
+#[test]
+fn durations_take_seconds_or_humantime() {
+    let config = load(&with_host(
+        "proxy: {drain_timeout: 1.5}\nqueue: {high: {max_wait: \"2m\"}, fair_share: {half_life: 90s}}\n\
+         routing: {acquire_timeout: 250ms}\n",
+    ))
+    .config;
+    assert_eq!(config.proxy.drain_timeout, Duration::from_millis(1500));
+    assert_eq!(config.queue.high.max_wait, Duration::from_secs(120));
+    assert_eq!(config.queue.fair_share.half_life, Duration::from_secs(90));
+    assert_eq!(config.routing.acquire_timeout, Duration::from_millis(250));
+
+    let errors = problems(&with_host("proxy: {drain_timeout: soon}\n"), &[]);
+    assert!(
+        errors[0].starts_with("proxy.drain_timeout: \"soon\" is not a duration"),
+        "{errors:?}"
+    );
+}
+
+const KEY_SUFFIX: &str = "\n      client_id: alice\n";
+
+fn key_problems(source: &str, vars: &[(&str, &str)]) -> Vec<String> {
+    problems(
+        &with_host(&format!("auth:\n  keys:\n    - {source}{KEY_SUFFIX}")),
+        vars,
+    )
+}
+
+#[test]
+fn key_source_errors_name_the_client_and_never_the_value() {
+    let subject = "auth.keys[] entry for client_id='alice'";
+    assert_eq!(
+        key_problems("description: no key", &[]),
+        [format!(
+            "{subject} has no key: set exactly one of key, key_env or key_file"
+        )]
+    );
+    assert_eq!(
+        key_problems(
+            "key: sk-value-one\n      key_env: ALICE_KEY",
+            &[("ALICE_KEY", "sk-value-two")]
+        ),
+        [format!(
+            "{subject} sets key, key_env — set exactly one of key, key_env or key_file"
+        )]
+    );
+    assert_eq!(
+        key_problems("key_env: ALICE_KEY", &[]),
+        [format!(
+            "{subject} names key_env='ALICE_KEY', which is not set in the environment"
+        )]
+    );
+    let missing = key_problems("key_file: /nonexistent/alice.key", &[]);
+    assert_eq!(missing.len(), 1);
+    assert!(
+        missing[0].starts_with(&format!(
+            "{subject} names key_file='/nonexistent/alice.key', which cannot be read: "
+        )),
+        "{missing:?}"
+    );
+    assert_eq!(
+        key_problems("key_env: ALICE_KEY", &[("ALICE_KEY", "  ")]),
+        [format!(
+            "{subject} resolved to an empty key from key_env='ALICE_KEY'. An empty credential would \
+             authenticate no one and is never intentional"
+        )]
+    );
+    assert_eq!(
+        key_problems("key: \"\"", &[]),
+        [format!(
+            "{subject} resolved to an empty key from key. An empty credential would authenticate \
+             no one and is never intentional"
+        )]
+    );
+    // No message ever carries a key value.
+    for message in key_problems(
+        "key: sk-value-one\n      key_env: ALICE_KEY\n      key_file: /x",
+        &[("ALICE_KEY", "sk-value-two")],
+    ) {
+        assert!(!message.contains("sk-value"), "{message}");
+    }
+}
+
+#[test]
+fn key_file_is_stripped_and_its_mode_checked() {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    writeln!(file, "sk-from-file  ").unwrap();
+    let path = file.path().display().to_string();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let yaml = with_host(&format!(
+        "auth:\n  keys:\n    - key_file: {path}{KEY_SUFFIX}"
+    ));
+    let Loaded { config, warnings } = load(&yaml);
+    assert_eq!(config.auth.keys[0].key.expose(), "sk-from-file");
+    #[cfg(unix)]
+    {
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(
+            warnings[0].contains("client_id='alice'") && warnings[0].contains(&path),
+            "{warnings:?}"
+        );
+        assert!(warnings[0].contains("0644"));
+
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(load(&yaml).warnings.is_empty());
+    }
+
+    let empty = tempfile::NamedTempFile::new().unwrap();
+    let yaml = with_host(&format!(
+        "auth:\n  keys:\n    - key_file: {}{KEY_SUFFIX}",
+        empty.path().display()
+    ));
+    assert!(problems(&yaml, &[])[0].contains("resolved to an empty key from key_file="));
+}
+
+#[test]
+fn management_and_scope() {
+    let keys = |entry: &str| {
+        with_host(&format!(
+            "auth:\n  keys:\n    - key: k1\n      client_id: ops\n      {entry}\n"
+        ))
+    };
+
+    let errors = problems(&keys("management: true\n      scope: read"), &[]);
+    assert_eq!(errors.len(), 1);
+    assert!(
+        errors[0].contains("contradict") && errors[0].contains("ops"),
+        "{errors:?}"
+    );
+
+    let loaded = load(&keys("management: true\n      scope: management"));
+    assert_eq!(loaded.config.auth.keys[0].scope, Scope::Management);
+    assert!(loaded.warnings[0].contains("auth.keys[client_id=ops].management"));
+
+    let loaded = load(&keys("management: false\n      scope: read"));
+    assert_eq!(loaded.config.auth.keys[0].scope, Scope::Read);
+    assert!(loaded.warnings.is_empty());
+
+    let errors = problems(&keys("scope: admin\n      max_priority: urgent"), &[]);
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=ops].scope: unknown value 'admin' (expected read, inference or management)",
+            "auth.keys[client_id=ops].max_priority: unknown value 'urgent' (expected high, normal or low)",
+        ]
+    );
+}
+
+#[test]
+fn key_fields() {
+    let yaml = with_host(
+        "auth:\n  keys:\n    - {key: k1, client_id: a, max_priority: low, default_priority: high}\n    \
+         - {key: k2, client_id: b, max_priority: high, weight: 2.5, max_queued: 7, expires: 2999-01-01T00:00:00Z}\n    \
+         - {key: k3, client_id: c, max_priority: high, default_priority: low, expires: none}\n",
+    );
+    let Loaded { config, warnings } = load(&yaml);
+    let [a, b, c] = &config.auth.keys[..] else {
+        panic!()
+    };
+    assert_eq!((a.max_priority, a.default_priority), (Tier::Low, Tier::Low));
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("auth.keys[client_id=a].default_priority")),
+        "{warnings:?}"
+    );
+    assert_eq!(
+        (b.default_priority, b.weight, b.max_queued),
+        (Tier::Normal, 2.5, 7)
+    );
+    assert!(b.expires.is_some());
+    assert_eq!((c.default_priority, c.expires), (Tier::Low, None));
+
+    let errors = problems(
+        &with_host(
+            "auth:\n  keys:\n    - {key: k1, client_id: a, weight: 0, max_queued: -1, expires: tomorrow}\n",
+        ),
+        &[],
+    );
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(errors[0].starts_with("auth.keys[client_id=a].weight must be a number > 0"));
+}
+
+#[test]
+fn key_max_concurrent_is_bounded_by_the_proxy() {
+    let errors = problems(
+        &with_host(
+            "proxy: {max_concurrent: 2}\nauth:\n  keys:\n    - {key: k1, client_id: batch, max_concurrent: 3}\n",
+        ),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=batch].max_concurrent (3) exceeds proxy.max_concurrent (2). Set max_concurrent <= 2 or increase proxy.max_concurrent.",
+        ]
+    );
+    let errors = problems(&with_host("proxy: {max_concurrent: 0}\n"), &[]);
+    assert_eq!(errors, ["proxy.max_concurrent must be >= 1, got 0"]);
+}
+
+#[test]
+fn auth_needs_keys_and_unique_ids() {
+    assert_eq!(
+        problems(&with_host("auth: {enabled: true}\n"), &[]),
+        [
+            "auth.enabled is true but no API keys are configured. Add at least one key to auth.keys or set auth.enabled: false.",
+        ]
+    );
+    let errors = problems(
+        &with_host(
+            "auth:\n  keys:\n    - {key: k1, client_id: a}\n    - {key: k1, client_id: b}\n    - {key: k2, client_id: a}\n",
+        ),
+        &[],
+    );
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors.iter().any(|e| e.contains("duplicate client_id 'a'")));
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("client_id='a' and client_id='b' resolve to the same key"))
+    );
+    assert!(errors.iter().all(|e| !e.contains("k1")));
+}
+
+const INJECTION_KEYS: &str =
+    "auth:\n  keys:\n    - {key: k1, client_id: batch}\n    - {key: k2, client_id: ui}\n";
+
+fn injection(listeners: &str, allow_public: bool) -> String {
+    with_host(&format!(
+        "{INJECTION_KEYS}client_injection:\n  allow_public_injection: {allow_public}\n  listeners:\n{listeners}"
+    ))
+}
+
+#[test]
+fn injection_cross_checks() {
+    let errors = problems(
+        &injection(
+            "    - {listen_port: 11435, inject_as: batch}\n    - {listen_port: 11436, inject_as: batch}\n    \
+             - {listen_port: 11436, inject_as: ui}\n    - {listen_port: 80, inject_as: ui}\n    \
+             - {listen_port: 11437, inject_as: nobody}\n    - {listen_port: 11438, inject_as: ui, bind: 0.0.0.0}\n",
+            false,
+        ),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "client_injection.listeners[].listen_port 11435 conflicts with another port (proxy.port or another injection listener).",
+            "client_injection.listeners[].listen_port 11436 conflicts with another port (proxy.port or another injection listener).",
+            "client_injection.listeners[].listen_port must be in 1024-65535, got 80",
+            "client_injection.listeners[].inject_as 'nobody' does not match any auth.keys[].client_id. Known IDs: ['batch', 'ui']",
+            "client_injection.listeners[listen_port=11438].bind is '0.0.0.0' (non-loopback) but allow_public_injection is false. \
+         Bind to 127.0.0.1, or set client_injection.allow_public_injection: true to expose this port to the network.",
+        ]
+    );
+
+    // Loopback is parsed, not string-compared.
+    let loaded = load(&injection(
+        "    - {listen_port: 11436, inject_as: batch, bind: 127.0.0.5}\n    - {listen_port: 11437, inject_as: ui, bind: \"::1\"}\n    \
+         - {listen_port: 11438, inject_as: ui, bind: LocalHost}\n",
+        false,
+    ));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+
+    let loaded = load(&injection(
+        "    - {listen_port: 11436, inject_as: batch, bind: 192.168.1.5}\n",
+        true,
+    ));
+    assert_eq!(loaded.warnings.len(), 1);
+    assert!(
+        loaded.warnings[0]
+            .starts_with("WARNING: allow_public_injection is true AND auth.enabled is false.")
+    );
+
+    let loaded = load(&with_host(
+        "auth:\n  enabled: true\n  keys:\n    - {key: k1, client_id: batch}\nclient_injection:\n  \
+         allow_public_injection: true\n  listeners:\n    - {listen_port: 11436, inject_as: batch, bind: 192.168.1.5}\n",
+    ));
+    assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);
+    assert!(loaded.warnings[0].contains("non-loopback"));
+}
+
+#[test]
+fn hosts() {
+    let yaml = "ollama:\n  hosts:\n    - {url: \"https://ollama.com/\", name: cloud, api_keys: [{key: ck1, account: me@example.com}, {key_env: CK2}], fallback_models: [\"gpt-oss:20b\"]}\n    \
+                - {url: \"http://gpu:11434\", name: gpu, max_concurrent: 1, kind: ollama}\n";
+    let Loaded { config, .. } =
+        load_with(yaml, &[("CK2", "ck2"), ("OLLAMA_API_KEYS", "ck1,ck3")]).unwrap();
+    let [cloud, gpu] = &config.ollama.hosts[..] else {
+        panic!()
+    };
+    assert_eq!(
+        (cloud.kind, cloud.url.as_str()),
+        (HostKind::Cloud, "https://ollama.com")
+    );
+    let pool: Vec<(&str, &str)> = cloud
+        .api_keys
+        .iter()
+        .map(|k| (k.key.expose(), k.account.as_str()))
+        .collect();
+    assert_eq!(pool, [("ck1", "me@example.com"), ("ck2", ""), ("ck3", "")]);
+    assert_eq!(cloud.fallback_models, ["gpt-oss:20b"]);
+    assert_eq!((gpu.kind, gpu.max_concurrent), (HostKind::Ollama, 1));
+    assert!(
+        gpu.api_keys.is_empty(),
+        "OLLAMA_API_KEYS only feeds cloud hosts"
+    );
+
+    let errors = problems(
+        "ollama:\n  hosts:\n    - {url: \"ftp://a\", name: a, weight: 0, model_sync_interval: 0}\n    \
+         - {url: \"http://b:1\", name: a, api_keys: [{key: x}]}\n",
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "ollama.hosts[0].url must start with http:// or https://, got scheme 'ftp'",
+            "ollama.hosts[0].weight must be a positive integer, got 0",
+            "ollama.hosts[0].model_sync_interval must be >= 1 second, got 0s",
+            "ollama.hosts[1].api_keys is only allowed on cloud hosts (kind: cloud)",
+        ]
+    );
+    let errors = problems(
+        "ollama:\n  hosts:\n    - {url: \"http://b:1\", name: a}\n    - {url: \"http://c:1\", name: a}\n",
+        &[],
+    );
+    assert_eq!(
+        errors,
+        ["ollama.hosts: duplicate name 'a' (entries 0 and 1); every host needs a unique name"]
+    );
+    assert!(problems("{}", &[])[0].starts_with("ollama.hosts is required"));
+    assert!(problems("ollama: {hosts: []}", &[])[0].starts_with("ollama.hosts is required"));
+}
+
+#[test]
+fn other_sections() {
+    let config = load(&with_host(
+        "keep_alive: {default: -1, override: true}\nembedding_cache: {backend: \"rediss://:pw@valkey:6380/1\"}\n\
+         logging: {level: WARNING}\nwebhooks: {events: [key.revoked, queue.full, queue.full]}\n\
+         control_plane: {listen: \"127.0.0.1:6000\", state_dir: /var/lib/oqp, tls: {cert: c.pem, key: k.pem}}\n\
+         nodes: {gpu1: {host: 0.0.0.0, port: 11500}, gpu2: {port: 11501}}\n",
+    ))
+    .config;
+    assert_eq!(config.keep_alive.default_json, "-1");
+    assert!(config.keep_alive.override_client);
+    assert!(
+        matches!(config.embedding_cache.backend, CacheBackend::Redis(ref url) if url.starts_with("rediss://"))
+    );
+    assert_eq!(config.logging.level, LogLevel::Warn);
+    assert_eq!(
+        config.webhooks.events,
+        [WebhookEvent::KeyRevoked, WebhookEvent::QueueFull]
+    );
+    assert!(!config.webhooks.enabled);
+    assert_eq!(config.control_plane.state_dir, Path::new("/var/lib/oqp"));
+    assert_eq!(
+        config.control_plane.tls.as_ref().unwrap().cert,
+        Path::new("c.pem")
+    );
+    assert_eq!(
+        config.nodes["gpu1"],
+        NodeOverride {
+            host: Some("0.0.0.0".into()),
+            port: Some(11500)
+        }
+    );
+    assert_eq!(config.nodes["gpu2"].host, None);
+}
+
+#[test]
+fn node_token_sources() {
+    let loaded = load_with(
+        &with_host("control_plane: {node_token_env: NODE_TOKEN}\n"),
+        &[("NODE_TOKEN", "tok")],
+    )
+    .unwrap();
+    assert_eq!(
+        loaded.config.control_plane.node_token.unwrap().expose(),
+        "tok"
+    );
+    let errors = problems(
+        &with_host("control_plane: {node_token: a, node_token_file: /x}\n"),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "control_plane sets node_token, node_token_file — set at most one of node_token, node_token_env or node_token_file",
+        ]
+    );
+    let warnings = load(&with_host("control_plane: {listen: \"0.0.0.0:50051\"}\n")).warnings;
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+}
+
+#[test]
+fn keep_alive_values() {
+    let json = |value: &str| {
+        load(&with_host(&format!("keep_alive: {{default: {value}}}\n")))
+            .config
+            .keep_alive
+            .default_json
+    };
+    assert_eq!(json("\"10m\""), "\"10m\"");
+    assert_eq!(json("\"0\""), "\"0\"");
+    assert_eq!(json("300"), "300");
+    assert_eq!(json("1.5"), "1.5");
+    assert_eq!(json("\"-1s\""), "\"-1s\"");
+    let errors = problems(&with_host("keep_alive: {default: \"5\"}\n"), &[]);
+    assert!(
+        errors[0].starts_with("keep_alive.default: '5' is not a duration Ollama accepts"),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn section_value_errors() {
+    let errors = problems(
+        &with_host(
+            "embedding_cache: {backend: \"http://user:hunter2@cache\"}\nwebhooks: {enabled: true, url: \"ftp://x\", events: [queue.exploded]}\n\
+             routing: {strategy: fastest}\nlogging: {format: xml}\nqueue: {overflow_status_code: 500}\ndashboard: {refresh_seconds: 0}\n",
+        ),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "queue.overflow_status_code must be 503 or 429, got 500",
+            "webhooks.events[0]: unknown value 'queue.exploded' (expected queue.full, queue.high_watermark, queue.drained, \
+         queue.over_capacity, host.unhealthy, host.recovered, key.revoked or key.rotated)",
+            "webhooks.url: Webhook URL must use http or https scheme, got: 'ftp'",
+            "logging.format: unknown value 'xml' (expected text or json)",
+            "routing.strategy: unknown value 'fastest' (expected model_aware or round_robin)",
+            "embedding_cache.backend must be memory or a redis:// or rediss:// URL, got a http:// URL",
+            "dashboard.refresh_seconds must be >= 1 second, got 0",
+        ]
+    );
+    assert!(errors.iter().all(|e| !e.contains("hunter2")));
+}
+
+#[test]
+fn env_overrides() {
+    let vars = [
+        ("OQP_PROXY__PORT", "8080"),
+        ("OQP_PROXY__HOST", "0.0.0.0"),
+        ("OQP_OLLAMA__HOSTS__0__URL", "http://ollama:11434/"),
+        ("OQP_OLLAMA__HOSTS__1__URL", "http://second:11434"),
+        ("OQP_OLLAMA__HOSTS__1__NAME", "second"),
+        ("OQP_AUTH__ENABLED", "true"),
+        ("OQP_AUTH__KEYS__0__KEY_ENV", "ALICE_KEY"),
+        ("OQP_AUTH__KEYS__0__CLIENT_ID", "alice"),
+        ("OQP_AUTH__KEYS__0__WEIGHT", "2.5"),
+        ("OQP_CONTROL_PLANE__NODE_TOKEN", "12345"),
+        ("OQP_EMBEDDING_CACHE__ENABLED", "TRUE"),
+        ("OQP_QUEUE__HIGH__MAX_WAIT", "90s"),
+        ("OQP_CONFIG", "/nowhere.yml"),
+        ("ALICE_KEY", "sk-alice"),
+    ];
+    let Loaded { config, warnings } = load_with(ONE_HOST, &vars).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(config.proxy.port, 8080);
+    assert_eq!(config.ollama.hosts[0].url, "http://ollama:11434");
+    assert_eq!(config.ollama.hosts[0].name, "local");
+    assert_eq!(config.ollama.hosts[1].name, "second");
+    assert!(config.auth.enabled);
+    assert_eq!(config.auth.keys[0].key.expose(), "sk-alice");
+    assert_eq!(config.auth.keys[0].weight, 2.5);
+    assert_eq!(
+        config.control_plane.node_token.as_ref().unwrap().expose(),
+        "12345"
+    );
+    assert!(config.embedding_cache.enabled);
+    assert_eq!(config.queue.high.max_wait, Duration::from_secs(90));
+    assert!(warnings.is_empty(), "{warnings:?}");
+
+    let errors = problems(
+        ONE_HOST,
+        &[
+            ("OQP_PROXY", "1"),
+            ("OQP_PROXY__PORT", "2"),
+            ("OQP_OLLAMA__HOSTS__5__URL", "x"),
+        ],
+    );
+    assert_eq!(
+        errors,
+        [
+            "OQP_OLLAMA__HOSTS__5__URL: index 5 is past the end of ollama.hosts (1 item(s)); the next new item is index 1",
+            "OQP_PROXY__PORT: cannot set proxy.port: proxy is a number, not a section (is another variable setting proxy itself?)",
+            "proxy: invalid type: integer `1`, expected a section of key: value pairs",
+        ]
+    );
+}
+
+#[test]
+fn env_only_configuration() {
+    let config = load_with(
+        "",
+        &[
+            ("OQP_OLLAMA__HOSTS__0__URL", "http://localhost:11434"),
+            ("OQP_OLLAMA__HOSTS__0__NAME", "local"),
+        ],
+    )
+    .unwrap()
+    .config;
+    assert_eq!(config.ollama.hosts[0].url, "http://localhost:11434");
+    assert_eq!(
+        default_path(&Env::from_pairs([("OQP_CONFIG", "/etc/oqp.yml")])),
+        Path::new("/etc/oqp.yml")
+    );
+    assert_eq!(default_path(&Env::empty()), Path::new("config.yml"));
+}
+
+#[test]
+fn unknown_keys_are_warnings_with_their_path() {
+    let warnings = load(&with_host("proxy: {prot: 8080}\nauth:\n  keys:\n    - {key: k, client_id: a, scpoe: read}\nextra: 1\n")).warnings;
+    assert_eq!(
+        warnings,
+        [
+            "unknown key 'extra' (ignored)",
+            "unknown key 'proxy.prot' (ignored)",
+            "unknown key 'auth.keys[0].scpoe' (ignored)",
+        ]
+    );
+}
+
+#[test]
+fn yaml_syntax_error_has_a_line() {
+    let error = load_with("proxy:\n  port: 1\n bad: [\n", &[]).unwrap_err();
+    let text = error.to_string();
+    assert!(text.starts_with("YAML syntax error at line "), "{text}");
+    assert_eq!(error.exit_code(), 2);
+    // Only the syntax error: nothing else is checked in a file that did not parse.
+    assert_eq!(error.problems().len(), 1, "{text}");
+    let duplicate = load_with("proxy: {port: 1}\nproxy: {port: 2}\n", &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        duplicate.starts_with("YAML syntax error at line 1"),
+        "{duplicate}"
+    );
+    assert!(
+        duplicate.contains("duplicate entry with key \"proxy\""),
+        "{duplicate}"
+    );
+}
+
+#[test]
+fn several_schema_errors_are_reported_together() {
+    let errors = problems(
+        "proxy: {port: 99999}\nollama:\n  hosts:\n    - {url: \"http://a\", name: a, weight: -1}\n    - {name: b}\n\
+         queue: {high: {max_wait: [1]}}\nauth: {keys: [{key: k}]}\nrouting: {require_host_at_start: maybe}\n",
+        &[],
+    );
+    assert_eq!(errors.len(), 5, "{errors:?}");
+    assert!(errors[0].starts_with("queue.high.max_wait: invalid type: sequence"));
+    assert!(errors[1].starts_with("routing.require_host_at_start: invalid value"));
+    assert!(errors[2].starts_with("ollama.hosts[1]: missing field `url`"));
+    assert!(errors[3].starts_with("auth.keys[0]: missing field `client_id`"));
+    assert_eq!(
+        errors[4],
+        "proxy.port: invalid port 99999 (must be 1-65535)"
+    );
+}
+
+#[test]
+fn missing_file() {
+    let error = load_file(Path::new("/nonexistent/config.yml"), &Env::empty()).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "config file not found: /nonexistent/config.yml\nhint: copy examples/config.example.yml to /nonexistent/config.yml and edit it"
+    );
+    assert_eq!(error.exit_code(), ConfigError::EXIT_CODE);
+}
+
+#[test]
+fn debug_never_shows_a_secret() {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    write!(file, "sk-file-secret").unwrap();
+    let yaml = format!(
+        "ollama:\n  hosts:\n    - {{url: \"https://ollama.com\", name: cloud, api_keys: [{{key: sk-cloud-secret}}]}}\n\
+         auth:\n  enabled: true\n  keys:\n    - {{key: sk-literal-secret, client_id: a}}\n    - {{key_env: B_KEY, client_id: b}}\n    \
+         - {{key_file: {}, client_id: c}}\ncontrol_plane: {{node_token: sk-node-secret}}\n\
+         embedding_cache: {{backend: \"redis://:sk-redis-secret@valkey:6379\"}}\n",
+        file.path().display()
+    );
+    let vars = [
+        ("B_KEY", "sk-env-secret"),
+        ("OLLAMA_API_KEY", "sk-pool-secret"),
+    ];
+    let loaded = load_with(&yaml, &vars).unwrap_or_else(|e| panic!("{e}"));
+    let printed = format!("{loaded:?} {:#?}", loaded.config);
+    assert!(!printed.contains("secret"), "{printed}");
+    assert_eq!(loaded.config.ollama.hosts[0].api_keys.len(), 2);
+}
+
+#[test]
+fn examples_load() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut examples: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| {
+            path.extension()
+                .is_some_and(|ext| ext == "yml" || ext == "yaml")
+        })
+        .collect();
+    examples.sort();
+    assert!(examples.len() >= 2, "{examples:?}");
+    for path in &examples {
+        let loaded =
+            load_file(path, &Env::empty()).unwrap_or_else(|e| panic!("{}:\n{e}", path.display()));
+        let name = path.file_name().unwrap().to_string_lossy();
+        if name == "config.example.yml" || name == "quickstart.yml" {
+            assert!(loaded.warnings.is_empty(), "{name}: {:?}", loaded.warnings);
+        }
+    }
+    let example = load_file(&dir.join("config.example.yml"), &Env::empty())
+        .unwrap()
+        .config;
+    let quickstart = load_file(&dir.join("quickstart.yml"), &Env::empty())
+        .unwrap()
+        .config;
+    assert_eq!(quickstart.ollama.hosts[0].url, "http://127.0.0.1:11434");
+    assert!(!quickstart.auth.enabled);
+    // The full example states every default.
+    assert_eq!(example.proxy, ProxyConfig::default());
+    assert_eq!(example.queue, QueueConfig::default());
+    assert_eq!(example.routing, RoutingConfig::default());
+    assert_eq!(example.embedding_cache, EmbeddingCacheConfig::default());
+    assert_eq!(example.keep_alive, KeepAliveConfig::default());
+    assert_eq!(example.webhooks, WebhooksConfig::default());
+    assert_eq!(example.dashboard, DashboardConfig::default());
+    assert_eq!(example.logging, LoggingConfig::default());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn env_values_round_trip_through_typed_fields(port in 1u16.., token in any::<i64>(), flag in any::<bool>()) {
+        let vars = [
+            ("OQP_PROXY__PORT".to_string(), port.to_string()),
+            ("OQP_CONTROL_PLANE__NODE_TOKEN".to_string(), token.to_string()),
+            ("OQP_DASHBOARD__ENABLED".to_string(), flag.to_string()),
+        ];
+        let config = load_str(ONE_HOST, &Env::from_pairs(vars)).unwrap().config;
+        prop_assert_eq!(config.proxy.port, port);
+        let node_token = config.control_plane.node_token.unwrap();
+        prop_assert_eq!(node_token.expose(), token.to_string());
+        prop_assert_eq!(config.dashboard.enabled, flag);
+    }
+}

@@ -1,0 +1,520 @@
+//! The validated, resolved configuration that the rest of oqp codes against.
+//!
+//! Every value here has passed its checks: durations are `Duration`s, key sources are resolved
+//! [`Secret`]s, enums are enums, and cross-field rules (caps within `proxy.max_concurrent`,
+//! injection listeners naming known clients, …) hold. The `Default` impls are the single source
+//! of the documented defaults; the loader falls back to them for every key a file leaves out.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use super::enums::{
+    HostKind, LogFormat, LogLevel, RoutingFallback, RoutingStrategy, Scope, Tier, WebhookEvent,
+};
+use super::secret::Secret;
+
+/// The whole configuration, one field per top-level section of the file.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub proxy: ProxyConfig,
+    pub ollama: OllamaConfig,
+    pub queue: QueueConfig,
+    pub webhooks: WebhooksConfig,
+    pub auth: AuthConfig,
+    pub logging: LoggingConfig,
+    pub client_injection: ClientInjectionConfig,
+    pub routing: RoutingConfig,
+    pub embedding_cache: EmbeddingCacheConfig,
+    pub keep_alive: KeepAliveConfig,
+    pub dashboard: DashboardConfig,
+    pub control_plane: ControlPlaneConfig,
+    /// Per-node listener overrides, keyed by node name.
+    pub nodes: BTreeMap<String, NodeOverride>,
+}
+
+/// `proxy`: the main listener and global limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProxyConfig {
+    /// Bind address of the main listener (an IP address or a host name).
+    pub host: String,
+    pub port: u16,
+    /// Global upstream concurrency; at least 1.
+    pub max_concurrent: u32,
+    /// When false, `/api/pull|push|delete|create|copy` are refused with 403.
+    pub allow_model_management: bool,
+    /// How long shutdown waits for queued requests to be taken.
+    pub drain_timeout: Duration,
+    /// Request body limit in MiB.
+    pub max_request_body_mb: u64,
+}
+
+/// `ollama`: the upstream hosts.
+#[derive(Debug, Clone)]
+pub struct OllamaConfig {
+    /// At least one host; names are unique.
+    pub hosts: Vec<HostConfig>,
+    /// Upstream request timeout.
+    pub request_timeout: Duration,
+}
+
+/// One upstream in `ollama.hosts[]`.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    /// `http(s)://host[:port][/path]` without a trailing slash.
+    pub url: String,
+    /// Unique identity of the host (headers, metrics, status).
+    pub name: String,
+    /// Weighted round-robin weight, at least 1.
+    pub weight: u32,
+    /// Interval of the `/api/tags` poll, at least 1 s.
+    pub model_sync_interval: Duration,
+    /// Concurrent requests this host accepts; defaults to `proxy.max_concurrent`.
+    pub max_concurrent: u32,
+    pub kind: HostKind,
+    /// Cloud hosts only: the key pool (config first, then `OLLAMA_API_KEY`, `OLLAMA_API_KEYS`),
+    /// deduplicated. Empty for `HostKind::Ollama`.
+    pub api_keys: Vec<CloudKey>,
+    /// Models to try, in order, when the requested one fails unrecoverably on this host.
+    pub fallback_models: Vec<String>,
+}
+
+/// A key of a cloud host's pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CloudKey {
+    pub key: Secret,
+    /// Account label shown instead of the key; `""` if none was given.
+    pub account: String,
+}
+
+/// `queue`: tiers and admission limits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueConfig {
+    pub high: TierConfig,
+    pub normal: TierConfig,
+    pub low: TierConfig,
+    /// Status of a depth or byte-cap rejection: 503 or 429.
+    pub overflow_status_code: u16,
+    /// MiB of request bodies allowed to wait across all tiers.
+    pub max_queued_mb: u64,
+    pub fair_share: FairShareConfig,
+}
+
+/// One tier of the queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierConfig {
+    /// Requests allowed to wait in this tier. `0` means the tier never queues: a request is
+    /// admitted only if it can be dispatched at once, else it is rejected as "queue full".
+    pub max_depth: u32,
+    /// Longest a request may wait before it expires with 503.
+    pub max_wait: Duration,
+    /// Depth percentage (1..=100) at which `queue.high_watermark` fires.
+    pub high_watermark_pct: u32,
+    /// Promote a request waiting this long to the next higher tier; `None` = never.
+    pub promote_after: Option<Duration>,
+}
+
+/// Fair sharing between clients inside a tier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FairShareConfig {
+    /// Half-life of the decay applied to each client's recent usage.
+    pub half_life: Duration,
+}
+
+/// `webhooks`: outgoing event notifications.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WebhooksConfig {
+    /// True only if enabled in the file *and* a URL is set.
+    pub enabled: bool,
+    /// Target URL (`""` if unset). Only its scheme and host name are checked here.
+    pub url: String,
+    /// Subscribed events, without duplicates.
+    pub events: Vec<WebhookEvent>,
+    /// Host names exempt from the start-up SSRF check.
+    pub allowed_hosts: Vec<String>,
+}
+
+/// `auth`: inbound API keys.
+#[derive(Debug, Clone, Default)]
+pub struct AuthConfig {
+    pub enabled: bool,
+    /// Unique client ids and unique keys. May be non-empty with auth off (injection listeners).
+    pub keys: Vec<KeyConfig>,
+    pub rate_limit: RateLimitConfig,
+}
+
+/// `auth.rate_limit`: the failed-authentication throttle (per client IP).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RateLimitConfig {
+    /// Failures within the window before 429; at least 1.
+    pub max_failures: u32,
+    /// Rolling window, also the `Retry-After` value; at least 1.
+    pub window_seconds: u64,
+}
+
+/// One entry of `auth.keys[]`.
+#[derive(Debug, Clone)]
+pub struct KeyConfig {
+    pub client_id: String,
+    /// The resolved credential (from `key`, `key_env` or `key_file`).
+    pub key: Secret,
+    pub description: Option<String>,
+    /// `management: true` (deprecated) has been folded in here.
+    pub scope: Scope,
+    /// Ceiling applied to the requested tier.
+    pub max_priority: Tier,
+    /// Tier used when a request names none; never above `max_priority`.
+    pub default_priority: Tier,
+    /// In-flight cap, 0 = unlimited; never above `proxy.max_concurrent`.
+    pub max_concurrent: u32,
+    /// Fair-share weight, > 0.
+    pub weight: f64,
+    /// Requests this client may have waiting, 0 = unlimited.
+    pub max_queued: u32,
+    /// After this instant the key no longer authenticates.
+    pub expires: Option<SystemTime>,
+}
+
+/// `logging`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoggingConfig {
+    pub level: LogLevel,
+    pub format: LogFormat,
+}
+
+/// `client_injection`: ports that inject a fixed identity.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ClientInjectionConfig {
+    pub listeners: Vec<InjectionListener>,
+    /// Required to bind a listener to a non-loopback address.
+    pub allow_public_injection: bool,
+}
+
+/// One injection listener.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InjectionListener {
+    /// 1024..=65535, distinct from `proxy.port` and other listeners.
+    pub listen_port: u16,
+    /// A configured `auth.keys[].client_id`.
+    pub inject_as: String,
+    /// Bind address; loopback unless `allow_public_injection`.
+    pub bind: String,
+}
+
+/// `routing`: host selection.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingConfig {
+    pub strategy: RoutingStrategy,
+    pub fallback: RoutingFallback,
+    /// Timeout of one `/api/tags` poll.
+    pub model_poll_timeout: Duration,
+    /// Fail start-up when no host answers the first poll.
+    pub require_host_at_start: bool,
+    /// How long a cloud request waits for a pool key bound to its model before using any key.
+    pub acquire_timeout: Duration,
+}
+
+/// `embedding_cache`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EmbeddingCacheConfig {
+    pub enabled: bool,
+    pub backend: CacheBackend,
+    pub ttl: Duration,
+    /// Responses larger than this are not cached.
+    pub max_entry_bytes: u64,
+    pub key_prefix: String,
+    /// Connect timeout for a Redis backend.
+    pub connect_timeout: Duration,
+    /// Size bound of the in-process backend.
+    pub max_memory_mb: u64,
+    /// Partition the cache by client id instead of sharing it across tenants.
+    pub per_client: bool,
+}
+
+/// Where cached embeddings live.
+#[derive(Clone, PartialEq)]
+pub enum CacheBackend {
+    /// In-process, bounded by `max_memory_mb`.
+    Memory,
+    /// A RESP server at this `redis://` or `rediss://` URL.
+    Redis(String),
+}
+
+/// `keep_alive`: the value inserted into generate/chat/embed bodies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeepAliveConfig {
+    /// The JSON literal to insert: `"\"5m\""` for a duration string, `-1` or `300` for numbers.
+    pub default_json: String,
+    /// Replace a client-supplied `keep_alive` too (the file key is `override`).
+    pub override_client: bool,
+}
+
+/// `dashboard`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DashboardConfig {
+    pub enabled: bool,
+    /// Poll interval of the page, at least 1.
+    pub refresh_seconds: u32,
+}
+
+/// `control_plane`: where data planes connect.
+#[derive(Debug, Clone)]
+pub struct ControlPlaneConfig {
+    /// gRPC listen address, `host:port`.
+    pub listen: String,
+    /// Token data planes present; `None` = no token required.
+    pub node_token: Option<Secret>,
+    /// Directory of the key store and other durable state.
+    pub state_dir: PathBuf,
+    pub tls: Option<TlsConfig>,
+}
+
+/// Certificate and private key (PEM paths) for the gRPC listener.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TlsConfig {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// `nodes.<name>`: listener overrides for one data-plane node.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct NodeOverride {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+}
+
+impl ProxyConfig {
+    /// `max_request_body_mb` in bytes.
+    pub fn max_request_body_bytes(&self) -> u64 {
+        self.max_request_body_mb.saturating_mul(1024 * 1024)
+    }
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".to_string(),
+            port: 11435,
+            max_concurrent: 2,
+            allow_model_management: false,
+            drain_timeout: Duration::from_secs(30),
+            max_request_body_mb: 50,
+        }
+    }
+}
+
+impl OllamaConfig {
+    /// Default `request_timeout`.
+    pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+}
+
+impl HostConfig {
+    pub const DEFAULT_WEIGHT: u32 = 1;
+    pub const DEFAULT_MODEL_SYNC_INTERVAL: Duration = Duration::from_secs(30);
+}
+
+impl QueueConfig {
+    /// The block of one tier.
+    pub fn tier(&self, tier: Tier) -> &TierConfig {
+        match tier {
+            Tier::High => &self.high,
+            Tier::Normal => &self.normal,
+            Tier::Low => &self.low,
+        }
+    }
+
+    /// `max_queued_mb` in bytes.
+    pub fn max_queued_bytes(&self) -> u64 {
+        self.max_queued_mb.saturating_mul(1024 * 1024)
+    }
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            high: TierConfig::default_for(Tier::High),
+            normal: TierConfig::default_for(Tier::Normal),
+            low: TierConfig::default_for(Tier::Low),
+            overflow_status_code: 503,
+            max_queued_mb: 512,
+            fair_share: FairShareConfig::default(),
+        }
+    }
+}
+
+impl TierConfig {
+    /// The defaults of one tier: high 50/120 s, normal 100/300 s, low 200/600 s, watermark 80 %.
+    pub fn default_for(tier: Tier) -> Self {
+        let (max_depth, max_wait) = match tier {
+            Tier::High => (50, 120),
+            Tier::Normal => (100, 300),
+            Tier::Low => (200, 600),
+        };
+        Self {
+            max_depth,
+            max_wait: Duration::from_secs(max_wait),
+            high_watermark_pct: 80,
+            promote_after: None,
+        }
+    }
+}
+
+impl Default for FairShareConfig {
+    fn default() -> Self {
+        Self {
+            half_life: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Default for WebhooksConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            url: String::new(),
+            events: WebhookEvent::DEFAULTS.to_vec(),
+            allowed_hosts: Vec::new(),
+        }
+    }
+}
+
+impl WebhooksConfig {
+    /// Whether `event` should be delivered.
+    pub fn wants(&self, event: WebhookEvent) -> bool {
+        self.enabled && self.events.contains(&event)
+    }
+}
+
+impl AuthConfig {
+    /// The key of a client id.
+    pub fn key(&self, client_id: &str) -> Option<&KeyConfig> {
+        self.keys.iter().find(|key| key.client_id == client_id)
+    }
+}
+
+impl Default for RateLimitConfig {
+    fn default() -> Self {
+        Self {
+            max_failures: 10,
+            window_seconds: 60,
+        }
+    }
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self {
+            level: LogLevel::Info,
+            format: LogFormat::Text,
+        }
+    }
+}
+
+impl InjectionListener {
+    pub const DEFAULT_BIND: &'static str = "127.0.0.1";
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            strategy: RoutingStrategy::RoundRobin,
+            fallback: RoutingFallback::AnyHealthy,
+            model_poll_timeout: Duration::from_secs(3),
+            require_host_at_start: false,
+            acquire_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Default for EmbeddingCacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            backend: CacheBackend::Memory,
+            ttl: Duration::from_secs(86_400),
+            max_entry_bytes: 32_768,
+            key_prefix: "oqp:embed:".to_string(),
+            connect_timeout: Duration::from_secs(2),
+            max_memory_mb: 256,
+            per_client: false,
+        }
+    }
+}
+
+impl std::fmt::Debug for CacheBackend {
+    // A Redis URL may carry a password (`redis://:pw@host`); print it without the user info.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheBackend::Memory => f.write_str("Memory"),
+            CacheBackend::Redis(url) => {
+                f.debug_tuple("Redis").field(&redact_userinfo(url)).finish()
+            }
+        }
+    }
+}
+
+impl Default for KeepAliveConfig {
+    fn default() -> Self {
+        Self {
+            default_json: "\"5m\"".to_string(),
+            override_client: false,
+        }
+    }
+}
+
+impl Default for DashboardConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            refresh_seconds: 5,
+        }
+    }
+}
+
+impl Default for ControlPlaneConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50051".to_string(),
+            node_token: None,
+            state_dir: PathBuf::from("./oqp-state"),
+            tls: None,
+        }
+    }
+}
+
+/// `scheme://user:pw@host/…` → `scheme://…@host/…`.
+fn redact_userinfo(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => format!("{scheme}://…{}", &rest[at..]),
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_defaults_are_per_tier() {
+        let queue = QueueConfig::default();
+        assert_eq!(queue.tier(Tier::High).max_depth, 50);
+        assert_eq!(queue.tier(Tier::Normal).max_wait, Duration::from_secs(300));
+        assert_eq!(queue.tier(Tier::Low).max_depth, 200);
+        assert_eq!(queue.max_queued_bytes(), 512 * 1024 * 1024);
+    }
+
+    #[test]
+    fn redis_password_is_not_debug_printed() {
+        let backend = CacheBackend::Redis("redis://:hunter2@valkey:6379/0".to_string());
+        let printed = format!("{backend:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert_eq!(printed, "Redis(\"redis://…@valkey:6379/0\")");
+        let plain = CacheBackend::Redis("redis://valkey:6379/0".to_string());
+        assert_eq!(format!("{plain:?}"), "Redis(\"redis://valkey:6379/0\")");
+    }
+}

@@ -1,0 +1,82 @@
+//! `oqp-controlplane`: owns the config, serves the policy stream to data
+//! planes and the admin API to oqpctl. `--with-dataplane` also runs a data
+//! plane in the same process: the single-box quick start.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use oqp_controlplane::config::Env;
+use oqp_controlplane::{ControlPlane, Options};
+
+/// Admission-control proxy for Ollama: the control plane.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The config file (YAML).
+    #[arg(long, env = "OQP_CONFIG", default_value = "config.yml")]
+    config: PathBuf,
+    /// Also run a data plane in this process (node `local`).
+    #[arg(long)]
+    with_dataplane: bool,
+    /// Log format: text or json.
+    #[arg(long, env = "OQP_LOG_FORMAT", default_value = "text")]
+    log_format: String,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    init_tracing(&args.log_format);
+    let options = Options {
+        config_path: args.config,
+        env: Env::from_process(),
+        listener: None,
+        with_dataplane: args.with_dataplane,
+        dataplane_listener: None,
+    };
+    let control_plane = match ControlPlane::start(options).await {
+        Ok(control_plane) => control_plane,
+        Err(error) => {
+            eprintln!("oqp-controlplane: {error}");
+            return ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(1));
+        }
+    };
+    run_until_signalled(&control_plane).await;
+    tracing::info!("shutting down");
+    control_plane.shutdown().await;
+    ExitCode::SUCCESS
+}
+
+/// Reloads on SIGHUP; returns on SIGTERM or Ctrl-C.
+async fn run_until_signalled(control_plane: &ControlPlane) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut hangup), Ok(mut terminate)) = (
+        signal(SignalKind::hangup()),
+        signal(SignalKind::terminate()),
+    ) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    loop {
+        tokio::select! {
+            _ = hangup.recv() => {
+                // Errors are logged by reload; the old snapshot stays.
+                let _ = control_plane.reload();
+            }
+            _ = terminate.recv() => return,
+            _ = tokio::signal::ctrl_c() => return,
+        }
+    }
+}
+
+fn init_tracing(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

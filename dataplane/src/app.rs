@@ -1,0 +1,78 @@
+//! The data plane's shared state: everything a request may need, behind one
+//! `Arc`. Nothing here blocks on the control plane.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use crate::control::ControlLink;
+use crate::snapshot::PolicyStore;
+use crate::upstream::Upstream;
+
+/// Shared by every request and background task of one data plane.
+#[derive(Debug)]
+pub struct App {
+    /// This node's name.
+    pub node: Arc<str>,
+    /// The current policy.
+    pub store: Arc<PolicyStore>,
+    /// The upstream HTTP client.
+    pub upstream: Upstream,
+    /// When the data plane started.
+    pub started: Instant,
+    /// The state of the link to the control plane.
+    pub control: Arc<ControlLink>,
+    /// Where the main listener is bound, once it is.
+    pub listen_addr: OnceLock<SocketAddr>,
+    shutting_down: AtomicBool,
+    active: AtomicU32,
+}
+
+impl App {
+    /// Shared state for a node serving `store`.
+    pub fn new(node: &str, store: Arc<PolicyStore>, control: Arc<ControlLink>) -> Self {
+        let timeout = store.load().proxy.request_timeout;
+        Self {
+            node: Arc::from(node),
+            store,
+            upstream: Upstream::new(timeout.min(std::time::Duration::from_secs(10))),
+            started: Instant::now(),
+            control,
+            listen_addr: OnceLock::new(),
+            shutting_down: AtomicBool::new(false),
+            active: AtomicU32::new(0),
+        }
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Relaxed)
+    }
+
+    /// Marks the start of shutdown: new proxied requests are refused.
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::Relaxed);
+    }
+
+    /// Requests in flight upstream.
+    pub fn active(&self) -> u32 {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Counts one request in flight until the guard drops.
+    pub fn track_active(self: &Arc<Self>) -> ActiveGuard {
+        self.active.fetch_add(1, Ordering::Relaxed);
+        ActiveGuard(self.clone())
+    }
+}
+
+/// One request in flight upstream; released when dropped.
+#[derive(Debug)]
+pub struct ActiveGuard(Arc<App>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}

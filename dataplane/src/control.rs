@@ -1,0 +1,324 @@
+//! The link to the control plane: a supervised watch of the policy stream
+//! and a periodic status report.
+//!
+//! The watch is the only writer of the [`PolicyStore`]. It reconnects with
+//! jittered exponential backoff whenever the stream breaks; meanwhile the
+//! data plane serves on its last good snapshot. Nothing on the request path
+//! waits on this module.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use oqp_proto::policy::v1::{
+    NodeHello, NodeReport, PolicySnapshot, policy_service_client::PolicyServiceClient,
+};
+use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::{Code, Request, Status};
+
+use crate::snapshot::{Offer, PolicyStore};
+
+/// Where and how to reach the control plane.
+#[derive(Clone)]
+pub struct ControlOptions {
+    /// `http://host:port` or `https://host:port`.
+    pub url: String,
+    /// This node's name.
+    pub node: String,
+    /// The node token presented in metadata.
+    pub token: Option<String>,
+    /// A CA certificate (PEM) to trust for an https URL.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl std::fmt::Debug for ControlOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlOptions")
+            .field("url", &self.url)
+            .field("node", &self.node)
+            .field("token", &self.token.as_ref().map(|_| "…"))
+            .field("ca_file", &self.ca_file)
+            .finish()
+    }
+}
+
+/// Why the data plane could not start talking to the control plane.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    /// The URL or TLS settings are unusable.
+    #[error("control plane address: {0}")]
+    Config(String),
+    /// The control plane refused this node for good (bad token).
+    #[error("control plane refused this node: {0}")]
+    Refused(String),
+}
+
+/// The observable state of the link, for status and reports.
+#[derive(Debug, Default)]
+pub struct ControlLink {
+    connected: AtomicBool,
+    last_error: Mutex<Option<String>>,
+}
+
+impl ControlLink {
+    /// Whether a watch stream is open now.
+    pub fn is_connected(&self) -> bool {
+        self.connected.load(Ordering::Relaxed)
+    }
+
+    /// The last error seen on the link, if the link is down.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().ok().and_then(|e| e.clone())
+    }
+
+    fn up(&self) {
+        self.connected.store(true, Ordering::Relaxed);
+        if let Ok(mut error) = self.last_error.lock() {
+            *error = None;
+        }
+    }
+
+    fn down(&self, error: String) {
+        if self.connected.swap(false, Ordering::Relaxed) {
+            tracing::warn!(%error, "lost the control plane; serving on the last good snapshot");
+        }
+        if let Ok(mut last) = self.last_error.lock() {
+            *last = Some(error);
+        }
+    }
+}
+
+type Client = PolicyServiceClient<InterceptedService<Channel, TokenInterceptor>>;
+
+/// Adds the node token to every call.
+#[derive(Clone)]
+pub struct TokenInterceptor(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl std::fmt::Debug for TokenInterceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TokenInterceptor(…)")
+    }
+}
+
+impl tonic::service::Interceptor for TokenInterceptor {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(token) = &self.0 {
+            request
+                .metadata_mut()
+                .insert(oqp_proto::NODE_TOKEN_METADATA, token.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// A lazily connected client for the policy service.
+pub fn client(options: &ControlOptions) -> Result<Client, ControlError> {
+    let mut endpoint = Endpoint::from_shared(options.url.clone())
+        .map_err(|e| ControlError::Config(format!("'{}': {e}", options.url)))?
+        .connect_timeout(Duration::from_secs(3))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true);
+    if options.url.starts_with("https://") {
+        let mut tls = ClientTlsConfig::new().with_webpki_roots();
+        if let Some(path) = &options.ca_file {
+            let pem = std::fs::read(path).map_err(|e| {
+                ControlError::Config(format!("cannot read CA file {}: {e}", path.display()))
+            })?;
+            tls = tls.ca_certificate(Certificate::from_pem(pem));
+        }
+        endpoint = endpoint
+            .tls_config(tls)
+            .map_err(|e| ControlError::Config(e.to_string()))?;
+    }
+    let token = match &options.token {
+        Some(token) => Some(
+            token
+                .parse()
+                .map_err(|_| ControlError::Config("the node token is not valid ASCII".into()))?,
+        ),
+        None => None,
+    };
+    Ok(PolicyServiceClient::with_interceptor(
+        endpoint.connect_lazy(),
+        TokenInterceptor(token),
+    ))
+}
+
+/// Whether a failed call is worth retrying.
+fn is_fatal(status: &Status) -> bool {
+    matches!(
+        status.code(),
+        Code::Unauthenticated | Code::PermissionDenied | Code::Unimplemented
+    )
+}
+
+/// Follows the policy stream across reconnects.
+pub struct Watcher {
+    client: Client,
+    node: String,
+    link: Arc<ControlLink>,
+    stream: Option<tonic::Streaming<PolicySnapshot>>,
+    backoff: Backoff,
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Watcher {
+    /// A watcher for `node` on `client`.
+    pub fn new(client: Client, node: &str, link: Arc<ControlLink>) -> Self {
+        Self {
+            client,
+            node: node.to_owned(),
+            link,
+            stream: None,
+            backoff: Backoff::default(),
+        }
+    }
+
+    /// The next snapshot, reconnecting as often as needed. Returns an error
+    /// only when the control plane refuses this node (`refuse_fatal`).
+    pub async fn next(&mut self, refuse_fatal: bool) -> Result<PolicySnapshot, ControlError> {
+        loop {
+            if self.stream.is_none() {
+                let hello = NodeHello {
+                    node: self.node.clone(),
+                    software_version: env!("CARGO_PKG_VERSION").to_owned(),
+                };
+                match self.client.watch_policy(hello).await {
+                    Ok(response) => self.stream = Some(response.into_inner()),
+                    Err(status) => {
+                        if is_fatal(&status) && refuse_fatal {
+                            return Err(ControlError::Refused(status.message().to_owned()));
+                        }
+                        self.link.down(describe(&status));
+                        tokio::time::sleep(self.backoff.next_delay()).await;
+                        continue;
+                    }
+                }
+            }
+            let Some(stream) = self.stream.as_mut() else {
+                continue;
+            };
+            match stream.message().await {
+                Ok(Some(snapshot)) => {
+                    self.link.up();
+                    self.backoff.reset();
+                    return Ok(snapshot);
+                }
+                Ok(None) => self.link.down("the control plane closed the stream".into()),
+                Err(status) => self.link.down(describe(&status)),
+            }
+            self.stream = None;
+            tokio::time::sleep(self.backoff.next_delay()).await;
+        }
+    }
+
+    /// Feeds every later snapshot into `store` until `shutdown`.
+    pub async fn run(mut self, store: Arc<PolicyStore>, shutdown: CancellationToken) {
+        loop {
+            let snapshot = tokio::select! {
+                () = shutdown.cancelled() => return,
+                next = self.next(false) => match next {
+                    Ok(snapshot) => snapshot,
+                    Err(_) => continue,
+                },
+            };
+            let version = snapshot.version;
+            match store.offer(snapshot) {
+                Offer::Applied => tracing::info!(version, "applied policy snapshot"),
+                Offer::Stale => tracing::debug!(version, "ignored a stale snapshot"),
+                Offer::Rejected(error) => {
+                    tracing::error!(version, %error, "rejected policy snapshot; keeping the current one");
+                }
+            }
+        }
+    }
+}
+
+fn describe(status: &Status) -> String {
+    format!("{:?}: {}", status.code(), status.message())
+}
+
+/// Sends `report()` to the control plane every `interval` and whenever the
+/// policy changes, until `shutdown`. Failures only mark the link down.
+pub async fn report_loop(
+    mut client: Client,
+    store: Arc<PolicyStore>,
+    interval: Duration,
+    report: impl Fn() -> NodeReport,
+    shutdown: CancellationToken,
+) {
+    let mut changed = store.subscribe();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+            _ = changed.changed() => {}
+        }
+        let call = client.report_status(report());
+        match tokio::time::timeout(interval.max(Duration::from_secs(2)), call).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(status)) => tracing::debug!(error = %describe(&status), "report failed"),
+            Err(_) => tracing::debug!("report timed out"),
+        }
+    }
+}
+
+/// Jittered exponential backoff: 100 ms doubling to 10 s, each delay drawn
+/// uniformly from its upper half so that restarted data planes spread out.
+#[derive(Debug, Default)]
+pub struct Backoff {
+    attempt: u32,
+}
+
+impl Backoff {
+    const BASE: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(10);
+
+    /// The next delay.
+    pub fn next_delay(&mut self) -> Duration {
+        let ceiling = Self::BASE
+            .saturating_mul(1 << self.attempt.min(16))
+            .min(Self::MAX);
+        self.attempt = self.attempt.saturating_add(1);
+        let half = ceiling / 2;
+        half + half.mul_f64(rand::random::<f64>())
+    }
+
+    /// Back to the shortest delay, after a success.
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_jittered_and_caps() {
+        let mut backoff = Backoff::default();
+        let first = backoff.next_delay();
+        assert!(first >= Duration::from_millis(50) && first <= Duration::from_millis(100));
+        for _ in 0..20 {
+            assert!(backoff.next_delay() <= Backoff::MAX);
+        }
+        let late = backoff.next_delay();
+        assert!(late >= Backoff::MAX / 2);
+        backoff.reset();
+        assert!(backoff.next_delay() <= Duration::from_millis(100));
+    }
+}

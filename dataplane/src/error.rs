@@ -1,0 +1,196 @@
+//! Every error the data plane answers by itself, and the one function that
+//! turns them into HTTP: status, headers and the
+//! `{"error": "…", "request_id": "…"}` body of the reference catalogue.
+
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::body::{self, Body};
+use crate::headers;
+use crate::policy::Scope;
+use crate::scheduler::Tier;
+
+/// A refusal or failure produced by the proxy itself (never an upstream
+/// answer, which is passed through as it is).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProxyError {
+    /// No usable `Authorization: Bearer` header.
+    #[error("missing or invalid authorization header")]
+    MissingCredentials,
+    /// A bearer key that matches no client.
+    #[error("invalid api key")]
+    UnknownKey,
+    /// Too many failed attempts from this address.
+    #[error("too many authentication failures")]
+    TooManyAuthFailures {
+        /// Seconds until the caller may try again.
+        retry_after: u64,
+    },
+    /// A known key without the required scope.
+    #[error("{} permission required", .0.as_str())]
+    ScopeRequired(Scope),
+    /// The management query named no valid tier.
+    #[error("invalid tier: '{0}' (must be high, normal, or low)")]
+    InvalidTier(String),
+    /// The request body is larger than `proxy.max_request_body_mb`.
+    #[error("request body too large")]
+    BodyTooLarge,
+    /// The client stopped sending its body.
+    #[error("request body could not be read")]
+    BodyUnreadable,
+    /// Model management is disabled in the config.
+    #[error(
+        "model management endpoints are disabled; set allow_model_management: true in config to enable"
+    )]
+    ModelManagementDisabled,
+    /// The tier refuses new requests.
+    #[error("queue tier '{}' is paused", .0.as_str())]
+    TierPaused(Tier),
+    /// The tier is at its depth limit, or the client at its queued limit.
+    #[error("queue full")]
+    QueueFull {
+        /// 503 or 429, as configured.
+        status: StatusCode,
+        /// Seconds, from the observed drain rate.
+        retry_after: u64,
+    },
+    /// The queue's byte ceiling is reached.
+    #[error("queue over capacity (bytes)")]
+    OverCapacity {
+        /// 503 or 429, as configured.
+        status: StatusCode,
+        /// Seconds, from the observed drain rate.
+        retry_after: u64,
+    },
+    /// The request waited `max_wait` without being dispatched.
+    #[error("request expired in queue")]
+    Expired,
+    /// An operator flushed the tier while the request waited.
+    #[error("request flushed from queue")]
+    Flushed,
+    /// No upstream host could answer.
+    #[error("all upstream hosts failed")]
+    AllHostsFailed,
+    /// The data plane is shutting down.
+    #[error("proxy is shutting down")]
+    ShuttingDown,
+    /// A management action needs the control plane, which is unreachable.
+    #[error("control plane unavailable: {0}")]
+    ControlPlaneUnavailable(String),
+    /// The path is not served (disabled dashboard).
+    #[error("Not Found")]
+    NotFound,
+}
+
+impl ProxyError {
+    /// The HTTP status of this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::MissingCredentials | Self::UnknownKey => StatusCode::UNAUTHORIZED,
+            Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::ScopeRequired(_) | Self::ModelManagementDisabled => StatusCode::FORBIDDEN,
+            Self::InvalidTier(_) | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
+            Self::NotFound => StatusCode::NOT_FOUND,
+            Self::TierPaused(_)
+            | Self::Expired
+            | Self::Flushed
+            | Self::AllHostsFailed
+            | Self::ShuttingDown
+            | Self::ControlPlaneUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The `Retry-After` value, where the catalogue gives one.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            Self::TooManyAuthFailures { retry_after }
+            | Self::QueueFull { retry_after, .. }
+            | Self::OverCapacity { retry_after, .. } => Some(*retry_after),
+            _ => None,
+        }
+    }
+
+    /// The response for this error, carrying `request_id` in the body and in
+    /// `X-Request-ID`.
+    pub fn into_response(self, request_id: &str) -> Response<Body> {
+        let body = match &self {
+            // The reference answers a disabled dashboard like an unknown route.
+            Self::NotFound => serde_json::json!({ "detail": "Not Found" }),
+            other => serde_json::json!({ "error": other.to_string(), "request_id": request_id }),
+        };
+        let mut response = Response::new(body::json(&body));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Ok(id) = HeaderValue::from_str(request_id) {
+            headers.insert(headers::REQUEST_ID, id);
+        }
+        if matches!(self, Self::MissingCredentials | Self::UnknownKey) {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        if let Some(seconds) = self.retry_after() {
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        if self == Self::AllHostsFailed {
+            headers.insert(
+                headers::FAILOVER_EXHAUSTED,
+                HeaderValue::from_static("true"),
+            );
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn body_of(error: ProxyError) -> (StatusCode, http::HeaderMap, serde_json::Value) {
+        let response = error.into_response("rid-1");
+        let (parts, body) = response.into_parts();
+        let bytes = body.collect().await.unwrap().to_bytes();
+        (
+            parts.status,
+            parts.headers,
+            serde_json::from_slice(&bytes).unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn bodies_match_the_catalogue() {
+        let (status, headers, body) = body_of(ProxyError::MissingCredentials).await;
+        assert_eq!(status, 401);
+        assert_eq!(headers["www-authenticate"], "Bearer");
+        assert_eq!(
+            body,
+            serde_json::json!({"error": "missing or invalid authorization header", "request_id": "rid-1"})
+        );
+        let (_, _, body) = body_of(ProxyError::ScopeRequired(Scope::Management)).await;
+        assert_eq!(body["error"], "management permission required");
+        let (status, headers, _) = body_of(ProxyError::AllHostsFailed).await;
+        assert_eq!(status, 503);
+        assert_eq!(headers["x-failover-exhausted"], "true");
+        let (status, headers, body) = body_of(ProxyError::QueueFull {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            retry_after: 7,
+        })
+        .await;
+        assert_eq!(
+            (status.as_u16(), body["error"].as_str()),
+            (429, Some("queue full"))
+        );
+        assert_eq!(headers["retry-after"], "7");
+        let (_, _, body) = body_of(ProxyError::TierPaused(Tier::Low)).await;
+        assert_eq!(body["error"], "queue tier 'low' is paused");
+        let (_, _, body) = body_of(ProxyError::InvalidTier("bogus".into())).await;
+        assert_eq!(
+            body["error"],
+            "invalid tier: 'bogus' (must be high, normal, or low)"
+        );
+    }
+}

@@ -1,0 +1,99 @@
+//! Header hygiene between client and upstream: hop-by-hop headers never
+//! cross, oqp's own request headers never reach Ollama, and the upstream gets
+//! its own `Host`.
+
+use http::header::{self, HeaderMap, HeaderName};
+
+/// `X-Queue-Priority`: the tier a client asks for.
+pub const QUEUE_PRIORITY: HeaderName = HeaderName::from_static("x-queue-priority");
+/// `X-Client-ID`: the client's identity (request) and the resolved one (upstream).
+pub const CLIENT_ID: HeaderName = HeaderName::from_static("x-client-id");
+/// `X-Queue-Wait-Time`: milliseconds from admission to dispatch.
+pub const QUEUE_WAIT_TIME: HeaderName = HeaderName::from_static("x-queue-wait-time");
+/// `X-Queue-Position`: position at admission, when the request had to wait.
+pub const QUEUE_POSITION: HeaderName = HeaderName::from_static("x-queue-position");
+/// `X-Failover-Host`: the host that answered.
+pub const FAILOVER_HOST: HeaderName = HeaderName::from_static("x-failover-host");
+/// `X-Failover-Exhausted`: no host could answer.
+pub const FAILOVER_EXHAUSTED: HeaderName = HeaderName::from_static("x-failover-exhausted");
+/// `X-Cache`: HIT, PARTIAL or MISS on embedding endpoints.
+pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
+/// `X-Model-Fallback`: the model that answered instead of the one asked for.
+pub const MODEL_FALLBACK: HeaderName = HeaderName::from_static("x-model-fallback");
+/// `X-Request-ID`.
+pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Headers that describe one connection and never cross a proxy (RFC 9110
+/// §7.6.1), plus the non-standard ones clients still send.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers, including every header the `Connection`
+/// header names. `Transfer-Encoding` is left to hyper, which owns framing.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    headers.remove(header::TRANSFER_ENCODING);
+}
+
+/// Prepares a client's request headers for the upstream: hop-by-hop and
+/// oqp's own headers removed, the client's credentials dropped, the resolved
+/// client id set.
+pub fn for_upstream(headers: &mut HeaderMap, client_id: Option<&str>) {
+    strip_hop_by_hop(headers);
+    headers.remove(header::HOST);
+    headers.remove(header::AUTHORIZATION);
+    headers.remove(QUEUE_PRIORITY);
+    headers.remove(CLIENT_ID);
+    if let Some(id) = client_id.and_then(|id| http::HeaderValue::from_str(id).ok()) {
+        headers.insert(CLIENT_ID, id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_headers() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONNECTION, "close, x-secret-hop".parse().unwrap());
+        headers.insert("x-secret-hop", "1".parse().unwrap());
+        headers.insert("keep-alive", "timeout=5".parse().unwrap());
+        headers.insert(header::TE, "trailers".parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        strip_hop_by_hop(&mut headers);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn upstream_never_sees_credentials_or_priority() {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::AUTHORIZATION, "Bearer secret".parse().unwrap());
+        headers.insert(QUEUE_PRIORITY, "high".parse().unwrap());
+        headers.insert(CLIENT_ID, "spoofed".parse().unwrap());
+        headers.insert(header::HOST, "proxy:11435".parse().unwrap());
+        for_upstream(&mut headers, Some("batch"));
+        assert!(headers.get(header::AUTHORIZATION).is_none());
+        assert!(headers.get(QUEUE_PRIORITY).is_none());
+        assert!(headers.get(header::HOST).is_none());
+        assert_eq!(headers.get(CLIENT_ID).unwrap(), "batch");
+    }
+}

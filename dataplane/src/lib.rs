@@ -1,0 +1,35 @@
+//! The oqp data plane: an admission-control proxy that runs beside each
+//! Ollama GPU box.
+//!
+//! It dials the control plane, waits for the first policy snapshot, then
+//! serves HTTP. Components, in the order a request meets them:
+//!
+//! - [`server`]: listeners (main port and injection ports), graceful shutdown;
+//! - [`service`]: the request path, phase by phase, and the one place errors
+//!   become HTTP ([`error`]);
+//! - [`endpoint`]: which paths are metadata, inference or management;
+//! - [`proxy`] and [`upstream`]: sending to a host, failover before the first
+//!   byte, streaming the answer back with its resources held to the end;
+//! - [`scheduler`]: tiers, fair share, caps, expiry (pure, no I/O);
+//! - [`snapshot`] and [`policy`]: the one immutable policy behind an `ArcSwap`;
+//! - [`control`]: the watch of the policy stream and the status reports.
+
+pub mod app;
+pub mod body;
+pub mod control;
+pub mod endpoint;
+pub mod error;
+pub mod headers;
+pub mod policy;
+pub mod proxy;
+pub mod redact;
+pub mod request_id;
+pub mod scheduler;
+pub mod server;
+pub mod service;
+pub mod snapshot;
+pub mod upstream;
+
+mod run;
+
+pub use run::{DataPlane, Options, StartError};

@@ -1,0 +1,97 @@
+//! `oqp-dataplane`: runs one data plane beside a GPU box, following a
+//! control plane.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use oqp_dataplane::control::ControlOptions;
+use oqp_dataplane::{DataPlane, Options};
+
+/// Admission-control proxy for Ollama: the data plane.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The control plane's gRPC URL.
+    #[arg(
+        long,
+        env = "OQP_CONTROL_PLANE",
+        default_value = "http://127.0.0.1:50051"
+    )]
+    control_plane: String,
+    /// This node's name (selects `nodes.NAME` overrides in the config).
+    #[arg(long, env = "OQP_NODE", default_value = "default")]
+    node: String,
+    /// A file holding the node token.
+    #[arg(long)]
+    node_token_file: Option<PathBuf>,
+    /// A CA certificate (PEM) for an https control plane.
+    #[arg(long)]
+    ca: Option<PathBuf>,
+    /// Log format: text or json.
+    #[arg(long, env = "OQP_LOG_FORMAT", default_value = "text")]
+    log_format: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    init_tracing(&args.log_format);
+    let token = match &args.node_token_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read node token file {}", path.display()))?
+                .trim_end()
+                .to_owned(),
+        ),
+        None => std::env::var("OQP_NODE_TOKEN").ok(),
+    };
+    let options = Options {
+        control: ControlOptions {
+            url: args.control_plane,
+            node: args.node,
+            token,
+            ca_file: args.ca,
+        },
+        listener: None,
+        report_interval: Duration::from_secs(1),
+    };
+    let data_plane = DataPlane::start(options).await?;
+    shutdown_signal().await;
+    tracing::info!("shutting down");
+    data_plane.shutdown().await;
+    Ok(())
+}
+
+fn init_tracing(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(term) => term,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

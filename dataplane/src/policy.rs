@@ -1,0 +1,360 @@
+//! The compiled policy: what a data plane knows about the world, built once
+//! from a wire snapshot and then shared, immutable, by every request.
+//!
+//! `Policy::try_from(PolicySnapshot)` is the only way in ("parse, don't
+//! validate"): a snapshot that does not compile is rejected whole and the data
+//! plane keeps serving on its previous one (see [`crate::snapshot`]).
+
+mod convert;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use crate::scheduler::Tier;
+
+pub use convert::PolicyError;
+
+/// One immutable policy snapshot, compiled for the request path.
+#[derive(Debug)]
+pub struct Policy {
+    /// The snapshot's version; a newer snapshot has a higher one.
+    pub version: u64,
+    /// Where the main listener binds.
+    pub listen: SocketAddr,
+    /// General proxy behaviour.
+    pub proxy: ProxySettings,
+    /// Authentication settings.
+    pub auth: AuthSettings,
+    /// Consumers, by the SHA-256 digest of their key.
+    pub clients: HashMap<[u8; 32], Arc<Client>>,
+    /// Consumers, by client id (for injection listeners and status).
+    pub clients_by_id: HashMap<Arc<str>, Arc<Client>>,
+    /// Queue tiers and admission limits.
+    pub queue: QueueSettings,
+    /// Upstream hosts, in configuration order.
+    pub hosts: Vec<Arc<Host>>,
+    /// Host selection.
+    pub routing: RoutingSettings,
+    /// keep_alive defaulting.
+    pub keep_alive: KeepAlive,
+    /// Embedding cache settings.
+    pub embedding_cache: CacheSettings,
+    /// Dashboard settings.
+    pub dashboard: DashboardSettings,
+    /// Extra listeners that inject a client identity.
+    pub injection_listeners: Vec<InjectionListener>,
+}
+
+/// General proxy behaviour.
+#[derive(Debug, Clone)]
+pub struct ProxySettings {
+    /// Default upstream slots per host.
+    pub max_concurrent: u32,
+    /// Whether model-management endpoints may be proxied.
+    pub allow_model_management: bool,
+    /// Largest accepted request body.
+    pub max_request_body_bytes: u64,
+    /// Upstream connect and time-to-headers timeout.
+    pub request_timeout: Duration,
+    /// How long shutdown lets in-flight work finish.
+    pub drain_timeout: Duration,
+}
+
+/// Authentication settings.
+#[derive(Debug, Clone)]
+pub struct AuthSettings {
+    /// Whether a key is required.
+    pub enabled: bool,
+    /// Failed attempts allowed per IP inside the window.
+    pub max_failures: u32,
+    /// The failed-attempt window.
+    pub window: Duration,
+}
+
+/// What a key may do; each level includes the ones below it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Scope {
+    /// Status, summary, metrics, dashboard.
+    Read,
+    /// Also proxying to Ollama.
+    Inference,
+    /// Also queue control.
+    Management,
+}
+
+impl Scope {
+    /// The scope's name as written in config files and error messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Read => "read",
+            Scope::Inference => "inference",
+            Scope::Management => "management",
+        }
+    }
+}
+
+/// One consumer. Holds no key material beyond the digest.
+#[derive(Debug, Clone)]
+pub struct Client {
+    /// The client's name.
+    pub id: Arc<str>,
+    /// SHA-256 of its key.
+    pub key_digest: [u8; 32],
+    /// What it may do.
+    pub scope: Scope,
+    /// Highest tier it may use.
+    pub max_priority: Tier,
+    /// Tier used when it names none (already capped).
+    pub default_priority: Tier,
+    /// Most requests in flight at once; 0 = unlimited.
+    pub max_concurrent: u32,
+    /// Fair-share weight.
+    pub weight: f64,
+    /// Most requests waiting at once; 0 = unlimited.
+    pub max_queued: u32,
+    /// Description for status.
+    pub description: String,
+    /// When the key stops working.
+    pub expires: Option<SystemTime>,
+}
+
+impl Client {
+    /// Whether the key has expired at `now`.
+    pub fn is_expired(&self, now: SystemTime) -> bool {
+        self.expires.is_some_and(|expires| now >= expires)
+    }
+
+    /// The tier a request asking for `requested` gets: the request's wish
+    /// (or the client's default), never above the ceiling.
+    pub fn tier_for(&self, requested: Option<Tier>) -> Tier {
+        // `Tier` orders High < Normal < Low (most urgent first), so the
+        // ceiling is the larger of the two.
+        requested
+            .unwrap_or(self.default_priority)
+            .max(self.max_priority)
+    }
+}
+
+/// Limits of one tier.
+#[derive(Debug, Clone)]
+pub struct TierSettings {
+    /// Most requests waiting.
+    pub max_depth: u32,
+    /// Longest wait before expiry.
+    pub max_wait: Duration,
+    /// Watermark threshold, percent of max_depth.
+    pub high_watermark_pct: u32,
+    /// Promotion to the next tier after this long, if set.
+    pub promote_after: Option<Duration>,
+    /// Whether the tier refuses new work.
+    pub paused: bool,
+    /// Flush generation; a higher value drops waiting work.
+    pub flush_generation: u64,
+}
+
+/// Queue settings.
+#[derive(Debug, Clone)]
+pub struct QueueSettings {
+    /// Per tier, in order high, normal, low.
+    pub tiers: [TierSettings; 3],
+    /// 503 or 429.
+    pub overflow_status: http::StatusCode,
+    /// Most body bytes waiting.
+    pub max_queued_bytes: u64,
+    /// Fair-share usage half-life.
+    pub fair_share_half_life: Duration,
+    /// Drain generation requested by the control plane.
+    pub drain_generation: u64,
+}
+
+impl QueueSettings {
+    /// The settings of one tier.
+    pub fn tier(&self, tier: Tier) -> &TierSettings {
+        &self.tiers[tier.index()]
+    }
+}
+
+/// Local Ollama or Ollama Cloud.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostKind {
+    /// A local or LAN Ollama server.
+    Ollama,
+    /// Ollama Cloud, reached with a pool of keys.
+    Cloud,
+}
+
+/// One upstream host.
+#[derive(Debug)]
+pub struct Host {
+    /// Unique name (X-Failover-Host).
+    pub name: Arc<str>,
+    /// Base URL without trailing slash.
+    pub url: String,
+    /// Scheme and authority, parsed once.
+    pub scheme: http::uri::Scheme,
+    /// Authority, parsed once.
+    pub authority: http::uri::Authority,
+    /// Round-robin weight.
+    pub weight: u32,
+    /// Upstream slots.
+    pub max_concurrent: u32,
+    /// Local or cloud.
+    pub kind: HostKind,
+    /// Whether the control plane's last poll succeeded.
+    pub healthy: bool,
+    /// Installed models, normalised (see [`normalize_model`]).
+    pub installed: std::collections::HashSet<String>,
+    /// Loaded models, normalised.
+    pub loaded: std::collections::HashSet<String>,
+    /// Installed model names as Ollama reports them (for status).
+    pub installed_names: Vec<String>,
+    /// Loaded model names as Ollama reports them (for status).
+    pub loaded_names: Vec<String>,
+    /// When the control plane last polled it.
+    pub last_checked: Option<SystemTime>,
+    /// Cloud key pool.
+    pub cloud_keys: Vec<CloudKey>,
+    /// Cloud fallback models.
+    pub fallback_models: Vec<String>,
+}
+
+/// An upstream cloud key.
+#[derive(Clone)]
+pub struct CloudKey {
+    /// The key presented to Ollama Cloud.
+    pub key: Arc<str>,
+    /// The account it belongs to ("" = its own account).
+    pub account: Arc<str>,
+}
+
+impl std::fmt::Debug for CloudKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CloudKey")
+            .field("key", &crate::redact::redact_key(&self.key))
+            .field("account", &self.account)
+            .finish()
+    }
+}
+
+/// How hosts are chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Prefer hosts where the model is loaded, then installed.
+    ModelAware,
+    /// Weighted round-robin, models ignored.
+    RoundRobin,
+}
+
+/// Host selection settings.
+#[derive(Debug, Clone)]
+pub struct RoutingSettings {
+    /// The strategy.
+    pub strategy: Strategy,
+    /// Cloud pool: longest wait for a model-bound key.
+    pub acquire_timeout: Duration,
+}
+
+/// keep_alive defaulting.
+#[derive(Debug, Clone)]
+pub struct KeepAlive {
+    /// JSON literal to insert; `None` = insert nothing.
+    pub default_json: Option<Arc<str>>,
+    /// Replace the client's value too.
+    pub override_client: bool,
+}
+
+/// Where cached embeddings live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheBackend {
+    /// In this process.
+    Memory,
+    /// A shared Valkey/Redis at this URL.
+    Redis(String),
+}
+
+/// Embedding cache settings.
+#[derive(Debug, Clone)]
+pub struct CacheSettings {
+    /// Whether embeddings are cached.
+    pub enabled: bool,
+    /// Where.
+    pub backend: CacheBackend,
+    /// Entry lifetime.
+    pub ttl: Duration,
+    /// Largest cached entry.
+    pub max_entry_bytes: u64,
+    /// Key prefix.
+    pub key_prefix: String,
+    /// Backend connect timeout.
+    pub connect_timeout: Duration,
+    /// In-process capacity.
+    pub max_memory_bytes: u64,
+    /// Entries private to each client.
+    pub per_client: bool,
+}
+
+/// Dashboard settings.
+#[derive(Debug, Clone)]
+pub struct DashboardSettings {
+    /// Whether /dashboard is served.
+    pub enabled: bool,
+    /// The page's poll interval.
+    pub refresh: Duration,
+}
+
+/// A listener that injects a client identity.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InjectionListener {
+    /// Bind address.
+    pub addr: SocketAddr,
+    /// The injected client id.
+    pub inject_as: Arc<str>,
+}
+
+impl Policy {
+    /// The client a presented key belongs to, if the key is known and valid.
+    pub fn client_by_key(&self, key: &str) -> Option<&Arc<Client>> {
+        use sha2::Digest;
+        let digest: [u8; 32] = sha2::Sha256::digest(key.as_bytes()).into();
+        self.clients
+            .get(&digest)
+            .filter(|client| !client.is_expired(SystemTime::now()))
+    }
+
+    /// A host by name.
+    pub fn host(&self, name: &str) -> Option<&Arc<Host>> {
+        self.hosts.iter().find(|host| &*host.name == name)
+    }
+}
+
+/// Normalises a model name the way Ollama matches them: case-insensitive, and
+/// a missing tag means `:latest`.
+pub fn normalize_model(name: &str) -> String {
+    let lower = name.trim().to_ascii_lowercase();
+    // The tag separator is the last ':' after the last '/', so that a
+    // registry host with a port ("host:5000/ns/model") is not mistaken for one.
+    let last_segment = lower.rsplit('/').next().unwrap_or(&lower);
+    if last_segment.contains(':') {
+        lower
+    } else {
+        format!("{lower}:latest")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_names_compare_like_ollama() {
+        assert_eq!(normalize_model("llama3"), "llama3:latest");
+        assert_eq!(normalize_model("Llama3:LATEST"), "llama3:latest");
+        assert_eq!(normalize_model("qwen3:8b"), "qwen3:8b");
+        assert_eq!(
+            normalize_model("registry:5000/ns/model"),
+            "registry:5000/ns/model:latest"
+        );
+    }
+}

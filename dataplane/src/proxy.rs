@@ -1,0 +1,188 @@
+//! The proxied request: read (or stream) the body, pick hosts, send, fail
+//! over before the first byte, and stream the answer back.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, header};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+use crate::body::{self, Body};
+use crate::error::ProxyError;
+use crate::headers;
+use crate::policy::Host;
+use crate::upstream::{Completion, Framing, ResponseBody, Upstream, UpstreamError};
+
+/// A request body on its way upstream.
+#[derive(Debug)]
+pub enum RequestBody {
+    /// Read whole (inference and metadata paths): can be replayed on another
+    /// host after a failure.
+    Buffered(Bytes),
+    /// Streamed through (uploads, unknown paths): one attempt only.
+    Streamed(Body),
+}
+
+/// Reads a request body whole, refusing more than `limit` bytes with 413 as
+/// soon as the declared or received length passes it.
+pub async fn read_body(
+    body: Incoming,
+    headers: &http::HeaderMap,
+    limit: u64,
+) -> Result<Bytes, ProxyError> {
+    if declared_length(headers).is_some_and(|length| length > limit) {
+        return Err(ProxyError::BodyTooLarge);
+    }
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+            Err(ProxyError::BodyTooLarge)
+        }
+        Err(_) => Err(ProxyError::BodyUnreadable),
+    }
+}
+
+/// Streams a request body through, failing it mid-way once it passes `limit`.
+pub fn stream_body(
+    body: Incoming,
+    headers: &http::HeaderMap,
+    limit: u64,
+) -> Result<Body, ProxyError> {
+    if declared_length(headers).is_some_and(|length| length > limit) {
+        return Err(ProxyError::BodyTooLarge);
+    }
+    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+    Ok(Limited::new(body, limit).boxed())
+}
+
+fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Everything needed to send one request upstream, possibly several times.
+#[derive(Debug)]
+pub struct Outbound {
+    /// The method.
+    pub method: http::Method,
+    /// Path and query, as the client sent them.
+    pub path_and_query: http::uri::PathAndQuery,
+    /// Request headers, already cleaned for the upstream.
+    pub headers: http::HeaderMap,
+    /// The body.
+    pub body: RequestBody,
+}
+
+/// A response from a host, before it is wrapped for the client.
+#[derive(Debug)]
+pub struct Answer {
+    /// The host that answered.
+    pub host: Arc<Host>,
+    /// Its response.
+    pub response: Response<Incoming>,
+    /// Hosts that failed before this one answered.
+    pub failed: Vec<Arc<str>>,
+}
+
+/// Sends `outbound` to the first host of `hosts` that answers. A host that
+/// cannot be reached (or does not answer in time) is reported to `on_failure`
+/// and the next one is tried, as long as the body can be replayed; no byte
+/// has reached the client yet, so failing over is invisible to it.
+pub async fn send(
+    upstream: &Upstream,
+    timeout: std::time::Duration,
+    hosts: &[Arc<Host>],
+    outbound: Outbound,
+    mut on_failure: impl FnMut(&Host, &UpstreamError),
+) -> Result<Answer, ProxyError> {
+    let Outbound {
+        method,
+        path_and_query,
+        mut headers,
+        body,
+    } = outbound;
+    let (buffered, mut streamed) = match body {
+        RequestBody::Buffered(bytes) => {
+            // The length is recomputed from the (possibly rewritten) body.
+            headers.remove(header::CONTENT_LENGTH);
+            (Some(bytes), None)
+        }
+        RequestBody::Streamed(body) => (None, Some(body)),
+    };
+    let mut failed = Vec::new();
+    for host in hosts {
+        let body = match (&buffered, streamed.take()) {
+            (Some(bytes), _) if bytes.is_empty() => body::empty(),
+            (Some(bytes), _) => body::full(bytes.clone()),
+            (None, Some(body)) => body,
+            // A streamed body was consumed by the failed attempt.
+            (None, None) => break,
+        };
+        let request = request_for(host, &method, &path_and_query, &headers, body)?;
+        match upstream.send(request, timeout).await {
+            Ok(response) => {
+                return Ok(Answer {
+                    host: host.clone(),
+                    response,
+                    failed,
+                });
+            }
+            Err(error) => {
+                tracing::warn!(host = %host.name, %error, "upstream attempt failed");
+                on_failure(host, &error);
+                failed.push(host.name.clone());
+            }
+        }
+    }
+    Err(ProxyError::AllHostsFailed)
+}
+
+/// Wraps a host's response for the client: hop-by-hop headers removed,
+/// `X-Failover-Host` added, the body streamed with `guard` held to its end.
+pub fn respond(
+    answer: Answer,
+    guard: Option<Box<dyn Send + Sync>>,
+    completion: Option<Completion>,
+) -> Response<Body> {
+    let (mut parts, incoming) = answer.response.into_parts();
+    headers::strip_hop_by_hop(&mut parts.headers);
+    if let Ok(name) = HeaderValue::from_str(&answer.host.name) {
+        parts.headers.insert(headers::FAILOVER_HOST, name);
+    }
+    let framing = Framing::of(parts.headers.get(header::CONTENT_TYPE));
+    let body = ResponseBody::new(
+        incoming,
+        framing,
+        answer.host.name.clone(),
+        guard,
+        completion,
+    );
+    Response::from_parts(parts, body.boxed())
+}
+
+/// Builds the request for one host.
+pub fn request_for(
+    host: &Host,
+    method: &http::Method,
+    path_and_query: &http::uri::PathAndQuery,
+    headers: &http::HeaderMap,
+    body: Body,
+) -> Result<Request<Body>, ProxyError> {
+    let uri = http::Uri::builder()
+        .scheme(host.scheme.clone())
+        .authority(host.authority.clone())
+        .path_and_query(path_and_query.clone())
+        .build()
+        .map_err(|_| ProxyError::AllHostsFailed)?;
+    let mut request = Request::new(body);
+    *request.method_mut() = method.clone();
+    *request.uri_mut() = uri;
+    *request.headers_mut() = headers.clone();
+    Ok(request)
+}

@@ -1,0 +1,147 @@
+//! Start-up and shutdown of a data plane: dial the control plane, wait for
+//! the first good snapshot, bind, serve, and report.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use oqp_proto::policy::v1::NodeReport;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::app::App;
+use crate::control::{self, ControlError, ControlLink, ControlOptions, Watcher};
+use crate::policy::Policy;
+use crate::server::{self, ListenerKind};
+use crate::snapshot::PolicyStore;
+
+/// How to start a data plane.
+#[derive(Debug)]
+pub struct Options {
+    /// The control plane to follow.
+    pub control: ControlOptions,
+    /// A listener to serve on instead of binding the snapshot's address
+    /// (tests bind port 0 themselves).
+    pub listener: Option<TcpListener>,
+    /// How often status is reported.
+    pub report_interval: Duration,
+}
+
+/// Why a data plane could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The control plane is misconfigured or refused this node.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// The listen address could not be bound.
+    #[error(transparent)]
+    Bind(#[from] std::io::Error),
+}
+
+/// A running data plane.
+#[derive(Debug)]
+pub struct DataPlane {
+    app: Arc<App>,
+    addr: SocketAddr,
+    shutdown: CancellationToken,
+    tasks: JoinSet<()>,
+}
+
+impl DataPlane {
+    /// Dials the control plane, waits for the first snapshot that compiles,
+    /// binds the main listener and starts serving.
+    pub async fn start(options: Options) -> Result<Self, StartError> {
+        let link = Arc::new(ControlLink::default());
+        let client = control::client(&options.control)?;
+        let mut watcher = Watcher::new(client.clone(), &options.control.node, link.clone());
+        let policy = loop {
+            let snapshot = watcher.next(true).await?;
+            let version = snapshot.version;
+            match Policy::try_from(snapshot) {
+                Ok(policy) => break policy,
+                Err(error) => {
+                    tracing::error!(version, %error, "first snapshot rejected; waiting for another")
+                }
+            }
+        };
+        tracing::info!(
+            version = policy.version,
+            "received the first policy snapshot"
+        );
+        let listener = match options.listener {
+            Some(listener) => listener,
+            None => server::bind(policy.listen).await?,
+        };
+        let addr = listener.local_addr()?;
+        let store = Arc::new(PolicyStore::new(policy));
+        let app = Arc::new(App::new(&options.control.node, store.clone(), link));
+        let _ = app.listen_addr.set(addr);
+
+        let shutdown = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+        tasks.spawn(watcher.run(store.clone(), shutdown.clone()));
+        let reporter_app = app.clone();
+        tasks.spawn(control::report_loop(
+            client,
+            store.clone(),
+            options.report_interval,
+            move || report(&reporter_app),
+            shutdown.clone(),
+        ));
+        let drain_app = app.clone();
+        tasks.spawn(server::serve(
+            listener,
+            app.clone(),
+            ListenerKind::Main,
+            shutdown.clone(),
+            move || drain_app.store.load().proxy.drain_timeout,
+        ));
+        tracing::info!(%addr, node = %app.node, "data plane serving");
+        Ok(Self {
+            app,
+            addr,
+            shutdown,
+            tasks,
+        })
+    }
+
+    /// Where the main listener is bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The shared state, for inspection in tests.
+    pub fn app(&self) -> &Arc<App> {
+        &self.app
+    }
+
+    /// Stops accepting, lets in-flight requests finish (bounded by the drain
+    /// timeout) and stops the background tasks.
+    pub async fn shutdown(mut self) {
+        self.app.begin_shutdown();
+        self.shutdown.cancel();
+        while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// This node's report for the control plane.
+fn report(app: &App) -> NodeReport {
+    let policy = app.store.load();
+    let rejected = app.store.rejected().filter(|r| r.version > policy.version);
+    NodeReport {
+        node: app.node.to_string(),
+        applied_version: policy.version,
+        rejected_version: rejected.as_ref().map_or(0, |r| r.version),
+        rejected_reason: rejected.map(|r| r.reason).unwrap_or_default(),
+        listen_address: app
+            .listen_addr
+            .get()
+            .map(ToString::to_string)
+            .unwrap_or_default(),
+        uptime_seconds: app.started.elapsed().as_secs(),
+        software_version: env!("CARGO_PKG_VERSION").to_owned(),
+        active: app.active(),
+        ..NodeReport::default()
+    }
+}

@@ -1,0 +1,148 @@
+//! Dispatch: the fair pick of the next ticket (`next`), its charge, and the correction when it
+//! completes (`complete`). The algorithm is described in the parent module's documentation.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::fair::DEFAULT_COST_SECS;
+use super::{Dispatch, Running, Scheduler, TicketId, Tier, Waiting};
+
+impl<T> Scheduler<T> {
+    /// Picks the next ticket to run, or `None` when nothing waiting can be placed now.
+    ///
+    /// Tiers are visited in order; inside a tier, clients under their cap are offered in fair
+    /// order, each with its head ticket only: `place(model)` returns `Some(placement)` when a host
+    /// slot is free for that model, and the caller has then reserved it. A model refused once is
+    /// not asked about again in the same call (placement is assumed to depend on the model only).
+    /// Runs the expiry pass first, so it never dispatches an expired ticket. Call it until it
+    /// returns `None` after every event that may free capacity or add work.
+    pub fn next<P>(
+        &mut self,
+        now: Instant,
+        mut place: impl FnMut(Option<&str>) -> Option<P>,
+    ) -> Option<Dispatch<T, P>> {
+        self.observe(now);
+        self.expire_pass(now);
+        self.sweep(now);
+        let half_life = self.limits.half_life;
+        let mut refused: Vec<Option<Arc<str>>> = Vec::new();
+        let mut candidates: Vec<(f64, TicketId)> = Vec::new();
+        for tier in Tier::ALL {
+            let index = tier.index();
+            let state = &self.tiers[index];
+            candidates.clear();
+            for name in &state.active {
+                let Some(client) = self.clients.get_mut(name) else {
+                    continue;
+                };
+                if !client.under_cap() {
+                    // Held back by its own cap, not by others: it banks no credit.
+                    client.flows[index].catch_up(state.vclock);
+                    continue;
+                }
+                if let Some(&head) = client.queues[index].first() {
+                    let start = client.flows[index].start_tag(state.vclock, now, half_life);
+                    candidates.push((start, head));
+                }
+            }
+            // Fair order: smallest start tag, then the older head ticket. Usually the first
+            // candidate is placed, so find it in O(c) and sort the rest only on a refusal.
+            let fair =
+                |a: &(f64, TicketId), b: &(f64, TicketId)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+            if let Some(first) =
+                (0..candidates.len()).min_by(|&i, &j| fair(&candidates[i], &candidates[j]))
+            {
+                candidates.swap(0, first);
+            }
+            for k in 0..candidates.len() {
+                if k == 1 {
+                    candidates[1..].sort_by(fair);
+                }
+                let (start, head) = candidates[k];
+                let Some(entry) = self.waiting.get(&head) else {
+                    continue;
+                };
+                let model = entry.model.as_deref();
+                if refused.iter().any(|m| m.as_deref() == model) {
+                    continue;
+                }
+                let Some(placement) = place(model) else {
+                    refused.push(entry.model.clone());
+                    continue;
+                };
+                // Cannot fail: the entry was looked up just above.
+                let Some(entry) = self.take(head, now) else {
+                    continue;
+                };
+                return Some(self.start(head, entry, start, placement, now));
+            }
+        }
+        None
+    }
+
+    /// A dispatched request finished: releases its client's in-flight count and charges `cost`
+    /// (GPU time: Ollama's `total_duration` when known, else wall time on the slot). Returns
+    /// `false` for an unknown or already completed id.
+    pub fn complete(&mut self, id: TicketId, cost: Duration, now: Instant) -> bool {
+        self.observe(now);
+        let Some(run) = self.running.remove(&id) else {
+            return false;
+        };
+        let cost_secs = cost.as_secs_f64();
+        self.mean_cost.record(cost_secs);
+        let half_life = self.limits.half_life;
+        let index = run.tier.index();
+        let client = self.client_mut(&run.client, now);
+        client.inflight = client.inflight.saturating_sub(1);
+        client.usage.add(now, half_life, cost_secs);
+        client.mean_cost.record(cost_secs);
+        client.last_active = Some(now);
+        let flow = &mut client.flows[index];
+        flow.complete((cost_secs - run.estimate) / run.weight);
+        if flow.inflight == 0 && client.queues[index].is_empty() {
+            flow.idle(now);
+        }
+        true
+    }
+
+    /// Charges and records a ticket taken for dispatch.
+    fn start<P>(
+        &mut self,
+        id: TicketId,
+        entry: Waiting<T>,
+        start: f64,
+        placement: P,
+        now: Instant,
+    ) -> Dispatch<T, P> {
+        let index = entry.tier.index();
+        let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
+        let client = self.client_mut(&entry.client, now);
+        let estimate = client.mean_cost.get().unwrap_or(fallback);
+        let weight = client.limits.weight;
+        client.flows[index].charge(start, estimate / weight, now);
+        client.inflight += 1;
+        client.processed += 1;
+        client.last_active = Some(now);
+        let tier = &mut self.tiers[index];
+        tier.vclock = tier.vclock.max(start);
+        tier.stat.processed += 1;
+        self.running.insert(
+            id,
+            Running {
+                client: entry.client.clone(),
+                tier: entry.tier,
+                estimate,
+                weight,
+            },
+        );
+        Dispatch {
+            id,
+            client: entry.client,
+            tier: entry.tier,
+            model: entry.model,
+            waited: now.saturating_duration_since(entry.enqueued),
+            payload: entry.payload,
+            placement,
+        }
+    }
+}

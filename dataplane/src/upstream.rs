@@ -1,0 +1,341 @@
+//! The upstream side: one pooled HTTP client for every host (plain HTTP for
+//! local Ollama, rustls with the webpki roots for Ollama Cloud), and the
+//! response-body wrapper that streams Ollama's answer through untouched.
+//!
+//! The wrapper is where a response's resources live: the host slot (and any
+//! other guard) is dropped when the body ends, fails, or the client goes
+//! away, never before (a long stream holds its slot to the last line). When
+//! the upstream dies mid-stream on an NDJSON or SSE response, the client gets
+//! one in-band error frame, as Ollama itself does, instead of a silently
+//! truncated 200.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body as _, Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
+use hyper_util::rt::TokioExecutor;
+
+use crate::body::{Body, BoxError};
+
+/// How a connection attempt failed before any response arrived.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The host could not be reached.
+    #[error("connection failed: {0}")]
+    Connect(String),
+    /// No response headers within the request timeout.
+    #[error("timed out waiting for the response")]
+    Timeout,
+    /// The connection broke before the response headers.
+    #[error("transport error: {0}")]
+    Transport(String),
+}
+
+/// The shared upstream client.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>,
+}
+
+impl Upstream {
+    /// A client with pooled keep-alive connections and a connect timeout.
+    pub fn new(connect_timeout: Duration) -> Self {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(connect_timeout));
+        http.set_nodelay(true);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(64)
+            .build(connector);
+        Self { client }
+    }
+
+    /// Sends `request` and waits for the response headers, at most `timeout`.
+    pub async fn send(
+        &self,
+        request: Request<Body>,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(timeout, self.client.request(request)).await {
+            Err(_) => Err(UpstreamError::Timeout),
+            Ok(Ok(response)) => Ok(response),
+            Ok(Err(error)) if error.is_connect() => Err(UpstreamError::Connect(root_cause(&error))),
+            Ok(Err(error)) => Err(UpstreamError::Transport(root_cause(&error))),
+        }
+    }
+}
+
+fn root_cause(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = error;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    cause.to_string()
+}
+
+/// How a streamed response is framed, which decides how a mid-stream failure
+/// is reported in-band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// `application/x-ndjson`: one JSON object per line.
+    Ndjson,
+    /// `text/event-stream`: `data:` frames.
+    Sse,
+    /// Anything else: a failure aborts the response.
+    Opaque,
+}
+
+impl Framing {
+    /// The framing a `Content-Type` implies.
+    pub fn of(content_type: Option<&http::HeaderValue>) -> Self {
+        let content_type = content_type
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default();
+        if content_type.starts_with("application/x-ndjson") {
+            Framing::Ndjson
+        } else if content_type.starts_with("text/event-stream") {
+            Framing::Sse
+        } else {
+            Framing::Opaque
+        }
+    }
+}
+
+/// How a response body ended, reported once to its [`Completion`] hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// True when the upstream sent the whole body.
+    pub complete: bool,
+    /// True when the client went away first.
+    pub cancelled: bool,
+    /// Ollama's `total_duration` from the final object, when it had one.
+    pub total_duration: Option<Duration>,
+    /// Time from the response headers to the end of the body.
+    pub elapsed: Duration,
+}
+
+/// Called once when a response body ends, fails or is dropped.
+pub type Completion = Box<dyn FnOnce(Outcome) + Send + Sync>;
+
+/// Bytes kept from the end of a body to find Ollama's final metrics.
+const TAIL_BYTES: usize = 2048;
+
+/// Streams an upstream body to the client, frame by frame, holding `guard`
+/// until the body ends.
+pub struct ResponseBody {
+    inner: Incoming,
+    framing: Framing,
+    host: std::sync::Arc<str>,
+    done: bool,
+    last_byte: Option<u8>,
+    tail: Vec<u8>,
+    started: Instant,
+    completion: Option<Completion>,
+    _guard: Option<Box<dyn Send + Sync>>,
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody")
+            .field("framing", &self.framing)
+            .field("host", &self.host)
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ResponseBody {
+    /// Wraps `inner`. When `framing` allows it and the upstream did not fix
+    /// the length, a mid-stream failure becomes one in-band error frame.
+    pub fn new(
+        inner: Incoming,
+        framing: Framing,
+        host: std::sync::Arc<str>,
+        guard: Option<Box<dyn Send + Sync>>,
+        completion: Option<Completion>,
+    ) -> Self {
+        let framing = if inner.size_hint().exact().is_some() {
+            Framing::Opaque
+        } else {
+            framing
+        };
+        Self {
+            inner,
+            framing,
+            host,
+            done: false,
+            last_byte: None,
+            tail: Vec::new(),
+            started: Instant::now(),
+            completion,
+            _guard: guard,
+        }
+    }
+
+    fn observe(&mut self, data: &Bytes) {
+        if let Some(last) = data.last() {
+            self.last_byte = Some(*last);
+        }
+        if data.len() >= TAIL_BYTES {
+            self.tail.clear();
+            self.tail
+                .extend_from_slice(&data[data.len() - TAIL_BYTES..]);
+        } else {
+            let overflow = (self.tail.len() + data.len()).saturating_sub(TAIL_BYTES);
+            self.tail.drain(..overflow);
+            self.tail.extend_from_slice(data);
+        }
+    }
+
+    fn finish(&mut self, complete: bool, cancelled: bool) {
+        if let Some(completion) = self.completion.take() {
+            completion(Outcome {
+                complete,
+                cancelled,
+                total_duration: complete.then(|| total_duration(&self.tail)).flatten(),
+                elapsed: self.started.elapsed(),
+            });
+        }
+    }
+
+    fn error_frame(&self, error: &hyper::Error) -> Option<Bytes> {
+        tracing::warn!(host = %self.host, %error, "upstream failed mid-stream");
+        let message = format!(
+            "upstream host '{}' failed before the response was complete",
+            self.host
+        );
+        // A partial line is closed first, so that the error stands on its own
+        // line; a blank line is never written.
+        let newline = if self.last_byte.is_some_and(|b| b != b'\n') {
+            "\n"
+        } else {
+            ""
+        };
+        match self.framing {
+            Framing::Ndjson => {
+                let line = serde_json::json!({ "error": message });
+                Some(Bytes::from(format!("{newline}{line}\n")))
+            }
+            Framing::Sse => {
+                let frame = serde_json::json!({
+                    "error": { "message": message, "type": "api_error", "param": null, "code": null }
+                });
+                Some(Bytes::from(format!("{newline}data: {frame}\n\n")))
+            }
+            Framing::Opaque => None,
+        }
+    }
+}
+
+impl http_body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    this.observe(data);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Some(Err(error)) => {
+                this.done = true;
+                let frame = this.error_frame(&error);
+                this.finish(false, false);
+                match frame {
+                    Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
+                    None => Poll::Ready(Some(Err(Box::new(error)))),
+                }
+            }
+            None => {
+                this.done = true;
+                this.finish(true, false);
+                Poll::Ready(None)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.framing == Framing::Opaque {
+            self.inner.size_hint()
+        } else {
+            SizeHint::default()
+        }
+    }
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        // Still running when dropped: the client went away. Dropping `inner`
+        // closes the upstream connection, which makes Ollama stop generating.
+        self.finish(false, true);
+    }
+}
+
+/// Ollama's `total_duration` (nanoseconds) in the final object, if the tail
+/// of the body has one.
+pub fn total_duration(tail: &[u8]) -> Option<Duration> {
+    const FIELD: &[u8] = b"\"total_duration\":";
+    let start = tail
+        .windows(FIELD.len())
+        .rposition(|window| window == FIELD)?
+        + FIELD.len();
+    let digits: String = tail[start..]
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit())
+        .map(|b| char::from(*b))
+        .collect();
+    digits.parse::<u64>().ok().map(Duration::from_nanos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_total_duration_in_the_last_object() {
+        let tail = br#"{"done":false}
+{"done":true,"total_duration":174560334,"load_duration":1}
+"#;
+        assert_eq!(
+            total_duration(tail),
+            Some(Duration::from_nanos(174_560_334))
+        );
+        assert_eq!(total_duration(b"{\"done\":true}"), None);
+    }
+
+    #[test]
+    fn framing_follows_content_type() {
+        let ndjson = http::HeaderValue::from_static("application/x-ndjson");
+        let sse = http::HeaderValue::from_static("text/event-stream; charset=utf-8");
+        let json = http::HeaderValue::from_static("application/json; charset=utf-8");
+        assert_eq!(Framing::of(Some(&ndjson)), Framing::Ndjson);
+        assert_eq!(Framing::of(Some(&sse)), Framing::Sse);
+        assert_eq!(Framing::of(Some(&json)), Framing::Opaque);
+        assert_eq!(Framing::of(None), Framing::Opaque);
+    }
+}

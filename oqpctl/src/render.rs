@@ -1,0 +1,532 @@
+//! Rendering of admin API answers as tables (comfy-table) or JSON. Pure
+//! functions from response to text, so that they are unit-tested.
+
+use std::time::Duration;
+
+use comfy_table::{ContentArrangement, Table, presets};
+use oqp_proto::admin::v1 as api;
+use oqp_proto::policy::v1 as wire;
+use serde_json::{Value, json};
+
+/// How answers are printed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Output {
+    /// Human-readable tables.
+    Table,
+    /// JSON, for scripts.
+    Json,
+}
+
+/// Table options.
+#[derive(Debug, Clone, Copy)]
+pub struct Style {
+    /// Whether colours and box drawing may be used.
+    pub color: bool,
+}
+
+fn table(style: Style, header: &[&str]) -> Table {
+    let mut table = Table::new();
+    table
+        .load_preset(if style.color {
+            presets::UTF8_FULL_CONDENSED
+        } else {
+            presets::ASCII_FULL_CONDENSED
+        })
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_header(header.to_vec());
+    table
+}
+
+/// `2h 3m`, `45s`, `-` for unknown.
+pub fn age(duration: Option<Duration>) -> String {
+    let Some(duration) = duration else {
+        return "-".to_owned();
+    };
+    let secs = duration.as_secs();
+    match secs {
+        0..=59 => format!("{secs}s"),
+        60..=3599 => format!("{}m {}s", secs / 60, secs % 60),
+        3600..=86_399 => format!("{}h {}m", secs / 3600, (secs % 3600) / 60),
+        _ => format!("{}d {}h", secs / 86_400, (secs % 86_400) / 3600),
+    }
+}
+
+/// A tier's name.
+pub fn tier_name(tier: i32) -> &'static str {
+    match wire::Tier::try_from(tier) {
+        Ok(wire::Tier::High) => "high",
+        Ok(wire::Tier::Normal) => "normal",
+        Ok(wire::Tier::Low) => "low",
+        _ => "-",
+    }
+}
+
+/// A scope's name.
+pub fn scope_name(scope: i32) -> &'static str {
+    match wire::Scope::try_from(scope) {
+        Ok(wire::Scope::Read) => "read",
+        Ok(wire::Scope::Management) => "management",
+        _ => "inference",
+    }
+}
+
+fn millis_age(ms: u64) -> Option<Duration> {
+    (ms != u64::MAX).then(|| Duration::from_millis(ms))
+}
+
+fn unix_ms_age(unix_ms: i64) -> Option<Duration> {
+    if unix_ms <= 0 {
+        return None;
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    Some(Duration::from_millis(
+        u64::try_from(now - unix_ms).unwrap_or(0),
+    ))
+}
+
+/// `oqpctl status`.
+pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -> String {
+    match output {
+        Output::Json => {
+            let nodes: Vec<Value> = response
+                .nodes
+                .iter()
+                .map(|node| {
+                    let report = node.report.clone().unwrap_or_default();
+                    json!({
+                        "node": node.node,
+                        "address": node.listen_address,
+                        "applied_version": node.applied_version,
+                        "in_sync": node.applied_version == response.snapshot_version,
+                        "last_report_age_ms": (node.last_report_age_ms != u64::MAX).then_some(node.last_report_age_ms),
+                        "connected": node.connected,
+                        "active": report.active,
+                        "queued": report.tiers.iter().map(|t| t.depth).sum::<u32>(),
+                        "uptime_seconds": report.uptime_seconds,
+                        "rejected_version": (report.rejected_version != 0).then_some(report.rejected_version),
+                        "rejected_reason": (!report.rejected_reason.is_empty()).then_some(report.rejected_reason),
+                    })
+                })
+                .collect();
+            pretty(&json!({
+                "control_plane": {
+                    "version": response.software_version,
+                    "uptime_seconds": response.uptime_seconds,
+                    "snapshot_version": response.snapshot_version,
+                    "hosts_healthy": response.hosts_healthy,
+                    "hosts_total": response.hosts_total,
+                    "paused_tiers": response.paused_tiers,
+                    "warnings": response.warnings,
+                },
+                "nodes": nodes,
+            }))
+        }
+        Output::Table => {
+            let mut out = format!(
+                "control plane {}, up {}, snapshot {}\nhosts: {}/{} healthy",
+                response.software_version,
+                age(Some(Duration::from_secs(response.uptime_seconds))),
+                response.snapshot_version,
+                response.hosts_healthy,
+                response.hosts_total,
+            );
+            if !response.paused_tiers.is_empty() {
+                out.push_str(&format!(
+                    "\npaused tiers: {}",
+                    response.paused_tiers.join(", ")
+                ));
+            }
+            for warning in &response.warnings {
+                out.push_str(&format!("\nwarning: {warning}"));
+            }
+            if response.nodes.is_empty() {
+                out.push_str("\nno data plane has connected yet");
+                return out;
+            }
+            let mut nodes = table(
+                style,
+                &[
+                    "node",
+                    "address",
+                    "snapshot",
+                    "in sync",
+                    "last report",
+                    "connected",
+                    "active",
+                    "queued",
+                ],
+            );
+            for node in &response.nodes {
+                let report = node.report.clone().unwrap_or_default();
+                nodes.add_row(vec![
+                    node.node.clone(),
+                    node.listen_address.clone(),
+                    node.applied_version.to_string(),
+                    yes_no(node.applied_version == response.snapshot_version).to_owned(),
+                    age(millis_age(node.last_report_age_ms)),
+                    yes_no(node.connected).to_owned(),
+                    report.active.to_string(),
+                    report
+                        .tiers
+                        .iter()
+                        .map(|t| t.depth)
+                        .sum::<u32>()
+                        .to_string(),
+                ]);
+            }
+            format!("{out}\n{nodes}")
+        }
+    }
+}
+
+/// `oqpctl keys list`.
+pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> String {
+    match output {
+        Output::Json => pretty(&Value::Array(response.keys.iter().map(key_json).collect())),
+        Output::Table => {
+            let mut keys = table(
+                style,
+                &[
+                    "client_id",
+                    "source",
+                    "scope",
+                    "max_priority",
+                    "max_concurrent",
+                    "weight",
+                    "created",
+                    "expires",
+                    "last used",
+                ],
+            );
+            for key in &response.keys {
+                keys.add_row(vec![
+                    key.client_id.clone(),
+                    key.source.clone(),
+                    scope_name(key.scope).to_owned(),
+                    tier_name(key.max_priority).to_owned(),
+                    cap(key.max_concurrent),
+                    format!("{}", key.weight),
+                    ago(unix_ms_age(key.created_unix_ms)),
+                    expires(key.expires_unix_ms),
+                    ago(unix_ms_age(key.last_used_unix_ms)),
+                ]);
+            }
+            keys.to_string()
+        }
+    }
+}
+
+/// One key as JSON (never its value: the API has none to give).
+pub fn key_json(key: &api::KeyInfo) -> Value {
+    json!({
+        "client_id": key.client_id,
+        "source": key.source,
+        "scope": scope_name(key.scope),
+        "max_priority": tier_name(key.max_priority),
+        "default_priority": tier_name(key.default_priority),
+        "max_concurrent": key.max_concurrent,
+        "max_queued": key.max_queued,
+        "weight": key.weight,
+        "description": key.description,
+        "created_unix_ms": (key.created_unix_ms > 0).then_some(key.created_unix_ms),
+        "expires_unix_ms": (key.expires_unix_ms > 0).then_some(key.expires_unix_ms),
+        "last_used_unix_ms": (key.last_used_unix_ms > 0).then_some(key.last_used_unix_ms),
+    })
+}
+
+/// `oqpctl hosts`.
+pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) -> String {
+    match output {
+        Output::Json => pretty(&Value::Array(
+            response
+                .hosts
+                .iter()
+                .map(|host| {
+                    json!({
+                        "name": host.name,
+                        "url": host.url,
+                        "kind": if host.kind == wire::HostKind::Cloud as i32 { "cloud" } else { "ollama" },
+                        "healthy": host.healthy,
+                        "slots_in_use": host.slots_in_use,
+                        "max_concurrent": host.max_concurrent,
+                        "weight": host.weight,
+                        "installed_models": host.installed_models,
+                        "loaded_models": host.loaded_models,
+                        "requests": host.requests,
+                        "failures": host.failures,
+                        "cloud_keys": host.cloud_keys.iter().map(|k| json!({
+                            "label": k.label,
+                            "bound_model": (!k.bound_model.is_empty()).then_some(&k.bound_model),
+                            "busy": k.busy,
+                            "cooldown_until_unix_ms": (k.cooldown_until_unix_ms > 0).then_some(k.cooldown_until_unix_ms),
+                            "last_error": (!k.last_error.is_empty()).then_some(&k.last_error),
+                        })).collect::<Vec<_>>(),
+                    })
+                })
+                .collect(),
+        )),
+        Output::Table => {
+            let mut hosts = table(style, &["host", "url", "health", "slots", "loaded", "installed", "requests", "failures"]);
+            for host in &response.hosts {
+                hosts.add_row(vec![
+                    host.name.clone(),
+                    host.url.clone(),
+                    if host.healthy { "up" } else { "DOWN" }.to_owned(),
+                    format!("{}/{}", host.slots_in_use, host.max_concurrent),
+                    list(&host.loaded_models),
+                    list(&host.installed_models),
+                    host.requests.to_string(),
+                    host.failures.to_string(),
+                ]);
+            }
+            hosts.to_string()
+        }
+    }
+}
+
+/// `oqpctl clients`.
+pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style) -> String {
+    match output {
+        Output::Json => pretty(&Value::Array(
+            response
+                .clients
+                .iter()
+                .map(|client| {
+                    json!({
+                        "client_id": client.client_id,
+                        "max_priority": tier_name(client.max_priority),
+                        "scope": scope_name(client.scope),
+                        "waiting": client.waiting,
+                        "inflight": client.inflight,
+                        "max_concurrent": client.max_concurrent,
+                        "weight": client.weight,
+                        "recent_share": client.recent_share,
+                        "processed": client.processed,
+                        "rejected": client.rejected,
+                    })
+                })
+                .collect(),
+        )),
+        Output::Table => {
+            let mut clients = table(
+                style,
+                &[
+                    "client",
+                    "ceiling",
+                    "scope",
+                    "waiting",
+                    "in flight",
+                    "cap",
+                    "weight",
+                    "share",
+                    "processed",
+                    "rejected",
+                ],
+            );
+            for client in &response.clients {
+                clients.add_row(vec![
+                    client.client_id.clone(),
+                    tier_name(client.max_priority).to_owned(),
+                    scope_name(client.scope).to_owned(),
+                    client.waiting.to_string(),
+                    client.inflight.to_string(),
+                    cap(client.max_concurrent),
+                    format!("{}", client.weight),
+                    format!("{:.0}%", client.recent_share * 100.0),
+                    client.processed.to_string(),
+                    client.rejected.to_string(),
+                ]);
+            }
+            clients.to_string()
+        }
+    }
+}
+
+/// A tier operation's answer, in the shape of the HTTP endpoints.
+pub fn tier_change(response: &api::TierResponse, output: Output) -> String {
+    match output {
+        Output::Json => pretty(&json!({
+            "status": response.status,
+            "tier": response.tier,
+            "snapshot_version": response.snapshot_version,
+        })),
+        Output::Table => format!(
+            "{} {} (snapshot {})",
+            response.tier, response.status, response.snapshot_version
+        ),
+    }
+}
+
+/// One line of drain progress.
+pub fn drain_progress(progress: &api::DrainProgress, output: Output) -> String {
+    match output {
+        Output::Json => serde_json::to_string(&json!({
+            "drained": progress.drained,
+            "timed_out": progress.timed_out,
+            "nodes": progress.nodes.iter().map(|n| json!({"node": n.node, "waiting": n.depths})).collect::<Vec<_>>(),
+        }))
+        .unwrap_or_default(),
+        Output::Table => {
+            let nodes: Vec<String> = progress
+                .nodes
+                .iter()
+                .map(|node| {
+                    let depths: Vec<String> = node
+                        .depths
+                        .iter()
+                        .zip(["high", "normal", "low"])
+                        .map(|(depth, tier)| format!("{tier} {depth}"))
+                        .collect();
+                    format!("{}: {}", node.node, depths.join(", "))
+                })
+                .collect();
+            let state = if progress.drained {
+                "drained"
+            } else if progress.timed_out {
+                "timed out"
+            } else {
+                "waiting"
+            };
+            if nodes.is_empty() {
+                state.to_owned()
+            } else {
+                format!("{state} — {}", nodes.join("; "))
+            }
+        }
+    }
+}
+
+fn yes_no(value: bool) -> &'static str {
+    if value { "yes" } else { "no" }
+}
+
+fn cap(value: u32) -> String {
+    if value == 0 {
+        "unlimited".to_owned()
+    } else {
+        value.to_string()
+    }
+}
+
+fn list(items: &[String]) -> String {
+    if items.is_empty() {
+        "-".to_owned()
+    } else {
+        items.join(", ")
+    }
+}
+
+fn ago(duration: Option<Duration>) -> String {
+    match duration {
+        Some(duration) => format!("{} ago", age(Some(duration))),
+        None => "-".to_owned(),
+    }
+}
+
+fn expires(unix_ms: i64) -> String {
+    if unix_ms <= 0 {
+        return "never".to_owned();
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    if unix_ms <= now {
+        "expired".to_owned()
+    } else {
+        format!(
+            "in {}",
+            age(Some(Duration::from_millis((unix_ms - now) as u64)))
+        )
+    }
+}
+
+fn pretty(value: &Value) -> String {
+    serde_json::to_string_pretty(value).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_status() -> api::GetStatusResponse {
+        api::GetStatusResponse {
+            software_version: "0.1.0".into(),
+            uptime_seconds: 3725,
+            snapshot_version: 42,
+            nodes: vec![api::NodeStatus {
+                node: "gpu1".into(),
+                listen_address: "127.0.0.1:11435".into(),
+                applied_version: 42,
+                last_report_age_ms: 800,
+                connected: true,
+                report: Some(wire::NodeReport {
+                    active: 2,
+                    tiers: vec![wire::TierReport {
+                        depth: 3,
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
+            }],
+            hosts_total: 2,
+            hosts_healthy: 1,
+            warnings: vec![],
+            paused_tiers: vec!["low".into()],
+        }
+    }
+
+    #[test]
+    fn status_table_shows_every_node() {
+        let text = status(&sample_status(), Output::Table, Style { color: false });
+        assert!(text.contains("snapshot 42"));
+        assert!(text.contains("hosts: 1/2 healthy"));
+        assert!(text.contains("paused tiers: low"));
+        assert!(text.contains("gpu1"));
+        assert!(text.contains("127.0.0.1:11435"));
+        assert!(text.contains("1h 2m"));
+    }
+
+    #[test]
+    fn status_json_is_machine_readable() {
+        let value: Value = serde_json::from_str(&status(
+            &sample_status(),
+            Output::Json,
+            Style { color: false },
+        ))
+        .unwrap();
+        assert_eq!(value["control_plane"]["snapshot_version"], 42);
+        assert_eq!(value["nodes"][0]["in_sync"], true);
+        assert_eq!(value["nodes"][0]["queued"], 3);
+        assert_eq!(value["nodes"][0]["active"], 2);
+    }
+
+    #[test]
+    fn keys_never_show_a_value_and_name_unlimited_caps() {
+        let response = api::ListKeysResponse {
+            keys: vec![api::KeyInfo {
+                client_id: "batch".into(),
+                source: "store".into(),
+                scope: wire::Scope::Inference as i32,
+                max_priority: wire::Tier::Low as i32,
+                weight: 1.0,
+                ..Default::default()
+            }],
+        };
+        let text = keys(&response, Output::Table, Style { color: false });
+        assert!(text.contains("batch") && text.contains("low") && text.contains("unlimited"));
+        let value: Value =
+            serde_json::from_str(&keys(&response, Output::Json, Style { color: false })).unwrap();
+        assert_eq!(value[0]["client_id"], "batch");
+        assert!(value[0].get("key").is_none());
+    }
+
+    #[test]
+    fn ages_read_naturally() {
+        assert_eq!(age(Some(Duration::from_secs(5))), "5s");
+        assert_eq!(age(Some(Duration::from_secs(125))), "2m 5s");
+        assert_eq!(age(Some(Duration::from_secs(90_000))), "1d 1h");
+        assert_eq!(age(None), "-");
+    }
+}

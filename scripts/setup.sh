@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs beyond the Rust toolchain, on Debian.
+# Idempotent: installs only what is missing.
+set -euo pipefail
+
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+if ((${#need[@]})); then
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi

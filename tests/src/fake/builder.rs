@@ -1,0 +1,194 @@
+//! `FakeBuilder`: how a test describes the Ollama it needs (installed and loaded models, slots,
+//! queue limit, timings, version, Host check, cloud mode, address) before `spawn` binds it.
+
+use std::collections::VecDeque;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::FakeOllama;
+use super::cloud::Cloud;
+use super::gojson::KeepAlive;
+use super::handle::FakeHandle;
+use super::models::{Kind, Models};
+use super::record::Recorder;
+use super::server::{Server, bind};
+use super::slots::Slots;
+use super::state::{Shared, Timing};
+
+/// The configuration of a fake Ollama; every setter takes and returns the builder.
+#[derive(Debug, Clone)]
+pub struct FakeBuilder {
+    models: Vec<(String, Kind, bool)>,
+    slots: usize,
+    max_queue: Option<usize>,
+    timing: Timing,
+    version: String,
+    host_check: bool,
+    cloud: Option<Vec<String>>,
+    bind: SocketAddr,
+    embedding_dimension: usize,
+}
+
+impl Default for FakeBuilder {
+    fn default() -> Self {
+        Self {
+            models: Vec::new(),
+            slots: 1,
+            max_queue: None,
+            timing: Timing {
+                latency: Duration::ZERO,
+                first_token_delay: Duration::ZERO,
+                token_interval: Duration::ZERO,
+                tokens: 5,
+            },
+            version: "0.32.15".to_owned(),
+            host_check: false,
+            cloud: None,
+            bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
+            embedding_dimension: 8,
+        }
+    }
+}
+
+impl FakeBuilder {
+    /// Installs a chat- and generate-capable model (listed in `/api/tags`).
+    pub fn model(mut self, name: &str) -> Self {
+        self.models.push((name.to_owned(), Kind::Chat, false));
+        self
+    }
+
+    /// Installs an embedding-only model: generate and chat answer 400 `"x" does not support …`.
+    pub fn embedding_model(mut self, name: &str) -> Self {
+        self.models.push((name.to_owned(), Kind::Embedding, false));
+        self
+    }
+
+    /// Also lists the model in `/api/ps`; installs it as a chat model if it is not installed yet.
+    pub fn loaded(mut self, name: &str) -> Self {
+        match self
+            .models
+            .iter_mut()
+            .find(|(installed, _, _)| installed == name)
+        {
+            Some(model) => model.2 = true,
+            None => self.models.push((name.to_owned(), Kind::Chat, true)),
+        }
+        self
+    }
+
+    /// Parallel slots, like `OLLAMA_NUM_PARALLEL` (default 1): inference requests beyond this
+    /// wait, without error, until a slot frees.
+    pub fn slots(mut self, n: usize) -> Self {
+        self.slots = n.max(1);
+        self
+    }
+
+    /// Requests waiting for a slot beyond `n` get Ollama's 503 "server busy" (default unlimited).
+    pub fn max_queue(mut self, n: usize) -> Self {
+        self.max_queue = Some(n);
+        self
+    }
+
+    /// Service time of non-streamed inference and embeddings, spent holding the slot.
+    pub fn latency(mut self, latency: Duration) -> Self {
+        self.timing.latency = latency;
+        self
+    }
+
+    /// Streamed responses: delay before the first line, spent holding the slot.
+    pub fn first_token_delay(mut self, delay: Duration) -> Self {
+        self.timing.first_token_delay = delay;
+        self
+    }
+
+    /// Streamed responses: delay between lines.
+    pub fn token_interval(mut self, interval: Duration) -> Self {
+        self.timing.token_interval = interval;
+        self
+    }
+
+    /// Content chunks per generation (default 5).
+    pub fn tokens(mut self, n: usize) -> Self {
+        self.timing.tokens = n;
+        self
+    }
+
+    /// The version `/api/version` reports (default "0.32.15").
+    pub fn version(mut self, version: &str) -> Self {
+        self.version = version.to_owned();
+        self
+    }
+
+    /// Answers a bare 403 when the Host header is not local, as Ollama does on loopback.
+    pub fn host_check(mut self, on: bool) -> Self {
+        self.host_check = on;
+        self
+    }
+
+    /// ollama.com mode: requests must present `Authorization: Bearer <one of keys>`, else 401
+    /// `{"error":"unauthorized"}` (`/`, `/api/version` and `/api/tags` excepted).
+    pub fn cloud(mut self, keys: &[&str]) -> Self {
+        self.cloud = Some(keys.iter().map(|key| (*key).to_owned()).collect());
+        self
+    }
+
+    /// The address to listen on (default `127.0.0.1:0`); lets a test restart a fake on the port
+    /// of one it shut down.
+    pub fn bind(mut self, addr: SocketAddr) -> Self {
+        self.bind = addr;
+        self
+    }
+
+    /// The length of embedding vectors (default 8).
+    pub fn embedding_dimension(mut self, n: usize) -> Self {
+        self.embedding_dimension = n.max(1);
+        self
+    }
+
+    /// Binds and starts the fake. Panics if the address cannot be bound (a test helper).
+    pub async fn spawn(self) -> FakeOllama {
+        let addr = self.bind;
+        match self.try_spawn().await {
+            Ok(fake) => fake,
+            Err(error) => panic!("fake Ollama cannot bind {addr}: {error}"),
+        }
+    }
+
+    /// Binds and starts the fake, returning the bind error instead of panicking.
+    pub async fn try_spawn(self) -> std::io::Result<FakeOllama> {
+        let listener = bind(self.bind)?;
+        let addr = listener.local_addr()?;
+        let mut models = Models::default();
+        for (name, kind, loaded) in &self.models {
+            models.install(name, *kind);
+            if *loaded {
+                models.touch(name, Some(KeepAlive::Forever));
+            }
+        }
+        let shared = Arc::new(Shared {
+            version: self.version,
+            host_check: self.host_check,
+            embedding_dimension: self.embedding_dimension,
+            cloud: self.cloud.map(Cloud::new),
+            timing: Mutex::new(self.timing),
+            models: Mutex::new(models),
+            slots: Arc::new(Slots::new(self.slots, self.max_queue)),
+            recorder: Recorder::default(),
+            failures: Mutex::new(VecDeque::new()),
+            cancelled: watch::Sender::new(0),
+            connections: AtomicUsize::new(0),
+            shutting_down: AtomicBool::new(false),
+            blobs: Mutex::default(),
+        });
+        let server = Server::spawn(listener, Arc::clone(&shared));
+        Ok(FakeOllama {
+            addr,
+            handle: FakeHandle { shared },
+            server,
+        })
+    }
+}

@@ -1,0 +1,231 @@
+//! `FakeHandle`: a test's remote control over a running fake. It reads what the fake recorded
+//! (requests, concurrency peaks, cancels), waits for events without polling, scripts failures,
+//! freezes and releases admitted requests, and edits the model registry and the cloud scripts.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use super::cloud::{Cloud, CloudReply};
+use super::models::Kind;
+use super::record::{RecordedRequest, lock};
+use super::state::Shared;
+
+/// A cheap, cloneable handle on a running fake.
+#[derive(Debug, Clone)]
+pub struct FakeHandle {
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// A scripted failure, consumed in FIFO order by the next inference requests (those that would
+/// take a slot: generate, chat, embed, embeddings and the `/v1` inference endpoints; load and
+/// unload calls and rejected requests do not consume one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// Close the connection without answering.
+    Refuse,
+    /// Answer this status with this JSON body, before any byte of a stream.
+    Status(u16, String),
+    /// Stream `after_lines` lines (NDJSON lines or SSE frames), then close the connection
+    /// abruptly: no error line, no terminating chunk. A non-streamed request is dropped without
+    /// an answer after its service time.
+    DieMidStream {
+        /// Lines sent before the connection dies.
+        after_lines: usize,
+    },
+    /// Reset the connection (TCP RST) right after reading the request.
+    Reset,
+}
+
+impl FakeHandle {
+    /// Every request received, in arrival order.
+    pub fn requests(&self) -> Vec<RecordedRequest> {
+        self.shared.recorder.all()
+    }
+
+    /// The requests received on `path` (query excluded).
+    pub fn requests_to(&self, path: &str) -> Vec<RecordedRequest> {
+        self.requests()
+            .into_iter()
+            .filter(|request| request.path == path)
+            .collect()
+    }
+
+    /// The requests that presented `Authorization: Bearer <key>`.
+    pub fn requests_with_key(&self, key: &str) -> Vec<RecordedRequest> {
+        let key = Some(key.to_owned());
+        self.requests()
+            .into_iter()
+            .filter(|request| request.bearer() == key)
+            .collect()
+    }
+
+    /// Forgets every recorded request.
+    pub fn clear_requests(&self) {
+        self.shared.recorder.clear();
+    }
+
+    /// The most inference requests that held a slot at once.
+    pub fn peak_concurrency(&self) -> usize {
+        self.shared.slots.peak()
+    }
+
+    /// The same, counting only requests with this `x-client-id` header.
+    pub fn peak_concurrency_of(&self, client_id: &str) -> usize {
+        self.shared.slots.peak_of_client(client_id)
+    }
+
+    /// The same, counting only requests that presented this cloud key.
+    pub fn peak_concurrency_of_key(&self, key: &str) -> usize {
+        self.shared.slots.peak_of_key(key)
+    }
+
+    /// Inference requests holding a slot now.
+    pub fn in_flight(&self) -> usize {
+        self.shared.slots.in_flight()
+    }
+
+    /// Inference requests waiting for a slot now.
+    pub fn queued(&self) -> usize {
+        self.shared.slots.queued()
+    }
+
+    /// Inference requests abandoned by their client before they were answered in full (while
+    /// queued, held, or mid-stream). Failures the fake caused itself are not counted.
+    pub fn cancelled(&self) -> usize {
+        *self.shared.cancelled.borrow()
+    }
+
+    /// TCP connections accepted so far.
+    pub fn connections(&self) -> usize {
+        self.shared.connections.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once at least `n` requests have been received (and recorded).
+    pub async fn wait_for_requests(&self, n: usize) {
+        self.shared.recorder.wait_for(n).await;
+    }
+
+    /// Resolves once at least `n` inference requests hold a slot.
+    pub async fn wait_in_flight(&self, n: usize) {
+        self.shared
+            .slots
+            .wait_in_flight(|in_flight| *in_flight >= n)
+            .await;
+    }
+
+    /// Resolves once at least `n` inference requests wait for a slot.
+    pub async fn wait_queued(&self, n: usize) {
+        self.shared.slots.wait_queued(|queued| *queued >= n).await;
+    }
+
+    /// Resolves once no inference request holds a slot.
+    pub async fn wait_idle(&self) {
+        self.shared
+            .slots
+            .wait_in_flight(|in_flight| *in_flight == 0)
+            .await;
+    }
+
+    /// Resolves once at least `n` requests have been abandoned by their clients.
+    pub async fn wait_cancelled(&self, n: usize) {
+        let _ = self
+            .shared
+            .cancelled
+            .subscribe()
+            .wait_for(|count| *count >= n)
+            .await;
+    }
+
+    /// Scripts the next inference request (FIFO) to fail this way.
+    pub fn fail_next(&self, failure: Failure) {
+        lock(&self.shared.failures).push_back(failure);
+    }
+
+    /// From now on, admitted inference requests wait, holding their slot, until released.
+    pub fn hold(&self) {
+        self.shared.slots.hold();
+    }
+
+    /// Lets `n` held requests proceed (tickets not used yet carry over to later requests).
+    pub fn release(&self, n: usize) {
+        self.shared.slots.release(n);
+    }
+
+    /// Stops holding and releases everybody.
+    pub fn release_all(&self) {
+        self.shared.slots.release_all();
+    }
+
+    /// Installs a chat-capable model.
+    pub fn add_model(&self, name: &str) {
+        lock(&self.shared.models).install(name, Kind::Chat);
+    }
+
+    /// Installs an embedding-only model.
+    pub fn add_embedding_model(&self, name: &str) {
+        lock(&self.shared.models).install(name, Kind::Embedding);
+    }
+
+    /// Uninstalls a model.
+    pub fn remove_model(&self, name: &str) {
+        lock(&self.shared.models).remove(name);
+    }
+
+    /// Lists an installed model in `/api/ps` (for the default five minutes).
+    pub fn load_model(&self, name: &str) {
+        lock(&self.shared.models).touch(name, None);
+    }
+
+    /// Removes a model from `/api/ps`.
+    pub fn unload_model(&self, name: &str) {
+        lock(&self.shared.models).touch(name, Some(super::gojson::KeepAlive::Unload));
+    }
+
+    /// Changes the service time of non-streamed inference and embeddings.
+    pub fn set_latency(&self, latency: Duration) {
+        lock(&self.shared.timing).latency = latency;
+    }
+
+    /// Changes the delay between streamed lines.
+    pub fn set_token_interval(&self, interval: Duration) {
+        lock(&self.shared.timing).token_interval = interval;
+    }
+
+    /// Changes the delay before the first streamed line.
+    pub fn set_first_token_delay(&self, delay: Duration) {
+        lock(&self.shared.timing).first_token_delay = delay;
+    }
+
+    /// Changes the number of content chunks per generation.
+    pub fn set_tokens(&self, tokens: usize) {
+        lock(&self.shared.timing).tokens = tokens;
+    }
+
+    /// Cloud mode: the next inference request presenting `key` gets `reply` (FIFO per key).
+    /// Does nothing outside cloud mode.
+    pub fn script_cloud(&self, key: &str, reply: CloudReply) {
+        if let Some(cloud) = self.cloud() {
+            cloud.script(key, reply);
+        }
+    }
+
+    /// Cloud mode: every inference request presenting `key` gets `reply` when no one-shot reply
+    /// is queued (`CloudReply::Ok` restores normal service).
+    pub fn set_cloud_default(&self, key: &str, reply: CloudReply) {
+        if let Some(cloud) = self.cloud() {
+            cloud.set_default(key, reply);
+        }
+    }
+
+    /// Cloud mode: the session and weekly usage fractions `GET /api/usage` reports for `key`.
+    pub fn set_cloud_usage(&self, key: &str, session: f64, weekly: f64) {
+        if let Some(cloud) = self.cloud() {
+            cloud.set_usage(key, session, weekly);
+        }
+    }
+
+    fn cloud(&self) -> Option<&Cloud> {
+        self.shared.cloud.as_ref()
+    }
+}

@@ -1,0 +1,264 @@
+//! The inference path every generating endpoint shares: admission (cloud script, scripted
+//! failure, slot, hold gate), the service time of a non-streamed answer, and the line engine of a
+//! streamed one. The engine renders each line when it is sent, so `created_at` is the real send
+//! time; it holds the slot and the request's tracker inside the response body, so a client that
+//! goes away releases the slot at once (the body is dropped with the connection).
+
+use std::convert::Infallible;
+use std::future::pending;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::stream::unfold;
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, Response, StatusCode};
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use serde_json::{Map, Value, json};
+
+use super::handle::Failure;
+use super::slots::{Busy, SlotGuard};
+use super::state::{ConnCtl, Ctx, Shared, Tracker};
+use super::wire::{GIN_JSON, PLAIN_JSON, Reply, full, gin_error, nanos, openai_error, status};
+
+/// Ollama's queue-full text; note the two spaces.
+pub(crate) const BUSY: &str = "server busy, please try again.  maximum pending requests exceeded";
+
+/// How an endpoint shapes errors raised during admission.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Flavor {
+    /// A native endpoint; `streaming` when the client asked for a stream.
+    Native { streaming: bool },
+    /// An OpenAI-compatible endpoint.
+    OpenAi,
+}
+
+/// A request that got its slot.
+#[derive(Debug)]
+pub(crate) struct Admitted {
+    slot: SlotGuard,
+    die_after: Option<usize>,
+    clock: Clock,
+}
+
+/// The times behind Ollama's metrics.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Clock {
+    /// The request arrived.
+    pub started: Instant,
+    /// It got its slot.
+    pub admitted: Instant,
+    /// Its first line was sent (streamed), or a tenth into its service time (not streamed).
+    pub first: Instant,
+    /// Now: the moment the line being rendered is sent.
+    pub now: Instant,
+}
+
+/// The lines of one streamed response.
+pub(crate) trait Script: Send + 'static {
+    /// How many lines the stream has.
+    fn lines(&self) -> usize;
+    /// Whether line `line` (never the first) waits one token interval before it is sent.
+    fn paced(&self, line: usize) -> bool;
+    /// Renders line `line` at the moment it is sent.
+    fn render(&mut self, line: usize, clock: &Clock) -> Bytes;
+}
+
+/// Runs admission. `Err` carries the reply to send instead (or never resolves when the scripted
+/// failure drops the connection).
+pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Reply> {
+    ctx.mark_inference();
+    let shared = Arc::clone(&ctx.shared);
+    if let (Some(cloud), Some(key)) = (&shared.cloud, &ctx.key)
+        && let Some(reply) = cloud.next_reply(key).to_reply()
+    {
+        return Err(reply);
+    }
+    let mut die_after = None;
+    match shared.next_failure() {
+        None => {}
+        Some(Failure::Refuse) => return Err(abort(ctx, false).await),
+        Some(Failure::Reset) => return Err(abort(ctx, true).await),
+        Some(Failure::Status(code, body)) => {
+            let content_type = match flavor {
+                Flavor::Native { streaming: false } => GIN_JSON,
+                Flavor::Native { streaming: true } | Flavor::OpenAi => PLAIN_JSON,
+            };
+            return Err(full(status(code), Some(content_type), body));
+        }
+        Some(Failure::DieMidStream { after_lines }) => die_after = Some(after_lines),
+    }
+    let slot = match shared
+        .slots
+        .acquire(ctx.client_id.clone(), ctx.key.clone())
+        .await
+    {
+        Ok(slot) => slot,
+        Err(Busy) => {
+            return Err(match flavor {
+                Flavor::Native { .. } => gin_error(StatusCode::SERVICE_UNAVAILABLE, BUSY),
+                Flavor::OpenAi => openai_error(StatusCode::SERVICE_UNAVAILABLE, BUSY),
+            });
+        }
+    };
+    shared.slots.pass_hold().await;
+    let admitted = Instant::now();
+    let clock = Clock {
+        started: ctx.started,
+        admitted,
+        first: admitted,
+        now: admitted,
+    };
+    Ok(Admitted {
+        slot,
+        die_after,
+        clock,
+    })
+}
+
+/// Spends a non-streamed request's service time inside its slot and returns the clock for its
+/// metrics; a scripted `DieMidStream` drops the connection instead.
+pub(crate) async fn serve(ctx: &mut Ctx, admitted: Admitted) -> Clock {
+    let latency = ctx.shared.timing().latency;
+    if !latency.is_zero() {
+        tokio::time::sleep(latency).await;
+    }
+    if admitted.die_after.is_some() {
+        abort(ctx, false).await;
+    }
+    let now = Instant::now();
+    let mut clock = admitted.clock;
+    clock.first = clock.admitted + (now - clock.admitted) / 10;
+    clock.now = now;
+    clock
+}
+
+/// Starts a streamed response: waits the first-token delay (headers leave with the first line,
+/// as with Go), then hands the slot and the tracker to the body.
+pub(crate) async fn stream(
+    ctx: &mut Ctx,
+    admitted: Admitted,
+    content_type: &'static str,
+    script: impl Script,
+) -> Reply {
+    let delay = ctx.shared.timing().first_token_delay;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let run = Run {
+        script,
+        next: 0,
+        slot: Some(admitted.slot),
+        tracker: ctx.tracker.take(),
+        die_after: admitted.die_after,
+        conn: Arc::clone(&ctx.conn),
+        shared: Arc::clone(&ctx.shared),
+        clock: admitted.clock,
+    };
+    let mut response = Response::new(StreamBody::new(unfold(run, step)).boxed_unsync());
+    *response.status_mut() = StatusCode::OK;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    response
+}
+
+/// Ollama's metric fields, integer nanoseconds.
+pub(crate) fn metrics(
+    clock: &Clock,
+    prompt_tokens: usize,
+    eval_count: usize,
+) -> Map<String, Value> {
+    let object = json!({
+        "total_duration": nanos(clock.now - clock.started),
+        "load_duration": nanos(clock.admitted - clock.started),
+        "prompt_eval_count": prompt_tokens,
+        "prompt_eval_duration": nanos(clock.first.saturating_duration_since(clock.admitted)),
+        "eval_count": eval_count,
+        "eval_duration": nanos(clock.now.saturating_duration_since(clock.first)),
+    });
+    match object {
+        Value::Object(map) => map,
+        _ => Map::new(),
+    }
+}
+
+/// The text of a generation: `tokens` chunks of a fixed sentence, cycled.
+pub(crate) fn tokens(count: usize) -> Vec<String> {
+    const WORDS: [&str; 10] = [
+        "The", " quick", " brown", " fox", " jumps", " over", " the", " lazy", " dog", ".",
+    ];
+    (0..count)
+        .map(|i| WORDS[i % WORDS.len()].to_owned())
+        .collect()
+}
+
+/// How many chunks to generate: the configured count, cut by the request's own limit
+/// (`num_predict`, `max_tokens`); the bool says whether the limit cut it (`done_reason: length`).
+pub(crate) fn budget(configured: usize, limit: Option<&Value>) -> (usize, bool) {
+    match limit
+        .and_then(Value::as_u64)
+        .and_then(|limit| usize::try_from(limit).ok())
+    {
+        Some(limit) if limit > 0 && limit < configured => (limit, true),
+        _ => (configured, false),
+    }
+}
+
+// Drops the connection on purpose and never resolves; the connection task drops this future.
+async fn abort(ctx: &mut Ctx, reset: bool) -> Reply {
+    ctx.abort_connection(reset);
+    pending::<Reply>().await
+}
+
+// Field order matters: the slot is released before the tracker counts a cancel.
+struct Run<S> {
+    script: S,
+    next: usize,
+    slot: Option<SlotGuard>,
+    tracker: Option<Tracker>,
+    die_after: Option<usize>,
+    conn: Arc<ConnCtl>,
+    shared: Arc<Shared>,
+    clock: Clock,
+}
+
+async fn step<S: Script>(mut run: Run<S>) -> Option<(Result<Frame<Bytes>, Infallible>, Run<S>)> {
+    let lines = run.script.lines();
+    if run
+        .die_after
+        .is_some_and(|after| run.next >= after.min(lines))
+    {
+        // Returning pending lets hyper flush the lines already written before the connection
+        // task drops the connection.
+        if let Some(tracker) = run.tracker.as_mut() {
+            tracker.disarm();
+        }
+        run.conn.abort(false);
+        pending::<()>().await;
+    }
+    if run.next >= lines {
+        return None;
+    }
+    if run.next > 0 && run.script.paced(run.next) {
+        let interval: Duration = run.shared.timing().token_interval;
+        if !interval.is_zero() {
+            tokio::time::sleep(interval).await;
+        }
+    }
+    let now = Instant::now();
+    if run.next == 0 {
+        run.clock.first = now;
+    }
+    run.clock.now = now;
+    let line = run.script.render(run.next, &run.clock);
+    run.next += 1;
+    if run.next == lines && run.die_after.is_none() {
+        run.slot = None;
+        if let Some(tracker) = run.tracker.take() {
+            tracker.complete();
+        }
+    }
+    Some((Ok(Frame::data(line)), run))
+}

@@ -1,0 +1,9 @@
+//! Test support for oqp: the fake Ollama ([`fake`], the one test double: it
+//! stands for a GPU server), the harness that boots the real control plane
+//! and data planes on loopback ([`harness`]), and a small HTTP client
+//! ([`client`]). The end-to-end tests live in `tests/tests/`, the benchmark
+//! in `src/bin/oqp-bench.rs`.
+
+pub mod client;
+pub mod fake;
+pub mod harness;
