@@ -1,12 +1,15 @@
 //! The data plane's shared state: everything a request may need, behind one
 //! `Arc`. Nothing here blocks on the control plane.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, OnceLock};
-use std::time::Instant;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Instant, SystemTime};
 
-use crate::control::ControlLink;
+use crate::auth::Throttle;
+use crate::control::{AdminClient, ControlLink};
+use crate::dispatch::Dispatcher;
 use crate::snapshot::PolicyStore;
 use crate::upstream::Upstream;
 
@@ -25,15 +28,31 @@ pub struct App {
     pub control: Arc<ControlLink>,
     /// Where the main listener is bound, once it is.
     pub listen_addr: OnceLock<SocketAddr>,
+    /// Queues and upstream slots.
+    pub dispatcher: Arc<Dispatcher>,
+    /// Failed-authentication throttle.
+    pub throttle: Throttle,
+    /// The control plane's admin API, for the HTTP queue-control endpoints.
+    pub admin: AdminClient,
     shutting_down: AtomicBool,
     active: AtomicU32,
+    last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
 }
 
 impl App {
     /// Shared state for a node serving `store`.
-    pub fn new(node: &str, store: Arc<PolicyStore>, control: Arc<ControlLink>) -> Self {
-        let timeout = store.load().proxy.request_timeout;
+    pub fn new(
+        node: &str,
+        store: Arc<PolicyStore>,
+        control: Arc<ControlLink>,
+        admin: AdminClient,
+    ) -> Self {
+        let policy = store.load();
+        let timeout = policy.proxy.request_timeout;
         Self {
+            dispatcher: Dispatcher::new(&policy),
+            throttle: Throttle::default(),
+            admin,
             node: Arc::from(node),
             store,
             upstream: Upstream::new(timeout.min(std::time::Duration::from_secs(10))),
@@ -42,6 +61,7 @@ impl App {
             listen_addr: OnceLock::new(),
             shutting_down: AtomicBool::new(false),
             active: AtomicU32::new(0),
+            last_used: Mutex::new(HashMap::new()),
         }
     }
 
@@ -53,6 +73,22 @@ impl App {
     /// Marks the start of shutdown: new proxied requests are refused.
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
+    }
+
+    /// Notes that `client` made a request now.
+    pub fn touch(&self, client: &Arc<str>) {
+        if let Ok(mut last_used) = self.last_used.lock() {
+            // Anonymous callers (auth off) name themselves; bound the map.
+            if last_used.len() >= 10_000 && !last_used.contains_key(client) {
+                last_used.clear();
+            }
+            last_used.insert(client.clone(), SystemTime::now());
+        }
+    }
+
+    /// When `client` last made a request.
+    pub fn last_used(&self, client: &str) -> Option<SystemTime> {
+        self.last_used.lock().ok()?.get(client).copied()
     }
 
     /// Requests in flight upstream.

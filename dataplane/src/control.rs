@@ -93,6 +93,11 @@ impl ControlLink {
 
 type Client = PolicyServiceClient<InterceptedService<Channel, TokenInterceptor>>;
 
+/// The control plane's admin API, on the same lazily connected channel. The
+/// HTTP queue-control endpoints call it with the caller's own key, so the
+/// control plane makes the authorisation decision.
+pub type AdminClient = oqp_proto::admin::v1::admin_service_client::AdminServiceClient<Channel>;
+
 /// Adds the node token to every call.
 #[derive(Clone)]
 pub struct TokenInterceptor(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
@@ -114,8 +119,8 @@ impl tonic::service::Interceptor for TokenInterceptor {
     }
 }
 
-/// A lazily connected client for the policy service.
-pub fn client(options: &ControlOptions) -> Result<Client, ControlError> {
+/// Lazily connected clients for the policy service and the admin API.
+pub fn clients(options: &ControlOptions) -> Result<(Client, AdminClient), ControlError> {
     let mut endpoint = Endpoint::from_shared(options.url.clone())
         .map_err(|e| ControlError::Config(format!("'{}': {e}", options.url)))?
         .connect_timeout(Duration::from_secs(3))
@@ -143,9 +148,10 @@ pub fn client(options: &ControlOptions) -> Result<Client, ControlError> {
         ),
         None => None,
     };
-    Ok(PolicyServiceClient::with_interceptor(
-        endpoint.connect_lazy(),
-        TokenInterceptor(token),
+    let channel = endpoint.connect_lazy();
+    Ok((
+        PolicyServiceClient::with_interceptor(channel.clone(), TokenInterceptor(token)),
+        AdminClient::new(channel),
     ))
 }
 

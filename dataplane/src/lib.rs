@@ -15,13 +15,17 @@
 //! - [`control`]: the watch of the policy stream and the status reports.
 
 pub mod app;
+pub mod auth;
 pub mod body;
 pub mod control;
+pub mod dispatch;
 pub mod endpoint;
 pub mod error;
 pub mod headers;
+pub mod listeners;
 pub mod policy;
 pub mod proxy;
+pub mod queue_control;
 pub mod redact;
 pub mod request_id;
 pub mod scheduler;

@@ -329,6 +329,22 @@ impl Policy {
     }
 }
 
+/// The wire form of a tier.
+pub fn tier_to_wire(tier: Tier) -> oqp_proto::policy::v1::Tier {
+    match tier {
+        Tier::High => oqp_proto::policy::v1::Tier::High,
+        Tier::Normal => oqp_proto::policy::v1::Tier::Normal,
+        Tier::Low => oqp_proto::policy::v1::Tier::Low,
+    }
+}
+
+/// Milliseconds since the Unix epoch (0 before it).
+pub fn unix_ms(time: SystemTime) -> i64 {
+    time.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
 /// Normalises a model name the way Ollama matches them: case-insensitive, and
 /// a missing tag means `:latest`.
 pub fn normalize_model(name: &str) -> String {

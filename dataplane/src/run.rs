@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use oqp_proto::policy::v1::NodeReport;
+use oqp_proto::policy::v1::{self as wire, NodeReport};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::app::App;
 use crate::control::{self, ControlError, ControlLink, ControlOptions, Watcher};
 use crate::policy::Policy;
+use crate::scheduler::Tier;
 use crate::server::{self, ListenerKind};
 use crate::snapshot::PolicyStore;
 
@@ -53,7 +54,7 @@ impl DataPlane {
     /// binds the main listener and starts serving.
     pub async fn start(options: Options) -> Result<Self, StartError> {
         let link = Arc::new(ControlLink::default());
-        let client = control::client(&options.control)?;
+        let (client, admin) = control::clients(&options.control)?;
         let mut watcher = Watcher::new(client.clone(), &options.control.node, link.clone());
         let policy = loop {
             let snapshot = watcher.next(true).await?;
@@ -75,7 +76,7 @@ impl DataPlane {
         };
         let addr = listener.local_addr()?;
         let store = Arc::new(PolicyStore::new(policy));
-        let app = Arc::new(App::new(&options.control.node, store.clone(), link));
+        let app = Arc::new(App::new(&options.control.node, store.clone(), link, admin));
         let _ = app.listen_addr.set(addr);
 
         let shutdown = CancellationToken::new();
@@ -89,6 +90,9 @@ impl DataPlane {
             move || report(&reporter_app),
             shutdown.clone(),
         ));
+        tasks.spawn(app.dispatcher.clone().run_timer(shutdown.clone()));
+        tasks.spawn(follow_policy(app.clone(), shutdown.clone()));
+        tasks.spawn(crate::listeners::run(app.clone(), shutdown.clone()));
         let drain_app = app.clone();
         tasks.spawn(server::serve(
             listener,
@@ -125,11 +129,69 @@ impl DataPlane {
     }
 }
 
+/// Applies every new snapshot to the parts that keep state across
+/// snapshots (the dispatcher), until `shutdown`.
+async fn follow_policy(app: Arc<App>, shutdown: CancellationToken) {
+    let mut changes = app.store.subscribe();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+        let policy = app.store.load();
+        app.dispatcher.apply(&policy);
+    }
+}
+
 /// This node's report for the control plane.
 fn report(app: &App) -> NodeReport {
     let policy = app.store.load();
     let rejected = app.store.rejected().filter(|r| r.version > policy.version);
+    let queue = app.dispatcher.report(policy.queue.drain_generation);
+    let tiers = Tier::ALL
+        .iter()
+        .zip(queue.tiers.iter())
+        .map(|(tier, stat)| wire::TierReport {
+            tier: crate::policy::tier_to_wire(*tier) as i32,
+            depth: stat.depth,
+            processed: stat.processed,
+            rejected: stat.rejected,
+            expired: stat.expired,
+        })
+        .collect();
+    let clients = queue
+        .clients
+        .iter()
+        .map(|client| wire::ClientReport {
+            client_id: client.client.to_string(),
+            waiting: client.waiting,
+            inflight: client.inflight,
+            processed: client.processed,
+            rejected: client.rejected,
+            recent_share: client.recent_share,
+            last_used_unix_ms: app
+                .last_used(&client.client)
+                .map_or(0, crate::policy::unix_ms),
+        })
+        .collect();
+    let hosts = policy
+        .hosts
+        .iter()
+        .map(|host| wire::HostReport {
+            name: host.name.to_string(),
+            slots_in_use: queue.slots.get(&host.name).copied().unwrap_or(0),
+            requests: 0,
+            failures: 0,
+            reachable: host.healthy,
+        })
+        .collect();
     NodeReport {
+        tiers,
+        clients,
+        hosts,
+        events: queue.events,
+        drained_generation: queue.drained_generation,
+        queued_bytes: queue.queued_bytes,
         node: app.node.to_string(),
         applied_version: policy.version,
         rejected_version: rejected.as_ref().map_or(0, |r| r.version),
@@ -142,6 +204,5 @@ fn report(app: &App) -> NodeReport {
         uptime_seconds: app.started.elapsed().as_secs(),
         software_version: env!("CARGO_PKG_VERSION").to_owned(),
         active: app.active(),
-        ..NodeReport::default()
     }
 }

@@ -4,6 +4,10 @@
 //! ([`client`]). The end-to-end tests live in `tests/tests/`, the benchmark
 //! in `src/bin/oqp-bench.rs`.
 
+// Test support: a failed set-up step is a failed test, so panicking helpers
+// are the point here.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 pub mod client;
 pub mod fake;
 pub mod harness;

@@ -47,6 +47,9 @@ struct Args {
     /// Answer a bare 403 to requests whose Host is not local.
     #[arg(long)]
     host_check: bool,
+    /// Keep only the latest N requests in memory.
+    #[arg(long, default_value_t = 1024)]
+    record_limit: usize,
     /// Act as ollama.com and accept this Bearer key (repeatable).
     #[arg(long = "cloud-key", value_name = "KEY")]
     cloud_keys: Vec<String>,
@@ -62,7 +65,8 @@ async fn main() -> anyhow::Result<()> {
         .first_token_delay(Duration::from_millis(args.first_token_delay_ms))
         .latency(Duration::from_millis(args.latency_ms))
         .tokens(args.tokens)
-        .host_check(args.host_check);
+        .host_check(args.host_check)
+        .record_limit(args.record_limit);
     for name in &args.models {
         builder = builder.model(name);
     }

@@ -13,7 +13,7 @@ use super::FakeOllama;
 use super::cloud::Cloud;
 use super::gojson::KeepAlive;
 use super::handle::FakeHandle;
-use super::models::{Kind, Models};
+use super::models::{Kind, Models, canonical};
 use super::record::Recorder;
 use super::server::{Server, bind};
 use super::slots::Slots;
@@ -31,6 +31,7 @@ pub struct FakeBuilder {
     cloud: Option<Vec<String>>,
     bind: SocketAddr,
     embedding_dimension: usize,
+    record_limit: Option<usize>,
 }
 
 impl Default for FakeBuilder {
@@ -50,6 +51,7 @@ impl Default for FakeBuilder {
             cloud: None,
             bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             embedding_dimension: 8,
+            record_limit: None,
         }
     }
 }
@@ -72,7 +74,7 @@ impl FakeBuilder {
         match self
             .models
             .iter_mut()
-            .find(|(installed, _, _)| installed == name)
+            .find(|(installed, _, _)| canonical(installed) == canonical(name))
         {
             Some(model) => model.2 = true,
             None => self.models.push((name.to_owned(), Kind::Chat, true)),
@@ -149,6 +151,13 @@ impl FakeBuilder {
         self
     }
 
+    /// Keeps only the latest `n` requests in the log (default: all), for long runs such as the
+    /// benchmark; `wait_for_requests` still counts every request.
+    pub fn record_limit(mut self, n: usize) -> Self {
+        self.record_limit = Some(n);
+        self
+    }
+
     /// Binds and starts the fake. Panics if the address cannot be bound (a test helper).
     pub async fn spawn(self) -> FakeOllama {
         let addr = self.bind;
@@ -177,7 +186,7 @@ impl FakeBuilder {
             timing: Mutex::new(self.timing),
             models: Mutex::new(models),
             slots: Arc::new(Slots::new(self.slots, self.max_queue)),
-            recorder: Recorder::default(),
+            recorder: Recorder::new(self.record_limit),
             failures: Mutex::new(VecDeque::new()),
             cancelled: watch::Sender::new(0),
             connections: AtomicUsize::new(0),

@@ -52,7 +52,7 @@ pub(crate) async fn embed(ctx: &mut Ctx, body: &[u8]) -> Handled {
     }
     let admitted = admit(ctx, Flavor::Native { streaming: false }).await?;
     lock(&ctx.shared.models).touch(&model, keep);
-    let clock = serve(ctx, admitted).await;
+    let clock = serve(ctx, admitted).await?;
     let dimensions = request
         .get("dimensions")
         .and_then(Value::as_u64)
@@ -98,7 +98,7 @@ pub(crate) async fn embeddings(ctx: &mut Ctx, body: &[u8]) -> Handled {
     }
     let admitted = admit(ctx, Flavor::Native { streaming: false }).await?;
     lock(&ctx.shared.models).touch(&model, keep);
-    serve(ctx, admitted).await;
+    serve(ctx, admitted).await?;
     let vector = raw_vector(&prompt, ctx.shared.embedding_dimension);
     Ok(gin_json(StatusCode::OK, &json!({ "embedding": vector })))
 }

@@ -35,6 +35,16 @@ pub enum Failure {
     },
     /// Reset the connection (TCP RST) right after reading the request.
     Reset,
+    /// Stream `after_lines` lines, then the in-band `{"error": message}` line in place of the
+    /// rest, and end the response cleanly, as Ollama does when the runner fails mid-generation.
+    /// A non-streamed request gets a 500 with the message; an OpenAI stream just ends without
+    /// `[DONE]` (Ollama's `/v1` quirk).
+    ErrorMidStream {
+        /// Lines sent before the error.
+        after_lines: usize,
+        /// The error text.
+        message: String,
+    },
 }
 
 impl FakeHandle {
@@ -101,7 +111,8 @@ impl FakeHandle {
         self.shared.connections.load(Ordering::SeqCst)
     }
 
-    /// Resolves once at least `n` requests have been received (and recorded).
+    /// Resolves once at least `n` requests have been received (and recorded) since the last
+    /// `clear_requests`.
     pub async fn wait_for_requests(&self, n: usize) {
         self.shared.recorder.wait_for(n).await;
     }
@@ -172,9 +183,14 @@ impl FakeHandle {
         lock(&self.shared.models).remove(name);
     }
 
-    /// Lists an installed model in `/api/ps` (for the default five minutes).
+    /// Lists a model in `/api/ps` (for the default five minutes), installing it as a chat model
+    /// if it is not installed.
     pub fn load_model(&self, name: &str) {
-        lock(&self.shared.models).touch(name, None);
+        let mut models = lock(&self.shared.models);
+        if models.find(name).is_none() {
+            models.install(name, Kind::Chat);
+        }
+        models.touch(name, None);
     }
 
     /// Removes a model from `/api/ps`.

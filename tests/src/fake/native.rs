@@ -212,7 +212,7 @@ async fn respond(
     if streaming {
         return Ok(stream(ctx, admitted, NDJSON, script).await);
     }
-    let clock = serve(ctx, admitted).await;
+    let clock = serve(ctx, admitted).await?;
     let joined = script.tokens.concat();
     Ok(gin_json(StatusCode::OK, &script.last(&joined, &clock)))
 }
@@ -295,6 +295,10 @@ impl Script for Native {
 
     fn paced(&self, _line: usize) -> bool {
         true
+    }
+
+    fn error_line(&self, message: &str) -> Option<Bytes> {
+        Some(Bytes::from(format!("{}\n", json!({ "error": message }))))
     }
 
     fn render(&mut self, line: usize, clock: &Clock) -> Bytes {

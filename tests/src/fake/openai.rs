@@ -108,7 +108,7 @@ pub(crate) async fn embeddings(ctx: &mut Ctx, body: &[u8]) -> Handled {
     })?;
     let admitted = admit(ctx, Flavor::OpenAi).await?;
     lock(&ctx.shared.models).touch(&model, None);
-    serve(ctx, admitted).await;
+    serve(ctx, admitted).await?;
     let dimensions = request
         .get("dimensions")
         .and_then(Value::as_u64)
@@ -209,7 +209,7 @@ async fn generate(
     if streaming {
         return Ok(stream(ctx, admitted, EVENT_STREAM, script).await);
     }
-    let _clock: Clock = serve(ctx, admitted).await;
+    serve(ctx, admitted).await?;
     Ok(openai_json(StatusCode::OK, &script.whole()))
 }
 
@@ -327,6 +327,11 @@ impl Script for Sse {
     fn paced(&self, line: usize) -> bool {
         let first_token = usize::from(self.chat);
         line > first_token && line < self.body_frames()
+    }
+
+    // Ollama's /v1 layer swallows a mid-stream error: the stream ends without `[DONE]`.
+    fn error_line(&self, _message: &str) -> Option<Bytes> {
+        None
     }
 
     fn render(&mut self, line: usize, _clock: &Clock) -> Bytes {

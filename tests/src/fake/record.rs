@@ -2,6 +2,7 @@
 //! tests can assert on what the proxy forwarded (reference §B.7 item 10), plus the watch channel
 //! that lets a test wait for the n-th request without polling.
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -61,47 +62,56 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<String> {
 }
 
 /// The request log. Entries carry a sequence number so that a request finishing after
-/// `clear` cannot mark somebody else's entry.
+/// `clear` (or after it was dropped by the limit) cannot mark somebody else's entry.
 #[derive(Debug)]
 pub(crate) struct Recorder {
     entries: Mutex<Entries>,
-    count: watch::Sender<usize>,
+    /// Requests received since the last `clear`, including any the limit dropped.
+    received: watch::Sender<usize>,
+    limit: Option<usize>,
 }
 
 #[derive(Debug, Default)]
 struct Entries {
     next_id: u64,
-    list: Vec<(u64, RecordedRequest)>,
-}
-
-impl Default for Recorder {
-    fn default() -> Self {
-        Self {
-            entries: Mutex::default(),
-            count: watch::Sender::new(0),
-        }
-    }
+    // Ids are consecutive from front to back.
+    list: VecDeque<(u64, RecordedRequest)>,
 }
 
 impl Recorder {
+    /// A log keeping every request, or only the latest `limit`.
+    pub fn new(limit: Option<usize>) -> Self {
+        Self {
+            entries: Mutex::default(),
+            received: watch::Sender::new(0),
+            limit,
+        }
+    }
+
     /// Appends a request; returns its id for `finish`.
     pub fn push(&self, request: RecordedRequest) -> u64 {
         let mut entries = lock(&self.entries);
         let id = entries.next_id;
         entries.next_id += 1;
-        entries.list.push((id, request));
-        self.count.send_replace(entries.list.len());
+        entries.list.push_back((id, request));
+        if self.limit.is_some_and(|limit| entries.list.len() > limit) {
+            entries.list.pop_front();
+        }
+        self.received.send_modify(|received| *received += 1);
         id
     }
 
     /// Stamps `finished_at` on a request, once.
     pub fn finish(&self, id: u64) {
         let mut entries = lock(&self.entries);
-        if let Some((_, request)) = entries
-            .list
-            .iter_mut()
-            .rev()
-            .find(|(entry_id, _)| *entry_id == id)
+        let Some(first) = entries.list.front().map(|(first, _)| *first) else {
+            return;
+        };
+        let index = id
+            .checked_sub(first)
+            .and_then(|offset| usize::try_from(offset).ok());
+        if let Some((entry_id, request)) = index.and_then(|index| entries.list.get_mut(index))
+            && *entry_id == id
             && request.finished_at.is_none()
         {
             request.finished_at = Some(Instant::now());
@@ -121,14 +131,14 @@ impl Recorder {
     pub fn clear(&self) {
         let mut entries = lock(&self.entries);
         entries.list.clear();
-        self.count.send_replace(0);
+        self.received.send_replace(0);
     }
 
-    /// Resolves once at least `n` requests are recorded.
+    /// Resolves once at least `n` requests have been received since the last `clear`.
     pub async fn wait_for(&self, n: usize) {
-        let mut receiver = self.count.subscribe();
+        let mut receiver = self.received.subscribe();
         // The sender lives as long as `self`, so this cannot fail while we borrow it.
-        let _ = receiver.wait_for(|count| *count >= n).await;
+        let _ = receiver.wait_for(|received| *received >= n).await;
     }
 }
 
@@ -137,4 +147,45 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(path: &str) -> RecordedRequest {
+        RecordedRequest {
+            method: Method::GET,
+            path: path.to_owned(),
+            query: None,
+            headers: HeaderMap::new(),
+            body: Bytes::new(),
+            received_at: Instant::now(),
+            finished_at: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_limit_keeps_the_latest_and_finish_finds_its_entry() {
+        let recorder = Recorder::new(Some(2));
+        let ids: Vec<u64> = ["/a", "/b", "/c"]
+            .into_iter()
+            .map(|path| recorder.push(request(path)))
+            .collect();
+        recorder.wait_for(3).await;
+        for id in ids {
+            recorder.finish(id);
+        }
+        let paths: Vec<String> = recorder.all().into_iter().map(|r| r.path).collect();
+        assert_eq!(paths, ["/b", "/c"]);
+        assert!(recorder.all().iter().all(|r| r.finished_at.is_some()));
+        recorder.clear();
+        let late = recorder.push(request("/d"));
+        recorder.finish(late - 1);
+        assert!(
+            recorder.all()[0].finished_at.is_none(),
+            "a stale id marks nothing"
+        );
+        recorder.wait_for(1).await;
+    }
 }

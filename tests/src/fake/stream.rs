@@ -38,8 +38,18 @@ pub(crate) enum Flavor {
 #[derive(Debug)]
 pub(crate) struct Admitted {
     slot: SlotGuard,
-    die_after: Option<usize>,
+    cut: Option<Cut>,
+    flavor: Flavor,
     clock: Clock,
+}
+
+/// How a scripted failure cuts a response short.
+#[derive(Debug)]
+enum Cut {
+    /// Drop the connection after this many lines.
+    Die(usize),
+    /// Send an in-band error after this many lines, then end the stream.
+    Error(usize, String),
 }
 
 /// The times behind Ollama's metrics.
@@ -63,6 +73,8 @@ pub(crate) trait Script: Send + 'static {
     fn paced(&self, line: usize) -> bool;
     /// Renders line `line` at the moment it is sent.
     fn render(&mut self, line: usize, clock: &Clock) -> Bytes;
+    /// The in-band error line that ends a failed stream; `None` to end it without one.
+    fn error_line(&self, message: &str) -> Option<Bytes>;
 }
 
 /// Runs admission. `Err` carries the reply to send instead (or never resolves when the scripted
@@ -75,7 +87,7 @@ pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Rep
     {
         return Err(reply);
     }
-    let mut die_after = None;
+    let mut cut = None;
     match shared.next_failure() {
         None => {}
         Some(Failure::Refuse) => return Err(abort(ctx, false).await),
@@ -87,7 +99,13 @@ pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Rep
             };
             return Err(full(status(code), Some(content_type), body));
         }
-        Some(Failure::DieMidStream { after_lines }) => die_after = Some(after_lines),
+        Some(Failure::DieMidStream { after_lines }) => cut = Some(Cut::Die(after_lines)),
+        Some(Failure::ErrorMidStream {
+            after_lines,
+            message,
+        }) => {
+            cut = Some(Cut::Error(after_lines, message));
+        }
     }
     let slot = match shared
         .slots
@@ -112,26 +130,35 @@ pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Rep
     };
     Ok(Admitted {
         slot,
-        die_after,
+        cut,
+        flavor,
         clock,
     })
 }
 
 /// Spends a non-streamed request's service time inside its slot and returns the clock for its
-/// metrics; a scripted `DieMidStream` drops the connection instead.
-pub(crate) async fn serve(ctx: &mut Ctx, admitted: Admitted) -> Clock {
+/// metrics. A scripted `DieMidStream` drops the connection instead; an `ErrorMidStream` becomes
+/// a 500 with its message.
+pub(crate) async fn serve(ctx: &mut Ctx, admitted: Admitted) -> Result<Clock, Reply> {
     let latency = ctx.shared.timing().latency;
     if !latency.is_zero() {
         tokio::time::sleep(latency).await;
     }
-    if admitted.die_after.is_some() {
-        abort(ctx, false).await;
+    match admitted.cut {
+        None => {}
+        Some(Cut::Die(_)) => return Err(abort(ctx, false).await),
+        Some(Cut::Error(_, message)) => {
+            return Err(match admitted.flavor {
+                Flavor::Native { .. } => gin_error(StatusCode::INTERNAL_SERVER_ERROR, &message),
+                Flavor::OpenAi => openai_error(StatusCode::INTERNAL_SERVER_ERROR, &message),
+            });
+        }
     }
     let now = Instant::now();
     let mut clock = admitted.clock;
     clock.first = clock.admitted + (now - clock.admitted) / 10;
     clock.now = now;
-    clock
+    Ok(clock)
 }
 
 /// Starts a streamed response: waits the first-token delay (headers leave with the first line,
@@ -151,7 +178,7 @@ pub(crate) async fn stream(
         next: 0,
         slot: Some(admitted.slot),
         tracker: ctx.tracker.take(),
-        die_after: admitted.die_after,
+        cut: admitted.cut,
         conn: Arc::clone(&ctx.conn),
         shared: Arc::clone(&ctx.shared),
         clock: admitted.clock,
@@ -218,25 +245,43 @@ struct Run<S> {
     next: usize,
     slot: Option<SlotGuard>,
     tracker: Option<Tracker>,
-    die_after: Option<usize>,
+    cut: Option<Cut>,
     conn: Arc<ConnCtl>,
     shared: Arc<Shared>,
     clock: Clock,
 }
 
+impl<S> Run<S> {
+    // The response is complete: release the slot, then mark the request answered.
+    fn finish(&mut self) {
+        self.slot = None;
+        if let Some(tracker) = self.tracker.take() {
+            tracker.complete();
+        }
+    }
+}
+
 async fn step<S: Script>(mut run: Run<S>) -> Option<(Result<Frame<Bytes>, Infallible>, Run<S>)> {
     let lines = run.script.lines();
-    if run
-        .die_after
-        .is_some_and(|after| run.next >= after.min(lines))
-    {
-        // Returning pending lets hyper flush the lines already written before the connection
-        // task drops the connection.
-        if let Some(tracker) = run.tracker.as_mut() {
-            tracker.disarm();
+    match &run.cut {
+        Some(Cut::Die(after)) if run.next >= (*after).min(lines) => {
+            // Returning pending lets hyper flush the lines already written before the
+            // connection task drops the connection.
+            if let Some(tracker) = run.tracker.as_mut() {
+                tracker.disarm();
+            }
+            run.conn.abort(false);
+            pending::<()>().await;
         }
-        run.conn.abort(false);
-        pending::<()>().await;
+        // The error replaces the final line at the latest.
+        Some(Cut::Error(after, message)) if run.next >= (*after).min(lines.saturating_sub(1)) => {
+            let line = run.script.error_line(message);
+            run.cut = None;
+            run.next = lines;
+            run.finish();
+            return line.map(|line| (Ok(Frame::data(line)), run));
+        }
+        _ => {}
     }
     if run.next >= lines {
         return None;
@@ -254,11 +299,8 @@ async fn step<S: Script>(mut run: Run<S>) -> Option<(Result<Frame<Bytes>, Infall
     run.clock.now = now;
     let line = run.script.render(run.next, &run.clock);
     run.next += 1;
-    if run.next == lines && run.die_after.is_none() {
-        run.slot = None;
-        if let Some(tracker) = run.tracker.take() {
-            tracker.complete();
-        }
+    if run.next == lines && run.cut.is_none() {
+        run.finish();
     }
     Some((Ok(Frame::data(line)), run))
 }

@@ -142,3 +142,57 @@ async fn die_mid_stream_cuts_after_n_lines() {
     );
     assert!(sse.rest().await.is_err());
 }
+
+#[tokio::test]
+async fn error_mid_stream_sends_an_error_line_and_ends() {
+    let fake = FakeOllama::builder()
+        .model("llama3.2")
+        .tokens(4)
+        .spawn()
+        .await;
+    let handle = fake.handle();
+    let boom = || Failure::ErrorMidStream {
+        after_lines: 2,
+        message: "boom".into(),
+    };
+    handle.fail_next(boom());
+    let mut stream = open(fake.addr(), Method::POST, "/api/generate", GENERATE, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lines = stream
+        .rest()
+        .await
+        .unwrap_or_else(|e| panic!("the stream ends cleanly: {e}"));
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[2], r#"{"error":"boom"}"#);
+    assert_eq!(stream.status, StatusCode::OK);
+
+    handle.fail_next(boom());
+    let plain = post(
+        fake.addr(),
+        "/api/generate",
+        json!({ "model": "llama3.2", "prompt": "x", "stream": false }),
+    )
+    .await;
+    assert_eq!(
+        (plain.status, plain.error()),
+        (StatusCode::INTERNAL_SERVER_ERROR, "boom".to_owned())
+    );
+
+    handle.fail_next(boom());
+    let body = r#"{"model":"llama3.2","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut sse = open(fake.addr(), Method::POST, "/v1/chat/completions", body, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lines = sse.rest().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|line| line.starts_with("data: "))
+            .count(),
+        2
+    );
+    assert!(!lines.iter().any(|line| line == "data: [DONE]"));
+    handle.wait_idle().await;
+    assert_eq!(handle.cancelled(), 0);
+}

@@ -1,0 +1,163 @@
+//! The HTTP queue-control endpoints (`POST /queue/pause|resume|drain|flush`).
+//!
+//! They act through the control plane, so that every data plane agrees: the
+//! pause or flush becomes part of the next snapshot, which every node
+//! applies. The caller's own key is presented to the control plane, which
+//! makes the authorisation decision again. When the control plane is
+//! unreachable the endpoints answer 503 and change nothing.
+
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use oqp_proto::admin::v1 as api;
+use oqp_proto::policy::v1 as wire;
+
+use crate::app::App;
+use crate::body::Body;
+use crate::error::ProxyError;
+use crate::policy::Scope;
+use crate::scheduler::Tier;
+use crate::service::json_response;
+
+/// Longest wait for the control plane to answer a tier operation.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for this node to apply the snapshot that carries a flush.
+const APPLY_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Handles one queue-control request; the caller's scope was checked.
+pub async fn handle(app: &App, request: &Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+    let action = request
+        .uri()
+        .path()
+        .trim_start_matches("/queue/")
+        .to_owned();
+    let tier = if action == "drain" {
+        None
+    } else {
+        tier_param(request.uri().query())?
+    };
+    let tier_name = tier.map_or("all", Tier::as_str).to_owned();
+    let wire_tier = tier.map_or(wire::Tier::Unspecified, crate::policy::tier_to_wire) as i32;
+    let authorization = request.headers().get(http::header::AUTHORIZATION);
+    let call = |message| with_key(message, authorization, Some(CALL_TIMEOUT));
+    let mut admin = app.admin.clone();
+    let body = match action.as_str() {
+        "pause" | "resume" => {
+            let request = call(api::TierRequest { tier: wire_tier });
+            let response = if action == "pause" {
+                admin.pause_tier(request).await
+            } else {
+                admin.resume_tier(request).await
+            };
+            let response = response.map_err(refusal)?.into_inner();
+            serde_json::json!({ "status": response.status, "tier": tier_name })
+        }
+        "flush" => {
+            let before = app.dispatcher.flushed_total();
+            let response = admin
+                .flush_tier(call(api::TierRequest { tier: wire_tier }))
+                .await
+                .map_err(refusal)?
+                .into_inner();
+            wait_for_version(app, response.snapshot_version).await;
+            let dropped = app.dispatcher.flushed_total().saturating_sub(before);
+            serde_json::json!({ "status": "flushed", "tier": tier_name, "dropped": dropped })
+        }
+        _ => {
+            let mut stream = admin
+                .drain(with_key(
+                    api::DrainRequest { timeout_ms: 0 },
+                    authorization,
+                    None,
+                ))
+                .await
+                .map_err(refusal)?
+                .into_inner();
+            let mut drained = false;
+            while let Some(progress) = stream.message().await.map_err(refusal)? {
+                drained = progress.drained;
+            }
+            if !drained {
+                return Err(ProxyError::ControlPlaneUnavailable(
+                    "the queues did not drain before the timeout".into(),
+                ));
+            }
+            serde_json::json!({ "status": "drained" })
+        }
+    };
+    Ok(json_response(body))
+}
+
+/// An admin call carrying the caller's `Authorization`.
+fn with_key<T>(
+    message: T,
+    authorization: Option<&http::HeaderValue>,
+    timeout: Option<Duration>,
+) -> tonic::Request<T> {
+    let mut call = tonic::Request::new(message);
+    if let Some(timeout) = timeout {
+        call.set_timeout(timeout);
+    }
+    if let Some(value) = authorization.and_then(|v| v.to_str().ok())
+        && let Ok(value) = value.parse()
+    {
+        call.metadata_mut().insert("authorization", value);
+    }
+    call
+}
+
+/// `?tier=` as a tier; absent means all tiers.
+fn tier_param(query: Option<&str>) -> Result<Option<Tier>, ProxyError> {
+    let Some(value) = query
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|pair| pair.split_once('='))
+        .find(|(name, _)| *name == "tier")
+        .map(|(_, value)| value)
+    else {
+        return Ok(None);
+    };
+    Tier::ALL
+        .into_iter()
+        .find(|tier| value.eq_ignore_ascii_case(tier.as_str()))
+        .map(Some)
+        .ok_or_else(|| ProxyError::InvalidTier(value.to_owned()))
+}
+
+fn refusal(status: tonic::Status) -> ProxyError {
+    match status.code() {
+        tonic::Code::PermissionDenied => ProxyError::ScopeRequired(Scope::Management),
+        tonic::Code::Unauthenticated => ProxyError::UnknownKey,
+        _ => ProxyError::ControlPlaneUnavailable(status.message().to_owned()),
+    }
+}
+
+/// Waits until this node serves `version`, at most [`APPLY_TIMEOUT`].
+async fn wait_for_version(app: &App, version: u64) {
+    let mut changes = app.store.subscribe();
+    let wait = async {
+        while app.store.load().version < version {
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(APPLY_TIMEOUT, wait).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_parameter() {
+        assert_eq!(tier_param(None).unwrap(), None);
+        assert_eq!(tier_param(Some("tier=LOW")).unwrap(), Some(Tier::Low));
+        assert_eq!(tier_param(Some("x=1&tier=high")).unwrap(), Some(Tier::High));
+        assert_eq!(
+            tier_param(Some("tier=bogus")).unwrap_err(),
+            ProxyError::InvalidTier("bogus".into())
+        );
+    }
+}
