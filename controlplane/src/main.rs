@@ -19,18 +19,32 @@ struct Args {
     /// Also run a data plane in this process (node `local`).
     #[arg(long)]
     with_dataplane: bool,
-    /// Log format: text or json.
-    #[arg(long, env = "OQP_LOG_FORMAT", default_value = "text")]
-    log_format: String,
+    /// Log format: text or json (default: the config's `logging.format`).
+    #[arg(long, env = "OQP_LOG_FORMAT")]
+    log_format: Option<String>,
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    init_tracing(&args.log_format);
+    let env = Env::from_process();
+    // The config names the log level and format; read it once up front so
+    // that start-up itself is logged the way the operator asked. Errors are
+    // reported by `start` below.
+    let logging = oqp_controlplane::config::load_file(&args.config, &env)
+        .ok()
+        .map(|loaded| loaded.config.logging);
+    let level = logging.as_ref().map_or("info", |l| l.level.as_str());
+    let format = args.log_format.clone().unwrap_or_else(|| {
+        logging
+            .as_ref()
+            .map_or("text", |l| l.format.as_str())
+            .to_owned()
+    });
+    init_tracing(level, &format);
     let options = Options {
         config_path: args.config,
-        env: Env::from_process(),
+        env,
         listener: None,
         with_dataplane: args.with_dataplane,
         dataplane_listener: None,
@@ -70,9 +84,9 @@ async fn run_until_signalled(control_plane: &ControlPlane) {
     }
 }
 
-fn init_tracing(format: &str) {
+fn init_tracing(level: &str, format: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     let builder = tracing_subscriber::fmt().with_env_filter(filter);
     if format == "json" {
         builder.json().init();
