@@ -6,22 +6,33 @@
 //! `.await`; every change republishes a whole snapshot through a
 //! `tokio::sync::watch`, so a watcher that misses versions still ends on the
 //! latest.
+//!
+//! The hub also carries what the background tasks share: the [`Webhooks`]
+//! handle (kept in step with reloads), a watch of the config in force (the
+//! poller restarts its per-host loops from it), and per-host re-poll signals
+//! (a data plane that starts failing to reach a host asks for an early poll).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
 use oqp_proto::policy::v1::{self as wire, NodeReport, PolicySnapshot};
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 
 use crate::compile::{self, Inventory, Runtime};
 use crate::config::Config;
+use crate::webhooks::Webhooks;
 
 /// Shared control-plane state.
 #[derive(Debug)]
 pub struct Hub {
     state: Mutex<State>,
     snapshots: watch::Sender<Arc<PolicySnapshot>>,
+    configs: watch::Sender<Arc<Config>>,
+    webhooks: Webhooks,
+    repolls: Mutex<HashMap<String, Arc<Notify>>>,
+    /// Hosts a data plane reported unreachable since their last poll.
+    doubted: Mutex<std::collections::HashSet<String>>,
     started: Instant,
 }
 
@@ -53,6 +64,8 @@ impl Hub {
         let version = next_version(0);
         let first = compile::snapshot(&config, &Runtime::default(), &HashMap::new(), &[], version);
         let (snapshots, _) = watch::channel(Arc::new(first));
+        let (configs, _) = watch::channel(config.clone());
+        let webhooks = Webhooks::new(&config.webhooks);
         Arc::new(Self {
             state: Mutex::new(State {
                 config,
@@ -63,16 +76,16 @@ impl Hub {
                 nodes: BTreeMap::new(),
             }),
             snapshots,
+            configs,
+            webhooks,
+            repolls: Mutex::new(HashMap::new()),
+            doubted: Mutex::new(std::collections::HashSet::new()),
             started: Instant::now(),
         })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the state half-written
-        // in a way that matters more than stopping; keep serving.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.state)
     }
 
     /// The config in force.
@@ -95,9 +108,23 @@ impl Hub {
         self.snapshots.subscribe()
     }
 
+    /// A receiver of the config in force: the current one, then each reload.
+    pub fn watch_config(&self) -> watch::Receiver<Arc<Config>> {
+        self.configs.subscribe()
+    }
+
+    /// The webhook sender every producer of events uses.
+    pub fn webhooks(&self) -> &Webhooks {
+        &self.webhooks
+    }
+
     /// Replaces the config (reload) and publishes.
     pub fn set_config(&self, config: Config) -> u64 {
-        self.update(|state| state.config = Arc::new(config))
+        let config = Arc::new(config);
+        self.webhooks.configure(&config.webhooks);
+        let version = self.update(|state| state.config = config.clone());
+        self.configs.send_replace(config);
+        version
     }
 
     /// Changes operator state and publishes.
@@ -118,7 +145,11 @@ impl Hub {
                 && old.installed == inventory.installed
                 && old.loaded == inventory.loaded
         });
-        if unchanged {
+        // A data plane that marked the host down keeps its mark until a
+        // snapshot carries a newer poll of it: publish the poll that answers
+        // its report even when nothing else changed.
+        let answers_report = lock(&self.doubted).remove(host);
+        if unchanged && !answers_report {
             if let Some(old) = state.inventory.get_mut(host) {
                 old.last_checked = inventory.last_checked;
             }
@@ -128,12 +159,44 @@ impl Hub {
         Some(self.publish(&mut state))
     }
 
+    /// Forgets a host's inventory (the host left the config, or now points
+    /// elsewhere) and publishes if there was one.
+    pub fn forget_inventory(&self, host: &str) -> Option<u64> {
+        let mut state = self.lock();
+        state.inventory.remove(host)?;
+        Some(self.publish(&mut state))
+    }
+
     /// Every host's inventory.
     pub fn inventory(&self) -> HashMap<String, Inventory> {
         self.lock().inventory.clone()
     }
 
+    /// One host's inventory, if it was polled.
+    pub fn inventory_of(&self, host: &str) -> Option<Inventory> {
+        self.lock().inventory.get(host).cloned()
+    }
+
+    /// The signal that wakes `host`'s poller early (created on first use).
+    pub fn repoll_signal(&self, host: &str) -> Arc<Notify> {
+        lock(&self.repolls)
+            .entry(host.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Asks `host`'s poller to poll now rather than at its next interval.
+    /// Requests coalesce: many before the poll cause one.
+    pub fn request_repoll(&self, host: &str) {
+        lock(&self.doubted).insert(host.to_owned());
+        if let Some(signal) = lock(&self.repolls).get(host) {
+            signal.notify_one();
+        }
+    }
+
     /// Replaces the clients that come from the key store and publishes.
+    /// Clients whose `expires_unix_ms` has passed are left out of every
+    /// snapshot built from then on.
     pub fn set_extra_clients(&self, clients: Vec<wire::Client>) -> u64 {
         self.update(|state| state.extra_clients = clients)
     }
@@ -146,18 +209,31 @@ impl Hub {
 
     fn publish(&self, state: &mut State) -> u64 {
         state.version = next_version(state.version);
+        // A stored key past its expiry (or an old key past its grace) leaves
+        // with whichever snapshot comes first after the deadline, whatever
+        // triggered it; the key store's timer makes sure one does.
+        let now = compile::unix_ms(SystemTime::now());
+        let live: Vec<wire::Client> = state
+            .extra_clients
+            .iter()
+            .filter(|client| client.expires_unix_ms == 0 || client.expires_unix_ms > now)
+            .cloned()
+            .collect();
         let snapshot = compile::snapshot(
             &state.config,
             &state.runtime,
             &state.inventory,
-            &state.extra_clients,
+            &live,
             state.version,
         );
         self.snapshots.send_replace(Arc::new(snapshot));
         state.version
     }
 
-    /// Records a data plane's report.
+    /// Records a data plane's report. A host the node just started failing
+    /// to reach while polling still believes it healthy gets an early poll,
+    /// so that every node learns of the failure within a poll's time rather
+    /// than an interval's.
     pub fn record_report(&self, report: NodeReport) {
         let mut state = self.lock();
         let node = state
@@ -168,8 +244,29 @@ impl Hub {
                 reported_at: None,
                 watches: 0,
             });
+        let newly_unreachable: Vec<String> = report
+            .hosts
+            .iter()
+            .filter(|host| !host.reachable)
+            .filter(|host| {
+                node.report
+                    .hosts
+                    .iter()
+                    .find(|before| before.name == host.name)
+                    .is_none_or(|before| before.reachable)
+            })
+            .map(|host| host.name.clone())
+            .collect();
         node.report = report;
         node.reported_at = Some(Instant::now());
+        let suspect: Vec<String> = newly_unreachable
+            .into_iter()
+            .filter(|host| state.inventory.get(host).is_none_or(|seen| seen.healthy))
+            .collect();
+        drop(state);
+        for host in suspect {
+            self.request_repoll(&host);
+        }
     }
 
     /// Counts a watch stream opened (`+1`) or closed (`-1`) by `node`.
@@ -196,6 +293,14 @@ impl Hub {
     }
 }
 
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock cannot leave the state half-written
+    // in a way that matters more than stopping; keep serving.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Versions only move forward, also across restarts of the control plane:
 /// a data plane that kept serving version N while the control plane was down
 /// must accept the restarted control plane's snapshots, so versions start at
@@ -206,8 +311,14 @@ fn next_version(previous: u64) -> u64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
+    use std::time::Duration;
+
+    use oqp_proto::policy::v1::HostReport;
+
     use super::*;
+    use crate::config::{self, Env};
 
     #[test]
     fn versions_always_increase() {
@@ -215,5 +326,92 @@ mod tests {
         assert!(first > 1_600_000_000_000);
         assert!(next_version(first) > first);
         assert_eq!(next_version(u64::MAX - 1), u64::MAX);
+    }
+
+    fn hub(extra: &str) -> Arc<Hub> {
+        let yaml =
+            format!("ollama:\n  hosts:\n    - {{url: \"http://gpu:11434\", name: gpu}}\n{extra}");
+        Hub::new(config::load_str(&yaml, &Env::empty()).unwrap().config)
+    }
+
+    fn healthy(installed: &[&str]) -> Inventory {
+        Inventory {
+            healthy: true,
+            installed: installed.iter().map(|m| (*m).to_owned()).collect(),
+            loaded: Vec::new(),
+            last_checked: Some(SystemTime::now()),
+        }
+    }
+
+    #[test]
+    fn inventories_publish_only_on_change() {
+        let hub = hub("");
+        assert!(hub.set_inventory("gpu", healthy(&["a"])).is_some());
+        assert!(hub.set_inventory("gpu", healthy(&["a"])).is_none());
+        assert_eq!(hub.current().hosts[0].installed_models, ["a"]);
+        assert!(hub.set_inventory("gpu", healthy(&["a", "b"])).is_some());
+        assert!(hub.forget_inventory("gpu").is_some());
+        assert!(hub.forget_inventory("gpu").is_none());
+        assert!(hub.current().hosts[0].installed_models.is_empty());
+    }
+
+    #[tokio::test]
+    async fn reloads_reach_the_config_watch_and_the_webhooks() {
+        let hub = hub("");
+        let mut configs = hub.watch_config();
+        assert!(!configs.borrow_and_update().webhooks.enabled);
+        let reloaded = config::load_str(
+            "ollama:\n  hosts:\n    - {url: \"http://gpu:11434\", name: gpu}\n\
+             webhooks:\n  enabled: true\n  url: \"https://hooks.example.com/h\"\n",
+            &Env::empty(),
+        )
+        .unwrap()
+        .config;
+        hub.set_config(reloaded);
+        configs.changed().await.unwrap();
+        assert!(configs.borrow().webhooks.enabled);
+        let notice = crate::webhooks::Notice::new(crate::config::WebhookEvent::HostUnhealthy);
+        assert!(hub.webhooks().notify(notice));
+    }
+
+    fn report(reachable: bool) -> NodeReport {
+        NodeReport {
+            node: "n1".to_owned(),
+            hosts: vec![HostReport {
+                name: "gpu".to_owned(),
+                reachable,
+                ..HostReport::default()
+            }],
+            ..NodeReport::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_host_turning_unreachable_in_a_report_asks_for_one_early_poll() {
+        let hub = hub("");
+        let signal = hub.repoll_signal("gpu");
+        hub.set_inventory("gpu", healthy(&[]));
+        hub.record_report(report(true));
+        hub.record_report(report(false));
+        // Still unreachable in the next report: no second request.
+        hub.record_report(report(false));
+        tokio::time::timeout(Duration::from_secs(1), signal.notified())
+            .await
+            .expect("an early poll was requested");
+        let again = tokio::time::timeout(Duration::ZERO, signal.notified()).await;
+        assert!(again.is_err(), "requests must coalesce");
+
+        // A host the poller already knows is down is left to its interval.
+        hub.set_inventory(
+            "gpu",
+            Inventory {
+                healthy: false,
+                ..healthy(&[])
+            },
+        );
+        hub.record_report(report(true));
+        hub.record_report(report(false));
+        let asked = tokio::time::timeout(Duration::ZERO, signal.notified()).await;
+        assert!(asked.is_err());
     }
 }

@@ -2,13 +2,20 @@
 //!
 //! It owns the config file ([`config`]), compiles it with the operator's
 //! runtime state into policy snapshots ([`compile`]), keeps the state every
-//! snapshot is built from ([`hub`]), and serves them to data planes and the
-//! admin API to oqpctl over gRPC ([`grpc`]). [`ControlPlane`] starts it all.
+//! snapshot is built from ([`hub`]), keeps the keys minted at run time
+//! ([`keystore`]), and serves them to data planes and the
+//! admin API to oqpctl over gRPC ([`grpc`]). In the background it polls the
+//! upstream hosts ([`poller`]) and delivers webhooks ([`webhooks`]) over one
+//! outbound HTTP client ([`outbound`]). [`ControlPlane`] starts it all.
 
 pub mod compile;
 pub mod config;
 pub mod grpc;
 pub mod hub;
+pub mod keystore;
+pub mod outbound;
+pub mod poller;
+pub mod webhooks;
 
 mod run;
 

@@ -1,6 +1,12 @@
 //! Start-up and shutdown of a control plane: load the config, build the hub,
-//! serve gRPC, and optionally run a data plane in the same process
-//! (single-box mode).
+//! load the key store (and start its expiry timer), serve gRPC, and
+//! optionally run a data plane in the same process (single-box mode).
+//!
+//! Around the hub run two background tasks: the host [`poller`] (after a
+//! start-up probe of every host, so that the first snapshot already knows
+//! what each host has) and the [`webhooks`] sender. An enabled webhook URL
+//! passes the SSRF check before anything starts, and again on each reload
+//! that changes it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,14 +19,18 @@ use oqp_proto::admin::v1::admin_service_server::AdminServiceServer;
 use oqp_proto::policy::v1::policy_service_server::PolicyServiceServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 use crate::config::{self, ConfigError, Env, Loaded};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
 use crate::hub::Hub;
+use crate::keystore::{KeyStore, StoreError};
+use crate::outbound::Outbound;
+use crate::poller;
+use crate::webhooks::{self, SsrfError};
 
 /// How to start a control plane.
 #[derive(Debug)]
@@ -49,6 +59,23 @@ pub enum StartError {
     /// The in-process data plane failed.
     #[error("in-process data plane: {0}")]
     DataPlane(#[from] oqp_dataplane::StartError),
+    /// The key store exists but cannot be read or is corrupt.
+    #[error(transparent)]
+    KeyStore(#[from] StoreError),
+    /// The webhook URL failed the SSRF check.
+    #[error(transparent)]
+    Webhook(#[from] SsrfError),
+    /// No host answered the start-up probe and
+    /// `routing.require_host_at_start` is true.
+    #[error(
+        "routing start-up probe: no Ollama host responded to /api/tags ({hosts}). Check that at \
+         least one host in ollama.hosts is reachable, or set routing.require_host_at_start: false \
+         to start anyway."
+    )]
+    NoHostAtStart {
+        /// The names of the hosts probed, comma-separated.
+        hosts: String,
+    },
 }
 
 impl StartError {
@@ -64,6 +91,7 @@ impl StartError {
 /// A running control plane.
 pub struct ControlPlane {
     hub: Arc<Hub>,
+    keys: Arc<KeyStore>,
     addr: SocketAddr,
     reload: Reloader,
     shutdown: CancellationToken,
@@ -75,6 +103,8 @@ impl std::fmt::Debug for ControlPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ControlPlane")
             .field("addr", &self.addr)
+            .field("hub", &self.hub)
+            .field("keys", &self.keys)
             .field("dataplane", &self.dataplane)
             .finish_non_exhaustive()
     }
@@ -87,6 +117,7 @@ impl ControlPlane {
         for warning in &warnings {
             tracing::warn!("config: {warning}");
         }
+        webhooks::ssrf::check(&config.webhooks).await?;
         let listener = match options.listener {
             Some(listener) => listener,
             None => TcpListener::bind(&config.control_plane.listen)
@@ -122,14 +153,30 @@ impl ControlPlane {
             .as_ref()
             .map(|t| t.expose().to_owned());
 
+        let state_dir = config.control_plane.state_dir.clone();
         let hub = Hub::new(config);
+        // A store that exists but does not load stops the start: serving
+        // without it would silently lock out every client it holds.
+        let keys = KeyStore::load(&state_dir, hub.clone())?;
+        let outbound = Outbound::new();
+        probe_hosts(&hub, &outbound).await?;
         let reload: Reloader = {
             let hub = hub.clone();
+            let keys = keys.clone();
             let path = options.config_path.clone();
             let env = options.env.clone();
             Arc::new(move || {
-                let Loaded { config, warnings } =
-                    config::load_file(&path, &env).map_err(|e| e.to_string())?;
+                let Loaded {
+                    config,
+                    mut warnings,
+                } = config::load_file(&path, &env).map_err(|e| e.to_string())?;
+                // The URL in force passed at start-up (or at an earlier
+                // reload); only a changed one needs resolving again.
+                if config.webhooks != hub.config().webhooks {
+                    webhooks::ssrf::check_blocking(&config.webhooks)
+                        .map_err(|e| format!("webhooks.url: {e}"))?;
+                }
+                warnings.extend(keys.warnings(&config));
                 let version = hub.set_config(config);
                 Ok((version, warnings))
             })
@@ -150,12 +197,16 @@ impl ControlPlane {
             )))
             .add_service(AdminServiceServer::new(AdminApi::new(
                 hub.clone(),
+                keys.clone(),
                 reload.clone(),
                 shutdown.clone(),
             )));
         let stop = shutdown.clone();
         tasks.spawn(async move {
-            let incoming = TcpListenerStream::new(listener);
+            // Snapshots are small writes that must leave at once: without
+            // TCP_NODELAY, Nagle's algorithm and delayed ACKs hold a
+            // revocation back by tens of milliseconds.
+            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             if let Err(error) = router
                 .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                 .await
@@ -163,6 +214,11 @@ impl ControlPlane {
                 tracing::error!(%error, "gRPC server failed");
             }
         });
+        tasks.spawn(keys.clone().run_expiry(shutdown.clone()));
+        if let Some(sender) = hub.webhooks().sender(outbound.clone(), shutdown.clone()) {
+            tasks.spawn(sender);
+        }
+        tasks.spawn(poller::run(hub.clone(), outbound, shutdown.clone()));
         tracing::info!(%addr, version = hub.current().version, "control plane serving");
 
         let dataplane = if options.with_dataplane {
@@ -201,6 +257,7 @@ impl ControlPlane {
 
         Ok(Self {
             hub,
+            keys,
             addr,
             reload,
             shutdown,
@@ -217,6 +274,11 @@ impl ControlPlane {
     /// The shared state.
     pub fn hub(&self) -> &Arc<Hub> {
         &self.hub
+    }
+
+    /// The key store.
+    pub fn keys(&self) -> &Arc<KeyStore> {
+        &self.keys
     }
 
     /// The in-process data plane, in single-box mode.
@@ -249,4 +311,31 @@ impl ControlPlane {
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
     }
+}
+
+/// The start-up probe: every host at once, before the first snapshot is
+/// served. When none answers, start anyway (loudly: `GetStatus` warns too)
+/// unless `routing.require_host_at_start` asks to refuse.
+async fn probe_hosts(hub: &Hub, client: &Outbound) -> Result<(), StartError> {
+    let config = hub.config();
+    if poller::probe_all(hub, client).await > 0 {
+        return Ok(());
+    }
+    let hosts = config
+        .ollama
+        .hosts
+        .iter()
+        .map(|host| host.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ");
+    if config.routing.require_host_at_start {
+        return Err(StartError::NoHostAtStart { hosts });
+    }
+    tracing::error!(
+        %hosts,
+        "NO OLLAMA HOST ANSWERED THE START-UP PROBE (/api/tags). Starting anyway: requests are \
+         tried on every host until one answers a poll. Set routing.require_host_at_start: true \
+         to refuse to start instead."
+    );
+    Ok(())
 }

@@ -8,8 +8,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Instant, SystemTime};
 
 use crate::auth::Throttle;
+use crate::cloud::CloudPools;
 use crate::control::{AdminClient, ControlLink};
 use crate::dispatch::Dispatcher;
+use crate::metrics::Metrics;
 use crate::snapshot::PolicyStore;
 use crate::upstream::Upstream;
 
@@ -30,10 +32,14 @@ pub struct App {
     pub listen_addr: OnceLock<SocketAddr>,
     /// Queues and upstream slots.
     pub dispatcher: Arc<Dispatcher>,
+    /// Ollama Cloud key pools, per cloud host.
+    pub cloud: CloudPools,
     /// Failed-authentication throttle.
     pub throttle: Throttle,
     /// The control plane's admin API, for the HTTP queue-control endpoints.
     pub admin: AdminClient,
+    /// Prometheus metrics (`/metrics`).
+    pub metrics: Metrics,
     shutting_down: AtomicBool,
     active: AtomicU32,
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
@@ -51,6 +57,12 @@ impl App {
         let timeout = policy.proxy.request_timeout;
         Self {
             dispatcher: Dispatcher::new(&policy),
+            cloud: {
+                let pools = CloudPools::default();
+                pools.update(&policy);
+                pools
+            },
+            metrics: Metrics::new(&policy),
             throttle: Throttle::default(),
             admin,
             node: Arc::from(node),

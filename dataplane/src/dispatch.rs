@@ -26,7 +26,8 @@ use oqp_proto::policy::v1 as wire;
 use tokio::sync::{Notify, oneshot};
 
 use crate::error::ProxyError;
-use crate::policy::{Host, Policy};
+use crate::policy::{Host, Policy, Strategy};
+use crate::router::{Decisions, HostStat, Placement, RouteReason, Router};
 use crate::scheduler::{
     ClientLimits, Expiry, Limits, Rejection, Scheduler, Ticket, TicketId, Tier, TierLimits,
 };
@@ -44,15 +45,19 @@ const MAX_EVENTS: usize = 256;
 pub struct Dispatcher {
     inner: Mutex<Inner>,
     timer: Notify,
+    /// Woken whenever a slot frees, for requests failing over.
+    slot_freed: Notify,
+    /// The snapshot version last applied.
+    applied: tokio::sync::watch::Sender<u64>,
     flushed: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Debug)]
 struct Inner {
     scheduler: Scheduler<Waiter>,
-    /// Slots in use per host name.
-    slots: HashMap<Arc<str>, u32>,
-    hosts: Vec<Arc<Host>>,
+    /// Host choice and per-host slots.
+    router: Router,
+    strategy: Strategy,
     /// Configured depth per tier (0 = never queue; the scheduler gets 1).
     configured_depth: [u32; 3],
     max_concurrent: u32,
@@ -69,7 +74,8 @@ struct Inner {
 pub struct Lease {
     dispatcher: Arc<Dispatcher>,
     id: TicketId,
-    host: Arc<Host>,
+    placement: Option<Placement>,
+    model: Option<Arc<str>>,
     started: Instant,
     cost: Option<Duration>,
 }
@@ -116,8 +122,8 @@ impl Dispatcher {
         let dispatcher = Arc::new(Self {
             inner: Mutex::new(Inner {
                 scheduler: Scheduler::new(Limits::default()),
-                slots: HashMap::new(),
-                hosts: Vec::new(),
+                router: Router::default(),
+                strategy: policy.routing.strategy,
                 configured_depth: [0; 3],
                 max_concurrent: 1,
                 overflow_status: http::StatusCode::SERVICE_UNAVAILABLE,
@@ -127,11 +133,22 @@ impl Dispatcher {
                 was_busy: false,
             }),
             timer: Notify::new(),
+            slot_freed: Notify::new(),
+            applied: tokio::sync::watch::Sender::new(0),
             flushed: std::sync::atomic::AtomicU64::new(0),
         });
         {
+            let weak = Arc::downgrade(&dispatcher);
             let mut inner = dispatcher.lock();
             inner.flush_generation = policy.queue.tiers.each_ref().map(|t| t.flush_generation);
+            // A freed slot wakes the timer task, which dispatches; the hook
+            // must not take the lock (a guard may drop while it is held).
+            inner.router.set_release_hook(Arc::new(move || {
+                if let Some(dispatcher) = weak.upgrade() {
+                    dispatcher.timer.notify_one();
+                    dispatcher.slot_freed.notify_waiters();
+                }
+            }));
         }
         dispatcher.apply(policy);
         dispatcher
@@ -181,7 +198,8 @@ impl Dispatcher {
                     },
                 );
             }
-            inner.hosts = policy.hosts.clone();
+            inner.router.update(policy);
+            inner.strategy = policy.routing.strategy;
             inner.max_concurrent = policy.proxy.max_concurrent;
             inner.overflow_status = queue.overflow_status;
             dropped.extend(self.pump(&mut inner, Instant::now()));
@@ -192,7 +210,18 @@ impl Dispatcher {
             let _ = waiter.send(Err(ProxyError::Flushed));
         }
         drop(dropped);
+        self.applied.send_if_modified(|applied| {
+            let newer = *applied < policy.version;
+            *applied = (*applied).max(policy.version);
+            newer
+        });
         self.timer.notify_one();
+    }
+
+    /// Waits until a snapshot of `version` or newer has been applied.
+    pub async fn applied(&self, version: u64) {
+        let mut applied = self.applied.subscribe();
+        let _ = applied.wait_for(|applied| *applied >= version).await;
     }
 
     /// Admits a request, or refuses it with the error the client gets.
@@ -269,11 +298,12 @@ impl Dispatcher {
         loop {
             let Inner {
                 scheduler,
-                slots,
-                hosts,
+                router,
+                strategy,
                 ..
             } = &mut *inner;
-            let Some(dispatch) = scheduler.next(now, |model| place(hosts, slots, model)) else {
+            let strategy = *strategy;
+            let Some(dispatch) = scheduler.next(now, |model| router.place(model, strategy)) else {
                 break;
             };
             let tier = dispatch.tier;
@@ -282,7 +312,8 @@ impl Dispatcher {
                 lease: Lease {
                     dispatcher: self.clone(),
                     id: dispatch.id,
-                    host: dispatch.placement,
+                    placement: Some(dispatch.placement),
+                    model: dispatch.model,
                     started: now,
                     cost: None,
                 },
@@ -349,39 +380,85 @@ impl Dispatcher {
         drop(dropped);
     }
 
-    fn complete(self: &Arc<Self>, lease: &Lease) {
+    fn complete(self: &Arc<Self>, id: TicketId, cost: Duration) {
         let dropped = {
             let mut inner = self.lock();
-            let cost = lease.cost.unwrap_or_else(|| lease.started.elapsed());
-            inner.scheduler.complete(lease.id, cost, Instant::now());
-            if let Some(used) = inner.slots.get_mut(&lease.host.name) {
-                *used = used.saturating_sub(1);
-            }
+            inner.scheduler.complete(id, cost, Instant::now());
             self.pump(&mut inner, Instant::now())
         };
         drop(dropped);
     }
 
-    /// Takes a free slot on another host for a request that failed on
-    /// `lease`'s host before any byte reached its client. The old slot is
-    /// released.
-    pub fn fail_over(&self, lease: &mut Lease, tried: &[Arc<str>]) -> bool {
-        let mut inner = self.lock();
-        let Inner { slots, hosts, .. } = &mut *inner;
-        let next = hosts
-            .iter()
-            .filter(|host| !tried.contains(&host.name))
-            .find(|host| slots.get(&host.name).copied().unwrap_or(0) < host.max_concurrent)
-            .cloned();
-        let Some(next) = next else {
-            return false;
+    /// Moves a request that failed on its host before any byte reached its
+    /// client to another host with a free slot (same preference order,
+    /// excluding `tried`). `down` marks the failed host unreachable until its
+    /// next poll; a busy host (503) is not marked. False when no other host
+    /// can take it now.
+    pub fn fail_over(&self, lease: &mut Lease, tried: &[Arc<str>], down: bool) -> bool {
+        let old = {
+            let mut inner = self.lock();
+            let strategy = inner.strategy;
+            if down && let Some(placement) = &lease.placement {
+                inner.router.mark_down(&placement.host.name);
+            }
+            match inner
+                .router
+                .failover(lease.model.as_deref(), strategy, tried)
+            {
+                Some(next) => lease.placement.replace(next),
+                None => return false,
+            }
         };
-        if let Some(used) = slots.get_mut(&lease.host.name) {
-            *used = used.saturating_sub(1);
-        }
-        *slots.entry(next.name.clone()).or_insert(0) += 1;
-        lease.host = next;
+        // The old slot frees outside the lock.
+        drop(old);
         true
+    }
+
+    /// Like [`fail_over`](Self::fail_over), but when the other hosts are
+    /// only busy, waits (at most `timeout`) for one of their slots to free
+    /// instead of giving up. False when no other host can ever take it.
+    pub async fn fail_over_wait(
+        &self,
+        lease: &mut Lease,
+        tried: &[Arc<str>],
+        down: bool,
+        timeout: Duration,
+    ) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut mark_down = down;
+        loop {
+            let freed = self.slot_freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if self.fail_over(lease, tried, mark_down) {
+                return true;
+            }
+            mark_down = false;
+            let candidate_left = self
+                .lock()
+                .router
+                .stats()
+                .iter()
+                .any(|stat| !tried.contains(&stat.name) && !stat.marked_down);
+            if !candidate_left {
+                return false;
+            }
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                return false;
+            }
+        }
+    }
+
+    /// Removes `(host, model)` from routing after Ollama answered "model not
+    /// found", until the host's next poll.
+    pub fn forget_model(&self, host: &str, model: &str) {
+        self.lock().router.forget_model(host, model);
+    }
+
+    /// Routing decisions by reason, and per-host counters.
+    pub fn routing(&self) -> (Decisions, Vec<HostStat>) {
+        let inner = self.lock();
+        (inner.router.decisions(), inner.router.stats())
     }
 
     /// Seconds a refused client should wait, from the tier's drain rate.
@@ -393,20 +470,18 @@ impl Dispatcher {
     /// Gauges for the status report.
     pub fn report(&self, drain_generation: u64) -> QueueReport {
         let mut inner = self.lock();
-        let scheduler = &inner.scheduler;
-        let tiers = Tier::ALL.map(|tier| scheduler.tier_stats(tier));
-        let clients = scheduler.client_stats().collect();
-        let idle = scheduler.total_depth() == 0;
-        let queued_bytes = scheduler.queued_bytes();
-        let slots = inner.slots.clone();
-        QueueReport {
-            tiers,
-            clients,
-            queued_bytes,
-            slots,
-            drained_generation: if idle { drain_generation } else { 0 },
-            events: std::mem::take(&mut inner.events),
+        let mut report = inner.gauges();
+        if inner.scheduler.total_depth() == 0 {
+            report.drained_generation = drain_generation;
         }
+        report.events = std::mem::take(&mut inner.events);
+        report
+    }
+
+    /// The same gauges for status pages and metrics: no drain generation,
+    /// and the pending events are left for the next report.
+    pub fn stats(&self) -> QueueReport {
+        self.lock().gauges()
     }
 
     /// Requests dropped by flushes since start.
@@ -416,7 +491,7 @@ impl Dispatcher {
 
     /// Slots in use on `host`.
     pub fn slots_in_use(&self, host: &str) -> u32 {
-        self.lock().slots.get(host).copied().unwrap_or(0)
+        self.lock().router.slots_in_use(host)
     }
 
     /// Requests waiting in every tier.
@@ -434,8 +509,8 @@ pub struct QueueReport {
     pub clients: Vec<crate::scheduler::ClientStat>,
     /// Body bytes waiting.
     pub queued_bytes: u64,
-    /// Slots in use per host.
-    pub slots: HashMap<Arc<str>, u32>,
+    /// Per-host slots and counters.
+    pub slots: HashMap<Arc<str>, HostStat>,
     /// The drain generation this node has emptied its queues for (0 = busy).
     pub drained_generation: u64,
     /// Events since the last report.
@@ -443,6 +518,23 @@ pub struct QueueReport {
 }
 
 impl Inner {
+    fn gauges(&self) -> QueueReport {
+        let scheduler = &self.scheduler;
+        QueueReport {
+            tiers: Tier::ALL.map(|tier| scheduler.tier_stats(tier)),
+            clients: scheduler.client_stats().collect(),
+            queued_bytes: scheduler.queued_bytes(),
+            slots: self
+                .router
+                .stats()
+                .into_iter()
+                .map(|stat| (stat.name.clone(), stat))
+                .collect(),
+            drained_generation: 0,
+            events: Vec::new(),
+        }
+    }
+
     fn refusal(&mut self, rejection: Rejection, tier: Tier, client: &Arc<str>) -> ProxyError {
         match rejection {
             Rejection::Paused => ProxyError::TierPaused(tier),
@@ -484,24 +576,6 @@ impl Inner {
     }
 }
 
-/// The first healthy host with a free slot (all hosts when none is marked
-/// healthy: health is a cached observation and must not black-hole the
-/// proxy). Reserves the slot.
-fn place(
-    hosts: &[Arc<Host>],
-    slots: &mut HashMap<Arc<str>, u32>,
-    _model: Option<&str>,
-) -> Option<Arc<Host>> {
-    let any_healthy = hosts.iter().any(|host| host.healthy);
-    let host = hosts
-        .iter()
-        .filter(|host| host.healthy || !any_healthy)
-        .find(|host| slots.get(&host.name).copied().unwrap_or(0) < host.max_concurrent)?
-        .clone();
-    *slots.entry(host.name.clone()).or_insert(0) += 1;
-    Some(host)
-}
-
 impl Pending {
     /// Waits for the dispatcher's answer. Dropping the future (the client
     /// left) removes the ticket at once.
@@ -534,8 +608,18 @@ impl Drop for Pending {
 
 impl Lease {
     /// The host the request goes to.
-    pub fn host(&self) -> &Arc<Host> {
-        &self.host
+    pub fn host(&self) -> Option<&Arc<Host>> {
+        self.placement.as_ref().map(|placement| &placement.host)
+    }
+
+    /// The request's model, if it named one.
+    pub fn model(&self) -> Option<&Arc<str>> {
+        self.model.as_ref()
+    }
+
+    /// Why that host was chosen.
+    pub fn reason(&self) -> Option<RouteReason> {
+        self.placement.as_ref().map(|placement| placement.reason)
     }
 
     /// Records the request's GPU cost (Ollama's `total_duration`, when the
@@ -547,7 +631,10 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // The slot frees first, so that the dispatch below can use it.
+        drop(self.placement.take());
+        let cost = self.cost.unwrap_or_else(|| self.started.elapsed());
         let dispatcher = self.dispatcher.clone();
-        dispatcher.complete(self);
+        dispatcher.complete(self.id, cost);
     }
 }

@@ -12,26 +12,36 @@
 //!   byte, streaming the answer back with its resources held to the end;
 //! - [`scheduler`]: tiers, fair share, caps, expiry (pure, no I/O);
 //! - [`snapshot`] and [`policy`]: the one immutable policy behind an `ArcSwap`;
-//! - [`control`]: the watch of the policy stream and the status reports.
+//! - [`control`]: the watch of the policy stream and the status reports;
+//! - [`status`], [`metrics`] and [`dashboard`]: what the data plane shows of
+//!   itself (`/queue/status`, `/queue/summary`, `/metrics`, `/dashboard`).
 
 pub mod app;
 pub mod auth;
 pub mod body;
+pub mod cache;
+pub mod cloud;
 pub mod control;
+pub mod dashboard;
 pub mod dispatch;
 pub mod endpoint;
 pub mod error;
+pub mod forward;
 pub mod headers;
 pub mod listeners;
+pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod queue_control;
 pub mod redact;
 pub mod request_id;
+pub mod rewrite;
+pub mod router;
 pub mod scheduler;
 pub mod server;
 pub mod service;
 pub mod snapshot;
+pub mod status;
 pub mod upstream;
 
 mod run;

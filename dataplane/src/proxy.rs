@@ -8,7 +8,7 @@ use http::{HeaderValue, Request, Response, header};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
-use crate::body::{self, Body};
+use crate::body::{self, Body, BoxError};
 use crate::error::ProxyError;
 use crate::headers;
 use crate::policy::Host;
@@ -85,9 +85,23 @@ pub struct Answer {
     /// The host that answered.
     pub host: Arc<Host>,
     /// Its response.
-    pub response: Response<Incoming>,
+    pub response: Response<Body>,
     /// Hosts that failed before this one answered.
     pub failed: Vec<Arc<str>>,
+}
+
+impl Answer {
+    /// An answer from `host` with `response`.
+    pub fn new(host: Arc<Host>, response: Response<Incoming>) -> Self {
+        Self {
+            host,
+            response: response.map(|body| {
+                body.map_err(|error| -> BoxError { Box::new(error) })
+                    .boxed()
+            }),
+            failed: Vec::new(),
+        }
+    }
 }
 
 /// Sends `outbound` to the first host of `hosts` that answers. A host that
@@ -127,11 +141,9 @@ pub async fn send(
         let request = request_for(host, &method, &path_and_query, &headers, body)?;
         match upstream.send(request, timeout).await {
             Ok(response) => {
-                return Ok(Answer {
-                    host: host.clone(),
-                    response,
-                    failed,
-                });
+                let mut answer = Answer::new(host.clone(), response);
+                answer.failed = failed;
+                return Ok(answer);
             }
             Err(error) => {
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");

@@ -133,17 +133,9 @@ fn refusal(status: tonic::Status) -> ProxyError {
     }
 }
 
-/// Waits until this node serves `version`, at most [`APPLY_TIMEOUT`].
+/// Waits until this node's queues obey `version`, at most [`APPLY_TIMEOUT`].
 async fn wait_for_version(app: &App, version: u64) {
-    let mut changes = app.store.subscribe();
-    let wait = async {
-        while app.store.load().version < version {
-            if changes.changed().await.is_err() {
-                return;
-            }
-        }
-    };
-    let _ = tokio::time::timeout(APPLY_TIMEOUT, wait).await;
+    let _ = tokio::time::timeout(APPLY_TIMEOUT, app.dispatcher.applied(version)).await;
 }
 
 #[cfg(test)]

@@ -130,7 +130,7 @@ impl DataPlane {
 }
 
 /// Applies every new snapshot to the parts that keep state across
-/// snapshots (the dispatcher), until `shutdown`.
+/// snapshots (the dispatcher, the metrics' client labels), until `shutdown`.
 async fn follow_policy(app: Arc<App>, shutdown: CancellationToken) {
     let mut changes = app.store.subscribe();
     loop {
@@ -140,6 +140,8 @@ async fn follow_policy(app: Arc<App>, shutdown: CancellationToken) {
         }
         let policy = app.store.load();
         app.dispatcher.apply(&policy);
+        app.cloud.update(&policy);
+        app.metrics.apply(&policy);
     }
 }
 
@@ -177,12 +179,16 @@ fn report(app: &App) -> NodeReport {
     let hosts = policy
         .hosts
         .iter()
-        .map(|host| wire::HostReport {
-            name: host.name.to_string(),
-            slots_in_use: queue.slots.get(&host.name).copied().unwrap_or(0),
-            requests: 0,
-            failures: 0,
-            reachable: host.healthy,
+        .map(|host| {
+            let (requests, failures) = app.metrics.host_counts(&host.name);
+            let stat = queue.slots.get(&host.name);
+            wire::HostReport {
+                name: host.name.to_string(),
+                slots_in_use: stat.map_or(0, |s| s.slots_in_use),
+                requests,
+                failures,
+                reachable: host.healthy && !stat.is_some_and(|s| s.marked_down),
+            }
         })
         .collect();
     NodeReport {

@@ -2,7 +2,8 @@
 //! typed error that becomes HTTP in exactly one place ([`handle`]).
 //!
 //! ```text
-//! handle → reserved routes (main port: /health, /queue/*)
+//! handle → reserved routes (main port: /health, /queue/*, /metrics,
+//!          /dashboard)
 //!        → identify (key digest or injected identity) → scope
 //!        → classify → model management refused unless allowed
 //!        → read body (bounded) or stream it
@@ -13,10 +14,11 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use http::{HeaderValue, Method, Request, Response, header};
 use hyper::body::Incoming;
+use tracing::Instrument;
 
 use crate::app::App;
 use crate::auth::{self, Identity};
@@ -25,11 +27,13 @@ use crate::dispatch::{self, Grant};
 use crate::endpoint::Endpoint;
 use crate::error::ProxyError;
 use crate::headers;
+use crate::metrics;
 use crate::policy::{Host, Policy, Scope};
 use crate::proxy::{self, Outbound, RequestBody};
 use crate::queue_control;
 use crate::request_id;
 use crate::server::ListenerKind;
+use crate::{dashboard, status};
 
 /// The client id of anonymous callers (auth off, no `X-Client-ID`).
 const ANONYMOUS: &str = "anonymous";
@@ -45,13 +49,32 @@ pub async fn handle(
     let request_id = request_id::from_headers(request.headers());
     // The one policy load of this request: the whole request sees one snapshot.
     let policy = app.store.load();
-    let mut response = match route(&app, &policy, kind, peer, request).await {
+    // `forward` fills in the client and tier; never a key.
+    let span = tracing::debug_span!(
+        "request",
+        id = %request_id,
+        client = tracing::field::Empty,
+        tier = tracing::field::Empty,
+    );
+    let routed = route(&app, &policy, kind, peer, request)
+        .instrument(span.clone())
+        .await;
+    let mut response = match routed {
         Ok(response) => response,
         Err(error) => error.into_response(&request_id),
     };
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(headers::REQUEST_ID, id);
     }
+    span.in_scope(|| {
+        let header = |name| response.headers().get(name).and_then(|v| v.to_str().ok());
+        tracing::debug!(
+            status = response.status().as_u16(),
+            host = header(headers::FAILOVER_HOST),
+            wait_ms = header(headers::QUEUE_WAIT_TIME).and_then(|ms| ms.parse::<u64>().ok()),
+            "request done"
+        );
+    });
     response
 }
 
@@ -76,12 +99,40 @@ async fn route(
                 identity.require(Scope::Management)?;
                 return queue_control::handle(app, &request).await;
             }
+            (&Method::GET, "/queue/status" | "/queue/summary" | "/metrics" | "/dashboard") => {
+                return observe(app, policy, kind, peer, &request);
+            }
             _ => {}
         }
     }
     let identity = auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
     forward(app, policy, identity, request).await
+}
+
+/// The read-only surfaces (scope `read`): status, summary, metrics and the
+/// dashboard.
+fn observe(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    kind: &ListenerKind,
+    peer: SocketAddr,
+    request: &Request<Incoming>,
+) -> Result<Response<Body>, ProxyError> {
+    let path = request.uri().path();
+    // A disabled dashboard answers like an unknown route, before any
+    // authentication: a feature turned off does not advertise itself.
+    if path == "/dashboard" && !policy.dashboard.enabled {
+        return Err(ProxyError::NotFound);
+    }
+    let identity = auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+    identity.require(Scope::Read)?;
+    Ok(match path {
+        "/queue/status" => status::status_response(app, policy),
+        "/queue/summary" => status::summary_response(app, policy),
+        "/metrics" => metrics::response(app),
+        _ => dashboard::response(policy),
+    })
 }
 
 async fn forward(
@@ -102,6 +153,9 @@ async fn forward(
     if let Some(client) = &client_id {
         app.touch(client);
     }
+    tracing::Span::current()
+        .record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
+        .record("tier", tier.as_str());
 
     let (parts, incoming) = request.into_parts();
     let limit = policy.proxy.max_request_body_bytes;
@@ -116,6 +170,11 @@ async fn forward(
     };
     let mut upstream_headers = parts.headers;
     headers::for_upstream(&mut upstream_headers, client_id.as_deref());
+    if let RequestBody::Buffered(_) = body {
+        // A read body may be rewritten on its way; hyper sets the length
+        // of what is actually sent.
+        upstream_headers.remove(header::CONTENT_LENGTH);
+    }
     let outbound = Outbound {
         method: parts.method,
         path_and_query: parts
@@ -129,17 +188,7 @@ async fn forward(
 
     if endpoint == Endpoint::Metadata {
         // The fast path: never queued, never capped, no slot.
-        let hosts = metadata_hosts(policy);
-        let active = app.track_active();
-        let answer = proxy::send(
-            &app.upstream,
-            policy.proxy.request_timeout,
-            &hosts,
-            outbound,
-            |_, _| {},
-        )
-        .await?;
-        return Ok(proxy::respond(answer, Some(Box::new(active)), None));
+        return metadata(app, policy, outbound, model.as_deref()).await;
     }
 
     let pending = app.dispatcher.admit(dispatch::Request {
@@ -165,67 +214,35 @@ async fn send_granted(
     immediate: bool,
 ) -> Result<Response<Body>, ProxyError> {
     let Grant {
-        mut lease, waited, ..
+        mut lease,
+        waited,
+        tier,
     } = grant;
+    app.metrics.observe_wait(tier, waited);
     let wait_header = queue_headers(waited, position, immediate);
+    let sent = Instant::now();
     let active = app.track_active();
-    let timeout = policy.proxy.request_timeout;
-    let mut tried: Vec<Arc<str>> = Vec::new();
-    let mut outbound = Some(outbound);
-    let answer = loop {
-        let host = lease.host().clone();
-        let Some(attempt) = outbound.take() else {
-            break Err(ProxyError::AllHostsFailed);
-        };
-        let (this_attempt, replay) = split_for_retry(attempt);
-        match proxy::send(
-            &app.upstream,
-            timeout,
-            std::slice::from_ref(&host),
-            this_attempt,
-            |_, _| {},
-        )
-        .await
-        {
-            Ok(answer) => break Ok(answer),
-            Err(error) => {
-                tried.push(host.name.clone());
-                outbound = replay;
-                if outbound.is_none() || !app.dispatcher.fail_over(&mut lease, &tried) {
-                    break Err(error);
-                }
-            }
-        }
-    };
-    let answer = answer?;
+    let model = lease.model().map(|m| m.to_string());
+    let forwarded =
+        crate::forward::send(app, policy.clone(), &mut lease, model.as_deref(), outbound).await?;
+    let crate::forward::Forwarded {
+        answer,
+        guards,
+        headers: extra_headers,
+    } = forwarded;
+    app.metrics.host_request(&answer.host.name);
+    app.metrics.observe_ttfb(tier, sent.elapsed());
     let completion: crate::upstream::Completion = Box::new(move |outcome| {
         let mut lease = lease;
         lease.set_cost(outcome.total_duration);
         drop(lease);
     });
-    let guard: Box<dyn Send + Sync> = Box::new(active);
+    let guard: Box<dyn Send + Sync> = Box::new((active, guards));
     let mut response = proxy::respond(answer, Some(guard), Some(completion));
-    for (name, value) in wait_header {
+    for (name, value) in wait_header.into_iter().chain(extra_headers) {
         response.headers_mut().insert(name, value);
     }
     Ok(response)
-}
-
-/// Splits a request into the attempt to send now and a copy for a retry on
-/// another host; streamed bodies cannot be replayed.
-fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
-    match &outbound.body {
-        RequestBody::Buffered(bytes) => {
-            let replay = Outbound {
-                method: outbound.method.clone(),
-                path_and_query: outbound.path_and_query.clone(),
-                headers: outbound.headers.clone(),
-                body: RequestBody::Buffered(bytes.clone()),
-            };
-            (outbound, Some(replay))
-        }
-        RequestBody::Streamed(_) => (outbound, None),
-    }
 }
 
 /// `X-Queue-Wait-Time` (ms from admission to dispatch) and, when the request
@@ -245,15 +262,111 @@ fn queue_headers(
     headers
 }
 
-/// Hosts for a metadata request: the healthy ones, or all when none is
-/// marked healthy.
-fn metadata_hosts(policy: &Policy) -> Vec<Arc<Host>> {
-    let healthy: Vec<Arc<Host>> = policy.hosts.iter().filter(|h| h.healthy).cloned().collect();
-    if healthy.is_empty() {
-        policy.hosts.clone()
-    } else {
-        healthy
+/// A metadata read: `/api/tags` and `/api/ps` answer the union over the
+/// healthy hosts (every model a client can use, once); `/api/show` goes to
+/// a host that has the model; the rest to any healthy host, failing over.
+async fn metadata(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    outbound: Outbound,
+    model: Option<&str>,
+) -> Result<Response<Body>, ProxyError> {
+    let hosts = metadata_hosts(policy, model);
+    let path = outbound.path_and_query.path().to_owned();
+    let union = outbound.method == Method::GET
+        && (path == "/api/tags" || path == "/api/ps")
+        && hosts.len() > 1;
+    if union {
+        return union_response(app, policy, &hosts, outbound, &path).await;
     }
+    let active = app.track_active();
+    let answer = proxy::send(
+        &app.upstream,
+        policy.proxy.request_timeout,
+        &hosts,
+        outbound,
+        |host, _| app.metrics.host_failure(&host.name),
+    )
+    .await?;
+    app.metrics.host_request(&answer.host.name);
+    for _ in &answer.failed {
+        app.metrics.failover();
+    }
+    Ok(proxy::respond(answer, Some(Box::new(active)), None))
+}
+
+/// Asks every host at once and merges their model lists.
+async fn union_response(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    hosts: &[Arc<Host>],
+    outbound: Outbound,
+    path: &str,
+) -> Result<Response<Body>, ProxyError> {
+    use http_body_util::BodyExt;
+    let asks = hosts.iter().map(|host| {
+        let request = proxy::request_for(
+            host,
+            &outbound.method,
+            &outbound.path_and_query,
+            &outbound.headers,
+            body::empty(),
+        );
+        async move {
+            let response = app
+                .upstream
+                .send(request.ok()?, policy.proxy.request_timeout)
+                .await
+                .ok()?;
+            if !response.status().is_success() {
+                return None;
+            }
+            let bytes = response.into_body().collect().await.ok()?.to_bytes();
+            serde_json::from_slice::<serde_json::Value>(&bytes)
+                .ok()
+                .map(|value| (host.name.clone(), value))
+        }
+    });
+    let answers: Vec<(Arc<str>, serde_json::Value)> = futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    if answers.is_empty() {
+        return Err(ProxyError::AllHostsFailed);
+    }
+    let bodies: Vec<serde_json::Value> = answers.iter().map(|(_, body)| body.clone()).collect();
+    let merged = if path == "/api/ps" {
+        crate::router::union_ps(&bodies)
+    } else {
+        crate::router::union_tags(&bodies)
+    };
+    let mut response = Response::new(body::json(&merged));
+    let names: Vec<&str> = answers.iter().map(|(name, _)| &**name).collect();
+    let map = response.headers_mut();
+    map.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    if let Ok(value) = HeaderValue::from_str(&names.join(", ")) {
+        map.insert(headers::FAILOVER_HOST, value);
+    }
+    Ok(response)
+}
+
+/// Hosts for a metadata request: the healthy ones (all when none is marked
+/// healthy), those that have `model` installed first.
+fn metadata_hosts(policy: &Policy, model: Option<&str>) -> Vec<Arc<Host>> {
+    let mut hosts: Vec<Arc<Host>> = policy.hosts.iter().filter(|h| h.healthy).cloned().collect();
+    if hosts.is_empty() {
+        hosts = policy.hosts.clone();
+    }
+    if let Some(model) = model {
+        let model = crate::policy::normalize_model(model);
+        // Stable: hosts with the model keep their order, ahead of the rest.
+        hosts.sort_by_key(|host| !host.installed.contains(&model));
+    }
+    hosts
 }
 
 /// The top-level `model` of a JSON body, if any.

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 use oqp_proto::policy::v1::PolicySnapshot;
@@ -20,6 +21,7 @@ pub struct PolicyStore {
     current: ArcSwap<Policy>,
     // Read by the reporter only; never touched on the request path.
     rejected: Mutex<Option<Rejected>>,
+    rejected_total: AtomicU64,
     changed: tokio::sync::watch::Sender<u64>,
 }
 
@@ -50,6 +52,7 @@ impl PolicyStore {
         Self {
             current: ArcSwap::from_pointee(initial),
             rejected: Mutex::new(None),
+            rejected_total: AtomicU64::new(0),
             changed,
         }
     }
@@ -71,6 +74,7 @@ impl PolicyStore {
                 Offer::Applied
             }
             Err(error) => {
+                self.rejected_total.fetch_add(1, Ordering::Relaxed);
                 if let Ok(mut rejected) = self.rejected.lock() {
                     *rejected = Some(Rejected {
                         version,
@@ -107,6 +111,11 @@ impl PolicyStore {
     /// The last rejected version, if any.
     pub fn rejected(&self) -> Option<Rejected> {
         self.rejected.lock().ok().and_then(|r| r.clone())
+    }
+
+    /// Snapshots rejected since start.
+    pub fn rejected_total(&self) -> u64 {
+        self.rejected_total.load(Ordering::Relaxed)
     }
 
     /// A receiver that sees every applied version.

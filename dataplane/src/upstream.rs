@@ -134,7 +134,7 @@ const TAIL_BYTES: usize = 2048;
 /// Streams an upstream body to the client, frame by frame, holding `guard`
 /// until the body ends.
 pub struct ResponseBody {
-    inner: Incoming,
+    inner: Body,
     framing: Framing,
     host: std::sync::Arc<str>,
     done: bool,
@@ -159,7 +159,7 @@ impl ResponseBody {
     /// Wraps `inner`. When `framing` allows it and the upstream did not fix
     /// the length, a mid-stream failure becomes one in-band error frame.
     pub fn new(
-        inner: Incoming,
+        inner: Body,
         framing: Framing,
         host: std::sync::Arc<str>,
         guard: Option<Box<dyn Send + Sync>>,
@@ -209,7 +209,7 @@ impl ResponseBody {
         }
     }
 
-    fn error_frame(&self, error: &hyper::Error) -> Option<Bytes> {
+    fn error_frame(&self, error: &BoxError) -> Option<Bytes> {
         tracing::warn!(host = %self.host, %error, "upstream failed mid-stream");
         let message = format!(
             "upstream host '{}' failed before the response was complete",
@@ -263,7 +263,7 @@ impl http_body::Body for ResponseBody {
                 this.finish(false, false);
                 match frame {
                     Some(bytes) => Poll::Ready(Some(Ok(Frame::data(bytes)))),
-                    None => Poll::Ready(Some(Err(Box::new(error)))),
+                    None => Poll::Ready(Some(Err(error))),
                 }
             }
             None => {

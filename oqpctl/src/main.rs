@@ -6,6 +6,7 @@
 
 mod client;
 mod render;
+mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,8 +24,11 @@ Examples:
   oqpctl queue pause --tier low
   oqpctl queue drain --timeout 2m
   oqpctl hosts
-  oqpctl clients
+  oqpctl clients --watch 5
   oqpctl keys list
+  oqpctl keys add batch --max-priority low --scope inference --max-concurrent 1 --expires 30d
+  oqpctl keys rotate batch --grace 1h
+  oqpctl keys revoke batch
   OQPCTL_KEY=sk-admin oqpctl --control-plane https://cp.lan:50051 --ca ca.pem status";
 
 /// Operate oqp, the admission-control proxy for Ollama.
@@ -58,7 +62,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// The control plane and every data plane: versions, sync, activity.
-    Status,
+    Status(WatchArg),
     /// Offline checks of a config file.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -66,9 +70,9 @@ enum Command {
     #[command(subcommand)]
     Queue(QueueCommand),
     /// Upstream hosts: health, slots, models.
-    Hosts,
+    Hosts(WatchArg),
     /// Clients: ceilings, waiting, in flight, share.
-    Clients,
+    Clients(WatchArg),
     /// Consumer keys.
     #[command(subcommand)]
     Keys(KeysCommand),
@@ -111,10 +115,81 @@ struct TierArg {
     tier: Option<String>,
 }
 
+#[derive(Debug, Clone, Copy, clap::Args)]
+struct WatchArg {
+    /// Redraw every SECONDS (default 2) until Ctrl-C.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = watch::DEFAULT_SECONDS)]
+    watch: Option<u64>,
+}
+
+/// A view that `--watch` can redraw.
+#[derive(Debug, Clone, Copy)]
+enum View {
+    Status,
+    Hosts,
+    Clients,
+}
+
+impl View {
+    fn command(self) -> &'static str {
+        match self {
+            View::Status => "status",
+            View::Hosts => "hosts",
+            View::Clients => "clients",
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum KeysCommand {
-    /// Every key (never a key's value).
+    /// Every key, from the config file and the key store (never a key's value).
     List,
+    /// Creates a client with a new key in the store; prints the key once.
+    Add(AddKey),
+    /// Replaces a stored client's key; prints the new key once.
+    Rotate {
+        /// The client whose key is replaced.
+        client_id: String,
+        /// How long the old key keeps working (e.g. 10m, 24h); default: it
+        /// stops at once.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        grace: Option<std::time::Duration>,
+    },
+    /// Removes a stored client and its keys at once, on every data plane.
+    Revoke {
+        /// The client to remove.
+        client_id: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+struct AddKey {
+    /// The new client's id (not yet in the config file or the store).
+    client_id: String,
+    /// Highest tier its requests may use.
+    #[arg(long, value_parser = ["high", "normal", "low"])]
+    max_priority: String,
+    /// What the key may do.
+    #[arg(long, value_parser = ["read", "inference", "management"])]
+    scope: String,
+    /// Most requests in flight at once (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    max_concurrent: u32,
+    /// Fair-share weight against other clients of the same tier.
+    #[arg(long, default_value_t = 1.0)]
+    weight: f64,
+    /// Most requests waiting at once (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    max_queued: u32,
+    /// Tier for requests that name none (default: max priority, capped at normal).
+    #[arg(long, value_parser = ["high", "normal", "low"])]
+    default_priority: Option<String>,
+    /// Free text shown in listings.
+    #[arg(long, default_value = "")]
+    description: String,
+    /// Lifetime (e.g. 30d, 12h); default: until revoked.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    expires: Option<std::time::Duration>,
 }
 
 /// A failure with its exit code.
@@ -173,35 +248,75 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let key = client::load_key(cli.key_file.as_ref())?;
     let mut admin = client::connect(&cli.control_plane, key, cli.ca.as_ref()).await?;
     match cli.command {
-        Command::Status => {
-            let response = admin
-                .get_status(api::GetStatusRequest {})
-                .await?
-                .into_inner();
-            println!("{}", render::status(&response, output, style));
-        }
-        Command::Hosts => {
-            let response = admin
-                .list_hosts(api::ListHostsRequest {})
-                .await?
-                .into_inner();
-            println!("{}", render::hosts(&response, output, style));
-        }
-        Command::Clients => {
-            let response = admin
-                .list_clients(api::ListClientsRequest {})
-                .await?
-                .into_inner();
-            println!("{}", render::clients(&response, output, style));
-        }
-        Command::Keys(KeysCommand::List) => {
-            let response = admin.list_keys(api::ListKeysRequest {}).await?.into_inner();
-            println!("{}", render::keys(&response, output, style));
-        }
+        Command::Status(arg) => show(&mut admin, View::Status, arg, output, style).await?,
+        Command::Hosts(arg) => show(&mut admin, View::Hosts, arg, output, style).await?,
+        Command::Clients(arg) => show(&mut admin, View::Clients, arg, output, style).await?,
+        Command::Keys(command) => keys(&mut admin, command, output, style).await?,
         Command::Queue(command) => queue(&mut admin, command, output).await?,
         Command::Config(_) | Command::Completions { .. } => {}
     }
     Ok(())
+}
+
+/// Prints `view` once, or with `--watch` redraws it until Ctrl-C. A failed
+/// refresh is shown in place of the view and the watch goes on.
+async fn show(
+    admin: &mut client::Admin,
+    view: View,
+    arg: WatchArg,
+    output: Output,
+    style: Style,
+) -> Result<(), Failure> {
+    let Some(seconds) = arg.watch else {
+        println!("{}", fetch(admin, view, output, style).await?);
+        return Ok(());
+    };
+    let every = watch::interval(seconds);
+    let mut ticks = tokio::time::interval(every);
+    let stop = tokio::signal::ctrl_c();
+    tokio::pin!(stop);
+    loop {
+        let body = tokio::select! {
+            _ = &mut stop => return Ok(()),
+            _ = ticks.tick() => tokio::select! {
+                _ = &mut stop => return Ok(()),
+                body = fetch(admin, view, output, style) => body,
+            },
+        };
+        let body = body.unwrap_or_else(|failure| format!("oqpctl: {}", failure.message));
+        let frame = watch::frame(
+            view.command(),
+            every,
+            std::time::SystemTime::now(),
+            &body,
+            style.color,
+        );
+        print!("{frame}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
+}
+
+async fn fetch(
+    admin: &mut client::Admin,
+    view: View,
+    output: Output,
+    style: Style,
+) -> Result<String, Failure> {
+    Ok(match view {
+        View::Status => {
+            let response = admin.get_status(api::GetStatusRequest {}).await?;
+            render::status(&response.into_inner(), output, style)
+        }
+        View::Hosts => {
+            let response = admin.list_hosts(api::ListHostsRequest {}).await?;
+            render::hosts(&response.into_inner(), output, style)
+        }
+        View::Clients => {
+            let response = admin.list_clients(api::ListClientsRequest {}).await?;
+            render::clients(&response.into_inner(), output, style)
+        }
+    })
 }
 
 async fn queue(
@@ -242,6 +357,76 @@ async fn queue(
     };
     println!("{}", render::tier_change(&response.into_inner(), output));
     Ok(())
+}
+
+async fn keys(
+    admin: &mut client::Admin,
+    command: KeysCommand,
+    output: Output,
+    style: Style,
+) -> Result<(), Failure> {
+    match command {
+        KeysCommand::List => {
+            let response = admin.list_keys(api::ListKeysRequest {}).await?.into_inner();
+            println!("{}", render::keys(&response, output, style));
+        }
+        KeysCommand::Add(add) => {
+            let request = add_request(add);
+            let response = admin.add_key(request).await?.into_inner();
+            println!("{}", render::key_added(&response, output));
+        }
+        KeysCommand::Rotate { client_id, grace } => {
+            let request = api::RotateKeyRequest {
+                client_id,
+                grace_seconds: grace.map_or(0, whole_seconds),
+            };
+            let response = admin.rotate_key(request).await?.into_inner();
+            println!("{}", render::key_rotated(&response, output));
+        }
+        KeysCommand::Revoke { client_id } => {
+            let request = api::RevokeKeyRequest {
+                client_id: client_id.clone(),
+            };
+            let response = admin.revoke_key(request).await?.into_inner();
+            println!("{}", render::key_revoked(&client_id, &response, output));
+        }
+    }
+    Ok(())
+}
+
+/// Seconds, rounded up: `--expires 500ms` must not mean "never", nor
+/// `--grace 500ms` "not at all".
+fn whole_seconds(duration: std::time::Duration) -> u64 {
+    duration.as_secs() + u64::from(duration.subsec_nanos() > 0)
+}
+
+fn tier(name: &str) -> wire::Tier {
+    match name {
+        "high" => wire::Tier::High,
+        "low" => wire::Tier::Low,
+        _ => wire::Tier::Normal,
+    }
+}
+
+fn add_request(add: AddKey) -> api::AddKeyRequest {
+    api::AddKeyRequest {
+        client_id: add.client_id,
+        scope: match add.scope.as_str() {
+            "read" => wire::Scope::Read,
+            "management" => wire::Scope::Management,
+            _ => wire::Scope::Inference,
+        } as i32,
+        max_priority: tier(&add.max_priority) as i32,
+        max_concurrent: add.max_concurrent,
+        weight: add.weight,
+        description: add.description,
+        expires_in_seconds: add.expires.map_or(0, whole_seconds),
+        default_priority: add
+            .default_priority
+            .as_deref()
+            .map_or(wire::Tier::Unspecified, tier) as i32,
+        max_queued: add.max_queued,
+    }
 }
 
 fn check_config(path: &std::path::Path, output: Output) -> Result<(), Failure> {
@@ -288,5 +473,124 @@ mod tests {
     #[test]
     fn the_cli_is_well_formed() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn watch_takes_an_optional_interval() {
+        let watch_of = |args: &[&str]| match parse(args).unwrap().command {
+            Command::Status(arg) | Command::Hosts(arg) | Command::Clients(arg) => arg.watch,
+            other => panic!("not a view: {other:?}"),
+        };
+        assert_eq!(watch_of(&["status"]), None);
+        assert_eq!(watch_of(&["status", "--watch"]), Some(2));
+        assert_eq!(watch_of(&["hosts", "--watch", "5"]), Some(5));
+        assert_eq!(watch_of(&["clients", "--watch", "--no-color"]), Some(2));
+        assert!(parse(&["status", "--watch", "soon"]).is_err());
+    }
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("oqpctl").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn keys_add_maps_every_flag() {
+        let cli = parse(&[
+            "keys",
+            "add",
+            "batch",
+            "--max-priority",
+            "low",
+            "--scope",
+            "read",
+            "--max-concurrent",
+            "1",
+            "--weight",
+            "0.5",
+            "--max-queued",
+            "9",
+            "--default-priority",
+            "low",
+            "--description",
+            "nightly",
+            "--expires",
+            "1day 500ms",
+        ])
+        .unwrap();
+        let Command::Keys(KeysCommand::Add(add)) = cli.command else {
+            panic!("not keys add: {:?}", cli.command);
+        };
+        let request = add_request(add);
+        assert_eq!(request.client_id, "batch");
+        assert_eq!(request.scope, wire::Scope::Read as i32);
+        assert_eq!(request.max_priority, wire::Tier::Low as i32);
+        assert_eq!(request.default_priority, wire::Tier::Low as i32);
+        assert_eq!(request.max_concurrent, 1);
+        assert_eq!(request.weight, 0.5);
+        assert_eq!(request.max_queued, 9);
+        assert_eq!(request.description, "nightly");
+        assert_eq!(request.expires_in_seconds, 86_401);
+    }
+
+    #[test]
+    fn keys_add_defaults_and_required_flags() {
+        let cli = parse(&[
+            "keys",
+            "add",
+            "chat",
+            "--max-priority",
+            "high",
+            "--scope",
+            "inference",
+        ])
+        .unwrap();
+        let Command::Keys(KeysCommand::Add(add)) = cli.command else {
+            panic!("not keys add");
+        };
+        let request = add_request(add);
+        assert_eq!(request.default_priority, wire::Tier::Unspecified as i32);
+        assert_eq!(request.weight, 1.0);
+        assert_eq!(request.expires_in_seconds, 0);
+        assert!(parse(&["keys", "add", "chat", "--scope", "read"]).is_err());
+        assert!(parse(&["keys", "add", "chat", "--max-priority", "high"]).is_err());
+        assert!(
+            parse(&[
+                "keys",
+                "add",
+                "chat",
+                "--max-priority",
+                "urgent",
+                "--scope",
+                "read"
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn keys_rotate_takes_a_grace_period() {
+        let cli = parse(&["keys", "rotate", "batch", "--grace", "90s"]).unwrap();
+        let Command::Keys(KeysCommand::Rotate { client_id, grace }) = cli.command else {
+            panic!("not keys rotate");
+        };
+        assert_eq!(client_id, "batch");
+        assert_eq!(grace, Some(std::time::Duration::from_secs(90)));
+        assert!(parse(&["keys", "revoke"]).is_err());
+    }
+
+    #[test]
+    fn refusals_exit_1_and_unreachable_exits_2() {
+        for code in [
+            tonic::Code::PermissionDenied,
+            tonic::Code::Unauthenticated,
+            tonic::Code::AlreadyExists,
+            tonic::Code::FailedPrecondition,
+            tonic::Code::NotFound,
+            tonic::Code::InvalidArgument,
+        ] {
+            let failure = Failure::from(tonic::Status::new(code, "why"));
+            assert_eq!((failure.code, failure.message.as_str()), (1, "why"));
+        }
+        let failure = Failure::from(tonic::Status::unavailable("down"));
+        assert_eq!(failure.code, 2);
     }
 }

@@ -236,6 +236,78 @@ pub fn key_json(key: &api::KeyInfo) -> Value {
     })
 }
 
+/// `oqpctl keys add`: the key, once, with what it may do.
+pub fn key_added(response: &api::AddKeyResponse, output: Output) -> String {
+    let info = response.info.clone().unwrap_or_default();
+    match output {
+        Output::Json => {
+            let mut value = key_json(&info);
+            value["key"] = json!(response.key);
+            value["snapshot_version"] = json!(response.snapshot_version);
+            pretty(&value)
+        }
+        Output::Table => format!(
+            "Added client '{}' ({}scope {}, max priority {}, expires {}); snapshot {}.\n\
+             Its key, shown only this once:\n\n    {}\n\n\
+             Clients present it as `Authorization: Bearer <key>`.",
+            info.client_id,
+            if info.source.is_empty() {
+                String::new()
+            } else {
+                format!("{}, ", info.source)
+            },
+            scope_name(info.scope),
+            tier_name(info.max_priority),
+            expires(info.expires_unix_ms),
+            response.snapshot_version,
+            response.key,
+        ),
+    }
+}
+
+/// `oqpctl keys rotate`: the new key, once, and when the old one stops.
+pub fn key_rotated(response: &api::RotateKeyResponse, output: Output) -> String {
+    let info = response.info.clone().unwrap_or_default();
+    match output {
+        Output::Json => {
+            let mut value = key_json(&info);
+            value["key"] = json!(response.key);
+            value["old_key_expires_unix_ms"] = json!(response.old_key_expires_unix_ms);
+            value["snapshot_version"] = json!(response.snapshot_version);
+            pretty(&value)
+        }
+        Output::Table => {
+            let old = match expires(response.old_key_expires_unix_ms).as_str() {
+                "expired" | "never" => "The old key no longer works.".to_owned(),
+                remaining => format!(
+                    "The old key works until {} ({remaining}).",
+                    rfc3339(response.old_key_expires_unix_ms)
+                ),
+            };
+            format!(
+                "Rotated the key of client '{}'; snapshot {}.\n{old}\n\
+                 The new key, shown only this once:\n\n    {}\n",
+                info.client_id, response.snapshot_version, response.key,
+            )
+        }
+    }
+}
+
+/// `oqpctl keys revoke`.
+pub fn key_revoked(client_id: &str, response: &api::RevokeKeyResponse, output: Output) -> String {
+    match output {
+        Output::Json => pretty(&json!({
+            "client_id": client_id,
+            "revoked": true,
+            "snapshot_version": response.snapshot_version,
+        })),
+        Output::Table => format!(
+            "Revoked client '{client_id}': snapshot {} removes its keys from every data plane.",
+            response.snapshot_version
+        ),
+    }
+}
+
 /// `oqpctl hosts`.
 pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) -> String {
     match output {
@@ -442,6 +514,11 @@ fn expires(unix_ms: i64) -> String {
     }
 }
 
+fn rfc3339(unix_ms: i64) -> String {
+    let at = std::time::UNIX_EPOCH + Duration::from_millis(u64::try_from(unix_ms).unwrap_or(0));
+    humantime::format_rfc3339_seconds(at).to_string()
+}
+
 fn pretty(value: &Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
@@ -520,6 +597,117 @@ mod tests {
             serde_json::from_str(&keys(&response, Output::Json, Style { color: false })).unwrap();
         assert_eq!(value[0]["client_id"], "batch");
         assert!(value[0].get("key").is_none());
+    }
+
+    fn now_ms() -> i64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    }
+
+    fn stored_info() -> api::KeyInfo {
+        api::KeyInfo {
+            client_id: "batch".into(),
+            source: "store".into(),
+            scope: wire::Scope::Inference as i32,
+            max_priority: wire::Tier::Low as i32,
+            default_priority: wire::Tier::Low as i32,
+            weight: 1.0,
+            created_unix_ms: now_ms() - 90_000,
+            expires_unix_ms: now_ms() + 3 * 86_400_000 + 60_000,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn keys_list_shows_source_created_and_expiry() {
+        let mut config_key = stored_info();
+        config_key.client_id = "admin".into();
+        config_key.source = "config".into();
+        config_key.created_unix_ms = 0;
+        config_key.expires_unix_ms = 0;
+        config_key.last_used_unix_ms = now_ms() - 5_000;
+        let mut expired = stored_info();
+        expired.client_id = "old".into();
+        expired.expires_unix_ms = now_ms() - 1;
+        let response = api::ListKeysResponse {
+            keys: vec![config_key, stored_info(), expired],
+        };
+        let text = keys(&response, Output::Table, Style { color: false });
+        let row = |id: &str| {
+            text.lines()
+                .find(|line| line.contains(&format!(" {id} ")))
+                .unwrap_or_else(|| panic!("no row for {id}:\n{text}"))
+                .to_owned()
+        };
+        let admin = row("admin");
+        assert!(
+            admin.contains("config") && admin.contains("never"),
+            "{admin}"
+        );
+        assert!(admin.contains("5s ago"), "{admin}");
+        let batch = row("batch");
+        assert!(
+            batch.contains("store") && batch.contains("1m 30s ago"),
+            "{batch}"
+        );
+        assert!(batch.contains("in 3d 0h"), "{batch}");
+        assert!(row("old").contains("expired"));
+    }
+
+    #[test]
+    fn an_added_key_is_shown_once_in_both_formats() {
+        let response = api::AddKeyResponse {
+            info: Some(stored_info()),
+            key: "oqp_secretvalue".into(),
+            snapshot_version: 7,
+        };
+        let text = key_added(&response, Output::Table);
+        assert!(text.contains("\n    oqp_secretvalue\n"), "{text}");
+        assert!(text.contains("'batch'") && text.contains("snapshot 7"));
+        assert!(text.contains("shown only this once"));
+        assert_eq!(text.matches("oqp_secretvalue").count(), 1);
+        let value: Value = serde_json::from_str(&key_added(&response, Output::Json)).unwrap();
+        assert_eq!(value["key"], "oqp_secretvalue");
+        assert_eq!(value["client_id"], "batch");
+        assert_eq!(value["snapshot_version"], 7);
+        assert_eq!(value["scope"], "inference");
+    }
+
+    #[test]
+    fn a_rotation_says_when_the_old_key_stops() {
+        let until = now_ms() + 3_600_000 + 30_000;
+        let response = api::RotateKeyResponse {
+            info: Some(stored_info()),
+            key: "oqp_newvalue".into(),
+            old_key_expires_unix_ms: until,
+            snapshot_version: 8,
+        };
+        let text = key_rotated(&response, Output::Table);
+        assert!(text.contains("The old key works until 20"), "{text}");
+        assert!(text.contains("(in 1h 0m)"), "{text}");
+        assert!(text.contains("\n    oqp_newvalue\n"), "{text}");
+        let now = api::RotateKeyResponse {
+            old_key_expires_unix_ms: now_ms() - 1,
+            ..response.clone()
+        };
+        assert!(key_rotated(&now, Output::Table).contains("The old key no longer works."));
+        let value: Value = serde_json::from_str(&key_rotated(&response, Output::Json)).unwrap();
+        assert_eq!(value["key"], "oqp_newvalue");
+        assert_eq!(value["old_key_expires_unix_ms"], until);
+    }
+
+    #[test]
+    fn a_revocation_names_the_client_and_snapshot() {
+        let response = api::RevokeKeyResponse {
+            snapshot_version: 9,
+        };
+        let text = key_revoked("batch", &response, Output::Table);
+        assert!(text.contains("'batch'") && text.contains("snapshot 9"));
+        let value: Value =
+            serde_json::from_str(&key_revoked("batch", &response, Output::Json)).unwrap();
+        assert_eq!(value["revoked"], true);
     }
 
     #[test]

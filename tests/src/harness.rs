@@ -128,18 +128,14 @@ pub async fn start_dataplane(
 /// Waits (on change notifications, not sleeps) until `dataplane` serves
 /// `version` or newer.
 pub async fn wait_for_version(dataplane: &DataPlane, version: u64) {
-    let store = &dataplane.app().store;
-    let mut changes = store.subscribe();
-    let wait = async {
-        while store.load().version < version {
-            if changes.changed().await.is_err() {
-                break;
-            }
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(10), wait)
-        .await
-        .expect("data plane did not apply the snapshot within 10 s");
+    // The queues apply a snapshot just after the store does; waiting on the
+    // dispatcher means every part of the node obeys it.
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        dataplane.app().dispatcher.applied(version),
+    )
+    .await
+    .expect("data plane did not apply the snapshot within 10 s");
 }
 
 /// A listener on a free loopback port.

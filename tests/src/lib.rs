@@ -2,12 +2,13 @@
 //! stands for a GPU server), the harness that boots the real control plane
 //! and data planes on loopback ([`harness`]), and a small HTTP client
 //! ([`client`]). The end-to-end tests live in `tests/tests/`, the benchmark
-//! in `src/bin/oqp-bench.rs`.
+//! in [`bench`] (run by `src/bin/oqp-bench.rs`).
 
 // Test support: a failed set-up step is a failed test, so panicking helpers
 // are the point here.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod bench;
 pub mod client;
 pub mod fake;
 pub mod harness;

@@ -1,19 +1,28 @@
 //! `AdminService`: what oqpctl (and the data planes' HTTP management
-//! endpoints) call. Every RPC checks the caller's oqp key: `read` scope for
-//! the Get/List calls, `management` for everything that changes state.
+//! endpoints) call. Every RPC checks the caller's oqp key, from the config
+//! file or the key store: `read` scope for the Get/List calls, `management`
+//! for everything that changes state.
+//!
+//! The key RPCs are thin: the [`KeyStore`] validates, persists and
+//! publishes; this module converts wire types and maps [`KeyError`]s to gRPC
+//! codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for config keys,
+//! INVALID_ARGUMENT, INTERNAL when the store cannot be written).
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use futures_util::Stream;
 use oqp_proto::admin::v1::{self as api, admin_service_server::AdminService};
+use oqp_proto::policy::v1 as wire;
+use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::compile::{self, tier_from_wire, tier_index};
+use crate::compile::{self, scope_to_wire, tier_from_wire, tier_index, tier_to_wire, unix_ms};
 use crate::config::{Scope, Tier};
 use crate::hub::Hub;
+use crate::keystore::{self, KeyError, KeyStore, NewKey, Record};
 
 /// Re-reads the config file; returns the new version and the warnings.
 pub type Reloader = Arc<dyn Fn() -> Result<(u64, Vec<String>), String> + Send + Sync>;
@@ -22,6 +31,7 @@ pub type Reloader = Arc<dyn Fn() -> Result<(u64, Vec<String>), String> + Send + 
 #[derive(Clone)]
 pub struct AdminApi {
     hub: Arc<Hub>,
+    keys: Arc<KeyStore>,
     reload: Reloader,
     shutdown: CancellationToken,
 }
@@ -36,18 +46,25 @@ impl std::fmt::Debug for AdminApi {
 const REPORT_FRESH: Duration = Duration::from_secs(5);
 
 impl AdminApi {
-    /// An API over `hub`, reloading with `reload`; drain streams end when
-    /// `shutdown` is cancelled.
-    pub fn new(hub: Arc<Hub>, reload: Reloader, shutdown: CancellationToken) -> Self {
+    /// An API over `hub` and the key store `keys`, reloading with `reload`;
+    /// drain streams end when `shutdown` is cancelled.
+    pub fn new(
+        hub: Arc<Hub>,
+        keys: Arc<KeyStore>,
+        reload: Reloader,
+        shutdown: CancellationToken,
+    ) -> Self {
         Self {
             hub,
+            keys,
             reload,
             shutdown,
         }
     }
 
-    /// Checks the caller's key against `needed`. With `auth.enabled: false`
-    /// nothing is enforced, as on the HTTP side.
+    /// Checks the caller's key (a config key, or a stored key that is
+    /// current or in its grace period, and not expired) against `needed`.
+    /// With `auth.enabled: false` nothing is enforced, as on the HTTP side.
     fn authorize<T>(&self, request: &Request<T>, needed: Scope) -> Result<(), Status> {
         let config = self.hub.config();
         if !config.auth.enabled {
@@ -59,15 +76,27 @@ impl AdminApi {
             .and_then(|value| value.to_str().ok())
             .and_then(|value| {
                 let (scheme, key) = value.split_once(' ')?;
-                scheme.eq_ignore_ascii_case("bearer").then_some(key)
+                let key = key.trim();
+                (scheme.eq_ignore_ascii_case("bearer") && !key.is_empty()).then_some(key)
             })
-            .ok_or_else(|| Status::unauthenticated("missing or invalid authorization header"))?;
+            .ok_or_else(|| {
+                Status::unauthenticated(
+                    "missing or invalid authorization header: this control plane needs an oqp \
+                     key (oqpctl: --key-file PATH or env OQPCTL_KEY)",
+                )
+            })?;
+        let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+        let now = SystemTime::now();
         let scope = config
             .auth
             .keys
             .iter()
-            .find(|key| super::secrets_match(presented, key.key.expose()))
+            .find(|key| {
+                keystore::digests_match(&key.key.sha256(), &digest)
+                    && key.expires.is_none_or(|at| at > now)
+            })
             .map(|key| key.scope)
+            .or_else(|| self.keys.scope_of(&digest, unix_ms(now)))
             .ok_or_else(|| Status::unauthenticated("invalid api key"))?;
         if scope >= needed {
             Ok(())
@@ -139,6 +168,7 @@ impl AdminService for AdminApi {
         if !inventory.is_empty() && hosts_healthy == 0 {
             warnings.push("no upstream host answered the last poll".to_owned());
         }
+        warnings.extend(self.keys.warnings(&config));
         Ok(Response::new(api::GetStatusResponse {
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime_seconds: self.hub.started().elapsed().as_secs(),
@@ -160,26 +190,37 @@ impl AdminService for AdminApi {
         request: Request<api::ListKeysRequest>,
     ) -> Result<Response<api::ListKeysResponse>, Status> {
         self.authorize(&request, Scope::Read)?;
-        let snapshot = self.hub.current();
+        // From the sources rather than the snapshot: expired stored keys
+        // are listed (as expired) although no snapshot carries them, and a
+        // key in its grace period is one row, not two.
+        let config = self.hub.config();
         let last_used = last_used_by_client(&self.hub);
-        let keys = snapshot
-            .clients
+        let used = |client_id: &str| last_used.get(client_id).copied().unwrap_or(0);
+        let mut keys: Vec<api::KeyInfo> = config
+            .auth
+            .keys
             .iter()
-            .map(|client| api::KeyInfo {
-                client_id: client.client_id.clone(),
-                source: client.source.clone(),
-                scope: client.scope,
-                max_priority: client.max_priority,
-                max_concurrent: client.max_concurrent,
-                weight: client.weight,
-                description: client.description.clone(),
+            .map(|key| api::KeyInfo {
+                client_id: key.client_id.clone(),
+                source: "config".to_owned(),
+                scope: scope_to_wire(key.scope) as i32,
+                max_priority: tier_to_wire(key.max_priority) as i32,
+                max_concurrent: key.max_concurrent,
+                weight: key.weight,
+                description: key.description.clone().unwrap_or_default(),
                 created_unix_ms: 0,
-                expires_unix_ms: client.expires_unix_ms,
-                last_used_unix_ms: last_used.get(&client.client_id).copied().unwrap_or(0),
-                default_priority: client.default_priority,
-                max_queued: client.max_queued,
+                expires_unix_ms: key.expires.map_or(0, unix_ms),
+                last_used_unix_ms: used(&key.client_id),
+                default_priority: tier_to_wire(key.default_priority) as i32,
+                max_queued: key.max_queued,
             })
             .collect();
+        keys.extend(
+            self.keys
+                .records()
+                .iter()
+                .map(|record| key_info(record, used(&record.client_id))),
+        );
         Ok(Response::new(api::ListKeysResponse { keys }))
     }
 
@@ -188,9 +229,19 @@ impl AdminService for AdminApi {
         request: Request<api::AddKeyRequest>,
     ) -> Result<Response<api::AddKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
-        Err(Status::unimplemented(
-            "the key store is not available in this build",
-        ))
+        let new = new_key(request.into_inner())?;
+        let keys = self.keys.clone();
+        let issued = blocking(move || keys.add(new, SystemTime::now())).await?;
+        tracing::info!(
+            client_id = %issued.record.client_id,
+            version = issued.snapshot_version,
+            "key added"
+        );
+        Ok(Response::new(api::AddKeyResponse {
+            info: Some(key_info(&issued.record, 0)),
+            key: issued.key.expose().to_owned(),
+            snapshot_version: issued.snapshot_version,
+        }))
     }
 
     async fn rotate_key(
@@ -198,9 +249,27 @@ impl AdminService for AdminApi {
         request: Request<api::RotateKeyRequest>,
     ) -> Result<Response<api::RotateKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
-        Err(Status::unimplemented(
-            "the key store is not available in this build",
-        ))
+        let request = request.into_inner();
+        let grace = Duration::from_secs(request.grace_seconds);
+        let keys = self.keys.clone();
+        let issued =
+            blocking(move || keys.rotate(&request.client_id, grace, SystemTime::now())).await?;
+        tracing::info!(
+            client_id = %issued.record.client_id,
+            version = issued.snapshot_version,
+            old_key_until_unix_ms = issued.old_key_until_unix_ms,
+            "key rotated"
+        );
+        let last_used = last_used_by_client(&self.hub)
+            .get(&issued.record.client_id)
+            .copied()
+            .unwrap_or(0);
+        Ok(Response::new(api::RotateKeyResponse {
+            info: Some(key_info(&issued.record, last_used)),
+            key: issued.key.expose().to_owned(),
+            old_key_expires_unix_ms: issued.old_key_until_unix_ms,
+            snapshot_version: issued.snapshot_version,
+        }))
     }
 
     async fn revoke_key(
@@ -208,9 +277,12 @@ impl AdminService for AdminApi {
         request: Request<api::RevokeKeyRequest>,
     ) -> Result<Response<api::RevokeKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
-        Err(Status::unimplemented(
-            "the key store is not available in this build",
-        ))
+        let client_id = request.into_inner().client_id;
+        let keys = self.keys.clone();
+        let revoked = client_id.clone();
+        let snapshot_version = blocking(move || keys.revoke(&revoked, SystemTime::now())).await?;
+        tracing::info!(%client_id, version = snapshot_version, "key revoked");
+        Ok(Response::new(api::RevokeKeyResponse { snapshot_version }))
     }
 
     async fn pause_tier(
@@ -440,6 +512,84 @@ fn last_used_by_client(hub: &Hub) -> std::collections::HashMap<String, i64> {
         }
     }
     last_used
+}
+
+/// `AddKey`'s request in config terms; unset fields take the config file's
+/// defaults (scope inference, ceiling normal, weight 1).
+fn new_key(request: api::AddKeyRequest) -> Result<NewKey, Status> {
+    let scope = match wire::Scope::try_from(request.scope) {
+        Ok(wire::Scope::Read) => Scope::Read,
+        Ok(wire::Scope::Inference | wire::Scope::Unspecified) => Scope::Inference,
+        Ok(wire::Scope::Management) => Scope::Management,
+        Err(_) => return Err(Status::invalid_argument("unknown scope")),
+    };
+    let tier = |value: i32, field: &str| match wire::Tier::try_from(value) {
+        Ok(_) => Ok(tier_from_wire(value)),
+        Err(_) => Err(Status::invalid_argument(format!("unknown {field}"))),
+    };
+    let max_priority = tier(request.max_priority, "max_priority")?.unwrap_or(Tier::Normal);
+    let default_priority = tier(request.default_priority, "default_priority")?;
+    Ok(NewKey {
+        client_id: request.client_id,
+        scope,
+        max_priority,
+        default_priority,
+        max_concurrent: request.max_concurrent,
+        weight: if request.weight == 0.0 {
+            1.0
+        } else {
+            request.weight
+        },
+        max_queued: request.max_queued,
+        description: request.description,
+        lifetime: (request.expires_in_seconds > 0)
+            .then(|| Duration::from_secs(request.expires_in_seconds)),
+    })
+}
+
+/// A stored key's metadata on the wire.
+fn key_info(record: &Record, last_used_unix_ms: i64) -> api::KeyInfo {
+    api::KeyInfo {
+        client_id: record.client_id.clone(),
+        source: "store".to_owned(),
+        scope: scope_to_wire(record.scope) as i32,
+        max_priority: tier_to_wire(record.max_priority) as i32,
+        max_concurrent: record.max_concurrent,
+        weight: record.weight,
+        description: record.description.clone(),
+        created_unix_ms: record.created_unix_ms,
+        expires_unix_ms: record.expires_unix_ms,
+        last_used_unix_ms,
+        default_priority: tier_to_wire(record.default_priority) as i32,
+        max_queued: record.max_queued,
+    }
+}
+
+/// Runs a key-store change (file writes and fsyncs) off the async workers.
+async fn blocking<T: Send + 'static>(
+    change: impl FnOnce() -> Result<T, KeyError> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(change)
+        .await
+        .map_err(|error| Status::internal(format!("key store task failed: {error}")))?
+        .map_err(key_status)
+}
+
+/// The gRPC status of a refused key operation.
+fn key_status(error: KeyError) -> Status {
+    let message = error.to_string();
+    match error {
+        KeyError::DefinedInConfig(_) | KeyError::AlreadyStored(_) => {
+            Status::already_exists(message)
+        }
+        KeyError::NotFound(_) => Status::not_found(message),
+        KeyError::ReadOnly(_) | KeyError::Expired(_) => Status::failed_precondition(message),
+        KeyError::Invalid(_) => Status::invalid_argument(message),
+        KeyError::Unwritable { .. } | KeyError::Entropy(_) => {
+            tracing::error!("{message}");
+            Status::internal(message)
+        }
+    }
 }
 
 fn redact(key: &str) -> String {

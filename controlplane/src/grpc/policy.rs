@@ -1,18 +1,26 @@
 //! `PolicyService`: data planes watch snapshots and report status.
+//!
+//! A report's `events` (queue.full, queue.high_watermark, queue.drained,
+//! queue.over_capacity) become webhooks here, converted from wire types into
+//! [`Notice`]s: each report carries the events since the node's last
+//! successful report, so each is forwarded once, as it arrives.
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::{Stream, StreamExt};
 use oqp_proto::policy::v1::{
-    NodeHello, NodeReport, PolicySnapshot, ReportAck, policy_service_server::PolicyService,
+    Event, NodeHello, NodeReport, PolicySnapshot, ReportAck, policy_service_server::PolicyService,
 };
 use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
-use crate::compile;
+use crate::compile::{self, tier_from_wire};
+use crate::config::WebhookEvent;
 use crate::hub::Hub;
+use crate::webhooks::Notice;
 
 /// Serves the policy stream.
 #[derive(Debug, Clone)]
@@ -97,7 +105,19 @@ impl PolicyService for PolicyApi {
         request: Request<NodeReport>,
     ) -> Result<Response<ReportAck>, Status> {
         self.check_token(&request)?;
-        let report = request.into_inner();
+        let mut report = request.into_inner();
+        for event in std::mem::take(&mut report.events) {
+            match notice(&report.node, &event) {
+                Some(notice) => {
+                    self.hub.webhooks().notify(notice);
+                }
+                None => tracing::debug!(
+                    node = %report.node,
+                    event = %event.name,
+                    "report event ignored: not one a data plane raises"
+                ),
+            }
+        }
         if report.rejected_version != 0 {
             tracing::warn!(
                 node = %report.node,
@@ -110,5 +130,106 @@ impl PolicyService for PolicyApi {
         Ok(Response::new(ReportAck {
             current_version: self.hub.current().version,
         }))
+    }
+}
+
+/// A data plane's event as a webhook notice; `None` for names a data plane
+/// does not raise (host health and key events come from the control plane
+/// itself, so a data plane's copy would be a duplicate).
+fn notice(node: &str, event: &Event) -> Option<Notice> {
+    let kind: WebhookEvent = event.name.parse().ok()?;
+    let notice = Notice::new(kind).tier(tier_from_wire(event.tier));
+    let notice = match u64::try_from(event.unix_ms) {
+        Ok(ms) if ms > 0 => notice.at(UNIX_EPOCH + Duration::from_millis(ms)),
+        _ => notice.at(SystemTime::now()),
+    };
+    Some(match kind {
+        WebhookEvent::QueueFull | WebhookEvent::QueueOverCapacity => notice
+            .field("client_id", event.client_id.as_str())
+            .field("node", node),
+        WebhookEvent::QueueHighWatermark => notice
+            .field("queue_depth", event.queue_depth)
+            .field("node", node),
+        WebhookEvent::QueueDrained => notice.tier(None).field("node", node),
+        WebhookEvent::HostUnhealthy
+        | WebhookEvent::HostRecovered
+        | WebhookEvent::KeyRevoked
+        | WebhookEvent::KeyRotated => return None,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use oqp_proto::policy::v1::Tier;
+    use serde_json::json;
+
+    use super::*;
+
+    fn event(name: &str) -> Event {
+        Event {
+            name: name.to_owned(),
+            tier: Tier::High as i32,
+            client_id: "alice".to_owned(),
+            queue_depth: 40,
+            unix_ms: 1_776_758_400_123,
+            host: String::new(),
+        }
+    }
+
+    #[test]
+    fn queue_events_carry_their_fields_and_the_node() {
+        let full = notice("gpu-1", &event("queue.full")).unwrap().to_json();
+        assert_eq!(
+            full,
+            json!({
+                "event": "queue.full",
+                "timestamp": "2026-04-21T08:00:00.123000Z",
+                "tier": "high",
+                "client_id": "alice",
+                "node": "gpu-1",
+            })
+        );
+        let over = notice("gpu-1", &event("queue.over_capacity"))
+            .unwrap()
+            .to_json();
+        assert_eq!(over["client_id"], "alice");
+        assert_eq!(over["tier"], "high");
+        let watermark = notice("gpu-1", &event("queue.high_watermark"))
+            .unwrap()
+            .to_json();
+        assert_eq!(watermark["queue_depth"], 40);
+        assert!(watermark.get("client_id").is_none());
+        let drained = notice("gpu-1", &event("queue.drained")).unwrap().to_json();
+        let keys: Vec<&str> = drained
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(keys, ["event", "timestamp", "node"]);
+    }
+
+    #[test]
+    fn an_unspecified_tier_is_left_out() {
+        let mut untiered = event("queue.full");
+        untiered.tier = Tier::Unspecified as i32;
+        untiered.unix_ms = 0;
+        let body = notice("n", &untiered).unwrap().to_json();
+        assert!(body.get("tier").is_none(), "{body}");
+        assert!(body["timestamp"].as_str().unwrap().ends_with('Z'));
+    }
+
+    #[test]
+    fn control_plane_events_and_unknown_names_are_not_forwarded() {
+        for name in [
+            "host.unhealthy",
+            "host.recovered",
+            "key.revoked",
+            "queue.exploded",
+            "",
+        ] {
+            assert!(notice("n", &event(name)).is_none(), "{name}");
+        }
     }
 }

@@ -1,0 +1,117 @@
+//! The control plane's own outbound HTTP client, shared by the host poller
+//! and the webhook sender: pooled keep-alive connections, rustls with the
+//! webpki roots for `https`, and one deadline over the whole exchange
+//! (connect, headers and body), because a poll or a delivery that hangs must
+//! not hold its task past its timeout.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// A cloneable client; clones share one connection pool.
+#[derive(Clone, Debug)]
+pub struct Outbound {
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+}
+
+/// A complete response.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// The status code.
+    pub status: StatusCode,
+    /// The whole body (at most the limit given to [`Outbound::send`]).
+    pub body: Bytes,
+}
+
+/// Why an exchange failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OutboundError {
+    /// The deadline passed before the body ended.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// No connection could be made.
+    #[error("connection failed: {0}")]
+    Connect(String),
+    /// The connection broke, or the peer spoke something other than HTTP.
+    #[error("transport error: {0}")]
+    Transport(String),
+    /// The body is larger than the limit.
+    #[error("response body larger than {0} bytes")]
+    TooLarge(usize),
+}
+
+impl Outbound {
+    /// A client with a small keep-alive pool: polls come every few seconds at
+    /// most, so a couple of idle connections per host are plenty.
+    pub fn new() -> Self {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(2)
+            .build(connector);
+        Self { client }
+    }
+
+    /// Sends `request` and reads the whole response, within `timeout`; a body
+    /// longer than `limit` bytes is an error.
+    pub async fn send(
+        &self,
+        request: Request<Full<Bytes>>,
+        timeout: Duration,
+        limit: usize,
+    ) -> Result<Reply, OutboundError> {
+        let exchange = async {
+            let response = self.client.request(request).await.map_err(|error| {
+                if error.is_connect() {
+                    OutboundError::Connect(root_cause(&error))
+                } else {
+                    OutboundError::Transport(root_cause(&error))
+                }
+            })?;
+            let status = response.status();
+            let body = Limited::new(response.into_body(), limit)
+                .collect()
+                .await
+                .map_err(|error| {
+                    if error.is::<http_body_util::LengthLimitError>() {
+                        OutboundError::TooLarge(limit)
+                    } else {
+                        OutboundError::Transport(error.to_string())
+                    }
+                })?
+                .to_bytes();
+            Ok(Reply { status, body })
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .unwrap_or(Err(OutboundError::Timeout(timeout)))
+    }
+}
+
+impl Default for Outbound {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The innermost cause: hyper's outer messages ("client error (Connect)")
+/// say little, the OS error says what happened.
+fn root_cause(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut cause = error;
+    while let Some(source) = cause.source() {
+        cause = source;
+    }
+    cause.to_string()
+}

@@ -1,0 +1,436 @@
+//! Sending a dispatched request upstream: failover before the first byte,
+//! "model not found" invalidation, and the Ollama Cloud key pool.
+//!
+//! Nothing has reached the client while this runs, so every retry here is
+//! invisible to it:
+//!
+//! - connect error or timeout → the host is marked down until its next poll,
+//!   and the request moves to another host with a free slot;
+//! - `503 server busy` → another host, without marking this one down;
+//! - `404 model not found` → `(host, model)` leaves the routing table until
+//!   the next poll, and the request moves to another host that has it;
+//! - a cloud host → the pool's keys in order (account-aware rotation, warmth
+//!   binding), then the host's fallback models.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use http::{HeaderName, HeaderValue, Response, StatusCode, header};
+use http_body_util::BodyExt;
+
+use crate::app::App;
+use crate::body::{self, Body};
+use crate::cloud::{self, Failure};
+use crate::dispatch::Lease;
+use crate::error::ProxyError;
+use crate::headers;
+use crate::policy::{Host, HostKind, Policy};
+use crate::proxy::{self, Answer, Outbound, RequestBody};
+use crate::router::is_model_not_found;
+use crate::upstream::UpstreamError;
+
+/// Bytes of an error body read to classify it.
+const PEEK_LIMIT: usize = 16 * 1024;
+
+/// An upstream answer, plus what must live as long as its body and the
+/// headers it adds.
+pub struct Forwarded {
+    /// The answer.
+    pub answer: Answer,
+    /// Guards held by the response body (cloud key leases).
+    pub guards: Vec<Box<dyn Send + Sync>>,
+    /// Extra response headers (`X-Model-Fallback`).
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl std::fmt::Debug for Forwarded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forwarded")
+            .field("answer", &self.answer)
+            .field("guards", &self.guards.len())
+            .field("headers", &self.headers)
+            .finish()
+    }
+}
+
+/// Sends `outbound` to `lease`'s host, moving the lease to other hosts as
+/// the failures above require.
+pub async fn send(
+    app: &Arc<App>,
+    policy: Arc<Policy>,
+    lease: &mut Lease,
+    model: Option<&str>,
+    outbound: Outbound,
+) -> Result<Forwarded, ProxyError> {
+    let policy: &Policy = &policy;
+    let mut tried: Vec<Arc<str>> = Vec::new();
+    let mut outbound = Some(outbound);
+    let mut last_refusal: Option<Answer> = None;
+    loop {
+        let Some(host) = lease.host().cloned() else {
+            return Err(ProxyError::AllHostsFailed);
+        };
+        let Some(attempt) = outbound.take() else {
+            break;
+        };
+        let (this_attempt, replay) = split_for_retry(attempt);
+        let can_retry = replay.is_some();
+        outbound = replay;
+        tried.push(host.name.clone());
+        let result = match host.kind {
+            HostKind::Cloud => send_cloud(app, policy, &host, model, this_attempt).await,
+            HostKind::Ollama => send_local(app, policy, &host, this_attempt).await,
+        };
+        let down = match result {
+            Ok(Sent::Done(forwarded)) => return Ok(forwarded),
+            Ok(Sent::Busy(answer)) => {
+                last_refusal = Some(answer);
+                false
+            }
+            Ok(Sent::ModelMissing(answer)) => {
+                if let Some(model) = model {
+                    app.dispatcher.forget_model(&host.name, model);
+                }
+                last_refusal = Some(answer);
+                false
+            }
+            Err(error) => {
+                app.metrics.host_failure(&host.name);
+                tracing::warn!(host = %host.name, %error, "upstream attempt failed");
+                true
+            }
+        };
+        if !can_retry
+            || !app
+                .dispatcher
+                .fail_over_wait(lease, &tried, down, policy.proxy.request_timeout)
+                .await
+        {
+            break;
+        }
+        app.metrics.failover();
+    }
+    // Nothing better came: a refusal Ollama gave is passed on as it was.
+    match last_refusal {
+        Some(answer) => Ok(Forwarded {
+            answer,
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }),
+        None => Err(ProxyError::AllHostsFailed),
+    }
+}
+
+/// What one host did with the request.
+enum Sent {
+    /// An answer to pass on.
+    Done(Forwarded),
+    /// `503 server busy`: worth another host.
+    Busy(Answer),
+    /// `404 model not found`: worth another host that has it.
+    ModelMissing(Answer),
+}
+
+async fn send_local(
+    app: &Arc<App>,
+    policy: &Policy,
+    host: &Arc<Host>,
+    outbound: Outbound,
+) -> Result<Sent, UpstreamError> {
+    let request = proxy::request_for(
+        host,
+        &outbound.method,
+        &outbound.path_and_query,
+        &outbound.headers,
+        body_of(outbound.body),
+    )
+    .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+    let response = app
+        .upstream
+        .send(request, policy.proxy.request_timeout)
+        .await?;
+    let mut answer = Answer::new(host.clone(), response);
+    let status = answer.response.status();
+    if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::NOT_FOUND {
+        let bytes = peek(&mut answer).await;
+        if status == StatusCode::SERVICE_UNAVAILABLE && is_busy(&bytes) {
+            return Ok(Sent::Busy(answer));
+        }
+        if is_model_not_found(status, &bytes) {
+            return Ok(Sent::ModelMissing(answer));
+        }
+    }
+    Ok(Sent::Done(Forwarded {
+        answer,
+        guards: Vec::new(),
+        headers: Vec::new(),
+    }))
+}
+
+/// Ollama Cloud: the pool's keys in rotation, then the fallback models.
+async fn send_cloud(
+    app: &Arc<App>,
+    policy: &Policy,
+    host: &Arc<Host>,
+    model: Option<&str>,
+    outbound: Outbound,
+) -> Result<Sent, UpstreamError> {
+    let Some(pool) = app.cloud.get(&host.name) else {
+        return send_local(app, policy, host, outbound).await;
+    };
+    if pool.host_backoff_until(Instant::now()).is_some() {
+        return Err(UpstreamError::Connect(
+            "Ollama Cloud asked to back off".into(),
+        ));
+    }
+    let RequestBody::Buffered(body) = outbound.body else {
+        // A streamed body cannot be retried on another key: one attempt.
+        let key = pool
+            .attempts(&cloud::Lease::none())
+            .next_key(Instant::now());
+        let mut headers = outbound.headers;
+        if let Some(key) = &key {
+            set_bearer(&mut headers, key.key());
+        }
+        let outbound = Outbound {
+            headers,
+            ..outbound
+        };
+        return send_local(app, policy, host, outbound).await;
+    };
+    let requested = model.unwrap_or_default();
+    let candidates = if requested.is_empty() {
+        vec![String::new()]
+    } else {
+        cloud::candidates(host, requested)
+    };
+    let mut last: Option<(Answer, Failure)> = None;
+    let mut missing: Option<Answer> = None;
+    for candidate in candidates {
+        let lease = pool
+            .acquire(&candidate, policy.routing.acquire_timeout)
+            .await;
+        let body = if candidate.is_empty() {
+            body.clone()
+        } else {
+            with_model(&body, cloud::upstream_model(&candidate))
+        };
+        let mut attempts = pool.attempts(&lease);
+        let mut give_up_host = false;
+        while let Some(attempt) = attempts.next_key(Instant::now()) {
+            let mut headers = outbound.headers.clone();
+            set_bearer(&mut headers, attempt.key());
+            let request = proxy::request_for(
+                host,
+                &outbound.method,
+                &outbound.path_and_query,
+                &headers,
+                body::full(body.clone()),
+            )
+            .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+            let response = match app
+                .upstream
+                .send(request, policy.proxy.request_timeout)
+                .await
+            {
+                Ok(response) => response,
+                Err(UpstreamError::Timeout) => {
+                    attempts.fail(&attempt, Failure::Timeout, Instant::now());
+                    continue;
+                }
+                Err(error) => {
+                    attempts.fail(&attempt, Failure::Connect, Instant::now());
+                    return Err(error);
+                }
+            };
+            let mut answer = Answer::new(host.clone(), response);
+            if !answer.response.status().is_success() {
+                let bytes = peek(&mut answer).await;
+                if !candidate.is_empty() && is_model_not_found(answer.response.status(), &bytes) {
+                    // The model is gone whatever the key: try the next candidate.
+                    attempts.succeed(&attempt);
+                    missing = Some(answer);
+                    break;
+                }
+                if let Some(failure) = Failure::classify(answer.response.status(), &bytes) {
+                    tracing::info!(host = %host.name, failure = failure.as_str(), "cloud key failed; rotating");
+                    attempts.fail(&attempt, failure, Instant::now());
+                    give_up_host = matches!(failure, Failure::Connect | Failure::Overloaded);
+                    last = Some((answer, failure));
+                    if give_up_host {
+                        break;
+                    }
+                    continue;
+                }
+            }
+            attempts.succeed(&attempt);
+            let mut extra = Vec::new();
+            if candidate != requested
+                && let Ok(value) = HeaderValue::from_str(&candidate)
+            {
+                extra.push((headers::MODEL_FALLBACK, value));
+            }
+            return Ok(Sent::Done(Forwarded {
+                answer,
+                guards: vec![Box::new(lease)],
+                headers: extra,
+            }));
+        }
+        if give_up_host {
+            break;
+        }
+    }
+    if let (None, Some(answer)) = (&last, missing) {
+        return Ok(Sent::ModelMissing(answer));
+    }
+    match last {
+        // Every key failed: the client sees a clean refusal, never a key's
+        // 429 body (which names an account).
+        Some((_, Failure::Overloaded)) | None => Ok(Sent::Busy(refusal(
+            host,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "all Ollama Cloud keys are busy or rate limited",
+            pool.retry_after(Instant::now()),
+        ))),
+        Some((_, Failure::Quota(_))) => Ok(Sent::Done(Forwarded {
+            answer: refusal(
+                host,
+                StatusCode::TOO_MANY_REQUESTS,
+                "every Ollama Cloud account of this host has reached its usage limit",
+                pool.retry_after(Instant::now()),
+            ),
+            guards: Vec::new(),
+            headers: Vec::new(),
+        })),
+        Some((answer, _)) => Ok(Sent::Done(Forwarded {
+            answer,
+            guards: Vec::new(),
+            headers: Vec::new(),
+        })),
+    }
+}
+
+/// A refusal in Ollama's error shape, as if `host` had answered it.
+fn refusal(
+    host: &Arc<Host>,
+    status: StatusCode,
+    message: &str,
+    retry_after: Option<std::time::Duration>,
+) -> Answer {
+    let mut response = Response::new(body::json(&serde_json::json!({ "error": message })));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    if let Some(after) = retry_after {
+        response.headers_mut().insert(
+            header::RETRY_AFTER,
+            HeaderValue::from(after.as_secs().max(1)),
+        );
+    }
+    Answer {
+        host: host.clone(),
+        response,
+        failed: Vec::new(),
+    }
+}
+
+fn set_bearer(headers: &mut http::HeaderMap, key: &str) {
+    if let Ok(mut value) = HeaderValue::from_str(&format!("Bearer {key}")) {
+        value.set_sensitive(true);
+        headers.insert(header::AUTHORIZATION, value);
+    }
+}
+
+/// Reads an (error) answer's body, at most [`PEEK_LIMIT`] bytes, and puts it
+/// back so that the answer can still be passed on unchanged.
+async fn peek(answer: &mut Answer) -> Bytes {
+    let mut body = std::mem::replace(answer.response.body_mut(), body::empty());
+    let mut bytes = bytes::BytesMut::new();
+    while bytes.len() < PEEK_LIMIT {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    bytes.extend_from_slice(data);
+                }
+            }
+            Some(Err(_)) | None => break,
+        }
+    }
+    let bytes = bytes.freeze();
+    answer.response.headers_mut().remove(header::CONTENT_LENGTH);
+    *answer.response.body_mut() = body::full(bytes.clone());
+    bytes
+}
+
+/// Ollama's own overload answer: "server busy, please try again. …".
+fn is_busy(body: &[u8]) -> bool {
+    String::from_utf8_lossy(body)
+        .to_ascii_lowercase()
+        .contains("server busy")
+}
+
+/// The same JSON body with its top-level `model` replaced.
+fn with_model(body: &Bytes, model: &str) -> Bytes {
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut object)) => {
+            object.insert("model".into(), serde_json::Value::String(model.into()));
+            Bytes::from(serde_json::Value::Object(object).to_string())
+        }
+        _ => body.clone(),
+    }
+}
+
+fn body_of(body: RequestBody) -> Body {
+    match body {
+        RequestBody::Buffered(bytes) if bytes.is_empty() => body::empty(),
+        RequestBody::Buffered(bytes) => body::full(bytes),
+        RequestBody::Streamed(body) => body,
+    }
+}
+
+/// Splits a request into the attempt to send now and a copy for a retry on
+/// another host; streamed bodies cannot be replayed.
+pub fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
+    match &outbound.body {
+        RequestBody::Buffered(bytes) => {
+            let replay = Outbound {
+                method: outbound.method.clone(),
+                path_and_query: outbound.path_and_query.clone(),
+                headers: outbound.headers.clone(),
+                body: RequestBody::Buffered(bytes.clone()),
+            };
+            (outbound, Some(replay))
+        }
+        RequestBody::Streamed(_) => (outbound, None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognises_ollamas_busy_answer() {
+        assert!(is_busy(
+            br#"{"error":"server busy, please try again.  maximum pending requests exceeded"}"#
+        ));
+        assert!(!is_busy(br#"{"error":"model 'x' not found"}"#));
+    }
+
+    #[test]
+    fn replaces_only_the_model() {
+        let body = Bytes::from_static(br#"{"model":"a","prompt":"hi","n":1.5}"#);
+        let replaced: serde_json::Value = serde_json::from_slice(&with_model(&body, "b")).unwrap();
+        assert_eq!(
+            replaced,
+            serde_json::json!({"model": "b", "prompt": "hi", "n": 1.5})
+        );
+        assert_eq!(
+            with_model(&Bytes::from_static(b"[1]"), "b"),
+            Bytes::from_static(b"[1]")
+        );
+    }
+}

@@ -1,0 +1,571 @@
+//! `GET /metrics`: the data plane in Prometheus text format.
+//!
+//! Two kinds of figures live here:
+//!
+//! - **Mirrors** of state other parts own (queue depths and counters, slots,
+//!   clients, hosts, the snapshot), refreshed from one
+//!   [`Dispatcher::stats`](crate::dispatch::Dispatcher::stats) read and one
+//!   policy load at scrape time. The request path pays nothing for them.
+//! - **Observations** only the request path sees (queue wait, upstream
+//!   time to first byte, failovers, host answers and failures, embedding
+//!   cache hits, routing decisions), recorded by the methods of [`Metrics`]
+//!   as they happen: a read-locked lookup of the series, then an atomic add.
+//!   A scrape never holds up a request longer than reading a series.
+//!
+//! Label values are escaped by the `prometheus` encoder (a client id with
+//! `"`, `\` or a newline cannot forge a series), and every label whose values
+//! come from callers is bounded: configured clients plus at most
+//! [`MAX_OTHER_LABELS`] others, the rest counted under [`OTHER`].
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::{HeaderValue, Response, header};
+use prometheus::core::Collector;
+use prometheus::{
+    GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+use crate::app::App;
+use crate::body::{self, Body};
+use crate::policy::Policy;
+use crate::scheduler::{Tier, TierStat};
+
+/// Most label values seen per caller-supplied dimension (unconfigured
+/// clients, models, error kinds, reasons, endpoints) before the rest are
+/// counted under [`OTHER`].
+pub const MAX_OTHER_LABELS: usize = 100;
+
+/// The label value that stands for every value past the bound.
+pub const OTHER: &str = "(other)";
+
+/// The content type of the text exposition format.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Buckets of `oqp_queue_wait_seconds`: from "dispatched at once" to the
+/// longest default `max_wait` (10 minutes).
+const WAIT_BUCKETS: [f64; 16] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0, 600.0,
+];
+
+/// Buckets of `oqp_upstream_ttfb_seconds`: a warm model answers in tens of
+/// milliseconds, a cold load takes tens of seconds.
+const TTFB_BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+/// The data plane's metrics, in a private registry.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Serialises scrapes: mirrors are refreshed and encoded as one step.
+    scrape: Mutex<()>,
+    /// Client ids of the current snapshot: always their own label value.
+    configured: ArcSwap<HashSet<Arc<str>>>,
+    clients: Budget,
+    models: Budget,
+    endpoints: Budget,
+    kinds: Budget,
+    reasons: Budget,
+
+    queue_depth: IntGaugeVec,
+    queue_processed: IntCounterVec,
+    queue_rejected: IntCounterVec,
+    queue_expired: IntCounterVec,
+    queue_cancelled: IntCounterVec,
+    queue_promoted: IntCounterVec,
+    queue_flushed: IntCounterVec,
+    queued_bytes: IntGauge,
+    queue_wait: HistogramVec,
+    concurrency_active: IntGauge,
+    host_healthy: IntGaugeVec,
+    host_requests: IntCounterVec,
+    host_failures: IntCounterVec,
+    host_slots_in_use: IntGaugeVec,
+    host_models_installed: IntGaugeVec,
+    host_models_loaded: IntGaugeVec,
+    upstream_ttfb: HistogramVec,
+    failovers: IntCounter,
+    client_inflight: IntGaugeVec,
+    client_cap_waiting: IntGaugeVec,
+    client_recent_share: GaugeVec,
+    cache_hits: IntCounterVec,
+    cache_misses: IntCounterVec,
+    cache_errors: IntCounterVec,
+    routing_decisions: IntCounterVec,
+    snapshot_version: IntGauge,
+    snapshot_rejected: IntCounter,
+    uptime: IntGauge,
+}
+
+/// A bounded set of label values for one dimension.
+#[derive(Debug, Default)]
+struct Budget {
+    seen: RwLock<HashSet<Box<str>>>,
+}
+
+impl Budget {
+    /// `value` if it is already known or there is room for it, else [`OTHER`].
+    fn admit<'a>(&self, value: &'a str) -> &'a str {
+        if self.seen.read().is_ok_and(|seen| seen.contains(value)) {
+            return value;
+        }
+        let Ok(mut seen) = self.seen.write() else {
+            return OTHER;
+        };
+        if seen.contains(value) {
+            value
+        } else if seen.len() < MAX_OTHER_LABELS {
+            seen.insert(value.into());
+            value
+        } else {
+            OTHER
+        }
+    }
+}
+
+impl Metrics {
+    /// Every metric, registered, with the clients of `policy` known.
+    // The names, help texts and labels are constants (a unit test builds
+    // them); a registration error is a programming error found at start-up.
+    #[allow(clippy::expect_used)]
+    pub fn new(policy: &Policy) -> Self {
+        let registry = Registry::new();
+        let add = |collector: Box<dyn Collector>| {
+            registry
+                .register(collector)
+                .expect("metric names are unique and valid");
+        };
+        let int_gauge = |name: &str, help: &str| {
+            let gauge = IntGauge::new(name, help).expect("valid metric");
+            add(Box::new(gauge.clone()));
+            gauge
+        };
+        let int_gauges = |name: &str, help: &str, labels: &[&str]| {
+            let vec = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            add(Box::new(vec.clone()));
+            vec
+        };
+        let counter = |name: &str, help: &str| {
+            let counter = IntCounter::new(name, help).expect("valid metric");
+            add(Box::new(counter.clone()));
+            counter
+        };
+        let counters = |name: &str, help: &str, labels: &[&str]| {
+            let vec = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+            add(Box::new(vec.clone()));
+            vec
+        };
+        let histograms = |name: &str, help: &str, buckets: &[f64]| {
+            let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+            let vec = HistogramVec::new(opts, &["tier"]).expect("valid metric");
+            add(Box::new(vec.clone()));
+            vec
+        };
+        let recent_share = GaugeVec::new(
+            Opts::new(
+                "oqp_client_recent_share",
+                "Client's share of recent GPU time (decayed), 0 to 1",
+            ),
+            &["client_id"],
+        )
+        .expect("valid metric");
+        add(Box::new(recent_share.clone()));
+
+        let metrics = Self {
+            queue_depth: int_gauges(
+                "oqp_queue_depth",
+                "Current number of requests waiting in queue",
+                &["tier"],
+            ),
+            queue_processed: counters(
+                "oqp_queue_processed_total",
+                "Total requests dispatched from queue",
+                &["tier"],
+            ),
+            queue_rejected: counters(
+                "oqp_queue_rejected_total",
+                "Requests rejected due to full queue",
+                &["tier"],
+            ),
+            queue_expired: counters(
+                "oqp_queue_expired_total",
+                "Requests dropped due to max_wait timeout",
+                &["tier"],
+            ),
+            queue_cancelled: counters(
+                "oqp_queue_cancelled_total",
+                "Requests removed from the queue because their client went away",
+                &["tier"],
+            ),
+            queue_promoted: counters(
+                "oqp_queue_promoted_total",
+                "Requests promoted out of this tier into the one above (aging)",
+                &["tier"],
+            ),
+            queue_flushed: counters(
+                "oqp_queue_flushed_total",
+                "Requests dropped from the queue by a flush",
+                &["tier"],
+            ),
+            queued_bytes: int_gauge("oqp_queued_bytes", "Request body bytes waiting in queue"),
+            queue_wait: histograms(
+                "oqp_queue_wait_seconds",
+                "Time from admission to dispatch of dispatched requests",
+                &WAIT_BUCKETS,
+            ),
+            concurrency_active: int_gauge(
+                "oqp_concurrency_active",
+                "Current active upstream requests (host slots in use)",
+            ),
+            host_healthy: int_gauges(
+                "oqp_host_healthy",
+                "Whether the host answered its last poll and no request found it down since (1) or not (0)",
+                &["name"],
+            ),
+            host_requests: counters(
+                "oqp_host_requests_total",
+                "Requests the host answered (any HTTP status)",
+                &["name"],
+            ),
+            host_failures: counters(
+                "oqp_host_failures_total",
+                "Requests the host failed before answering (connect error or timeout)",
+                &["name"],
+            ),
+            host_slots_in_use: int_gauges(
+                "oqp_host_slots_in_use",
+                "Upstream slots of the host in use",
+                &["name"],
+            ),
+            host_models_installed: int_gauges(
+                "oqp_host_models_installed",
+                "Models installed on the host (/api/tags)",
+                &["host"],
+            ),
+            host_models_loaded: int_gauges(
+                "oqp_host_models_loaded",
+                "Models loaded in memory on the host (/api/ps)",
+                &["host"],
+            ),
+            upstream_ttfb: histograms(
+                "oqp_upstream_ttfb_seconds",
+                "Time from dispatch to the upstream's response headers",
+                &TTFB_BUCKETS,
+            ),
+            failovers: counter(
+                "oqp_failovers_total",
+                "Requests retried on another host after a host failed before the first byte",
+            ),
+            client_inflight: int_gauges(
+                "oqp_client_inflight",
+                "Client's requests in flight upstream",
+                &["client_id"],
+            ),
+            client_cap_waiting: int_gauges(
+                "oqp_client_cap_waiting",
+                "Client's requests waiting in queue",
+                &["client_id"],
+            ),
+            client_recent_share: recent_share,
+            cache_hits: counters(
+                "oqp_embedding_cache_hits_total",
+                "Embedding requests answered from the cache",
+                &["client", "model", "endpoint"],
+            ),
+            cache_misses: counters(
+                "oqp_embedding_cache_misses_total",
+                "Embedding requests not found in the cache",
+                &["client", "model", "endpoint"],
+            ),
+            cache_errors: counters(
+                "oqp_embedding_cache_errors_total",
+                "Embedding cache backend errors",
+                &["kind"],
+            ),
+            routing_decisions: counters(
+                "oqp_routing_decisions_total",
+                "Host choices, by reason",
+                &["reason"],
+            ),
+            snapshot_version: int_gauge(
+                "oqp_snapshot_version",
+                "Version of the policy snapshot in force",
+            ),
+            snapshot_rejected: counter(
+                "oqp_snapshot_rejected_total",
+                "Policy snapshots rejected because they did not compile",
+            ),
+            uptime: int_gauge("oqp_uptime_seconds", "Seconds since the data plane started"),
+            registry,
+            scrape: Mutex::new(()),
+            configured: ArcSwap::from_pointee(HashSet::new()),
+            clients: Budget::default(),
+            models: Budget::default(),
+            endpoints: Budget::default(),
+            kinds: Budget::default(),
+            reasons: Budget::default(),
+        };
+        for reason in ["model_match", "round_robin", "fallback"] {
+            // Known values start at zero, so that rate() sees the first one.
+            let _ = metrics
+                .routing_decisions
+                .get_metric_with_label_values(&[reason]);
+        }
+        metrics.apply(policy);
+        metrics
+    }
+
+    /// Follows a new snapshot: its clients keep their own label values.
+    pub fn apply(&self, policy: &Policy) {
+        self.configured
+            .store(Arc::new(policy.clients_by_id.keys().cloned().collect()));
+    }
+
+    /// A dispatched request waited `waited` in `tier`.
+    pub fn observe_wait(&self, tier: Tier, waited: Duration) {
+        if let Ok(histogram) = self
+            .queue_wait
+            .get_metric_with_label_values(&[tier.as_str()])
+        {
+            histogram.observe(waited.as_secs_f64());
+        }
+    }
+
+    /// A dispatched request of `tier` got its response headers `ttfb` after
+    /// dispatch.
+    pub fn observe_ttfb(&self, tier: Tier, ttfb: Duration) {
+        if let Ok(histogram) = self
+            .upstream_ttfb
+            .get_metric_with_label_values(&[tier.as_str()])
+        {
+            histogram.observe(ttfb.as_secs_f64());
+        }
+    }
+
+    /// A request moved to another host after a failure before the first byte.
+    pub fn failover(&self) {
+        self.failovers.inc();
+    }
+
+    /// Host `name` answered a request (any status).
+    pub fn host_request(&self, name: &str) {
+        if let Ok(counter) = self.host_requests.get_metric_with_label_values(&[name]) {
+            counter.inc();
+        }
+    }
+
+    /// Host `name` failed a request before answering.
+    pub fn host_failure(&self, name: &str) {
+        if let Ok(counter) = self.host_failures.get_metric_with_label_values(&[name]) {
+            counter.inc();
+        }
+    }
+
+    /// Requests host `name` answered and failed since start.
+    pub fn host_counts(&self, name: &str) -> (u64, u64) {
+        let read = |vec: &IntCounterVec| {
+            vec.get_metric_with_label_values(&[name])
+                .map_or(0, |counter| counter.get())
+        };
+        (read(&self.host_requests), read(&self.host_failures))
+    }
+
+    /// The embedding cache answered a request of `client` for `model` on
+    /// `endpoint` (the request path, e.g. `/api/embed`). Called by the cache.
+    pub fn cache_hit(&self, client: &str, model: &str, endpoint: &str) {
+        self.cache_count(&self.cache_hits, client, model, endpoint);
+    }
+
+    /// The embedding cache did not hold the answer. Called by the cache.
+    pub fn cache_miss(&self, client: &str, model: &str, endpoint: &str) {
+        self.cache_count(&self.cache_misses, client, model, endpoint);
+    }
+
+    /// The embedding cache backend failed with an error of `kind` (e.g.
+    /// `connect`, `timeout`). Called by the cache.
+    pub fn cache_error(&self, kind: &str) {
+        let kind = self.kinds.admit(kind);
+        if let Ok(counter) = self.cache_errors.get_metric_with_label_values(&[kind]) {
+            counter.inc();
+        }
+    }
+
+    /// The router chose a host for `reason` (`model_match`, `round_robin`,
+    /// `fallback`, …). Called by the router.
+    pub fn routing_decision(&self, reason: &str) {
+        let reason = self.reasons.admit(reason);
+        if let Ok(counter) = self
+            .routing_decisions
+            .get_metric_with_label_values(&[reason])
+        {
+            counter.inc();
+        }
+    }
+
+    /// Dispatched requests of `tier` observed so far, and their summed wait
+    /// in seconds (the dashboard's wait chart divides the differences).
+    pub fn wait_totals(&self, tier: Tier) -> (u64, f64) {
+        self.queue_wait
+            .get_metric_with_label_values(&[tier.as_str()])
+            .map_or((0, 0.0), |h| (h.get_sample_count(), h.get_sample_sum()))
+    }
+
+    fn cache_count(&self, vec: &IntCounterVec, client: &str, model: &str, endpoint: &str) {
+        let client = self.client_label(client);
+        let model = self.models.admit(model);
+        let endpoint = self.endpoints.admit(endpoint);
+        if let Ok(counter) = vec.get_metric_with_label_values(&[client, model, endpoint]) {
+            counter.inc();
+        }
+    }
+
+    fn client_label<'a>(&self, client: &'a str) -> &'a str {
+        if self.configured.load().contains(client) {
+            client
+        } else {
+            self.clients.admit(client)
+        }
+    }
+
+    /// Refreshes the mirrors from `app` and encodes every metric.
+    pub fn scrape(&self, app: &App) -> String {
+        let _serial = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        let policy = app.store.load();
+        let stats = app.dispatcher.stats();
+
+        for (tier, stat) in Tier::ALL.iter().zip(stats.tiers.iter()) {
+            self.mirror_tier(*tier, stat);
+        }
+        self.queued_bytes
+            .set(i64::try_from(stats.queued_bytes).unwrap_or(i64::MAX));
+        let active: u32 = stats.slots.values().map(|stat| stat.slots_in_use).sum();
+        self.concurrency_active.set(i64::from(active));
+
+        for vec in [
+            &self.host_healthy,
+            &self.host_slots_in_use,
+            &self.host_models_installed,
+            &self.host_models_loaded,
+        ] {
+            vec.reset();
+        }
+        for host in &policy.hosts {
+            let name: &str = &host.name;
+            let healthy = crate::status::is_healthy(host, &stats);
+            set(&self.host_healthy, name, i64::from(healthy));
+            let slots = stats
+                .slots
+                .get(&host.name)
+                .map_or(0, |stat| stat.slots_in_use);
+            set(&self.host_slots_in_use, name, i64::from(slots));
+            set(
+                &self.host_models_installed,
+                name,
+                count(host.installed.len()),
+            );
+            set(&self.host_models_loaded, name, count(host.loaded.len()));
+            // Every host has its request and failure series, zero at first.
+            let _ = self.host_counts(name);
+        }
+
+        self.client_inflight.reset();
+        self.client_cap_waiting.reset();
+        self.client_recent_share.reset();
+        for (_, stat) in crate::status::bounded_clients(&policy, stats.clients) {
+            let id: &str = &stat.client;
+            set(&self.client_inflight, id, i64::from(stat.inflight));
+            set(&self.client_cap_waiting, id, i64::from(stat.waiting));
+            if let Ok(gauge) = self.client_recent_share.get_metric_with_label_values(&[id]) {
+                gauge.set(stat.recent_share);
+            }
+        }
+
+        self.snapshot_version
+            .set(i64::try_from(policy.version).unwrap_or(i64::MAX));
+        catch_up(&self.snapshot_rejected, app.store.rejected_total());
+        self.uptime
+            .set(i64::try_from(app.started.elapsed().as_secs()).unwrap_or(i64::MAX));
+
+        let mut text = String::new();
+        if let Err(error) = TextEncoder::new().encode_utf8(&self.registry.gather(), &mut text) {
+            tracing::warn!(%error, "metrics could not be encoded");
+        }
+        text
+    }
+
+    fn mirror_tier(&self, tier: Tier, stat: &TierStat) {
+        let label = [tier.as_str()];
+        if let Ok(gauge) = self.queue_depth.get_metric_with_label_values(&label) {
+            gauge.set(i64::from(stat.depth));
+        }
+        for (vec, value) in [
+            (&self.queue_processed, stat.processed),
+            (&self.queue_rejected, stat.rejected),
+            (&self.queue_expired, stat.expired),
+            (&self.queue_cancelled, stat.cancelled),
+            (&self.queue_promoted, stat.promoted),
+            (&self.queue_flushed, stat.flushed),
+        ] {
+            if let Ok(counter) = vec.get_metric_with_label_values(&label) {
+                catch_up(&counter, value);
+            }
+        }
+    }
+}
+
+/// The `/metrics` response.
+pub fn response(app: &App) -> Response<Body> {
+    let mut response = Response::new(body::full(app.metrics.scrape(app)));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
+    response
+}
+
+/// Advances a mirrored counter to `value` (the source only grows; scrapes
+/// are serialised, so the difference is added once).
+fn catch_up(counter: &IntCounter, value: u64) {
+    let current = counter.get();
+    if value > current {
+        counter.inc_by(value - current);
+    }
+}
+
+fn set(vec: &IntGaugeVec, label: &str, value: i64) {
+    if let Ok(gauge) = vec.get_metric_with_label_values(&[label]) {
+        gauge.set(value);
+    }
+}
+
+fn count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_bound_label_values() {
+        let budget = Budget::default();
+        for i in 0..MAX_OTHER_LABELS {
+            let value = format!("client-{i}");
+            assert_eq!(budget.admit(&value), value);
+        }
+        assert_eq!(budget.admit("one-too-many"), OTHER);
+        assert_eq!(budget.admit("client-7"), "client-7", "known values stay");
+    }
+
+    #[test]
+    fn mirrored_counters_only_move_forward() {
+        let counter = IntCounter::new("c_total", "c").unwrap();
+        catch_up(&counter, 5);
+        catch_up(&counter, 3);
+        catch_up(&counter, 8);
+        assert_eq!(counter.get(), 8);
+    }
+}

@@ -1,0 +1,460 @@
+//! `GET /queue/status` and `GET /queue/summary`: the data plane's own state
+//! as JSON, for people, scripts and status widgets.
+//!
+//! Both are built from one policy load and one
+//! [`Dispatcher::stats`](crate::dispatch::Dispatcher::stats) read, at the time
+//! of the request; nothing is kept for them on the request path.
+//!
+//! - `/queue/status` is the reference's nested document (`status`,
+//!   `uptime_seconds`, `queue`, `concurrency`, `hosts`, `clients`, `security`)
+//!   with oqp's additions (per-tier `cancelled`, `promoted`, `flushed`,
+//!   `paused`, `wait`; per-host slots and loaded models; per-client queue
+//!   figures, ceiling and scope; `snapshot`). Its `clients` map holds every
+//!   configured client plus at most [`MAX_OTHER_CLIENTS`] others (callers that
+//!   name themselves with `X-Client-ID` when auth is off), the busiest first:
+//!   the reference's map grew without bound.
+//! - `/queue/summary` is exactly ten flat scalars and names no client, host or
+//!   key: it is the answer most likely to end up on a wall display.
+//!
+//! "Concurrency" is oqp's: each host has its own slots, so `max` (and the
+//! summary's `max_concurrent`) is the sum of the hosts' `max_concurrent`
+//! (which defaults to `proxy.max_concurrent` per host), and `active` is the
+//! number of those slots in use.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use http::Response;
+use serde::Serialize;
+
+use crate::app::App;
+use crate::body::Body;
+use crate::dispatch::QueueReport;
+use crate::policy::{Client, Host, Policy};
+use crate::scheduler::{ClientStat, Tier, TierStat};
+
+/// Most unconfigured clients listed in status and metrics.
+pub const MAX_OTHER_CLIENTS: usize = crate::metrics::MAX_OTHER_LABELS;
+
+/// The `/queue/status` document.
+#[derive(Debug, Serialize)]
+pub struct Status {
+    status: &'static str,
+    uptime_seconds: u64,
+    queue: Queue,
+    concurrency: Concurrency,
+    hosts: Vec<HostStatus>,
+    clients: BTreeMap<String, ClientStatus>,
+    security: Security,
+    snapshot: SnapshotStatus,
+}
+
+#[derive(Debug, Serialize)]
+struct Queue {
+    high: TierStatus,
+    normal: TierStatus,
+    low: TierStatus,
+}
+
+#[derive(Debug, Serialize)]
+struct TierStatus {
+    depth: u32,
+    max_depth: u32,
+    processed: u64,
+    rejected: u64,
+    expired: u64,
+    cancelled: u64,
+    promoted: u64,
+    flushed: u64,
+    paused: bool,
+    wait: Wait,
+}
+
+/// Running totals of the queue wait of dispatched requests: the difference
+/// between two polls gives the mean wait in between.
+#[derive(Debug, Serialize)]
+struct Wait {
+    count: u64,
+    sum_seconds: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Concurrency {
+    active: u32,
+    max: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct HostStatus {
+    name: String,
+    url: String,
+    healthy: bool,
+    models: Vec<String>,
+    loaded_models: Vec<String>,
+    last_checked: Option<String>,
+    requests_handled: u64,
+    failures: u64,
+    slots_in_use: u32,
+    max_concurrent: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct ClientStatus {
+    description: Option<String>,
+    processed: u64,
+    rejected: u64,
+    waiting: u32,
+    inflight: u32,
+    max_concurrent: u32,
+    weight: f64,
+    recent_share: f64,
+    max_priority: Option<&'static str>,
+    scope: Option<&'static str>,
+}
+
+#[derive(Debug, Serialize)]
+struct Security {
+    auth_enabled: bool,
+    model_management_allowed: bool,
+    active_keys: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct SnapshotStatus {
+    version: u64,
+    control_plane_connected: bool,
+    last_error: Option<String>,
+}
+
+/// The `/queue/summary` document: exactly these ten scalars.
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    status: &'static str,
+    queued: u32,
+    active: u32,
+    max_concurrent: u32,
+    hosts_healthy: usize,
+    hosts_total: usize,
+    processed: u64,
+    rejected: u64,
+    expired: u64,
+    uptime_seconds: u64,
+}
+
+/// The `/queue/status` response.
+pub fn status_response(app: &App, policy: &Policy) -> Response<Body> {
+    json(&status(app, policy))
+}
+
+/// The `/queue/summary` response.
+pub fn summary_response(app: &App, policy: &Policy) -> Response<Body> {
+    json(&summary(app, policy))
+}
+
+/// The status document of this moment.
+pub fn status(app: &App, policy: &Policy) -> Status {
+    let stats = app.dispatcher.stats();
+    let tier = |tier: Tier| {
+        let stat = &stats.tiers[tier.index()];
+        let (count, sum_seconds) = app.metrics.wait_totals(tier);
+        TierStatus {
+            depth: stat.depth,
+            max_depth: policy.queue.tier(tier).max_depth,
+            processed: stat.processed,
+            rejected: stat.rejected,
+            expired: stat.expired,
+            cancelled: stat.cancelled,
+            promoted: stat.promoted,
+            flushed: stat.flushed,
+            paused: stat.paused,
+            wait: Wait { count, sum_seconds },
+        }
+    };
+    let queue = Queue {
+        high: tier(Tier::High),
+        normal: tier(Tier::Normal),
+        low: tier(Tier::Low),
+    };
+    let hosts = policy
+        .hosts
+        .iter()
+        .map(|host| host_status(app, host, &stats))
+        .collect();
+    let now = SystemTime::now();
+    let concurrency = Concurrency {
+        active: active(&stats),
+        max: max_concurrent(policy),
+    };
+    let QueueReport { clients, .. } = stats;
+    let clients = bounded_clients(policy, clients)
+        .into_iter()
+        .map(|(client, stat)| {
+            (
+                stat.client.to_string(),
+                client_status(client.as_deref(), &stat),
+            )
+        })
+        .collect();
+    Status {
+        status: "ok",
+        uptime_seconds: app.started.elapsed().as_secs(),
+        queue,
+        concurrency,
+        hosts,
+        clients,
+        security: Security {
+            auth_enabled: policy.auth.enabled,
+            model_management_allowed: policy.proxy.allow_model_management,
+            active_keys: policy
+                .clients
+                .values()
+                .filter(|client| !client.is_expired(now))
+                .count(),
+        },
+        snapshot: SnapshotStatus {
+            version: policy.version,
+            control_plane_connected: app.control.is_connected(),
+            last_error: app.control.last_error(),
+        },
+    }
+}
+
+/// The summary of this moment.
+pub fn summary(app: &App, policy: &Policy) -> Summary {
+    let stats = app.dispatcher.stats();
+    let total = |field: fn(&TierStat) -> u64| stats.tiers.iter().map(field).sum::<u64>();
+    Summary {
+        status: "ok",
+        queued: stats.tiers.iter().map(|t| t.depth).sum(),
+        active: active(&stats),
+        max_concurrent: max_concurrent(policy),
+        hosts_healthy: policy
+            .hosts
+            .iter()
+            .filter(|host| is_healthy(host, &stats))
+            .count(),
+        hosts_total: policy.hosts.len(),
+        processed: total(|t| t.processed),
+        rejected: total(|t| t.rejected),
+        expired: total(|t| t.expired),
+        uptime_seconds: app.started.elapsed().as_secs(),
+    }
+}
+
+/// The clients status and metrics show: every configured client (with its
+/// figures, zero if it never called), then at most [`MAX_OTHER_CLIENTS`]
+/// unconfigured ones, busiest first. A client id never repeats.
+pub(crate) fn bounded_clients(
+    policy: &Policy,
+    stats: Vec<ClientStat>,
+) -> Vec<(Option<Arc<Client>>, ClientStat)> {
+    let mut configured: BTreeMap<&str, (Arc<Client>, Option<ClientStat>)> = policy
+        .clients_by_id
+        .iter()
+        .map(|(id, client)| (&**id, (client.clone(), None)))
+        .collect();
+    let mut others = Vec::new();
+    for stat in stats {
+        match configured.get_mut(&*stat.client) {
+            Some((_, slot)) => *slot = Some(stat),
+            None => others.push(stat),
+        }
+    }
+    others.sort_by(|a, b| {
+        (b.waiting + b.inflight)
+            .cmp(&(a.waiting + a.inflight))
+            .then(b.processed.cmp(&a.processed))
+            .then(a.client.cmp(&b.client))
+    });
+    others.truncate(MAX_OTHER_CLIENTS);
+    let mut clients: Vec<(Option<Arc<Client>>, ClientStat)> = configured
+        .into_values()
+        .map(|(client, stat)| {
+            let stat = stat.unwrap_or_else(|| ClientStat {
+                client: client.id.clone(),
+                weight: client.weight,
+                waiting: 0,
+                inflight: 0,
+                processed: 0,
+                rejected: 0,
+                recent_share: 0.0,
+            });
+            (Some(client), stat)
+        })
+        .collect();
+    clients.extend(others.into_iter().map(|stat| (None, stat)));
+    clients
+}
+
+fn client_status(client: Option<&Client>, stat: &ClientStat) -> ClientStatus {
+    ClientStatus {
+        description: client
+            .map(|c| c.description.clone())
+            .filter(|d| !d.is_empty()),
+        processed: stat.processed,
+        rejected: stat.rejected,
+        waiting: stat.waiting,
+        inflight: stat.inflight,
+        max_concurrent: client.map_or(0, |c| c.max_concurrent),
+        weight: stat.weight,
+        recent_share: stat.recent_share,
+        max_priority: client.map(|c| c.max_priority.as_str()),
+        scope: client.map(|c| c.scope.as_str()),
+    }
+}
+
+fn host_status(app: &App, host: &Host, stats: &QueueReport) -> HostStatus {
+    let (requests_handled, failures) = app.metrics.host_counts(&host.name);
+    HostStatus {
+        name: host.name.to_string(),
+        url: without_userinfo(&host.url),
+        healthy: is_healthy(host, stats),
+        models: sorted(&host.installed_names),
+        loaded_models: sorted(&host.loaded_names),
+        last_checked: host.last_checked.map(iso8601),
+        requests_handled,
+        failures,
+        slots_in_use: stats
+            .slots
+            .get(&host.name)
+            .map_or(0, |stat| stat.slots_in_use),
+        max_concurrent: host.max_concurrent,
+    }
+}
+
+/// Whether `host` answered its last poll and no request found it down since.
+pub(crate) fn is_healthy(host: &Host, stats: &QueueReport) -> bool {
+    host.healthy
+        && !stats
+            .slots
+            .get(&host.name)
+            .is_some_and(|stat| stat.marked_down)
+}
+
+fn active(stats: &QueueReport) -> u32 {
+    stats.slots.values().map(|stat| stat.slots_in_use).sum()
+}
+
+fn max_concurrent(policy: &Policy) -> u32 {
+    policy
+        .hosts
+        .iter()
+        .fold(0u32, |sum, host| sum.saturating_add(host.max_concurrent))
+}
+
+fn sorted(names: &[String]) -> Vec<String> {
+    let mut names = names.to_vec();
+    names.sort();
+    names
+}
+
+/// `2026-04-21T08:00:00+00:00`, the reference's form.
+fn iso8601(at: SystemTime) -> String {
+    let text = humantime::format_rfc3339_seconds(at).to_string();
+    match text.strip_suffix('Z') {
+        Some(stem) => format!("{stem}+00:00"),
+        None => text,
+    }
+}
+
+/// A URL without `user:password@`: the control plane refuses credentials in
+/// host URLs, and status must not show them even if one got through.
+fn without_userinfo(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) => format!("{scheme}://{}", &rest[at + 1..]),
+        None => url.to_owned(),
+    }
+}
+
+fn json(value: &impl Serialize) -> Response<Body> {
+    crate::service::json_response(serde_json::to_value(value).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_userinfo() {
+        assert_eq!(
+            without_userinfo("http://u:p@gpu:11434/x"),
+            "http://gpu:11434/x"
+        );
+        assert_eq!(without_userinfo("http://gpu:11434"), "http://gpu:11434");
+        assert_eq!(without_userinfo("http://gpu/a@b"), "http://gpu/a@b");
+    }
+
+    #[test]
+    fn times_use_the_reference_offset() {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(86_400);
+        assert_eq!(iso8601(at), "1970-01-02T00:00:00+00:00");
+    }
+
+    fn policy_with_clients(ids: &[&str]) -> Policy {
+        use oqp_proto::policy::v1 as wire;
+        Policy::try_from(wire::PolicySnapshot {
+            version: 1,
+            listener: Some(wire::Listener {
+                host: "127.0.0.1".into(),
+                port: 0,
+            }),
+            proxy: Some(wire::ProxySettings {
+                max_concurrent: 1,
+                ..Default::default()
+            }),
+            clients: ids
+                .iter()
+                .enumerate()
+                .map(|(i, id)| wire::Client {
+                    client_id: (*id).to_owned(),
+                    key_sha256: vec![i as u8; 32],
+                    ..Default::default()
+                })
+                .collect(),
+            hosts: vec![wire::Host {
+                name: "gpu".into(),
+                url: "http://127.0.0.1:1".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn stat(client: &str, waiting: u32, processed: u64) -> ClientStat {
+        ClientStat {
+            client: Arc::from(client),
+            weight: 1.0,
+            waiting,
+            inflight: 0,
+            processed,
+            rejected: 0,
+            recent_share: 0.0,
+        }
+    }
+
+    #[test]
+    fn unconfigured_clients_are_bounded_busiest_first() {
+        let policy = policy_with_clients(&["chat", "batch"]);
+        let mut stats: Vec<ClientStat> = (0..MAX_OTHER_CLIENTS + 20)
+            .map(|i| stat(&format!("anon-{i:03}"), 0, i as u64))
+            .collect();
+        stats.push(stat("busy", 3, 0));
+        stats.push(stat("chat", 1, 5));
+        let clients = bounded_clients(&policy, stats);
+        assert_eq!(clients.len(), 2 + MAX_OTHER_CLIENTS);
+        let ids: Vec<&str> = clients.iter().map(|(_, s)| &*s.client).collect();
+        assert_eq!(&ids[..3], ["batch", "chat", "busy"]);
+        assert_eq!(clients[1].1.processed, 5, "configured figures are kept");
+        assert!(clients[0].0.is_some() && clients[2].0.is_none());
+        assert!(
+            !ids.contains(&"anon-000"),
+            "the least busy others are dropped"
+        );
+    }
+}

@@ -1,0 +1,222 @@
+"""The official Python clients, unchanged, through oqp.
+
+Run by tests/clients/run.sh against oqp in single-box mode in front of the
+fake Ollama, with auth on. It uses only what a user would set:
+OLLAMA_HOST and OLLAMA_API_KEY for ollama-python, base_url and api_key for
+openai-python. Every check runs; any failure makes the exit status 1.
+
+Environment: OLLAMA_HOST (http://127.0.0.1:PORT of oqp), OLLAMA_API_KEY (an
+oqp key), OQP_CHAT_MODEL (default llama3.2), OQP_EMBED_MODEL (default
+all-minilm).
+"""
+
+import base64
+from importlib import metadata
+import math
+import os
+import struct
+import sys
+import traceback
+
+import ollama
+import openai
+
+HOST = os.environ["OLLAMA_HOST"]
+KEY = os.environ["OLLAMA_API_KEY"]
+CHAT = os.environ.get("OQP_CHAT_MODEL", "llama3.2")
+EMBED = os.environ.get("OQP_EMBED_MODEL", "all-minilm")
+TEXTS = ["The sky is blue because of Rayleigh scattering.", "Grass is green."]
+
+CHECKS = []
+
+
+def check(name):
+    def register(function):
+        CHECKS.append((name, function))
+        return function
+
+    return register
+
+
+def expect(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def ollama_client():
+    # Host and key come from OLLAMA_HOST and OLLAMA_API_KEY, as for any user.
+    return ollama.Client()
+
+
+def openai_client():
+    return openai.OpenAI(base_url=HOST.rstrip("/") + "/v1", api_key=KEY, max_retries=0)
+
+
+def is_vector(values):
+    return len(values) > 0 and all(isinstance(v, float) and math.isfinite(v) for v in values)
+
+
+# ---- ollama-python ---------------------------------------------------------
+
+
+@check("ollama: list")
+def ollama_list():
+    names = [m.model for m in ollama_client().list().models]
+    expect(any(n.startswith(CHAT) for n in names), f"{CHAT} not in {names}")
+    expect(any(n.startswith(EMBED) for n in names), f"{EMBED} not in {names}")
+
+
+@check("ollama: show")
+def ollama_show():
+    shown = ollama_client().show(CHAT)
+    expect(shown.details is not None, f"no details: {shown}")
+    expect(shown.modelinfo, "no model_info")
+
+
+@check("ollama: ps")
+def ollama_ps():
+    loaded = [m.model for m in ollama_client().ps().models]
+    expect(any(n.startswith(CHAT) for n in loaded), f"{CHAT} not loaded: {loaded}")
+
+
+@check("ollama: generate")
+def ollama_generate():
+    answer = ollama_client().generate(model=CHAT, prompt="Why is the sky blue?")
+    expect(answer.done, f"not done: {answer}")
+    expect(answer.response, "empty response")
+
+
+@check("ollama: generate, streamed")
+def ollama_generate_streamed():
+    chunks = list(ollama_client().generate(model=CHAT, prompt="Why is the sky blue?", stream=True))
+    expect(len(chunks) >= 2, f"{len(chunks)} chunks")
+    expect(chunks[-1].done and not any(c.done for c in chunks[:-1]), "done only on the last chunk")
+    expect("".join(c.response for c in chunks), "no text")
+
+
+@check("ollama: chat")
+def ollama_chat():
+    answer = ollama_client().chat(model=CHAT, messages=[{"role": "user", "content": "Hello!"}])
+    expect(answer.message.role == "assistant", f"role {answer.message.role}")
+    expect(answer.message.content, "empty message")
+
+
+@check("ollama: chat, streamed")
+def ollama_chat_streamed():
+    chunks = list(
+        ollama_client().chat(model=CHAT, messages=[{"role": "user", "content": "Hello!"}], stream=True)
+    )
+    expect(len(chunks) >= 2, f"{len(chunks)} chunks")
+    expect(chunks[-1].done, "the last chunk is done")
+    expect("".join(c.message.content for c in chunks), "no text")
+
+
+@check("ollama: embed")
+def ollama_embed():
+    answer = ollama_client().embed(model=EMBED, input=TEXTS)
+    expect(len(answer.embeddings) == len(TEXTS), f"{len(answer.embeddings)} vectors")
+    expect(all(is_vector(v) for v in answer.embeddings), "not float vectors")
+    again = ollama_client().embed(model=EMBED, input=TEXTS[0])
+    expect(again.embeddings[0] == answer.embeddings[0], "the same text, a different vector")
+
+
+@check("ollama: a missing key is refused")
+def ollama_without_key():
+    saved = os.environ.pop("OLLAMA_API_KEY")
+    try:
+        ollama.Client().list()
+    except ollama.ResponseError as error:
+        expect(error.status_code == 401, f"status {error.status_code}")
+    else:
+        raise AssertionError("listed models without a key")
+    finally:
+        os.environ["OLLAMA_API_KEY"] = saved
+
+
+# ---- openai-python ---------------------------------------------------------
+
+
+def float_vectors():
+    answer = openai_client().embeddings.create(model=EMBED, input=TEXTS, encoding_format="float")
+    return [item.embedding for item in sorted(answer.data, key=lambda d: d.index)]
+
+
+@check("openai: embeddings, float")
+def openai_embeddings_float():
+    vectors = float_vectors()
+    expect(len(vectors) == len(TEXTS), f"{len(vectors)} vectors")
+    expect(all(is_vector(v) for v in vectors), "not float vectors")
+
+
+@check("openai: embeddings, base64")
+def openai_embeddings_base64():
+    answer = openai_client().embeddings.create(model=EMBED, input=TEXTS, encoding_format="base64")
+    items = sorted(answer.data, key=lambda d: d.index)
+    expect(len(items) == len(TEXTS), f"{len(items)} vectors")
+    expected = float_vectors()
+    for item, floats in zip(items, expected):
+        expect(isinstance(item.embedding, str), f"not base64: {type(item.embedding)}")
+        raw = base64.b64decode(item.embedding)
+        decoded = struct.unpack(f"<{len(raw) // 4}f", raw)
+        expect(len(decoded) == len(floats), f"{len(decoded)} vs {len(floats)} dimensions")
+        expect(all(abs(a - b) < 1e-6 for a, b in zip(decoded, floats)), "base64 differs from float")
+
+
+@check("openai: embeddings, library default")
+def openai_embeddings_default():
+    # The library asks for base64 and decodes it itself.
+    answer = openai_client().embeddings.create(model=EMBED, input=TEXTS[0])
+    expect(is_vector(answer.data[0].embedding), "not a float vector")
+
+
+@check("openai: chat")
+def openai_chat():
+    answer = openai_client().chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "Hello!"}]
+    )
+    expect(answer.choices[0].message.content, "empty message")
+    expect(answer.choices[0].finish_reason == "stop", f"finish {answer.choices[0].finish_reason}")
+
+
+@check("openai: chat, streamed")
+def openai_chat_streamed():
+    stream = openai_client().chat.completions.create(
+        model=CHAT, messages=[{"role": "user", "content": "Hello!"}], stream=True
+    )
+    chunks = list(stream)
+    expect(len(chunks) >= 2, f"{len(chunks)} chunks")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expect(text, "no text")
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    expect(finishes == ["stop"], f"finish reasons {finishes}")
+
+
+@check("openai: a wrong key is refused")
+def openai_wrong_key():
+    client = openai.OpenAI(base_url=HOST.rstrip("/") + "/v1", api_key="sk-wrong", max_retries=0)
+    try:
+        client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hi"}])
+    except openai.AuthenticationError:
+        return
+    raise AssertionError("a wrong key was served")
+
+
+def main():
+    versions = {name: metadata.version(name) for name in ("ollama", "openai")}
+    print(f"ollama-python {versions['ollama']}, openai-python {versions['openai']}, through {HOST}")
+    failed = []
+    for name, function in CHECKS:
+        try:
+            function()
+        except Exception as error:  # noqa: BLE001 - every failure is reported
+            failed.append(name)
+            print(f"FAIL {name}: {type(error).__name__}: {error}")
+            traceback.print_exc(limit=3, file=sys.stdout)
+        else:
+            print(f"ok   {name}")
+    print(f"{len(CHECKS) - len(failed)} of {len(CHECKS)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

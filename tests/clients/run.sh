@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The real-client step: the official Python clients (ollama, openai; pinned in
+# requirements.txt) run tests/clients/real_clients.py through oqp in
+# single-box mode, auth on, in front of the fake Ollama. Everything runs on
+# free loopback ports and is stopped on exit, whatever happens.
+#
+#   tests/clients/run.sh            # from anywhere; builds the two binaries
+#   OQP_VENV=/path/to/venv tests/clients/run.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+target=${CARGO_TARGET_DIR:-target}/debug
+venv=${OQP_VENV:-.venv}
+
+echo "-- building oqp-controlplane and fake-ollama"
+cargo build --locked -q -p oqp-controlplane --bin oqp-controlplane -p oqp-tests --bin fake-ollama
+
+echo "-- python environment ($venv)"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/clients/requirements.txt
+python="$venv/bin/python"
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  local status=$?
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if [ "$status" -ne 0 ]; then
+    echo "-- oqp log (tail)"; tail -n 40 "$work/oqp.log" 2>/dev/null || true
+    echo "-- fake log (tail)"; tail -n 20 "$work/fake.log" 2>/dev/null || true
+  fi
+  rm -rf "$work"
+  exit "$status"
+}
+trap cleanup EXIT INT TERM
+
+free_port() {
+  "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# Waits until $1 has a first line (the fake prints its address there).
+wait_for_line() {
+  for _ in $(seq 200); do
+    [ -s "$1" ] && return 0
+    sleep 0.05
+  done
+  echo "no address in $1" >&2
+  return 1
+}
+
+echo "-- starting the fake Ollama"
+"$target/fake-ollama" --model llama3.2 --loaded llama3.2 --embedding-model all-minilm \
+  >"$work/fake.addr" 2>"$work/fake.log" &
+pids+=($!)
+wait_for_line "$work/fake.addr"
+fake=$(head -n 1 "$work/fake.addr")
+
+proxy_port=$(free_port)
+control_port=$(free_port)
+key="sk-real-clients-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
+cat >"$work/config.yml" <<YAML
+proxy:
+  host: "127.0.0.1"
+  port: $proxy_port
+ollama:
+  hosts:
+    - url: "http://$fake"
+      name: fake
+auth:
+  enabled: true
+  keys:
+    - key: "$key"
+      client_id: real-clients
+control_plane:
+  listen: "127.0.0.1:$control_port"
+  state_dir: "$work/state"
+YAML
+
+echo "-- starting oqp (single box) on 127.0.0.1:$proxy_port"
+OQP_LOG=${OQP_LOG:-warn} "$target/oqp-controlplane" --config "$work/config.yml" --with-dataplane \
+  >"$work/oqp.log" 2>&1 &
+pids+=($!)
+"$python" - "$proxy_port" <<'PY'
+import sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/health"
+deadline = time.monotonic() + 30
+while True:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            if response.status == 200:
+                break
+    except OSError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit(f"oqp did not answer {url}")
+    time.sleep(0.05)
+PY
+
+echo "-- running the clients"
+OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" \
+  OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
+  "$python" tests/clients/real_clients.py

@@ -1,0 +1,316 @@
+//! `oqp-bench`: what oqp costs and what it buys, measured against the same
+//! fake Ollama reached three ways — direct, through a minimal pass-through
+//! proxy (the floor: [`minimal`]), and through oqp in single-box mode — each
+//! in its own process ([`procs`]), driven by a small tokio client
+//! ([`load`]), interleaved over several rounds, summarised as one Markdown
+//! table ([`report`]) with a verdict per target.
+//!
+//! The scenarios ([`scenarios`]): added latency (pinned and unpinned),
+//! saturation of the metadata fast path and of the queued path, work
+//! conservation, streaming, embedding-cache hits (memory and Redis), memory,
+//! CPU per 1k req/s, scheduling under a batch flood, and fairness.
+//!
+//! [`run`] is the library entry: the binary calls it, and so does the smoke
+//! test (`--quick`, tiny counts).
+
+pub mod load;
+pub mod minimal;
+pub mod procs;
+pub mod report;
+pub mod scenarios;
+pub mod stats;
+
+use std::path::{Path, PathBuf};
+use std::time::{Instant, SystemTime};
+
+use anyhow::Context;
+use clap::Parser;
+
+use procs::{Binaries, OqpCommand};
+use report::Report;
+
+/// Added latency, client and fake on CPU 0, the proxy on CPU 1.
+pub const SCENARIO_LATENCY_PINNED: &str = "added latency, pinned";
+/// Added latency, no pinning.
+pub const SCENARIO_LATENCY_UNPINNED: &str = "added latency, unpinned";
+/// Saturation of `GET /api/tags`.
+pub const SCENARIO_SATURATION_FAST: &str = "saturation, metadata fast path";
+/// Saturation of non-streamed generates.
+pub const SCENARIO_SATURATION_QUEUED: &str = "saturation, queued path";
+/// Achieved ÷ P/D.
+pub const SCENARIO_WORK_CONSERVATION: &str = "work conservation";
+/// Time to first line, per-line delay.
+pub const SCENARIO_STREAMING: &str = "streaming";
+/// Cache hits, in-process backend.
+pub const SCENARIO_CACHE_MEMORY: &str = "cache hit, memory";
+/// Cache hits, Redis backend.
+pub const SCENARIO_CACHE_REDIS: &str = "cache hit, redis";
+/// Resident memory.
+pub const SCENARIO_MEMORY: &str = "memory";
+/// CPU per 1k req/s.
+pub const SCENARIO_CPU: &str = "cpu";
+/// Interactive wait under a batch flood.
+pub const SCENARIO_SCHEDULING: &str = "scheduling";
+/// Jain's index.
+pub const SCENARIO_FAIRNESS: &str = "fairness";
+
+/// Every scenario, in table order; each has at least one row.
+pub const SCENARIOS: [&str; 12] = [
+    SCENARIO_LATENCY_PINNED,
+    SCENARIO_LATENCY_UNPINNED,
+    SCENARIO_SATURATION_FAST,
+    SCENARIO_SATURATION_QUEUED,
+    SCENARIO_WORK_CONSERVATION,
+    SCENARIO_STREAMING,
+    SCENARIO_CACHE_MEMORY,
+    SCENARIO_CACHE_REDIS,
+    SCENARIO_MEMORY,
+    SCENARIO_CPU,
+    SCENARIO_SCHEDULING,
+    SCENARIO_FAIRNESS,
+];
+
+/// The command documented in the README.
+pub const COMMAND: &str = "cargo run --release -p oqp-tests --bin oqp-bench";
+
+/// Options of a benchmark run.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "oqp-bench")]
+pub struct Args {
+    /// Seconds instead of minutes: tiny counts, one round (CI's smoke test).
+    #[arg(long)]
+    pub quick: bool,
+    /// Rounds of each interleaved comparison (default 5, quick 1).
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// Where to write the table (default: bench-results/latest.md in the
+    /// workspace).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// Also copy the table into docs/benchmarks.md.
+    #[arg(long)]
+    pub write_docs: bool,
+    /// Run only the scenarios whose names contain one of these words
+    /// (repeatable); the others get a "skipped" row.
+    #[arg(long = "only", value_name = "WORD")]
+    pub only: Vec<String>,
+    /// Do not pin processes to CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// The fake-ollama binary (default: beside this one).
+    #[arg(long)]
+    pub fake_bin: Option<PathBuf>,
+    /// The oqp-bench binary, for the minimal proxy (default: this one).
+    #[arg(long)]
+    pub bench_bin: Option<PathBuf>,
+    /// The oqp-controlplane binary (default: beside this one).
+    #[arg(long)]
+    pub oqp_bin: Option<PathBuf>,
+    /// Run oqp as `oqp-bench single-box` instead of `oqp-controlplane
+    /// --with-dataplane` (same libraries; for when the latter is not built).
+    #[arg(long)]
+    pub oqp_self: bool,
+}
+
+/// What the scenarios share.
+#[derive(Debug, Clone)]
+pub struct Bench {
+    /// The programs.
+    pub binaries: Binaries,
+    /// Quick mode.
+    pub quick: bool,
+    /// Rounds per comparison.
+    pub rounds: usize,
+    /// Whether to pin.
+    pub pin: bool,
+    /// CPUs available.
+    pub cpus: usize,
+}
+
+/// Runs the benchmark and writes the table; returns it.
+pub async fn run(args: Args) -> anyhow::Result<String> {
+    let binaries = binaries(&args)?;
+    let bench = Bench {
+        quick: args.quick,
+        rounds: args.rounds.unwrap_or(if args.quick { 1 } else { 5 }).max(1),
+        pin: !args.no_pin,
+        cpus: std::thread::available_parallelism().map_or(1, usize::from),
+        binaries,
+    };
+    let started = Instant::now();
+    let mut report = Report::default();
+    let selected = |scenario: &str| {
+        args.only.is_empty()
+            || args
+                .only
+                .iter()
+                .any(|word| scenario.contains(word.as_str()))
+    };
+    macro_rules! scenario {
+        ($names:expr, $run:expr) => {{
+            let names: &[&str] = $names;
+            if names.iter().any(|name| selected(name)) {
+                eprintln!("oqp-bench: {} …", names.join(", "));
+                let before = report.rows.len();
+                if let Err(error) = $run(&bench, &mut report).await {
+                    report.rows.truncate(before);
+                    for name in names {
+                        report.not_run(name, &format!("error: {error:#}"));
+                    }
+                }
+            } else {
+                for name in names {
+                    report.not_run(name, "skipped (--only)");
+                }
+            }
+        }};
+    }
+    scenario!(
+        &[SCENARIO_LATENCY_PINNED, SCENARIO_LATENCY_UNPINNED],
+        scenarios::latency::run
+    );
+    scenario!(
+        &[SCENARIO_SATURATION_FAST, SCENARIO_SATURATION_QUEUED],
+        scenarios::throughput::run_saturation
+    );
+    scenario!(
+        &[SCENARIO_WORK_CONSERVATION],
+        scenarios::throughput::run_conservation
+    );
+    scenario!(&[SCENARIO_STREAMING], scenarios::streaming::run);
+    scenario!(
+        &[SCENARIO_CACHE_MEMORY, SCENARIO_CACHE_REDIS],
+        scenarios::cache::run
+    );
+    scenario!(&[SCENARIO_MEMORY], scenarios::memory::run);
+    scenario!(&[SCENARIO_CPU], scenarios::cpu::run);
+    scenario!(&[SCENARIO_SCHEDULING], scenarios::scheduling::run);
+    scenario!(&[SCENARIO_FAIRNESS], scenarios::fairness::run);
+
+    report.header = header(&args, &bench, started.elapsed());
+    report.notes = notes(&report);
+    let text = report.to_markdown();
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| workspace().join("bench-results/latest.md"));
+    write(&out, &text)?;
+    if args.write_docs {
+        write(&workspace().join("docs/benchmarks.md"), &text)?;
+    }
+    Ok(text)
+}
+
+fn binaries(args: &Args) -> anyhow::Result<Binaries> {
+    let bench = match &args.bench_bin {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().context("cannot find this program")?,
+    };
+    let dir = bench.parent().map(Path::to_path_buf).unwrap_or_default();
+    let fake = args
+        .fake_bin
+        .clone()
+        .unwrap_or_else(|| dir.join("fake-ollama"));
+    anyhow::ensure!(
+        fake.is_file(),
+        "{} is missing: build it with `cargo build --release -p oqp-tests --bin fake-ollama`",
+        fake.display()
+    );
+    let oqp = if args.oqp_self {
+        OqpCommand::Bench(bench.clone())
+    } else {
+        let path = args
+            .oqp_bin
+            .clone()
+            .unwrap_or_else(|| dir.join("oqp-controlplane"));
+        anyhow::ensure!(
+            path.is_file(),
+            "{} is missing: build it with `cargo build --release -p oqp-controlplane`, or pass --oqp-self",
+            path.display()
+        );
+        OqpCommand::ControlPlane(path)
+    };
+    Ok(Binaries { fake, bench, oqp })
+}
+
+fn header(args: &Args, bench: &Bench, took: std::time::Duration) -> Vec<String> {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|line| line.strip_prefix("model name"))
+                .map(|name| name.trim_start_matches([' ', '\t', ':']).to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|release| release.trim().to_owned())
+        .unwrap_or_default();
+    let mut command = COMMAND.to_owned();
+    let mut flags = Vec::new();
+    if args.quick {
+        flags.push("--quick".to_owned());
+    }
+    if let Some(rounds) = args.rounds {
+        flags.push(format!("--rounds {rounds}"));
+    }
+    if args.write_docs {
+        flags.push("--write-docs".to_owned());
+    }
+    if args.no_pin {
+        flags.push("--no-pin".to_owned());
+    }
+    if !flags.is_empty() {
+        command = format!("{command} -- {}", flags.join(" "));
+    }
+    let mode = if bench.quick {
+        "quick (smoke-test sizes: the figures mean nothing)"
+    } else {
+        "full"
+    };
+    vec![
+        "# oqp benchmark".to_owned(),
+        String::new(),
+        format!("Produced by `{command}` on {}, in {:.0} s ({mode} run; up to {} rounds per comparison).", stats::format_utc(SystemTime::now()), took.as_secs_f64(), bench.rounds),
+        String::new(),
+        format!("- Machine: {cpu}, {} CPUs, Linux {kernel}. Loopback only.", bench.cpus),
+        format!(
+            "- Processes: the fake Ollama `{}`; the minimal proxy `oqp-bench minimal-proxy` (plain hyper, `tests/src/bench/minimal.rs`); oqp {}; the load generator in the `oqp-bench` process (tokio, kept-alive HTTP/1.1 connections).",
+            bench.binaries.fake.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+            bench.binaries.oqp.describe()
+        ),
+        "- Placement: *pinned* rows run the load generator and the fake on CPU 0 and the proxy under test on CPU 1 (`taskset`); every other row is unpinned (all processes share every CPU).".to_owned(),
+        "- Cells: median over rounds, with the range of the rounds in parentheses; targets are sent to direct / minimal / oqp in turn (A, B, C, A, B, C …, the order rotating).".to_owned(),
+    ]
+}
+
+fn notes(report: &Report) -> Vec<String> {
+    let (met, not_met, unknown) = report.verdicts();
+    vec![
+        format!("Targets: {met} met, {not_met} not met, {unknown} without a figure."),
+        String::new(),
+        "How each figure is taken:".to_owned(),
+        String::new(),
+        "- *Added latency*: one request at a time on one kept-alive connection per target; p50 and p99 per round; the added latency is the median, over requests, of the difference between consecutive samples of two targets (taken moments apart), which cancels most of the machine's noise.".to_owned(),
+        "- *Saturation*: closed loop, a fixed number of connections sending back to back; the fake answers at once (no service time), so the proxy's own cost is the limit. The queued path goes through oqp's admission and dispatcher (upstream slots never run out).".to_owned(),
+        "- *Work conservation*: an upstream with P slots and D ms per request can serve at most P/D requests a second; more clients than slots keep every slot wanted.".to_owned(),
+        "- *Streaming*: the fake stamps each NDJSON line's `created_at` with the time it sends it (RFC 3339, ns); delay = client receive time − that stamp, on the same clock.".to_owned(),
+        "- *Cache*: the fake answers embeddings without service time, so a hit is compared with the bare cost of an upstream round trip. Rows say n/a when oqp's answers carry no `X-Cache` header.".to_owned(),
+        "- *Memory*: `VmRSS` of `/proc/<pid>/status`. The queued figure fills the queue behind an upstream whose one slot never frees; the depth is confirmed through the control plane's admin API before reading.".to_owned(),
+        "- *CPU*: open loop at a fixed rate; the process's user + system time (`/proc/<pid>/stat`) over the run ÷ its length, scaled to 1k req/s.".to_owned(),
+        "- *Scheduling*: wait = response time − the request's own service time; direct to the fake the chats queue in Ollama's FIFO.".to_owned(),
+        "- *Fairness*: completions per client in the window; direct, a FIFO shares in proportion to what each client offers.".to_owned(),
+    ]
+}
+
+fn write(path: &Path, text: &str) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The workspace root.
+pub fn workspace() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}

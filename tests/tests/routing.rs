@@ -1,0 +1,297 @@
+//! End to end: several fake Ollamas behind one data plane. Model-aware
+//! routing, smooth weighted round-robin, failover before the first byte,
+//! "model not found" invalidation, the union of model lists, and an Ollama
+//! Cloud key pool rotating across accounts.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::HashMap;
+
+use oqp_tests::client::HttpClient;
+use oqp_tests::fake::{CloudReply, FakeOllama};
+use oqp_tests::harness::Stack;
+use serde_json::json;
+
+fn host(url: &str, name: &str, weight: u32) -> String {
+    format!(
+        "    - url: \"{url}\"\n      name: {name}\n      weight: {weight}\n      max_concurrent: 4\n"
+    )
+}
+
+fn config(hosts: &str, strategy: &str) -> String {
+    format!(
+        "proxy:\n  max_concurrent: 4\nollama:\n  hosts:\n{hosts}routing:\n  strategy: {strategy}\n"
+    )
+}
+
+async fn generate(http: &HttpClient, base: &str, model: &str) -> oqp_tests::client::Reply {
+    http.post_json(
+        &format!("{base}/api/generate"),
+        &[],
+        &json!({"model": model, "prompt": "hi", "stream": false}),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn the_model_goes_where_it_is_loaded_then_installed_then_anywhere() {
+    let installed = FakeOllama::builder().model("qwen3").spawn().await;
+    let loaded = FakeOllama::builder()
+        .model("qwen3")
+        .loaded("qwen3")
+        .spawn()
+        .await;
+    let bare = FakeOllama::builder().model("llama3").spawn().await;
+    let hosts = [
+        host(&installed.url(), "installed", 1),
+        host(&loaded.url(), "loaded", 1),
+        host(&bare.url(), "bare", 1),
+    ]
+    .concat();
+    let stack = Stack::start(&config(&hosts, "model_aware")).await;
+    let http = HttpClient::new();
+    for _ in 0..4 {
+        // Ollama's name rules: a missing tag is `latest`, case is ignored.
+        let reply = generate(&http, &stack.url(), "QWEN3").await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-failover-host").as_deref(), Some("loaded"));
+    }
+    let reply = generate(&http, &stack.url(), "llama3:latest").await;
+    assert_eq!(reply.header("x-failover-host").as_deref(), Some("bare"));
+    // A model nobody has goes to some healthy host (which answers 404).
+    let reply = generate(&http, &stack.url(), "unknown").await;
+    assert_eq!(reply.status, 404);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn weights_two_to_one_give_exactly_two_to_one_interleaved() {
+    let heavy = FakeOllama::builder().model("llama3").spawn().await;
+    let light = FakeOllama::builder().model("llama3").spawn().await;
+    let hosts = [
+        host(&heavy.url(), "heavy", 2),
+        host(&light.url(), "light", 1),
+    ]
+    .concat();
+    let stack = Stack::start(&config(&hosts, "round_robin")).await;
+    let http = HttpClient::new();
+    let mut order = Vec::new();
+    for _ in 0..30 {
+        let reply = generate(&http, &stack.url(), "llama3").await;
+        order.push(reply.header("x-failover-host").unwrap());
+    }
+    let counts = order.iter().fold(HashMap::new(), |mut counts, name| {
+        *counts.entry(name.clone()).or_insert(0) += 1;
+        counts
+    });
+    assert_eq!(counts["heavy"], 20);
+    assert_eq!(counts["light"], 10);
+    for window in order.windows(3).step_by(3) {
+        assert_eq!(
+            window.iter().filter(|name| *name == "light").count(),
+            1,
+            "{order:?}"
+        );
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_dead_host_loses_no_request_and_all_dead_is_503() {
+    let first = FakeOllama::builder().model("llama3").spawn().await;
+    let second = FakeOllama::builder().model("llama3").spawn().await;
+    let hosts = [
+        host(&first.url(), "first", 1),
+        host(&second.url(), "second", 1),
+    ]
+    .concat();
+    let stack = Stack::start(&config(&hosts, "round_robin")).await;
+    let http = HttpClient::new();
+    for _ in 0..4 {
+        assert_eq!(generate(&http, &stack.url(), "llama3").await.status, 200);
+    }
+    first.shutdown().await;
+    let mut served_by = Vec::new();
+    for _ in 0..10 {
+        let reply = generate(&http, &stack.url(), "llama3").await;
+        assert_eq!(reply.status, 200, "no request is lost: {}", reply.text());
+        served_by.push(reply.header("x-failover-host").unwrap());
+    }
+    assert!(
+        served_by.iter().all(|name| name == "second"),
+        "{served_by:?}"
+    );
+    second.shutdown().await;
+    let reply = generate(&http, &stack.url(), "llama3").await;
+    assert_eq!(reply.status, 503);
+    assert_eq!(
+        reply.header("x-failover-exhausted").as_deref(),
+        Some("true")
+    );
+    assert_eq!(reply.json()["error"], "all upstream hosts failed");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn model_not_found_moves_to_a_host_that_has_it() {
+    let stale = FakeOllama::builder().model("qwen3").spawn().await;
+    let fresh = FakeOllama::builder().model("qwen3").spawn().await;
+    let hosts = [
+        host(&stale.url(), "stale", 10),
+        host(&fresh.url(), "fresh", 1),
+    ]
+    .concat();
+    let stack = Stack::start(&config(&hosts, "model_aware")).await;
+    // Deleted after the poll: the routing table still believes "stale" has it.
+    stale.handle().remove_model("qwen3");
+    let http = HttpClient::new();
+    let reply = generate(&http, &stack.url(), "qwen3").await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-failover-host").as_deref(), Some("fresh"));
+    // The pair left the routing table at once: no second 404 round trip.
+    let reply = generate(&http, &stack.url(), "qwen3").await;
+    assert_eq!(reply.header("x-failover-host").as_deref(), Some("fresh"));
+    assert_eq!(stale.handle().requests_to("/api/generate").len(), 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn tags_and_ps_answer_every_model_once() {
+    let first = FakeOllama::builder()
+        .model("llama3")
+        .loaded("llama3")
+        .model("qwen3")
+        .spawn()
+        .await;
+    let second = FakeOllama::builder()
+        .model("qwen3")
+        .model("mistral")
+        .loaded("mistral")
+        .spawn()
+        .await;
+    let hosts = [
+        host(&first.url(), "first", 1),
+        host(&second.url(), "second", 1),
+    ]
+    .concat();
+    let stack = Stack::start(&config(&hosts, "model_aware")).await;
+    let http = HttpClient::new();
+    let tags = http.get(&format!("{}/api/tags", stack.url()), &[]).await;
+    assert_eq!(tags.status, 200);
+    let mut names: Vec<String> = tags.json()["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap().to_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["llama3:latest", "mistral:latest", "qwen3:latest"]);
+    let ps = http.get(&format!("{}/api/ps", stack.url()), &[]).await;
+    assert_eq!(ps.json()["models"].as_array().unwrap().len(), 2);
+    let show = http
+        .post_json(
+            &format!("{}/api/show", stack.url()),
+            &[],
+            &json!({"model": "mistral"}),
+        )
+        .await;
+    assert_eq!(show.status, 200);
+    assert_eq!(show.header("x-failover-host").as_deref(), Some("second"));
+    stack.shutdown().await;
+}
+
+fn cloud_config(url: &str, fallback: &str) -> String {
+    format!(
+        r#"ollama:
+  hosts:
+    - url: "{url}"
+      name: cloud
+      kind: cloud
+      max_concurrent: 4
+      api_keys:
+        - key: "a1-0000000000000001"
+          account: alice
+        - key: "a2-0000000000000002"
+          account: alice
+        - key: "b1-0000000000000003"
+          account: bob
+{fallback}auth:
+  enabled: true
+  keys:
+    - key: "sk-consumer-0123456789"
+      client_id: agent
+"#
+    )
+}
+
+#[tokio::test]
+async fn a_rate_limited_account_is_skipped_and_nobody_sees_a_429() {
+    let cloud = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .cloud(&[
+            "a1-0000000000000001",
+            "a2-0000000000000002",
+            "b1-0000000000000003",
+        ])
+        .spawn()
+        .await;
+    let handle = cloud.handle();
+    handle.set_cloud_default("a1-0000000000000001", CloudReply::SessionLimit);
+    handle.set_cloud_default("a2-0000000000000002", CloudReply::SessionLimit);
+    let stack = Stack::start(&cloud_config(&cloud.url(), "")).await;
+    let http = HttpClient::new();
+    for _ in 0..6 {
+        let reply = http
+            .post_json(
+                &format!("{}/api/chat", stack.url()),
+                &[("authorization", "Bearer sk-consumer-0123456789")],
+                &json!({"model": "gpt-oss:120b", "messages": [{"role": "user", "content": "hi"}], "stream": false}),
+            )
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let chats = handle.requests_to("/api/chat");
+    let by_key = chats.iter().fold(HashMap::new(), |mut counts, r| {
+        *counts.entry(r.bearer().unwrap_or_default()).or_insert(0) += 1;
+        counts
+    });
+    // alice's session limit cools the whole account: a1 once, a2 never.
+    assert_eq!(by_key.get("a1-0000000000000001"), Some(&1), "{by_key:?}");
+    assert_eq!(by_key.get("a2-0000000000000002"), None, "{by_key:?}");
+    assert_eq!(by_key.get("b1-0000000000000003"), Some(&6));
+    assert!(
+        chats
+            .iter()
+            .all(|r| r.bearer().as_deref() != Some("sk-consumer-0123456789")),
+        "the consumer's key never reaches Ollama Cloud"
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_missing_cloud_model_falls_back_to_the_next_candidate() {
+    let cloud = FakeOllama::builder()
+        .model("qwen3-coder:480b")
+        .cloud(&[
+            "a1-0000000000000001",
+            "a2-0000000000000002",
+            "b1-0000000000000003",
+        ])
+        .spawn()
+        .await;
+    let fallback = "      fallback_models: [\"qwen3-coder:480b\"]\n";
+    let stack = Stack::start(&cloud_config(&cloud.url(), fallback)).await;
+    let reply = HttpClient::new()
+        .post_json(
+            &format!("{}/api/generate", stack.url()),
+            &[("authorization", "Bearer sk-consumer-0123456789")],
+            &json!({"model": "retired-model", "prompt": "hi", "stream": false}),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(
+        reply.header("x-model-fallback").as_deref(),
+        Some("qwen3-coder:480b")
+    );
+    stack.shutdown().await;
+}
