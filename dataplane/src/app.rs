@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Instant, SystemTime};
 
 use crate::auth::Throttle;
+use crate::cache::Cache;
 use crate::cloud::CloudPools;
 use crate::control::{AdminClient, ControlLink};
 use crate::dispatch::Dispatcher;
@@ -34,6 +35,8 @@ pub struct App {
     pub dispatcher: Arc<Dispatcher>,
     /// Ollama Cloud key pools, per cloud host.
     pub cloud: CloudPools,
+    /// The embedding cache, when enabled (replaced when its settings change).
+    pub embedding_cache: arc_swap::ArcSwapOption<Cache>,
     /// Failed-authentication throttle.
     pub throttle: Throttle,
     /// The control plane's admin API, for the HTTP queue-control endpoints.
@@ -57,6 +60,7 @@ impl App {
         let timeout = policy.proxy.request_timeout;
         Self {
             dispatcher: Dispatcher::new(&policy),
+            embedding_cache: arc_swap::ArcSwapOption::empty(),
             cloud: {
                 let pools = CloudPools::default();
                 pools.update(&policy);
@@ -85,6 +89,11 @@ impl App {
     /// Marks the start of shutdown: new proxied requests are refused.
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::Relaxed);
+    }
+
+    /// The embedding cache, if one is running.
+    pub fn cache(&self) -> Option<Arc<Cache>> {
+        self.embedding_cache.load_full()
     }
 
     /// Notes that `client` made a request now.

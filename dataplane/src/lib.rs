@@ -24,6 +24,7 @@ pub mod cloud;
 pub mod control;
 pub mod dashboard;
 pub mod dispatch;
+pub mod embeddings;
 pub mod endpoint;
 pub mod error;
 pub mod forward;

@@ -275,7 +275,7 @@ pub enum CacheBackend {
 }
 
 /// Embedding cache settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct CacheSettings {
     /// Whether embeddings are cached.
     pub enabled: bool,

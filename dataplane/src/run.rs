@@ -38,6 +38,9 @@ pub enum StartError {
     /// The listen address could not be bound.
     #[error(transparent)]
     Bind(#[from] std::io::Error),
+    /// The embedding cache's backend is unreachable at start.
+    #[error(transparent)]
+    Cache(#[from] crate::cache::CacheError),
 }
 
 /// A running data plane.
@@ -77,6 +80,13 @@ impl DataPlane {
         let addr = listener.local_addr()?;
         let store = Arc::new(PolicyStore::new(policy));
         let app = Arc::new(App::new(&options.control.node, store.clone(), link, admin));
+        let settings = &store.load().embedding_cache;
+        if settings.enabled {
+            // An unreachable shared cache at start is an error, not a silent
+            // degradation; after start, backend errors are misses.
+            let cache = crate::cache::connect(settings).await?;
+            app.embedding_cache.store(Some(Arc::new(cache)));
+        }
         let _ = app.listen_addr.set(addr);
 
         let shutdown = CancellationToken::new();
@@ -142,6 +152,25 @@ async fn follow_policy(app: Arc<App>, shutdown: CancellationToken) {
         app.dispatcher.apply(&policy);
         app.cloud.update(&policy);
         app.metrics.apply(&policy);
+        reconnect_cache(&app, &policy).await;
+    }
+}
+
+/// Replaces the embedding cache when its settings changed. A backend that
+/// cannot be reached keeps the old cache (or none) and says so.
+async fn reconnect_cache(app: &App, policy: &Policy) {
+    let settings = &policy.embedding_cache;
+    let current = app.cache();
+    let same = current
+        .as_ref()
+        .is_some_and(|cache| cache.settings() == settings);
+    if !settings.enabled {
+        app.embedding_cache.store(None);
+    } else if !same {
+        match crate::cache::connect(settings).await {
+            Ok(cache) => app.embedding_cache.store(Some(Arc::new(cache))),
+            Err(error) => tracing::error!(%error, "embedding cache settings not applied"),
+        }
     }
 }
 

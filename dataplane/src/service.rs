@@ -20,10 +20,13 @@ use http::{HeaderValue, Method, Request, Response, header};
 use hyper::body::Incoming;
 use tracing::Instrument;
 
+use bytes::Bytes;
+
 use crate::app::App;
 use crate::auth::{self, Identity};
 use crate::body::{self, Body};
 use crate::dispatch::{self, Grant};
+use crate::embeddings;
 use crate::endpoint::Endpoint;
 use crate::error::ProxyError;
 use crate::headers;
@@ -32,6 +35,8 @@ use crate::policy::{Host, Policy, Scope};
 use crate::proxy::{self, Outbound, RequestBody};
 use crate::queue_control;
 use crate::request_id;
+use crate::rewrite;
+use crate::scheduler::Tier;
 use crate::server::ListenerKind;
 use crate::{dashboard, status};
 
@@ -164,10 +169,6 @@ async fn forward(
     } else {
         RequestBody::Streamed(proxy::stream_body(incoming, &parts.headers, limit)?)
     };
-    let (bytes, model) = match &body {
-        RequestBody::Buffered(bytes) => (bytes.len() as u64, model_of(bytes)),
-        RequestBody::Streamed(_) => (declared_length(&parts.headers), None),
-    };
     let mut upstream_headers = parts.headers;
     headers::for_upstream(&mut upstream_headers, client_id.as_deref());
     if let RequestBody::Buffered(_) = body {
@@ -175,7 +176,7 @@ async fn forward(
         // of what is actually sent.
         upstream_headers.remove(header::CONTENT_LENGTH);
     }
-    let outbound = Outbound {
+    let mut outbound = Outbound {
         method: parts.method,
         path_and_query: parts
             .uri
@@ -188,11 +189,50 @@ async fn forward(
 
     if endpoint == Endpoint::Metadata {
         // The fast path: never queued, never capped, no slot.
+        let model = match &outbound.body {
+            RequestBody::Buffered(bytes) => rewrite::model_of(bytes),
+            RequestBody::Streamed(_) => None,
+        };
         return metadata(app, policy, outbound, model.as_deref()).await;
     }
+    let client = client_id.unwrap_or_else(|| Arc::from(ANONYMOUS));
+    let Endpoint::Inference(inference) = endpoint else {
+        // Anything else is queued with its body streamed through.
+        return queued(app, policy, client, tier, None, outbound).await;
+    };
+    let RequestBody::Buffered(body) =
+        std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
+    else {
+        return queued(app, policy, client, tier, None, outbound).await;
+    };
+    if inference.is_embedding() {
+        return embeddings::handle(app, policy, client, tier, inference, outbound, body).await;
+    }
+    let body = if inference.takes_keep_alive() {
+        rewrite::insert_keep_alive(&body, &policy.keep_alive).unwrap_or(body)
+    } else {
+        body
+    };
+    let model = rewrite::model_of(&body);
+    outbound.body = RequestBody::Buffered(body);
+    queued(app, policy, client, tier, model, outbound).await
+}
 
+/// Admits a request to the queue, waits for its grant and sends it.
+pub async fn queued(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    client: Arc<str>,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+) -> Result<Response<Body>, ProxyError> {
+    let bytes = match &outbound.body {
+        RequestBody::Buffered(bytes) => bytes.len() as u64,
+        RequestBody::Streamed(_) => declared_length(&outbound.headers),
+    };
     let pending = app.dispatcher.admit(dispatch::Request {
-        client: client_id.unwrap_or_else(|| Arc::from(ANONYMOUS)),
+        client,
         tier,
         bytes,
         model: model.map(Arc::from),
@@ -219,6 +259,9 @@ async fn send_granted(
         tier,
     } = grant;
     app.metrics.observe_wait(tier, waited);
+    if let Some(reason) = lease.reason() {
+        app.metrics.routing_decision(reason.metric_label());
+    }
     let wait_header = queue_headers(waited, position, immediate);
     let sent = Instant::now();
     let active = app.track_active();
@@ -367,15 +410,6 @@ fn metadata_hosts(policy: &Policy, model: Option<&str>) -> Vec<Arc<Host>> {
         hosts.sort_by_key(|host| !host.installed.contains(&model));
     }
     hosts
-}
-
-/// The top-level `model` of a JSON body, if any.
-fn model_of(body: &[u8]) -> Option<String> {
-    #[derive(serde::Deserialize)]
-    struct Model {
-        model: Option<String>,
-    }
-    serde_json::from_slice::<Model>(body).ok()?.model
 }
 
 fn declared_length(headers: &http::HeaderMap) -> u64 {

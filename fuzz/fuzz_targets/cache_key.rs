@@ -25,7 +25,11 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(value) = serde_json::from_slice::<Value>(body) {
         let once = canonical(&value);
         let reparsed: Value = serde_json::from_str(&once).expect("canonical JSON parses");
-        assert_eq!(once, canonical(&reparsed), "canonical JSON is a fixed point");
+        assert_eq!(
+            once,
+            canonical(&reparsed),
+            "canonical JSON is a fixed point"
+        );
     }
     let namespace = if selector & 1 == 0 {
         Namespace::Embed
@@ -39,9 +43,17 @@ fuzz_target!(|data: &[u8]| {
     assert!(!plan.is_empty());
     let shared = plan.keys("oqp:embed:", None);
     assert_eq!(shared.len(), plan.len());
-    assert_eq!(shared, plan.keys("oqp:embed:", None), "keys are deterministic");
+    assert_eq!(
+        shared,
+        plan.keys("oqp:embed:", None),
+        "keys are deterministic"
+    );
     let distinct: HashSet<&String> = shared.iter().collect();
-    assert_eq!(distinct.len(), shared.len(), "distinct items, distinct keys");
+    assert_eq!(
+        distinct.len(),
+        shared.len(),
+        "distinct items, distinct keys"
+    );
     for (shared, private) in shared.iter().zip(plan.keys("oqp:embed:", Some("alice"))) {
         assert_ne!(shared, &private, "a per-client key is not the shared one");
     }
@@ -64,7 +76,10 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(texts, expected);
     assert_eq!(
         partial.keys("oqp:embed:", None),
-        wanted.iter().map(|&i| shared[i].clone()).collect::<Vec<_>>(),
+        wanted
+            .iter()
+            .map(|&i| shared[i].clone())
+            .collect::<Vec<_>>(),
         "the same items under the same parameters keep their keys"
     );
 });

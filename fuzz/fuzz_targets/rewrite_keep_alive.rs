@@ -54,7 +54,9 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     assert!(
-        after.keys().any(|key| key.eq_ignore_ascii_case("keep_alive")),
+        after
+            .keys()
+            .any(|key| key.eq_ignore_ascii_case("keep_alive")),
         "a rewritten body has a keep_alive"
     );
     assert_eq!(

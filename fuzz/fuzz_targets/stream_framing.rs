@@ -38,8 +38,11 @@ fuzz_target!(|data: &[u8]| {
         .split(|byte| *byte == 0xff)
         .map(Bytes::copy_from_slice)
         .collect();
-    let mut frames: Vec<Result<Frame<Bytes>, BoxError>> =
-        chunks.iter().cloned().map(|chunk| Ok(Frame::data(chunk))).collect();
+    let mut frames: Vec<Result<Frame<Bytes>, BoxError>> = chunks
+        .iter()
+        .cloned()
+        .map(|chunk| Ok(Frame::data(chunk)))
+        .collect();
     if fails {
         frames.push(Err("upstream connection reset".into()));
     }
@@ -85,7 +88,9 @@ fuzz_target!(|data: &[u8]| {
         (true, Framing::Opaque) => assert!(extra.is_empty() && errored),
         (true, Framing::Ndjson) => {
             assert!(!errored);
-            let line = extra.strip_prefix(if newline { &b"\n"[..] } else { b"" }).expect("own line");
+            let line = extra
+                .strip_prefix(if newline { &b"\n"[..] } else { b"" })
+                .expect("own line");
             let line = line.strip_suffix(b"\n").expect("ends the line");
             let value: Value = serde_json::from_slice(line).expect("the error line is JSON");
             assert!(value["error"].is_string());
@@ -93,7 +98,9 @@ fuzz_target!(|data: &[u8]| {
         }
         (true, Framing::Sse) => {
             assert!(!errored);
-            let frame = extra.strip_prefix(if newline { &b"\n"[..] } else { b"" }).expect("own line");
+            let frame = extra
+                .strip_prefix(if newline { &b"\n"[..] } else { b"" })
+                .expect("own line");
             let frame = frame
                 .strip_prefix(b"data: ")
                 .and_then(|frame| frame.strip_suffix(b"\n\n"))

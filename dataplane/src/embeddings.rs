@@ -1,0 +1,214 @@
+//! Embedding requests: OpenAI `/v1/embeddings` translation and the
+//! per-item embedding cache, in front of the ordinary queued path.
+//!
+//! ```text
+//! /v1/embeddings ──translate──► /api/embed body ─┐
+//! /api/embed, /api/embeddings ───────────────────┤
+//!                                                ▼
+//!            cache: all items hit → answer (no queue, no slot, no upstream)
+//!                   some miss     → queue + send only the misses, reassemble
+//!                                                ▼
+//!            /v1/embeddings: wrap back in OpenAI's shape (float or base64)
+//! ```
+//!
+//! The queue headers (`X-Queue-Wait-Time`, `X-Queue-Position`,
+//! `X-Failover-Host`) of the upstream fetch are kept on the final answer,
+//! next to `X-Cache`.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http_body_util::BodyExt;
+
+use crate::app::App;
+use crate::body::{self, Body};
+use crate::cache::{self, Namespace, ResolveError};
+use crate::endpoint::Inference;
+use crate::error::ProxyError;
+use crate::headers;
+use crate::policy::Policy;
+use crate::proxy::{Outbound, RequestBody};
+use crate::rewrite::{self, EncodingFormat};
+use crate::scheduler::Tier;
+use crate::service;
+
+/// What an OpenAI request asked for, to shape the answer.
+struct OpenAi {
+    format: EncodingFormat,
+    model: String,
+}
+
+/// Why a fetch for the cache produced no vectors.
+enum Fetch {
+    /// The proxy refused (queue full, expired, no host …).
+    Refused(ProxyError),
+    /// Ollama answered something other than 200: relayed as it is.
+    Upstream(Response<Body>),
+}
+
+/// Answers an embedding request (body already read, keep_alive not yet
+/// applied).
+pub async fn handle(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    client: Arc<str>,
+    tier: Tier,
+    inference: Inference,
+    mut outbound: Outbound,
+    body: Bytes,
+) -> Result<Response<Body>, ProxyError> {
+    let (body, openai) = if inference == Inference::OpenAiEmbeddings {
+        let model = rewrite::model_of(&body).unwrap_or_default();
+        match rewrite::openai_embed_request(&body) {
+            Ok((translated, format)) => {
+                outbound.path_and_query = http::uri::PathAndQuery::from_static("/api/embed");
+                (translated, Some(OpenAi { format, model }))
+            }
+            Err(error) => return Ok(openai_error(error.status, error.body())),
+        }
+    } else {
+        (body, None)
+    };
+    let body = rewrite::insert_keep_alive(&body, &policy.keep_alive).unwrap_or(body);
+    let namespace = Namespace::of(inference);
+    let cache = app.cache();
+    let plan = match (&cache, namespace) {
+        (Some(_), Some(namespace)) if policy.embedding_cache.enabled => {
+            cache::plan(namespace, &body)
+        }
+        _ => None,
+    };
+    let (Some(cache), Some(plan)) = (cache, plan) else {
+        // Not cacheable: the ordinary queued path, then the OpenAI wrap.
+        outbound.body = RequestBody::Buffered(body);
+        let model = rewrite::model_of(match &outbound.body {
+            RequestBody::Buffered(bytes) => bytes,
+            RequestBody::Streamed(_) => &[],
+        });
+        let response = service::queued(app, policy, client, tier, model, outbound).await?;
+        return match openai {
+            Some(openai) => wrap_openai(response, &openai).await,
+            None => Ok(response),
+        };
+    };
+
+    let endpoint = outbound.path_and_query.path().to_owned();
+    let model = plan.model().to_owned();
+    // The last fetch's response headers (queue wait, host), for the answer.
+    let fetched_headers: Arc<Mutex<Option<HeaderMap>>> = Arc::default();
+    let fetch = |miss_body: Bytes| {
+        let app = app.clone();
+        let policy = policy.clone();
+        let client = client.clone();
+        let fetched_headers = fetched_headers.clone();
+        let outbound = Outbound {
+            method: outbound.method.clone(),
+            path_and_query: outbound.path_and_query.clone(),
+            headers: outbound.headers.clone(),
+            body: RequestBody::Buffered(miss_body),
+        };
+        let model = Some(model.clone());
+        async move {
+            let response = service::queued(&app, &policy, client, tier, model, outbound)
+                .await
+                .map_err(Fetch::Refused)?;
+            let (parts, body) = response.into_parts();
+            if parts.status != StatusCode::OK {
+                return Err(Fetch::Upstream(Response::from_parts(parts, body)));
+            }
+            let bytes = body
+                .collect()
+                .await
+                .map_err(|_| Fetch::Refused(ProxyError::AllHostsFailed))?
+                .to_bytes();
+            if let Ok(mut slot) = fetched_headers.lock() {
+                *slot = Some(parts.headers);
+            }
+            Ok(bytes)
+        }
+    };
+    let resolved = match cache.resolve(&plan, &client, &endpoint, fetch).await {
+        Ok(resolved) => resolved,
+        Err(ResolveError::Upstream(Fetch::Refused(error))) => return Err(error),
+        Err(ResolveError::Upstream(Fetch::Upstream(response))) => {
+            return match openai {
+                Some(openai) => wrap_openai(response, &openai).await,
+                None => Ok(response),
+            };
+        }
+        Err(ResolveError::Plan(error)) => {
+            tracing::warn!(%error, "upstream embedding answer did not fit the request");
+            return Err(ProxyError::AllHostsFailed);
+        }
+    };
+    let outcome = resolved.outcome;
+    match outcome {
+        cache::Outcome::Hit => app.metrics.cache_hit(&client, &model, &endpoint),
+        _ => app.metrics.cache_miss(&client, &model, &endpoint),
+    }
+    let mut response = Response::new(body::full(resolved.body));
+    let map = response.headers_mut();
+    map.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    if let Ok(Some(fetched)) = fetched_headers.lock().map(|mut slot| slot.take()) {
+        for name in [
+            headers::QUEUE_WAIT_TIME,
+            headers::QUEUE_POSITION,
+            headers::FAILOVER_HOST,
+        ] {
+            if let Some(value) = fetched.get(&name) {
+                map.insert(name, value.clone());
+            }
+        }
+    }
+    map.insert(headers::CACHE, HeaderValue::from_static(outcome.as_str()));
+    match openai {
+        Some(openai) => wrap_openai(response, &openai).await,
+        None => Ok(response),
+    }
+}
+
+/// Wraps an Ollama `/api/embed` answer in OpenAI's shape, keeping oqp's
+/// headers; errors become OpenAI error objects.
+async fn wrap_openai(
+    response: Response<Body>,
+    openai: &OpenAi,
+) -> Result<Response<Body>, ProxyError> {
+    let (mut parts, body) = response.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|_| ProxyError::AllHostsFailed)?
+        .to_bytes();
+    let bytes = if parts.status == StatusCode::OK {
+        match rewrite::openai_embed_response(&bytes, openai.format, &openai.model) {
+            Ok(wrapped) => wrapped,
+            Err(error) => {
+                parts.status = error.status;
+                error.body()
+            }
+        }
+    } else {
+        rewrite::openai_error_from_ollama(parts.status, &bytes)
+    };
+    parts.headers.remove(header::CONTENT_LENGTH);
+    parts.headers.remove(header::TRANSFER_ENCODING);
+    parts.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Ok(Response::from_parts(parts, body::full(bytes)))
+}
+
+fn openai_error(status: StatusCode, body: Bytes) -> Response<Body> {
+    let mut response = Response::new(body::full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}

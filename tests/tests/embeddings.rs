@@ -1,0 +1,308 @@
+//! End to end: keep_alive insertion, OpenAI `/v1/embeddings`, and the
+//! per-item embedding cache (in-process and on a real `redis-server`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[allow(dead_code)]
+#[path = "reliability/support.rs"]
+mod support;
+
+use std::time::Duration;
+
+use base64::Engine;
+use oqp_tests::client::HttpClient;
+use oqp_tests::fake::FakeOllama;
+use oqp_tests::harness::Stack;
+use serde_json::{Value, json};
+
+fn config(url: &str, extra: &str) -> String {
+    format!(
+        "proxy:\n  max_concurrent: 4\nollama:\n  hosts:\n    - url: \"{url}\"\n      name: primary\n      max_concurrent: 4\n{extra}"
+    )
+}
+
+const MEMORY_CACHE: &str = "embedding_cache:\n  enabled: true\n  backend: memory\n";
+
+async fn post(http: &HttpClient, url: &str, body: &str) -> oqp_tests::client::Reply {
+    http.send(
+        "POST".parse().unwrap(),
+        url,
+        &[("content-type", "application/json")],
+        body.to_owned(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn keep_alive_is_inserted_without_touching_other_bytes() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "keep_alive:\n  default: \"10m\"\n")).await;
+    let http = HttpClient::new();
+    let body = r#"{"model":"llama3","prompt":"h\u00e9llo wörld","options":{"temperature":0.10,"seed":1e3},"stream":false}"#;
+    assert_eq!(
+        post(&http, &format!("{}/api/generate", stack.url()), body)
+            .await
+            .status,
+        200
+    );
+    let seen = fake.handle().requests_to("/api/generate");
+    let expected = format!("{},\"keep_alive\":\"10m\"}}", &body[..body.len() - 1]);
+    assert_eq!(String::from_utf8_lossy(&seen[0].body), expected);
+
+    // The client's own value wins (ollama-python sends floats).
+    let own = r#"{"model":"llama3","prompt":"x","keep_alive":-1.0,"stream":false}"#;
+    post(&http, &format!("{}/api/generate", stack.url()), own).await;
+    assert_eq!(
+        fake.handle().requests_to("/api/generate")[1].body,
+        own.as_bytes()
+    );
+
+    // Bodies that are not JSON objects pass through untouched.
+    let odd = "[1, 2]";
+    post(&http, &format!("{}/api/chat", stack.url()), odd).await;
+    assert_eq!(
+        fake.handle().requests_to("/api/chat")[0].body,
+        odd.as_bytes()
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn override_replaces_the_clients_keep_alive() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let extra = "keep_alive:\n  default: -1\n  override: true\n";
+    let stack = Stack::start(&config(&fake.url(), extra)).await;
+    let body = r#"{"model":"llama3","keep_alive":0,"prompt":"x","stream":false}"#;
+    post(
+        &HttpClient::new(),
+        &format!("{}/api/generate", stack.url()),
+        body,
+    )
+    .await;
+    let seen = fake.handle().requests_to("/api/generate");
+    assert_eq!(
+        String::from_utf8_lossy(&seen[0].body),
+        r#"{"model":"llama3","keep_alive":-1,"prompt":"x","stream":false}"#
+    );
+    stack.shutdown().await;
+}
+
+fn decode_base64(embedding: &Value) -> Vec<f32> {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(embedding.as_str().unwrap())
+        .unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|chunk| f32::from_le_bytes(chunk.try_into().unwrap()))
+        .collect()
+}
+
+#[tokio::test]
+async fn openai_embeddings_round_trip_as_floats_and_base64() {
+    let fake = FakeOllama::builder()
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    let http = HttpClient::new();
+    let url = format!("{}/v1/embeddings", stack.url());
+    let floats = http
+        .post_json(
+            &url,
+            &[],
+            &json!({"model": "all-minilm", "input": ["alpha", "beta"]}),
+        )
+        .await;
+    assert_eq!(floats.status, 200, "{}", floats.text());
+    let floats = floats.json();
+    assert_eq!(floats["object"], "list");
+    assert_eq!(floats["model"], "all-minilm");
+    assert_eq!(floats["data"][1]["index"], 1);
+    assert!(floats["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+    let encoded = http
+        .post_json(
+            &url,
+            &[],
+            &json!({"model": "all-minilm", "input": ["alpha", "beta"], "encoding_format": "base64"}),
+        )
+        .await;
+    assert!(encoded.header("x-queue-wait-time").is_some());
+    assert_eq!(
+        encoded.header("x-failover-host").as_deref(),
+        Some("primary")
+    );
+    let encoded = encoded.json();
+    for index in 0..2 {
+        let expected: Vec<f32> = floats["data"][index]["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        assert_eq!(
+            decode_base64(&encoded["data"][index]["embedding"]),
+            expected
+        );
+    }
+    // Ollama saw its own /api/embed.
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 2);
+    // Errors come back in OpenAI's shape.
+    let missing = http
+        .post_json(&url, &[], &json!({"model": "nope", "input": "x"}))
+        .await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["type"], "not_found_error");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn repeated_items_never_reach_the_gpu_twice() {
+    let fake = FakeOllama::builder()
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), MEMORY_CACHE)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/embed", stack.url());
+    let first = post(&http, &url, r#"{"model":"all-minilm","input":["a","b"]}"#).await;
+    assert_eq!(first.header("x-cache").as_deref(), Some("MISS"));
+    let again = post(
+        &http,
+        &url,
+        r#"{"model": "all-minilm", "input": ["a", "b"]}"#,
+    )
+    .await;
+    assert_eq!(again.header("x-cache").as_deref(), Some("HIT"));
+    assert_eq!(again.json()["embeddings"], first.json()["embeddings"]);
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 1);
+
+    // Partly new: only the new item goes upstream; the order is kept.
+    let partial = post(
+        &http,
+        &url,
+        r#"{"model":"all-minilm","input":["c","a","b"]}"#,
+    )
+    .await;
+    assert_eq!(partial.header("x-cache").as_deref(), Some("PARTIAL"));
+    let sent = fake.handle().requests_to("/api/embed")[1].json();
+    assert_eq!(sent["input"], json!(["c"]));
+    let vectors = partial.json()["embeddings"].clone();
+    assert_eq!(vectors[1], first.json()["embeddings"][0]);
+    assert_eq!(vectors[2], first.json()["embeddings"][1]);
+
+    // Fields that change the vectors are part of the key.
+    let smaller = post(
+        &http,
+        &url,
+        r#"{"model":"all-minilm","input":["a"],"dimensions":4}"#,
+    )
+    .await;
+    assert_eq!(smaller.header("x-cache").as_deref(), Some("MISS"));
+    assert_eq!(smaller.json()["embeddings"][0].as_array().unwrap().len(), 4);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_identical_misses_make_one_upstream_request() {
+    let fake = FakeOllama::builder()
+        .embedding_model("all-minilm")
+        .slots(4)
+        .latency(Duration::from_millis(200))
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), MEMORY_CACHE)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/embed", stack.url());
+    let tasks: Vec<_> = (0..50)
+        .map(|_| {
+            let http = http.clone();
+            let url = url.clone();
+            tokio::spawn(async move {
+                post(
+                    &http,
+                    &url,
+                    r#"{"model":"all-minilm","input":"the same text"}"#,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for task in tasks {
+        let reply = task.await.unwrap();
+        assert_eq!(reply.status, 200);
+        bodies.push(reply.json()["embeddings"].clone());
+    }
+    assert!(bodies.windows(2).all(|pair| pair[0] == pair[1]));
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cache_survives_redis_dying_and_resumes_when_it_returns() {
+    let redis = support::Redis::start(0).await;
+    let fake = FakeOllama::builder()
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let extra = format!(
+        "embedding_cache:\n  enabled: true\n  backend: \"redis://127.0.0.1:{}/0\"\n  connect_timeout: 1\n",
+        redis.port
+    );
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/embed", stack.url());
+    let body = r#"{"model":"all-minilm","input":["shared text"]}"#;
+    assert_eq!(
+        post(&http, &url, body).await.header("x-cache").as_deref(),
+        Some("MISS")
+    );
+    assert_eq!(
+        post(&http, &url, body).await.header("x-cache").as_deref(),
+        Some("HIT")
+    );
+
+    let port = redis.kill();
+    for _ in 0..5 {
+        let reply = post(&http, &url, body).await;
+        assert_eq!(reply.status, 200, "a dead cache fails no request");
+        assert_eq!(reply.header("x-cache").as_deref(), Some("MISS"));
+    }
+    let _redis = support::Redis::start(port).await;
+    // The cache notices on its own (a background ping, no event to wait
+    // on): poll, bounded; the first store after that fills it again, then
+    // hits resume without a restart.
+    let mut hit = false;
+    for _ in 0..200 {
+        let reply = post(&http, &url, body).await;
+        assert_eq!(reply.status, 200);
+        if reply.header("x-cache").as_deref() == Some("HIT") {
+            hit = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(hit, "hits resumed after redis came back");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_unreachable_redis_at_start_is_a_clear_error() {
+    let fake = FakeOllama::builder().spawn().await;
+    let port = oqp_tests::bench::procs::free_port().unwrap();
+    let extra = format!(
+        "embedding_cache:\n  enabled: true\n  backend: \"redis://:hunter2@127.0.0.1:{port}/0\"\n  connect_timeout: 1\n"
+    );
+    let error = Stack::try_start(
+        &config(&fake.url(), &extra),
+        oqp_controlplane::config::Env::empty(),
+    )
+    .await
+    .expect_err("the data plane refuses to start without its cache");
+    let message = error.to_string();
+    assert!(message.contains(&port.to_string()), "{message}");
+    assert!(
+        !message.contains("hunter2"),
+        "the password is never shown: {message}"
+    );
+}
