@@ -80,8 +80,8 @@ async fn inference_bodies_and_query_strings_arrive_unchanged() {
         .await;
     let stack = stack_with(&fake).await;
     let http = HttpClient::new();
-    let body =
-        r#"{"model":"all-minilm","input":["héllo","\u00e9"],"options":{"temperature":0.10}}"#;
+    // A body with its own keep_alive: nothing is added, every byte arrives.
+    let body = r#"{"model":"all-minilm","input":["héllo","\u00e9"],"options":{"temperature":0.10},"keep_alive":"1m"}"#;
     let reply = http
         .send(
             Method::POST,
