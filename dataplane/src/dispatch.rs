@@ -242,12 +242,13 @@ impl Dispatcher {
             };
             match inner.scheduler.enqueue(now, ticket) {
                 Ok(admitted) => {
-                    if admitted.watermark_crossed {
-                        let depth = inner.scheduler.depth(tier);
-                        inner.event("queue.high_watermark", Some(tier), None, depth);
-                    }
-                    inner.was_busy = true;
                     dropped.extend(self.pump(&mut inner, now));
+                    // "Drained" means the waiting queues emptied after some
+                    // request really waited; a request dispatched at once
+                    // never filled them.
+                    if inner.scheduler.total_depth() > 0 {
+                        inner.was_busy = true;
+                    }
                     Ok(admitted)
                 }
                 Err((rejection, _)) => Err(inner.refusal(rejection, tier, &client)),
@@ -267,6 +268,13 @@ impl Dispatcher {
             }
             Err(_) => false,
         };
+        if admitted.watermark_crossed && !immediate {
+            // Only a request that really waits counts towards the watermark:
+            // one dispatched during admission never sat in the queue.
+            let mut inner = self.lock();
+            let depth = inner.scheduler.depth(tier);
+            inner.event("queue.high_watermark", Some(tier), None, depth);
+        }
         if !immediate && self.lock().configured_depth[tier.index()] == 0 {
             // A tier with max_depth 0 never queues: run now or refuse.
             let mut pending = Pending {
@@ -338,7 +346,7 @@ impl Dispatcher {
                 } => tracing::debug!(%client, %from, %to, "request promoted"),
             }
         }
-        if inner.was_busy && inner.scheduler.total_depth() == 0 && inner.scheduler.running() == 0 {
+        if inner.was_busy && inner.scheduler.total_depth() == 0 {
             inner.was_busy = false;
             inner.event("queue.drained", None, None, 0);
         }

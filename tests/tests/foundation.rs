@@ -413,3 +413,40 @@ async fn every_example_config_loads() {
         "examples/config.example.yml and examples/quickstart.yml"
     );
 }
+
+#[tokio::test]
+async fn shutdown_lets_in_flight_streams_finish_and_refuses_new_work() {
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .tokens(6)
+        .token_interval(Duration::from_millis(100))
+        .spawn()
+        .await;
+    let stack = Stack::start(&basic_config(&fake.url())).await;
+    let remote = stack.start_dataplane("remote", None).await.unwrap();
+    let addr = remote.local_addr();
+    let http = HttpClient::new();
+    let streaming = {
+        let http = http.clone();
+        tokio::spawn(async move {
+            http.post_lines(
+                &format!("http://{addr}/api/generate"),
+                &[],
+                &json!({"model": "llama3", "prompt": "a story"}),
+            )
+            .await
+        })
+    };
+    fake.handle().wait_in_flight(1).await;
+    let shutdown = tokio::spawn(remote.shutdown());
+    let (status, _, lines) = streaming.await.unwrap();
+    assert_eq!(status, 200);
+    let last: serde_json::Value = serde_json::from_str(&lines.last().unwrap().line).unwrap();
+    assert_eq!(last["done"], true, "the stream ran to its end");
+    shutdown.await.unwrap();
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "the listener is closed"
+    );
+    stack.shutdown().await;
+}

@@ -561,3 +561,73 @@ async fn cloud_hosts_are_polled_with_the_first_pool_key() {
     stack.shutdown().await;
     cloud.shutdown().await;
 }
+
+#[tokio::test]
+async fn queue_events_from_the_data_plane_arrive_once_with_the_client_id() {
+    let mut sink = Sink::start().await;
+    let fake = FakeOllama::builder().model("llama3").slots(1).spawn().await;
+    let yaml = format!(
+        "ollama:\n  hosts:\n    - {{url: \"{}\", name: primary, max_concurrent: 1}}\n\
+         queue:\n  normal:\n    max_depth: 1\n    high_watermark_pct: 100\n\
+         auth:\n  enabled: true\n  keys:\n    - {{key: \"sk-batch-0123456789\", client_id: batch}}\n{}",
+        fake.url(),
+        sink.config(&["queue.full", "queue.high_watermark", "queue.drained"])
+    );
+    let stack = Stack::start(&yaml).await;
+    let handle = fake.handle();
+    handle.hold();
+    let http = oqp_tests::client::HttpClient::new();
+    let url = format!("{}/api/generate", stack.url());
+    let send = || {
+        let http = http.clone();
+        let url = url.clone();
+        tokio::spawn(async move {
+            http.send(
+                "POST".parse().unwrap(),
+                &url,
+                &[("authorization", "Bearer sk-batch-0123456789")],
+                r#"{"model":"llama3","prompt":"hi","stream":false}"#,
+            )
+            .await
+            .status
+        })
+    };
+    let running = send();
+    handle.wait_in_flight(1).await;
+    let queued = send();
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    assert!(oqp_tests::client::eventually(PATIENCE, || dispatcher.total_depth() == 1).await);
+    assert_eq!(send().await.unwrap(), 503, "the tier is full");
+    handle.release_all();
+    assert_eq!(running.await.unwrap(), 200);
+    assert_eq!(queued.await.unwrap(), 200);
+
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        seen.push(sink.next().await);
+    }
+    let by_event = |name: &str| {
+        seen.iter()
+            .filter(|e| e["event"] == name)
+            .collect::<Vec<_>>()
+    };
+    let watermark = by_event("queue.high_watermark");
+    assert_eq!(watermark.len(), 1, "{seen:?}");
+    assert_eq!(watermark[0]["tier"], "normal");
+    let full = by_event("queue.full");
+    assert_eq!(full.len(), 1, "{seen:?}");
+    assert_eq!(
+        full[0]["client_id"], "batch",
+        "the client, not a request id"
+    );
+    assert_eq!(full[0]["node"], "local");
+    assert_eq!(by_event("queue.drained").len(), 1, "{seen:?}");
+    // Idle afterwards: more traffic with no backlog sends no more drained
+    // events (the Python proxy sent one after every request).
+    for _ in 0..3 {
+        assert_eq!(send().await.unwrap(), 200);
+    }
+    let extra = tokio::time::timeout(Duration::from_millis(2500), sink.received.recv()).await;
+    assert!(extra.is_err(), "unexpected webhook: {extra:?}");
+    stack.shutdown().await;
+}
