@@ -23,3 +23,14 @@ pub mod admin {
 
 /// gRPC metadata entry that carries a data plane's node token.
 pub const NODE_TOKEN_METADATA: &str = "x-oqp-node-token";
+
+impl std::fmt::Debug for policy::v1::CloudKey {
+    /// Never prints the key: an upstream cloud key is a secret even in a
+    /// debug dump of a snapshot.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CloudKey")
+            .field("key", &"…")
+            .field("account", &self.account)
+            .finish()
+    }
+}
