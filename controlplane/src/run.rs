@@ -154,6 +154,7 @@ impl ControlPlane {
             .map(|t| t.expose().to_owned());
 
         let state_dir = config.control_plane.state_dir.clone();
+        check_shared_cache(&config).await?;
         let hub = Hub::new(config);
         // A store that exists but does not load stops the start: serving
         // without it would silently lock out every client it holds.
@@ -338,4 +339,31 @@ async fn probe_hosts(hub: &Hub, client: &Outbound) -> Result<(), StartError> {
          to refuse to start instead."
     );
     Ok(())
+}
+
+/// With a shared (Redis) embedding cache, the control plane checks the
+/// backend at start too: a typo in the URL is reported once, here, rather
+/// than by every data plane.
+async fn check_shared_cache(config: &config::Config) -> Result<(), StartError> {
+    let cache = &config.embedding_cache;
+    let config::CacheBackend::Redis(url) = &cache.backend else {
+        return Ok(());
+    };
+    if !cache.enabled {
+        return Ok(());
+    }
+    let settings = oqp_dataplane::policy::CacheSettings {
+        enabled: true,
+        backend: oqp_dataplane::policy::CacheBackend::Redis(url.clone()),
+        ttl: cache.ttl,
+        max_entry_bytes: cache.max_entry_bytes,
+        key_prefix: cache.key_prefix.clone(),
+        connect_timeout: cache.connect_timeout,
+        max_memory_bytes: cache.max_memory_mb.saturating_mul(1024 * 1024),
+        per_client: cache.per_client,
+    };
+    oqp_dataplane::cache::connect(&settings)
+        .await
+        .map(drop)
+        .map_err(|error| StartError::Io(error.to_string()))
 }

@@ -145,7 +145,8 @@ pub async fn handle(
     let outcome = resolved.outcome;
     match outcome {
         cache::Outcome::Hit => app.metrics.cache_hit(&client, &model, &endpoint),
-        _ => app.metrics.cache_miss(&client, &model, &endpoint),
+        cache::Outcome::Partial => app.metrics.cache_partial(&client, &model, &endpoint),
+        cache::Outcome::Miss => app.metrics.cache_miss(&client, &model, &endpoint),
     }
     let mut response = Response::new(body::full(resolved.body));
     let map = response.headers_mut();

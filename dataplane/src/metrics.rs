@@ -95,6 +95,10 @@ pub struct Metrics {
     cache_hits: IntCounterVec,
     cache_misses: IntCounterVec,
     cache_errors: IntCounterVec,
+    cache_partial: IntCounterVec,
+    cache_bytes: IntGauge,
+    cache_errors_seen: std::sync::atomic::AtomicU64,
+    cloud_keys_cooling: IntGaugeVec,
     routing_decisions: IntCounterVec,
     snapshot_version: IntGauge,
     snapshot_rejected: IntCounter,
@@ -286,6 +290,21 @@ impl Metrics {
                 "Embedding cache backend errors",
                 &["kind"],
             ),
+            cache_partial: counters(
+                "oqp_embedding_cache_partial_total",
+                "Embedding requests partly answered from the cache (only the misses went upstream)",
+                &["client", "model", "endpoint"],
+            ),
+            cache_bytes: int_gauge(
+                "oqp_embedding_cache_bytes",
+                "Bytes of vectors the embedding cache has stored since start",
+            ),
+            cache_errors_seen: std::sync::atomic::AtomicU64::new(0),
+            cloud_keys_cooling: int_gauges(
+                "oqp_cloud_keys_cooling",
+                "Ollama Cloud pool keys out of rotation (account cooling down or key disabled)",
+                &["host"],
+            ),
             routing_decisions: counters(
                 "oqp_routing_decisions_total",
                 "Host choices, by reason",
@@ -380,6 +399,11 @@ impl Metrics {
         self.cache_count(&self.cache_hits, client, model, endpoint);
     }
 
+    /// The embedding cache held part of the answer.
+    pub fn cache_partial(&self, client: &str, model: &str, endpoint: &str) {
+        self.cache_count(&self.cache_partial, client, model, endpoint);
+    }
+
     /// The embedding cache did not hold the answer. Called by the cache.
     pub fn cache_miss(&self, client: &str, model: &str, endpoint: &str) {
         self.cache_count(&self.cache_misses, client, model, endpoint);
@@ -444,6 +468,31 @@ impl Metrics {
             .set(i64::try_from(stats.queued_bytes).unwrap_or(i64::MAX));
         let active: u32 = stats.slots.values().map(|stat| stat.slots_in_use).sum();
         self.concurrency_active.set(i64::from(active));
+        if let Some(cache) = app.cache() {
+            let cache = cache.stats();
+            self.cache_bytes
+                .set(i64::try_from(cache.bytes_stored).unwrap_or(i64::MAX));
+            // The cache counts its own backend errors; mirror the growth.
+            let before = self
+                .cache_errors_seen
+                .swap(cache.errors, std::sync::atomic::Ordering::Relaxed);
+            if cache.errors > before
+                && let Ok(counter) = self.cache_errors.get_metric_with_label_values(&["backend"])
+            {
+                counter.inc_by(cache.errors - before);
+            }
+        }
+        self.cloud_keys_cooling.reset();
+        for host in &policy.hosts {
+            if let Some(pool) = app.cloud.get(&host.name) {
+                let cooling = pool
+                    .snapshot()
+                    .iter()
+                    .filter(|key| key.cooldown_until.is_some())
+                    .count();
+                set(&self.cloud_keys_cooling, &host.name, count(cooling));
+            }
+        }
 
         for vec in [
             &self.host_healthy,

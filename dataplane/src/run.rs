@@ -217,6 +217,36 @@ fn report(app: &App) -> NodeReport {
                 requests,
                 failures,
                 reachable: host.healthy && !stat.is_some_and(|s| s.marked_down),
+                cloud_keys: app
+                    .cloud
+                    .get(&host.name)
+                    .map(|pool| {
+                        pool.snapshot()
+                            .into_iter()
+                            .map(|key| wire::CloudKeyReport {
+                                // The account and the redacted key: several
+                                // keys of one account stay apart.
+                                label: if key.label == key.key {
+                                    key.key
+                                } else {
+                                    format!("{} {}", key.label, key.key)
+                                },
+                                bound_model: key
+                                    .bound_model
+                                    .map(|m| m.to_string())
+                                    .unwrap_or_default(),
+                                busy: key.busy,
+                                cooldown_until_unix_ms: key
+                                    .cooldown_until
+                                    .map_or(0, crate::policy::unix_ms),
+                                last_error: key
+                                    .last_error
+                                    .map(|e| e.to_string())
+                                    .unwrap_or_default(),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect();

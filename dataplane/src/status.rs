@@ -97,6 +97,19 @@ struct HostStatus {
     failures: u64,
     slots_in_use: u32,
     max_concurrent: u32,
+    /// Cloud hosts: the key pool, redacted (account label or `…` + last 4).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cloud_pool: Option<Vec<CloudKeyStatus>>,
+}
+
+/// One cloud pool key as status shows it: never the key.
+#[derive(Debug, Serialize)]
+struct CloudKeyStatus {
+    label: String,
+    bound_model: Option<String>,
+    busy: bool,
+    cooldown_until: Option<String>,
+    last_error: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -320,6 +333,18 @@ fn host_status(app: &App, host: &Host, stats: &QueueReport) -> HostStatus {
             .get(&host.name)
             .map_or(0, |stat| stat.slots_in_use),
         max_concurrent: host.max_concurrent,
+        cloud_pool: app.cloud.get(&host.name).map(|pool| {
+            pool.snapshot()
+                .into_iter()
+                .map(|key| CloudKeyStatus {
+                    label: key.label,
+                    bound_model: key.bound_model.map(|m| m.to_string()),
+                    busy: key.busy,
+                    cooldown_until: key.cooldown_until.map(iso8601),
+                    last_error: key.last_error.map(|e| e.to_string()),
+                })
+                .collect()
+        }),
     }
 }
 

@@ -353,7 +353,32 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                     host.failures.to_string(),
                 ]);
             }
-            hosts.to_string()
+            let pools: Vec<_> = response
+                .hosts
+                .iter()
+                .flat_map(|host| host.cloud_keys.iter().map(move |key| (host, key)))
+                .collect();
+            if pools.is_empty() {
+                return hosts.to_string();
+            }
+            let mut pool = table(
+                style,
+                &["cloud host", "key", "bound model", "busy", "cooling down", "last error"],
+            );
+            for (host, key) in pools {
+                pool.add_row(vec![
+                    host.name.clone(),
+                    key.label.clone(),
+                    if key.bound_model.is_empty() { "-".to_owned() } else { key.bound_model.clone() },
+                    yes_no(key.busy).to_owned(),
+                    match expires(key.cooldown_until_unix_ms).as_str() {
+                        "never" | "expired" => "-".to_owned(),
+                        left => left.replacen("in ", "for ", 1),
+                    },
+                    if key.last_error.is_empty() { "-".to_owned() } else { key.last_error.clone() },
+                ]);
+            }
+            format!("{hosts}\n{pool}")
         }
     }
 }

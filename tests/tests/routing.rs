@@ -265,6 +265,69 @@ async fn a_rate_limited_account_is_skipped_and_nobody_sees_a_429() {
             .all(|r| r.bearer().as_deref() != Some("sk-consumer-0123456789")),
         "the consumer's key never reaches Ollama Cloud"
     );
+    // The pool is visible, redacted: alice cools down, bob does not.
+    let status = http
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", "Bearer sk-consumer-0123456789")],
+        )
+        .await;
+    assert!(
+        !status.text().contains("0000000000000001"),
+        "no key in status"
+    );
+    let pool = status.json()["hosts"][0]["cloud_pool"].clone();
+    let cooling: Vec<&str> = pool
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|key| !key["cooldown_until"].is_null())
+        .map(|key| key["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(cooling, ["alice", "alice"], "{pool}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn each_model_stays_warm_on_its_own_account() {
+    let cloud = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .model("qwen3-coder:480b")
+        .cloud(&[
+            "a1-0000000000000001",
+            "a2-0000000000000002",
+            "b1-0000000000000003",
+        ])
+        .spawn()
+        .await;
+    let stack = Stack::start(&cloud_config(&cloud.url(), "")).await;
+    let http = HttpClient::new();
+    for round in 0..4 {
+        for model in ["gpt-oss:120b", "qwen3-coder:480b"] {
+            let reply = http
+                .post_json(
+                    &format!("{}/api/generate", stack.url()),
+                    &[("authorization", "Bearer sk-consumer-0123456789")],
+                    &json!({"model": model, "prompt": format!("round {round}"), "stream": false}),
+                )
+                .await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+        }
+    }
+    let mut keys_by_model: HashMap<String, std::collections::HashSet<String>> = HashMap::new();
+    for request in cloud.handle().requests_to("/api/generate") {
+        let model = request.json()["model"].as_str().unwrap().to_owned();
+        keys_by_model
+            .entry(model)
+            .or_default()
+            .insert(request.bearer().unwrap());
+    }
+    assert_eq!(keys_by_model.len(), 2);
+    let gpt = &keys_by_model["gpt-oss:120b"];
+    let qwen = &keys_by_model["qwen3-coder:480b"];
+    assert_eq!(gpt.len(), 1, "one key keeps gpt-oss warm: {gpt:?}");
+    assert_eq!(qwen.len(), 1, "one key keeps qwen3-coder warm: {qwen:?}");
+    assert_ne!(gpt, qwen, "the two models do not share a key");
     stack.shutdown().await;
 }
 

@@ -405,18 +405,7 @@ impl AdminService for AdminApi {
                     loaded_models: host.loaded_models.clone(),
                     weight: host.weight,
                     last_checked_unix_ms: host.last_checked_unix_ms,
-                    cloud_keys: host
-                        .cloud_keys
-                        .iter()
-                        .map(|key| api::CloudKeyInfo {
-                            label: if key.account.is_empty() {
-                                redact(&key.key)
-                            } else {
-                                key.account.clone()
-                            },
-                            ..api::CloudKeyInfo::default()
-                        })
-                        .collect(),
+                    cloud_keys: cloud_pool(host, &nodes),
                     requests,
                     failures,
                 }
@@ -590,6 +579,58 @@ fn key_status(error: KeyError) -> Status {
             Status::internal(message)
         }
     }
+}
+
+/// A cloud host's key pool as the data planes report it, merged by key
+/// (busy anywhere, the longest cooldown); before any report, the labels of
+/// the configured keys.
+fn cloud_pool(
+    host: &oqp_proto::policy::v1::Host,
+    nodes: &std::collections::BTreeMap<String, crate::hub::Node>,
+) -> Vec<api::CloudKeyInfo> {
+    let mut merged: Vec<api::CloudKeyInfo> = Vec::new();
+    for key in nodes
+        .values()
+        .flat_map(|node| node.report.hosts.iter())
+        .filter(|report| report.name == host.name)
+        .flat_map(|report| report.cloud_keys.iter())
+    {
+        match merged.iter_mut().find(|seen| seen.label == key.label) {
+            Some(seen) => {
+                seen.busy |= key.busy;
+                seen.cooldown_until_unix_ms =
+                    seen.cooldown_until_unix_ms.max(key.cooldown_until_unix_ms);
+                if seen.bound_model.is_empty() {
+                    seen.bound_model = key.bound_model.clone();
+                }
+                if seen.last_error.is_empty() {
+                    seen.last_error = key.last_error.clone();
+                }
+            }
+            None => merged.push(api::CloudKeyInfo {
+                label: key.label.clone(),
+                bound_model: key.bound_model.clone(),
+                busy: key.busy,
+                cooldown_until_unix_ms: key.cooldown_until_unix_ms,
+                last_error: key.last_error.clone(),
+            }),
+        }
+    }
+    if merged.is_empty() {
+        merged = host
+            .cloud_keys
+            .iter()
+            .map(|key| api::CloudKeyInfo {
+                label: if key.account.is_empty() {
+                    redact(&key.key)
+                } else {
+                    format!("{} {}", key.account, redact(&key.key))
+                },
+                ..api::CloudKeyInfo::default()
+            })
+            .collect();
+    }
+    merged
 }
 
 fn redact(key: &str) -> String {
