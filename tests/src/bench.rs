@@ -150,14 +150,15 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
         ($names:expr, $run:expr) => {{
             let names: &[&str] = $names;
             if names.iter().any(|name| selected(name)) {
-                eprintln!("oqp-bench: {} …", names.join(", "));
-                let before = report.rows.len();
+                eprint!("oqp-bench: {} … ", names.join(", "));
+                let (before, began) = (report.rows.len(), Instant::now());
                 if let Err(error) = $run(&bench, &mut report).await {
                     report.rows.truncate(before);
                     for name in names {
                         report.not_run(name, &format!("error: {error:#}"));
                     }
                 }
+                eprintln!("{:.1} s", began.elapsed().as_secs_f64());
             } else {
                 for name in names {
                     report.not_run(name, "skipped (--only)");

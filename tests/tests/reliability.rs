@@ -101,7 +101,6 @@ async fn a_control_plane_restart_under_load_fails_no_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the embedding cache"]
 async fn a_redis_restart_under_load_fails_no_request() {
     let fake = FakeOllama::builder()
         .embedding_model("all-minilm")

@@ -131,7 +131,7 @@ fn push_rows(report: &mut Report, scenario: &str, figures: &Figures) {
     let saved = |a: &[f64], b: &[f64]| Some(percentile(a, 50.0)? - percentile(b, 50.0)?);
     if let Some(saved) = saved(&figures.miss, &figures.hit) {
         report.push(
-            Row::new(scenario, "hit vs miss through oqp, p50")
+            Row::new(scenario, "hit − miss through oqp, p50")
                 .oqp(report::signed_micros(Some(Spread::single(-saved)))),
         );
     }
