@@ -2,7 +2,7 @@
 //! and range of per-round figures, Jain's fairness index, and the clock
 //! arithmetic the streaming scenario needs (RFC 3339 stamps to `SystemTime`).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 /// The `p`-th percentile (0..=100) of `samples`, nearest rank; `None` when
 /// empty. Sorts a copy.
@@ -85,82 +85,19 @@ pub fn micros(duration: Duration) -> f64 {
 /// Parses an RFC 3339 UTC stamp as the fake writes it
 /// (`2026-05-17T10:11:12.123456789Z`, fraction optional).
 pub fn parse_rfc3339(stamp: &str) -> Option<SystemTime> {
-    let stamp = stamp.strip_suffix('Z')?;
-    let (date, time) = stamp.split_once('T')?;
-    let mut date = date.splitn(3, '-');
-    let year: i64 = date.next()?.parse().ok()?;
-    let month: u32 = date.next()?.parse().ok()?;
-    let day: u32 = date.next()?.parse().ok()?;
-    let (clock, fraction) = match time.split_once('.') {
-        Some((clock, fraction)) => (clock, fraction),
-        None => (time, ""),
-    };
-    let mut clock = clock.splitn(3, ':');
-    let hour: u64 = clock.next()?.parse().ok()?;
-    let minute: u64 = clock.next()?.parse().ok()?;
-    let second: u64 = clock.next()?.parse().ok()?;
-    let nanos: u32 = if fraction.is_empty() {
-        0
-    } else {
-        if fraction.len() > 9 || !fraction.bytes().all(|b| b.is_ascii_digit()) {
-            return None;
-        }
-        format!("{fraction:0<9}").parse().ok()?
-    };
-    let days = u64::try_from(days_from_civil(year, month, day)).ok()?;
-    let seconds = days * 86_400 + hour * 3600 + minute * 60 + second;
-    Some(UNIX_EPOCH + Duration::new(seconds, nanos))
+    humantime::parse_rfc3339(stamp).ok()
 }
 
 /// `YYYY-MM-DD HH:MM:SS UTC` for a report header.
 pub fn format_utc(time: SystemTime) -> String {
-    let seconds = time
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_secs() as i64;
-    let (days, second_of_day) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
-    let (year, month, day) = civil_from_days(days);
-    format!(
-        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
-        second_of_day / 3600,
-        second_of_day % 3600 / 60,
-        second_of_day % 60
-    )
-}
-
-// Howard Hinnant's civil-calendar algorithms.
-fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year.div_euclid(400);
-    let year_of_era = year - era * 400;
-    let month = i64::from(month);
-    let day_of_year =
-        (153 * (if month > 2 { month - 3 } else { month + 9 }) + 2) / 5 + i64::from(day) - 1;
-    let day_of_era = year_of_era * 365 + year_of_era / 4 - year_of_era / 100 + day_of_year;
-    era * 146_097 + day_of_era - 719_468
-}
-
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let days = days + 719_468;
-    let era = days.div_euclid(146_097);
-    let day_of_era = days - era * 146_097;
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let month_index = (5 * day_of_year + 2) / 153;
-    let day = (day_of_year - (153 * month_index + 2) / 5 + 1) as u32;
-    let month = if month_index < 10 {
-        month_index + 3
-    } else {
-        month_index - 9
-    } as u32;
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    (year, month, day)
+    let stamp = humantime::format_rfc3339_seconds(time).to_string();
+    format!("{} UTC", stamp.trim_end_matches('Z').replacen('T', " ", 1))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn percentiles_use_the_nearest_rank() {

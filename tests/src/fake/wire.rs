@@ -101,24 +101,13 @@ pub(crate) fn status(code: u16) -> StatusCode {
 
 /// Go's `time.RFC3339Nano` in UTC: up to nine fractional digits, trailing zeros trimmed, `Z`.
 pub(crate) fn rfc3339(time: SystemTime) -> String {
-    let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let seconds = since_epoch.as_secs() as i64;
-    let (days, second_of_day) = (seconds.div_euclid(86_400), seconds.rem_euclid(86_400));
-    let (year, month, day) = civil_from_days(days);
-    let mut text = format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}",
-        second_of_day / 3600,
-        second_of_day % 3600 / 60,
-        second_of_day % 60
-    );
-    let nanos = since_epoch.subsec_nanos();
-    if nanos != 0 {
-        let fraction = format!("{nanos:09}");
-        text.push('.');
-        text.push_str(fraction.trim_end_matches('0'));
-    }
-    text.push('Z');
-    text
+    // humantime prints all nine digits; Go trims trailing zeros.
+    let full = humantime::format_rfc3339_nanos(time).to_string();
+    let Some(body) = full.strip_suffix('Z') else {
+        return full;
+    };
+    let trimmed = body.trim_end_matches('0').trim_end_matches('.');
+    format!("{trimmed}Z")
 }
 
 /// Seconds since the Unix epoch (OpenAI's `created`).
@@ -171,25 +160,6 @@ pub(crate) fn reference_id() -> String {
 /// Rough token count of a text: its whitespace-separated words, at least one.
 pub(crate) fn token_count(text: &str) -> usize {
     text.split_whitespace().count().max(1)
-}
-
-// Howard Hinnant's `civil_from_days`: proleptic Gregorian date of a day count since 1970-01-01.
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let day_of_era = z - era * 146_097;
-    let year_of_era =
-        (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
-    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
-    let shifted_month = (5 * day_of_year + 2) / 153;
-    let day = (day_of_year - (153 * shifted_month + 2) / 5 + 1) as u32;
-    let month = if shifted_month < 10 {
-        shifted_month + 3
-    } else {
-        shifted_month - 9
-    } as u32;
-    let year = year_of_era + era * 400 + i64::from(month <= 2);
-    (year, month, day)
 }
 
 #[cfg(test)]
