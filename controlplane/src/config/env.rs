@@ -82,6 +82,17 @@ impl fmt::Debug for Env {
 
 /// Applies every `OQP_*` override in `env` onto `root` (a mapping), recording problems.
 /// Variables whose first component is not one of `sections` are reported and skipped.
+/// Variables the oqp programs read for themselves (logging, the data
+/// plane's command line, test modes): never config overrides.
+const PROCESS_VARS: [&str; 6] = [
+    "OQP_LOG",
+    "OQP_LOG_FORMAT",
+    "OQP_NODE",
+    "OQP_NODE_TOKEN",
+    "OQP_CONTROL_PLANE",
+    "OQP_SOAK",
+];
+
 pub(crate) fn apply_overrides(
     root: &mut Value,
     env: &Env,
@@ -97,7 +108,9 @@ pub(crate) fn apply_overrides(
         let Some(rest) = name.strip_prefix(PREFIX) else {
             continue;
         };
-        if name == CONFIG_VAR {
+        // The programs' own settings share the prefix but are not config
+        // overrides.
+        if name == CONFIG_VAR || PROCESS_VARS.contains(&name.as_str()) {
             continue;
         }
         let parts: Vec<String> = rest

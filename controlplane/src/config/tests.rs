@@ -976,3 +976,14 @@ proptest! {
         prop_assert_eq!(config.dashboard.enabled, flag);
     }
 }
+
+#[test]
+fn the_programs_own_variables_are_not_overrides() {
+    let env = Env::from_pairs([("OQP_LOG", "debug"), ("OQP_NODE_TOKEN", "secret-token")]);
+    let loaded = load_str(
+        "ollama:\n  hosts:\n    - {url: 'http://127.0.0.1:11434', name: local}\n",
+        &env,
+    )
+    .unwrap();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+}

@@ -52,7 +52,8 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     fake.stop().await;
     let failed = through?;
 
-    let (queued_idle, queued_rss) = queue_up(bench, queued).await?;
+    let (queued_idle, queued_rss) = queue_up(bench, queued, Waiting::Queued).await?;
+    let (_, connected_rss) = queue_up(bench, queued, Waiting::MidHeaders).await?;
 
     report.push(
         Row::new(SCENARIO_MEMORY, "RSS idle, after start-up")
@@ -87,12 +88,34 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
             queued_rss.map(|kib| kib < QUEUED_TARGET_KIB),
         ),
     );
+    report.push(
+        Row::new(
+            SCENARIO_MEMORY,
+            format!(
+                "for scale: RSS with {queued} connections that sent the start of their headers (no request yet)"
+            ),
+        )
+        .oqp(report::mib(connected_rss)),
+    );
     Ok(())
 }
 
-/// Fills oqp's queue with `count` requests behind a slot that never frees;
-/// the RSS before and once they all wait.
-async fn queue_up(bench: &Bench, count: usize) -> anyhow::Result<(Option<u64>, Option<u64>)> {
+/// What each waiting client has sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiting {
+    /// A whole request, queued in oqp.
+    Queued,
+    /// The start of its headers: a connection mid-read, no request yet.
+    MidHeaders,
+}
+
+/// Opens `count` connections to an oqp whose one upstream slot never frees,
+/// each sending `waiting`; the RSS before, and once they all wait.
+async fn queue_up(
+    bench: &Bench,
+    count: usize,
+    waiting: Waiting,
+) -> anyhow::Result<(Option<u64>, Option<u64>)> {
     let spec = FakeSpec {
         slots: 1,
         latency: Duration::from_secs(3600),
@@ -103,8 +126,12 @@ async fn queue_up(bench: &Bench, count: usize) -> anyhow::Result<(Option<u64>, O
     tokio::time::sleep(Duration::from_secs(1)).await;
     let idle = oqp.rss_kib();
     let result = async {
-        let clients = open_waiting_clients(&oqp, count).await?;
-        wait_for_depth(&oqp, count as u32 - 1).await?;
+        let clients = open_waiting_clients(&oqp, count, waiting).await?;
+        match waiting {
+            Waiting::Queued => wait_for_depth(&oqp, count as u32 - 1).await?,
+            // Nothing to confirm through the admin API: let the reads land.
+            Waiting::MidHeaders => tokio::time::sleep(Duration::from_secs(2)).await,
+        }
         let rss = oqp.rss_kib();
         drop(clients);
         anyhow::Ok(rss)
@@ -115,9 +142,13 @@ async fn queue_up(bench: &Bench, count: usize) -> anyhow::Result<(Option<u64>, O
     Ok((idle, result?))
 }
 
-/// `count` connections, each with one generate of a 1 KiB body written and
-/// its answer never read.
-async fn open_waiting_clients(oqp: &Proc, count: usize) -> anyhow::Result<Vec<TcpStream>> {
+/// `count` connections, each with one generate of a 1 KiB body written (or
+/// only the start of its headers) and its answer never read.
+async fn open_waiting_clients(
+    oqp: &Proc,
+    count: usize,
+    waiting: Waiting,
+) -> anyhow::Result<Vec<TcpStream>> {
     let head = r#"{"model":"llama3","stream":false,"prompt":""#;
     let pad = 1024usize.saturating_sub(head.len() + 2);
     let body = format!("{head}{}\"}}", "x".repeat(pad));
@@ -126,10 +157,14 @@ async fn open_waiting_clients(oqp: &Proc, count: usize) -> anyhow::Result<Vec<Tc
         oqp.addr(),
         body.len()
     );
+    let sent = match waiting {
+        Waiting::Queued => request.as_bytes(),
+        Waiting::MidHeaders => &request.as_bytes()[..40],
+    };
     let mut clients = Vec::with_capacity(count);
     for _ in 0..count {
         let mut stream = TcpStream::connect(oqp.addr()).await?;
-        stream.write_all(request.as_bytes()).await?;
+        stream.write_all(sent).await?;
         clients.push(stream);
     }
     Ok(clients)
