@@ -6,7 +6,7 @@ set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-# Headless Chromium renders /dashboard in tests/tests/observability.rs (with a font for its
+# Headless Chromium renders /dashboard in tests/tests/e2e/observability.rs (with a font for its
 # text); the test skips without it, except in CI.
 command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-dejavu-core)
 # The real-client step (tests/clients/run.sh) makes a virtual environment for the pinned clients.

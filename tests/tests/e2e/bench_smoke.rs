@@ -5,8 +5,6 @@
 //! produced its rows and none failed; the figures themselves mean nothing
 //! in a debug build on a shared CI machine.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use clap::Parser;
 use oqp_tests::bench::{self, Args, SCENARIOS};
 

@@ -3,8 +3,6 @@
 //! headers, its 404 when off, and a real render in headless Chromium), the
 //! `read` scope, and the monitoring examples in `examples/`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

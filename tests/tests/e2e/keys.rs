@@ -3,8 +3,6 @@
 //! revoke at every data plane, expiry, restarts, read-only config keys,
 //! scopes on the admin API, and that no key value leaks.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 

@@ -1,4 +1,4 @@
-//! What the reliability scenarios share: the scale (CI or soak), a closed-loop
+//! What the end-to-end suites share: the scale (CI or soak), a closed-loop
 //! load that counts every answer and keeps every failure, raw-socket helpers
 //! for malformed traffic, and a `redis-server` child process.
 

@@ -1,11 +1,7 @@
 //! End to end: keep_alive insertion, OpenAI `/v1/embeddings`, and the
 //! per-item embedding cache (in-process and on a real `redis-server`).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-#[allow(dead_code)]
-#[path = "reliability/support.rs"]
-mod support;
+use crate::support;
 
 use std::time::Duration;
 

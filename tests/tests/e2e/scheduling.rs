@@ -1,8 +1,6 @@
 //! End to end: tiers, caps, slots, expiry, cancellation and queue control,
 //! through the real planes against a fake Ollama with limited slots.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,8 +3,6 @@
 //! on loopback stands in for the webhook receiver. Waits are on snapshot
 //! changes (`hub.subscribe()`) and on webhook arrivals, never on sleeps.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -3,8 +3,6 @@
 //! "model not found" invalidation, the union of model lists, and an Ollama
 //! Cloud key pool rotating across accounts.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::HashMap;
 
 use oqp_tests::client::HttpClient;

@@ -2,8 +2,6 @@
 //! loopback, in front of the fake Ollama. Transparency, streaming, header
 //! hygiene, failures, and the snapshot's life.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::time::Duration;
 
 use http::Method;

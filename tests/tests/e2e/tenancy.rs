@@ -1,8 +1,6 @@
 //! End to end: identities, scopes, ceilings, the failed-auth throttle and
 //! injection ports, through the real planes and the fake Ollama.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::time::Duration;
 
 use oqp_controlplane::config::Env;

@@ -5,10 +5,7 @@
 //! CI runs these at a scale that fits; `OQP_SOAK=1` makes the load phases
 //! longer and runs the 10-minute soak (RSS at start and end).
 
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-#[path = "reliability/support.rs"]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -1,0 +1,21 @@
+//! The end-to-end suites: the real control plane and data plane, on
+//! `127.0.0.1:0`, in front of the fake Ollama (and a real `redis-server`
+//! where a suite needs one). One test binary holds them all, so the
+//! workspace links the heavy dependency graph once instead of once a suite.
+//!
+//! The secrets-leak suite (`tests/leaks.rs`) stays a binary of its own: it
+//! installs a process-wide log subscriber at trace level.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod bench_smoke;
+mod embeddings;
+mod foundation;
+mod hosts;
+mod keys;
+mod observability;
+mod reliability;
+mod routing;
+mod scheduling;
+mod support;
+mod tenancy;
