@@ -104,10 +104,6 @@ pub struct HostStat {
     pub slots_in_use: u32,
     /// The host's slot limit.
     pub max_concurrent: u32,
-    /// Requests placed on it.
-    pub requests: u64,
-    /// Connection failures reported by requests.
-    pub failures: u64,
     /// Whether a request marked it down since the last poll.
     pub marked_down: bool,
     /// Models removed locally after a 404 since the last poll.
@@ -137,8 +133,6 @@ struct HostState {
     forgotten: HashSet<String>,
     /// Scratch: the rank for the model of the decision in progress.
     rank: Rank,
-    requests: u64,
-    failures: u64,
 }
 
 /// How well a host matches the requested model; ordered worst to best.
@@ -279,7 +273,6 @@ impl Router {
     pub fn mark_down(&mut self, host: &str) {
         if let Some(state) = self.state_mut(host) {
             state.down = true;
-            state.failures += 1;
         }
     }
 
@@ -318,8 +311,6 @@ impl Router {
                 name: state.host.name.clone(),
                 slots_in_use: state.in_use.load(Ordering::Acquire),
                 max_concurrent: state.host.max_concurrent,
-                requests: state.requests,
-                failures: state.failures,
                 marked_down: state.down,
                 forgotten_models: state.forgotten.len(),
             })
@@ -401,7 +392,6 @@ impl Router {
         let on_release = self.on_release.clone();
         let state = self.hosts.get_mut(index)?;
         state.current -= total;
-        state.requests += 1;
         state.in_use.fetch_add(1, Ordering::AcqRel);
         self.decisions.count(reason);
         Some(Placement {
@@ -434,8 +424,6 @@ impl HostState {
             down: false,
             forgotten: HashSet::new(),
             rank: Rank::Missing,
-            requests: 0,
-            failures: 0,
         }
     }
 
