@@ -132,7 +132,9 @@ pub type Completion = Box<dyn FnOnce(Outcome) + Send + Sync>;
 const TAIL_BYTES: usize = 2048;
 
 /// Streams an upstream body to the client, frame by frame, holding `guard`
-/// until the body ends.
+/// until the upstream body ends (not until the client has read it: the slot
+/// is the upstream's, and the next request may use it while the last bytes
+/// are still being written to this client).
 pub struct ResponseBody {
     inner: Body,
     framing: Framing,
@@ -142,7 +144,7 @@ pub struct ResponseBody {
     tail: Vec<u8>,
     started: Instant,
     completion: Option<Completion>,
-    _guard: Option<Box<dyn Send + Sync>>,
+    guard: Option<Box<dyn Send + Sync>>,
 }
 
 impl std::fmt::Debug for ResponseBody {
@@ -179,7 +181,7 @@ impl ResponseBody {
             tail: Vec::new(),
             started: Instant::now(),
             completion,
-            _guard: guard,
+            guard,
         }
     }
 
@@ -207,6 +209,9 @@ impl ResponseBody {
                 elapsed: self.started.elapsed(),
             });
         }
+        // After the completion hook, so that the cost is charged before the
+        // freed slot lets the scheduler pick again.
+        self.guard = None;
     }
 
     fn error_frame(&self, error: &BoxError) -> Option<Bytes> {
@@ -254,6 +259,12 @@ impl http_body::Body for ResponseBody {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
                     this.observe(data);
+                }
+                if this.inner.is_end_stream() {
+                    // The last frame of a body of known length: release now
+                    // rather than on the next poll.
+                    this.done = true;
+                    this.finish(true, false);
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
