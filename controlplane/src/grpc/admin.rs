@@ -108,26 +108,27 @@ impl AdminApi {
         }
     }
 
+    /// Pause, resume and flush: authorizes the caller, applies `change` to
+    /// the asked tier (or every tier) and publishes one snapshot.
     fn tier_change(
         &self,
-        tier: i32,
+        request: &Request<api::TierRequest>,
         status: &str,
         change: impl Fn(&mut compile::Runtime, usize),
-    ) -> api::TierResponse {
-        let tiers: Vec<Tier> = match tier_from_wire(tier) {
-            Some(tier) => vec![tier],
-            None => Tier::ALL.to_vec(),
-        };
+    ) -> Result<Response<api::TierResponse>, Status> {
+        self.authorize(request, Scope::Management)?;
+        let tier = tier_from_wire(request.get_ref().tier);
+        let tiers = tier.map_or(Tier::ALL.to_vec(), |tier| vec![tier]);
         let version = self.hub.update_runtime(|runtime| {
             for tier in &tiers {
                 change(runtime, tier_index(*tier));
             }
         });
-        api::TierResponse {
+        Ok(Response::new(api::TierResponse {
             status: status.to_owned(),
-            tier: tier_from_wire(tier).map_or("all", Tier::as_str).to_owned(),
+            tier: tier.map_or("all", Tier::as_str).to_owned(),
             snapshot_version: version,
-        }
+        }))
     }
 }
 
@@ -289,45 +290,27 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::TierRequest>,
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
-        let tier = request.into_inner().tier;
-        Ok(Response::new(self.tier_change(
-            tier,
-            "paused",
-            |runtime, index| {
-                runtime.paused[index] = true;
-            },
-        )))
+        self.tier_change(&request, "paused", |runtime, index| {
+            runtime.paused[index] = true;
+        })
     }
 
     async fn resume_tier(
         &self,
         request: Request<api::TierRequest>,
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
-        let tier = request.into_inner().tier;
-        Ok(Response::new(self.tier_change(
-            tier,
-            "resumed",
-            |runtime, index| {
-                runtime.paused[index] = false;
-            },
-        )))
+        self.tier_change(&request, "resumed", |runtime, index| {
+            runtime.paused[index] = false;
+        })
     }
 
     async fn flush_tier(
         &self,
         request: Request<api::TierRequest>,
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
-        let tier = request.into_inner().tier;
-        Ok(Response::new(self.tier_change(
-            tier,
-            "flushed",
-            |runtime, index| {
-                runtime.flush_generation[index] += 1;
-            },
-        )))
+        self.tier_change(&request, "flushed", |runtime, index| {
+            runtime.flush_generation[index] += 1;
+        })
     }
 
     type DrainStream = DrainStream;
