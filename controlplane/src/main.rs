@@ -41,7 +41,7 @@ async fn main() -> ExitCode {
             .map_or("text", |l| l.format.as_str())
             .to_owned()
     });
-    init_tracing(level, &format);
+    let set_level = init_tracing(level, &format);
     let options = Options {
         config_path: args.config,
         env,
@@ -56,14 +56,14 @@ async fn main() -> ExitCode {
             return ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(1));
         }
     };
-    run_until_signalled(&control_plane).await;
+    run_until_signalled(&control_plane, set_level.as_ref()).await;
     tracing::info!("shutting down");
     control_plane.shutdown().await;
     ExitCode::SUCCESS
 }
 
-/// Reloads on SIGHUP; returns on SIGTERM or Ctrl-C.
-async fn run_until_signalled(control_plane: &ControlPlane) {
+/// Reloads on SIGHUP (the log level too); returns on SIGTERM or Ctrl-C.
+async fn run_until_signalled(control_plane: &ControlPlane, set_level: Option<&SetLevel>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut hangup), Ok(mut terminate)) = (
         signal(SignalKind::hangup()),
@@ -76,7 +76,11 @@ async fn run_until_signalled(control_plane: &ControlPlane) {
         tokio::select! {
             _ = hangup.recv() => {
                 // Errors are logged by reload; the old snapshot stays.
-                let _ = control_plane.reload();
+                if control_plane.reload().is_ok()
+                    && let Some(set_level) = set_level
+                {
+                    set_level(control_plane.hub().config().logging.level.as_str());
+                }
             }
             _ = terminate.recv() => return,
             _ = tokio::signal::ctrl_c() => return,
@@ -84,13 +88,28 @@ async fn run_until_signalled(control_plane: &ControlPlane) {
     }
 }
 
-fn init_tracing(level: &str, format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+/// Sets the log filter to a level name.
+type SetLevel = Box<dyn Fn(&str)>;
+
+/// Installs the log subscriber. `OQP_LOG` fixes the filter; without it the
+/// filter is `level` and the returned function changes it on reload.
+fn init_tracing(level: &str, format: &str) -> Option<SetLevel> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, fmt, reload};
+
+    let fixed = EnvFilter::try_from_env("OQP_LOG").ok();
+    let following = fixed.is_none();
+    let (filter, handle) = reload::Layer::new(fixed.unwrap_or_else(|| EnvFilter::new(level)));
+    let registry = tracing_subscriber::registry().with(filter);
     if format == "json" {
-        builder.json().init();
+        registry.with(fmt::layer().json()).init();
     } else {
-        builder.init();
+        registry.with(fmt::layer()).init();
     }
+    following.then(|| -> SetLevel {
+        Box::new(move |level| {
+            let _ = handle.reload(EnvFilter::new(level));
+        })
+    })
 }

@@ -249,6 +249,7 @@ impl ControlPlane {
                     control,
                     listener: options.dataplane_listener,
                     report_interval: Duration::from_secs(1),
+                    log_level: None,
                 })
                 .await?,
             )

@@ -47,4 +47,4 @@ pub mod upstream;
 
 mod run;
 
-pub use run::{DataPlane, Options, StartError};
+pub use run::{DataPlane, LogLevelHook, Options, StartError};

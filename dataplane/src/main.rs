@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Parser;
 use oqp_dataplane::control::ControlOptions;
-use oqp_dataplane::{DataPlane, Options};
+use oqp_dataplane::{DataPlane, LogLevelHook, Options};
 
 /// Admission-control proxy for Ollama: the data plane.
 #[derive(Debug, Parser)]
@@ -37,7 +37,7 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    init_tracing(&args.log_format);
+    let log_level = init_tracing(&args.log_format);
     let token = match &args.node_token_file {
         Some(path) => Some(
             std::fs::read_to_string(path)
@@ -56,6 +56,7 @@ async fn main() -> anyhow::Result<()> {
         },
         listener: None,
         report_interval: Duration::from_secs(1),
+        log_level,
     };
     let data_plane = DataPlane::start(options).await?;
     shutdown_signal().await;
@@ -64,15 +65,30 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn init_tracing(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+/// Installs the log subscriber. `OQP_LOG` fixes the filter; without it the
+/// level starts at `info` and follows the config's `logging.level`, which
+/// the returned hook applies as each snapshot arrives.
+fn init_tracing(format: &str) -> Option<LogLevelHook> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, fmt, reload};
+
+    let fixed = EnvFilter::try_from_env("OQP_LOG").ok();
+    let following = fixed.is_none();
+    let (filter, handle) = reload::Layer::new(fixed.unwrap_or_else(|| EnvFilter::new("info")));
+    let registry = tracing_subscriber::registry().with(filter);
     if format == "json" {
-        builder.json().init();
+        registry.with(fmt::layer().json()).init();
     } else {
-        builder.init();
+        registry.with(fmt::layer()).init();
     }
+    following.then(|| {
+        LogLevelHook::new(move |level| {
+            if handle.reload(EnvFilter::new(level.as_str())).is_ok() {
+                tracing::info!(level = level.as_str(), "log level set by the config");
+            }
+        })
+    })
 }
 
 async fn shutdown_signal() {

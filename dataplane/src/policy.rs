@@ -45,6 +45,50 @@ pub struct Policy {
     pub dashboard: DashboardSettings,
     /// Extra listeners that inject a client identity.
     pub injection_listeners: Vec<InjectionListener>,
+    /// The log level the config asks for (`logging.level`), if it names one.
+    pub log_level: Option<LogLevel>,
+}
+
+/// A log level (`logging.level`). The data plane's binary follows it unless
+/// `OQP_LOG` fixes its filter; the library installs no subscriber itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    /// Errors only.
+    Error,
+    /// Warnings and errors.
+    Warn,
+    /// The default.
+    Info,
+    /// Per-request detail.
+    Debug,
+    /// Everything.
+    Trace,
+}
+
+impl LogLevel {
+    /// The level's name: also a valid `tracing` filter directive.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogLevel::Error => "error",
+            LogLevel::Warn => "warn",
+            LogLevel::Info => "info",
+            LogLevel::Debug => "debug",
+            LogLevel::Trace => "trace",
+        }
+    }
+
+    /// Parses a level name, ignoring case.
+    pub fn parse(text: &str) -> Option<Self> {
+        [
+            LogLevel::Error,
+            LogLevel::Warn,
+            LogLevel::Info,
+            LogLevel::Debug,
+            LogLevel::Trace,
+        ]
+        .into_iter()
+        .find(|level| text.eq_ignore_ascii_case(level.as_str()))
+    }
 }
 
 /// General proxy behaviour.

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
 use crate::control::{self, ControlError, ControlLink, ControlOptions, Watcher};
-use crate::policy::Policy;
+use crate::policy::{LogLevel, Policy};
 use crate::scheduler::Tier;
 use crate::server::{self, ListenerKind};
 use crate::snapshot::PolicyStore;
@@ -27,6 +27,26 @@ pub struct Options {
     pub listener: Option<TcpListener>,
     /// How often status is reported.
     pub report_interval: Duration,
+    /// Called with the snapshot's log level at start and whenever a new
+    /// snapshot changes it.
+    pub log_level: Option<LogLevelHook>,
+}
+
+/// What a binary does with the config's `logging.level` (reload its log
+/// filter); the library installs no subscriber itself.
+pub struct LogLevelHook(Box<dyn Fn(LogLevel) + Send + Sync>);
+
+impl LogLevelHook {
+    /// A hook that calls `apply`.
+    pub fn new(apply: impl Fn(LogLevel) + Send + Sync + 'static) -> Self {
+        Self(Box::new(apply))
+    }
+}
+
+impl std::fmt::Debug for LogLevelHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LogLevelHook")
+    }
 }
 
 /// Why a data plane could not start.
@@ -101,7 +121,11 @@ impl DataPlane {
             shutdown.clone(),
         ));
         tasks.spawn(app.dispatcher.clone().run_timer(shutdown.clone()));
-        tasks.spawn(follow_policy(app.clone(), shutdown.clone()));
+        tasks.spawn(follow_policy(
+            app.clone(),
+            options.log_level,
+            shutdown.clone(),
+        ));
         tasks.spawn(crate::listeners::run(app.clone(), shutdown.clone()));
         let drain_app = app.clone();
         tasks.spawn(server::serve(
@@ -140,15 +164,31 @@ impl DataPlane {
 }
 
 /// Applies every new snapshot to the parts that keep state across
-/// snapshots (the dispatcher, the metrics' client labels), until `shutdown`.
-async fn follow_policy(app: Arc<App>, shutdown: CancellationToken) {
+/// snapshots (the dispatcher, the metrics' client labels, the log level),
+/// until `shutdown`.
+async fn follow_policy(
+    app: Arc<App>,
+    log_level: Option<LogLevelHook>,
+    shutdown: CancellationToken,
+) {
     let mut changes = app.store.subscribe();
+    let mut level = None;
+    let mut follow_level = |policy: &Policy| {
+        if let (Some(LogLevelHook(apply)), Some(wanted)) = (&log_level, policy.log_level)
+            && level != Some(wanted)
+        {
+            level = Some(wanted);
+            apply(wanted);
+        }
+    };
+    follow_level(&app.store.load());
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
         let policy = app.store.load();
+        follow_level(&policy);
         app.dispatcher.apply(&policy);
         app.cloud.update(&policy);
         app.metrics.apply(&policy);

@@ -121,6 +121,7 @@ pub async fn start_dataplane(
         },
         listener: Some(loopback().await),
         report_interval: Duration::from_millis(200),
+        log_level: None,
     })
     .await
 }

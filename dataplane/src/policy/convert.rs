@@ -151,6 +151,14 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             injection_listeners.push(InjectionListener { addr, inject_as });
         }
 
+        let log_level = match snapshot.logging.map(|logging| logging.level) {
+            None => None,
+            Some(level) if level.is_empty() => None,
+            Some(level) => Some(LogLevel::parse(&level).ok_or_else(|| {
+                PolicyError::new(format!("logging.level '{level}' is not a log level"))
+            })?),
+        };
+
         Ok(Policy {
             version: snapshot.version,
             listen,
@@ -165,6 +173,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             embedding_cache,
             dashboard,
             injection_listeners,
+            log_level,
         })
     }
 }

@@ -344,6 +344,54 @@ async fn a_reloaded_config_applies_live_and_a_bad_one_changes_nothing() {
     stack.shutdown().await;
 }
 
+/// A data plane follows `logging.level`: its hook sees the first snapshot's
+/// level, each change on reload, and nothing when a reload leaves the level
+/// as it was.
+#[tokio::test]
+async fn a_data_plane_follows_the_configured_log_level() {
+    use oqp_dataplane::LogLevelHook;
+    use oqp_dataplane::policy::LogLevel;
+
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let yaml = |level: &str, slots: u32| {
+        basic_config(&fake.url()).replace("max_concurrent: 2", &format!("max_concurrent: {slots}"))
+            + &format!("logging:\n  level: {level}\n")
+    };
+    let stack = Stack::start(&yaml("warn", 2)).await;
+    let (levels, mut seen) = tokio::sync::mpsc::unbounded_channel();
+    let remote = oqp_dataplane::DataPlane::start(oqp_dataplane::Options {
+        control: oqp_dataplane::control::ControlOptions {
+            url: stack.control_url(),
+            node: "remote".to_owned(),
+            token: None,
+            ca_file: None,
+        },
+        listener: Some(harness::loopback().await),
+        report_interval: Duration::from_millis(200),
+        log_level: Some(LogLevelHook::new(move |level| {
+            let _ = levels.send(level);
+        })),
+    })
+    .await
+    .expect("data plane starts");
+    let mut next = async || {
+        tokio::time::timeout(Duration::from_secs(10), seen.recv())
+            .await
+            .expect("a level within 10 s")
+    };
+    assert_eq!(next().await, Some(LogLevel::Warn));
+
+    // Same level, another change: applied, and the hook stays quiet.
+    let version = stack.rewrite_and_reload(&yaml("warn", 3)).unwrap();
+    harness::wait_for_version(&remote, version).await;
+    let version = stack.rewrite_and_reload(&yaml("DEBUG", 3)).unwrap();
+    harness::wait_for_version(&remote, version).await;
+    assert_eq!(next().await, Some(LogLevel::Debug), "nothing in between");
+
+    remote.shutdown().await;
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_data_plane_keeps_serving_when_the_control_plane_dies() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;

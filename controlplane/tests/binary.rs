@@ -1,8 +1,11 @@
-//! Crash safety of the key store, with the real `oqp-controlplane` binary:
-//! a burst of concurrent `AddKey` calls, SIGKILL in the middle of it, a
-//! restart on the same state directory. Every key whose `AddKey` was
-//! answered must be back, and must still authenticate; the file must parse
-//! (the restart itself refuses a corrupt store); no temporary may linger.
+//! The real `oqp-controlplane` binary.
+//!
+//! Crash safety of the key store: a burst of concurrent `AddKey` calls,
+//! SIGKILL in the middle of it, a restart on the same state directory. Every
+//! key whose `AddKey` was answered must be back, and must still authenticate;
+//! the file must parse (the restart itself refuses a corrupt store); no
+//! temporary may linger. Also: a corrupt store stops the start, and SIGHUP
+//! applies the config's log level.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -27,6 +30,8 @@ const CALLERS: usize = 4;
 struct Running {
     child: Child,
     addr: SocketAddr,
+    /// Every JSON log line after "control plane serving".
+    logs: mpsc::UnboundedReceiver<serde_json::Value>,
 }
 
 fn write_config(dir: &Path, state: &Path) -> PathBuf {
@@ -42,14 +47,19 @@ fn write_config(dir: &Path, state: &Path) -> PathBuf {
 }
 
 /// Starts the binary and waits for its "serving" log line, which names the
-/// bound address.
-async fn start(config: &Path) -> Running {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_oqp-controlplane"))
+/// bound address. `OQP_LOG` is `info` unless `follow_config` leaves the
+/// filter to the config's `logging.level`.
+async fn start(config: &Path, follow_config: bool) -> Running {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_oqp-controlplane"));
+    command.env_remove("OQP_LOG");
+    if !follow_config {
+        command.env("OQP_LOG", "info");
+    }
+    let mut child = command
         .arg("--config")
         .arg(config)
         .arg("--log-format")
         .arg("json")
-        .env("OQP_LOG", "info")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
@@ -71,8 +81,15 @@ async fn start(config: &Path) -> Running {
     .await
     .expect("the control plane did not start within 30 s");
     // Keep draining its log so that it never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Running { child, addr }
+    let (sender, logs) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Ok(entry) = serde_json::from_str(&line) {
+                let _ = sender.send(entry);
+            }
+        }
+    });
+    Running { child, addr, logs }
 }
 
 async fn admin(addr: SocketAddr) -> AdminServiceClient<Channel> {
@@ -129,7 +146,7 @@ async fn every_acknowledged_key_survives_sigkill_mid_burst() {
     let mut acknowledged: Vec<(String, String)> = Vec::new();
 
     for (round, kill_after) in [(0, 5), (1, 23), (2, 41)] {
-        let mut running = start(&config).await;
+        let mut running = start(&config, false).await;
         let (sender, mut receiver) = mpsc::unbounded_channel();
         let burst = spawn_burst(running.addr, round, sender);
         // Kill once this round has had `kill_after` answers, with the other
@@ -153,7 +170,7 @@ async fn every_acknowledged_key_survives_sigkill_mid_burst() {
 
     // The file parses, and no temporary is left after a restart.
     let file = state.join("keys.json");
-    let running = start(&config).await;
+    let running = start(&config, false).await;
     let text = std::fs::read_to_string(&file).unwrap();
     let parsed: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(parsed["format"], 1);
@@ -225,4 +242,93 @@ async fn a_corrupt_store_stops_the_start_with_exit_1_naming_the_file() {
         std::fs::read(&file).unwrap(),
         b"{\"format\": 1, \"keys\": [{\"client_id\": "
     );
+}
+
+/// SIGHUP applies `logging.level`: after a reload to `warn`, the next valid
+/// reload's info line is filtered out, while the error of a refused one
+/// still shows.
+#[tokio::test]
+async fn sighup_applies_the_configured_log_level() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = write_config(dir.path(), &state);
+    let base = std::fs::read_to_string(&config).unwrap();
+    let with = |level: &str, extra: &str| format!("{base}logging:\n  level: {level}\n{extra}");
+    std::fs::write(&config, with("info", "")).unwrap();
+    let mut running = start(&config, true).await;
+    let pid = running.child.id().unwrap().to_string();
+    let hangup = async || {
+        let status = Command::new("kill")
+            .args(["-HUP", &pid])
+            .status()
+            .await
+            .unwrap();
+        assert!(status.success());
+    };
+    let mut admin = admin(running.addr).await;
+    let mut version = async || {
+        admin
+            .get_status(authed(ADMIN, api::GetStatusRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+            .snapshot_version
+    };
+    let messages = |logs: &mut mpsc::UnboundedReceiver<serde_json::Value>| {
+        std::iter::from_fn(|| logs.try_recv().ok())
+            .map(|entry| entry["fields"]["message"].as_str().unwrap_or("").to_owned())
+            .collect::<Vec<_>>()
+    };
+
+    // To warn: this reload's own line is still written at info.
+    let before = version().await;
+    std::fs::write(&config, with("warn", "")).unwrap();
+    hangup().await;
+    let reloaded = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let entry = running.logs.recv().await.expect("the log goes on");
+            if entry["fields"]["message"] == "config reloaded" {
+                return entry;
+            }
+        }
+    })
+    .await
+    .expect("reloaded within 10 s");
+    assert_eq!(reloaded["level"], "INFO");
+    assert!(version().await > before);
+
+    // At warn: a valid reload applies without an info line...
+    let before = version().await;
+    std::fs::write(&config, with("warn", "proxy:\n  max_concurrent: 3\n")).unwrap();
+    hangup().await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while version().await <= before {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("applied within 10 s");
+    // ...and a refused one still logs its error.
+    std::fs::write(&config, "proxy: [unclosed").unwrap();
+    hangup().await;
+    let mut seen = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let entry = running.logs.recv().await.expect("the log goes on");
+            let message = entry["fields"]["message"].as_str().unwrap_or("").to_owned();
+            let refused = message.starts_with("config reload refused");
+            seen.push(message);
+            if refused {
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the refusal is logged within 10 s");
+    seen.extend(messages(&mut running.logs));
+    assert!(
+        !seen.iter().any(|message| message == "config reloaded"),
+        "an info line passed the warn filter: {seen:?}"
+    );
+    running.child.kill().await.unwrap();
 }
