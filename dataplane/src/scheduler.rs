@@ -44,8 +44,9 @@
 //!   `half_life` over its idle time, so old work is not held against a returning client for ever.
 //!   Credit (`F < V`) is not banked by a client at its own cap (its `F` is raised to `V` while it
 //!   is skipped, so lifting a cap causes no burst); credit built while a flow's model had no free
-//!   host and others ran decays with the same half-life, so a long-blocked client does not burst
-//!   for long once its host frees.
+//!   host and others ran, or left by the correction of an over-estimate, is worth at most one
+//!   request (the flow's estimate) and decays with the same half-life, so no client bursts ahead
+//!   of the others once its host frees or its first costs become known.
 //!   Decay never touches a continuously backlogged flow's debt, which is what keeps shares exact
 //!   (ranking clients by decayed usage, the other classic design, biases shares towards equal,
 //!   by an amount that grows with request cost / half-life).

@@ -25,6 +25,7 @@ impl<T> Scheduler<T> {
         self.expire_pass(now);
         self.sweep(now);
         let half_life = self.limits.half_life;
+        let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
         let mut refused: Vec<Option<Arc<str>>> = Vec::new();
         let mut candidates: Vec<(f64, TicketId)> = Vec::new();
         for tier in Tier::ALL {
@@ -41,7 +42,10 @@ impl<T> Scheduler<T> {
                     continue;
                 }
                 if let Some(&head) = client.queues[index].first() {
-                    let start = client.flows[index].start_tag(state.vclock, now, half_life);
+                    let one_request =
+                        client.mean_cost.get().unwrap_or(fallback) / client.limits.weight;
+                    let start =
+                        client.flows[index].start_tag(state.vclock, now, half_life, one_request);
                     candidates.push((start, head));
                 }
             }

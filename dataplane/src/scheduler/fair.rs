@@ -103,12 +103,22 @@ impl Flow {
     }
 
     /// The start tag of the flow's head ticket: its finish tag, except that a credit (`finish <
-    /// vclock`, built up while no host was free for the flow's model and others ran) decays with
-    /// the half-life, so a long-blocked flow does not burst for long when unblocked.
-    pub(super) fn start_tag(&self, vclock: f64, now: Instant, half_life: Duration) -> f64 {
+    /// vclock`) is worth at most `max_credit` (one request: the flow's normalised estimate) and
+    /// decays with the half-life. Credit comes from waiting while no host was free for the flow's
+    /// model and others ran, and from corrections of over-estimated requests: a first request
+    /// charged the no-history default (1 s) that took 25 ms moved the virtual clock by 1 s, and
+    /// without the cap the flow would then run alone for 40 requests. With it, no flow gets more
+    /// than one request ahead of the others.
+    pub(super) fn start_tag(
+        &self,
+        vclock: f64,
+        now: Instant,
+        half_life: Duration,
+        max_credit: f64,
+    ) -> f64 {
         match self.since {
             Some(since) if self.finish < vclock => {
-                let credit = vclock - self.finish;
+                let credit = (vclock - self.finish).min(max_credit);
                 vclock - credit * decay_factor(now.saturating_duration_since(since), half_life)
             }
             _ => self.finish,

@@ -1,6 +1,7 @@
 //! Unit tests of the scheduler's rules, one behaviour each. Fairness simulations live in `sim`,
 //! properties in `props`.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -626,5 +627,56 @@ fn scales_to_tens_of_thousands_of_tickets() {
     println!(
         "30k enqueues, 10k cancels, 20k dispatches over 200 clients: {:?}",
         started.elapsed()
+    );
+}
+
+/// The first requests of a fresh scheduler are charged the no-history default (1 s). When they
+/// really take 25 ms, the correction leaves their client far below a virtual clock that its own
+/// second request had moved: without a cap on credit it then ran alone for dozens of requests
+/// while three others waited. With the cap, no client gets more than one request ahead.
+#[test]
+fn an_over_estimated_start_gives_no_burst() {
+    let t0 = Instant::now();
+    let cost = Duration::from_millis(25);
+    let mut scheduler = Scheduler::new(Limits::default());
+    let mut payload = 0;
+    let mut enqueue = |scheduler: &mut Scheduler<u32>, client: &str, now: Instant| {
+        payload += 1;
+        admit(scheduler, now, ticket(client, Tier::Normal, 0, payload));
+    };
+    // Two slots; `a` arrives first and takes both.
+    for _ in 0..8 {
+        enqueue(&mut scheduler, "a", t0);
+    }
+    let first = scheduler.next(t0, anywhere).unwrap();
+    let second = scheduler.next(t0, anywhere).unwrap();
+    assert_eq!((&*first.client, &*second.client), ("a", "a"));
+    for client in ["b", "c", "d"] {
+        for _ in 0..8 {
+            enqueue(&mut scheduler, client, t0);
+        }
+    }
+    // From now on every request takes 25 ms and its client sends another.
+    let mut now = t0 + cost;
+    let mut running = vec![first, second];
+    let mut served: HashMap<Arc<str>, u32> = HashMap::new();
+    for _ in 0..40 {
+        let done = running.remove(0);
+        assert!(scheduler.complete(done.id, cost, now));
+        enqueue(&mut scheduler, &done.client.clone(), now);
+        let next = scheduler.next(now, anywhere).unwrap();
+        *served.entry(next.client.clone()).or_default() += 1;
+        running.push(next);
+        now += cost / 2;
+    }
+    let most = served.values().max().copied().unwrap_or(0);
+    let least = ["a", "b", "c", "d"]
+        .iter()
+        .map(|client| served.get(*client).copied().unwrap_or(0))
+        .min()
+        .unwrap_or(0);
+    assert!(
+        most - least <= 2,
+        "40 dispatches after the start: {served:?}"
     );
 }
