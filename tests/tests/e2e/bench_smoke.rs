@@ -10,6 +10,7 @@ use oqp_tests::bench::{self, Args, SCENARIOS};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_quick_benchmark_reports_every_scenario() {
+    let _exclusive = crate::support::exclusive().await;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("latest.md");
     let args = Args::try_parse_from([

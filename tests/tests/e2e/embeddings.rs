@@ -200,6 +200,7 @@ async fn repeated_items_never_reach_the_gpu_twice() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_identical_misses_make_one_upstream_request() {
+    let _exclusive = crate::support::exclusive().await;
     let fake = FakeOllama::builder()
         .embedding_model("all-minilm")
         .slots(4)
@@ -236,6 +237,7 @@ async fn fifty_identical_misses_make_one_upstream_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cache_survives_redis_dying_and_resumes_when_it_returns() {
+    let _exclusive = crate::support::exclusive().await;
     let redis = support::Redis::start(0).await;
     let fake = FakeOllama::builder()
         .embedding_model("all-minilm")

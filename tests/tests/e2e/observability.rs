@@ -687,6 +687,7 @@ fn assert_clean_console(stderr: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_renders_in_headless_chromium() {
+    let _exclusive = crate::support::exclusive().await;
     let Some(browser) = chromium() else {
         return;
     };

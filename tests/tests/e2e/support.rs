@@ -13,6 +13,15 @@ use oqp_tests::bench::load::{Conn, Req};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+/// Taken by every test that generates heavy load or measures timing (a
+/// fairness index, a wait percentile): the suites share one test binary, so
+/// without it a load test could run beside a timing test on this machine's
+/// two cores. Light tests run beside anything.
+pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
+    static EXCLUSIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    EXCLUSIVE.lock().await
+}
+
 /// Whether the long mode is on (`OQP_SOAK=1`).
 pub fn soak() -> bool {
     std::env::var("OQP_SOAK").is_ok_and(|value| value == "1")
