@@ -79,6 +79,39 @@ pub struct Outbound {
     pub body: RequestBody,
 }
 
+impl Outbound {
+    /// The same request in memory of its own. What hyper parsed (header
+    /// values, the path, a body read in one piece) are views into the
+    /// connection's read buffer; a request that waits in the queue would keep
+    /// that buffer alive and make hyper allocate another for the connection.
+    /// A waiting request copies what it holds (its body and a few hundred
+    /// bytes of headers) instead.
+    pub fn detached(self) -> Self {
+        let headers = self
+            .headers
+            .iter()
+            .filter_map(|(name, value)| {
+                let value = http::HeaderValue::from_bytes(value.as_bytes()).ok()?;
+                Some((name.clone(), value))
+            })
+            .collect();
+        let path_and_query = http::uri::PathAndQuery::from_maybe_shared(Bytes::copy_from_slice(
+            self.path_and_query.as_str().as_bytes(),
+        ))
+        .unwrap_or(self.path_and_query);
+        let body = match self.body {
+            RequestBody::Buffered(bytes) => RequestBody::Buffered(Bytes::copy_from_slice(&bytes)),
+            streamed @ RequestBody::Streamed(_) => streamed,
+        };
+        Self {
+            method: self.method,
+            path_and_query,
+            headers,
+            body,
+        }
+    }
+}
+
 /// A response from a host, before it is wrapped for the client.
 #[derive(Debug)]
 pub struct Answer {

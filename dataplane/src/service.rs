@@ -61,9 +61,12 @@ pub async fn handle(
         client = tracing::field::Empty,
         tier = tracing::field::Empty,
     );
-    let routed = route(&app, &policy, kind, peer, request)
-        .instrument(span.clone())
-        .await;
+    // Boxed: hyper keeps room for this future in every connection, open or
+    // idle, so what it holds inline is paid by every connection; the boxed
+    // state is paid only while a request runs. The phases that run after a
+    // grant (or instead of queueing) are boxed below for the same reason: a
+    // waiting request holds only what waiting needs.
+    let routed = Box::pin(route(&app, &policy, kind, peer, request).instrument(span.clone())).await;
     let mut response = match routed {
         Ok(response) => response,
         Err(error) => error.into_response(&request_id),
@@ -176,13 +179,17 @@ async fn forward(
         // of what is actually sent.
         upstream_headers.remove(header::CONTENT_LENGTH);
     }
+    let path_and_query = parts
+        .uri
+        .path_and_query()
+        .cloned()
+        .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+    // The rest of the URI is a view into the connection's read buffer, which
+    // a waiting request must not keep alive (see `Outbound::detached`).
+    drop(parts.uri);
     let mut outbound = Outbound {
         method: parts.method,
-        path_and_query: parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
+        path_and_query,
         headers: upstream_headers,
         body,
     };
@@ -193,7 +200,7 @@ async fn forward(
             RequestBody::Buffered(bytes) => rewrite::model_of(bytes),
             RequestBody::Streamed(_) => None,
         };
-        return metadata(app, policy, outbound, model.as_deref()).await;
+        return Box::pin(metadata(app, policy, outbound, model.as_deref())).await;
     }
     let client = client_id.unwrap_or_else(|| Arc::from(ANONYMOUS));
     let Endpoint::Inference(inference) = endpoint else {
@@ -206,7 +213,10 @@ async fn forward(
         return queued(app, policy, client, tier, None, outbound).await;
     };
     if inference.is_embedding() {
-        return embeddings::handle(app, policy, client, tier, inference, outbound, body).await;
+        return Box::pin(embeddings::handle(
+            app, policy, client, tier, inference, outbound, body,
+        ))
+        .await;
     }
     let body = if inference.takes_keep_alive() {
         rewrite::insert_keep_alive(&body, &policy.keep_alive).unwrap_or(body)
@@ -239,8 +249,16 @@ pub async fn queued(
     })?;
     let position = pending.position;
     let immediate = pending.immediate;
+    let outbound = if immediate {
+        outbound
+    } else {
+        outbound.detached()
+    };
     let grant = pending.granted().await?;
-    send_granted(app, policy, grant, outbound, position, immediate).await
+    Box::pin(send_granted(
+        app, policy, grant, outbound, position, immediate,
+    ))
+    .await
 }
 
 /// Sends a dispatched request, failing over to another free host before the

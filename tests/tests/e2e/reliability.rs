@@ -31,6 +31,7 @@ fn one_host(url: &str, slots: u32, extra: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_control_plane_restart_under_load_fails_no_request() {
+    let _exclusive = crate::support::exclusive().await;
     let fake = FakeOllama::builder()
         .model("llama3")
         .slots(4)
@@ -99,6 +100,7 @@ async fn a_control_plane_restart_under_load_fails_no_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_restart_under_load_fails_no_request() {
+    let _exclusive = crate::support::exclusive().await;
     let fake = FakeOllama::builder()
         .embedding_model("all-minilm")
         .slots(4)
@@ -160,6 +162,7 @@ async fn a_redis_restart_under_load_fails_no_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_of_two_hosts_dying_under_load_loses_no_request() {
+    let _exclusive = crate::support::exclusive().await;
     let fake = || {
         FakeOllama::builder()
             .model("llama3")
@@ -202,6 +205,7 @@ async fn one_of_two_hosts_dying_under_load_loses_no_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thousand_clients_leaving_mid_queue_and_mid_stream_leave_nothing_behind() {
+    let _exclusive = crate::support::exclusive().await;
     let streams = 200;
     let queued = 800;
     let fake = FakeOllama::builder()
@@ -449,8 +453,112 @@ async fn malformed_json_and_invalid_utf8_are_never_a_server_error() {
     stack.shutdown().await;
 }
 
+/// A request head may take 8 KiB (the connection's read buffer); a larger
+/// one is refused with 431. Bodies are not bound by it.
+#[tokio::test]
+async fn request_heads_up_to_8_kib_are_served_and_larger_ones_get_431() {
+    let (fake, stack) = bad_input_stack().await;
+    let addr = stack.proxy_addr();
+    let head = |filler: usize| {
+        format!(
+            "GET /api/tags HTTP/1.1\r\nHost: oqp\r\nX-Filler: {}\r\n\r\n",
+            "f".repeat(filler)
+        )
+    };
+    let fitting = head(7 * 1024);
+    assert!(fitting.len() < 8 * 1024);
+    assert_eq!(
+        support::raw_exchange(addr, fitting.as_bytes()).await,
+        Some(200)
+    );
+    let over = head(9 * 1024);
+    assert_eq!(
+        support::raw_exchange(addr, over.as_bytes()).await,
+        Some(431)
+    );
+
+    let prompt = "p".repeat(512 * 1024);
+    // With its own keep_alive, so that the body is forwarded as it is.
+    let body =
+        format!(r#"{{"model":"llama3","stream":false,"keep_alive":-1,"prompt":"{prompt}"}}"#);
+    let reply = HttpClient::new()
+        .send(
+            http::Method::POST,
+            &format!("{}/api/generate", stack.url()),
+            &[("content-type", "application/json")],
+            body.clone(),
+        )
+        .await;
+    assert_eq!(reply.status, 200);
+    let sent = fake.handle().requests_to("/api/generate");
+    let received = &sent.last().unwrap().body;
+    let differs = received
+        .iter()
+        .zip(body.as_bytes())
+        .position(|(a, b)| a != b);
+    assert!(
+        received.len() == body.len() && differs.is_none(),
+        "received {} bytes, sent {}, first difference at {differs:?}: {:?}",
+        received.len(),
+        body.len(),
+        String::from_utf8_lossy(&received[..received.len().min(80)])
+    );
+    stack.shutdown().await;
+}
+
+/// A request that waits in the queue holds copies of what hyper parsed (see
+/// `Outbound::detached`); what reaches the upstream is still byte for byte
+/// what the client sent: path and query, every header, the body.
+#[tokio::test]
+async fn a_request_that_waited_reaches_the_upstream_unchanged() {
+    let fake = FakeOllama::builder().model("llama3").slots(1).spawn().await;
+    let stack = Stack::start(&one_host(&fake.url(), 1, "")).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/generate", stack.url());
+    let handle = fake.handle();
+    handle.hold();
+    let first = {
+        let (http, url) = (http.clone(), url.clone());
+        tokio::spawn(async move {
+            let first = json!({"model": "llama3", "prompt": "hold", "stream": false});
+            http.post_json(&url, &[], &first).await
+        })
+    };
+    handle.wait_in_flight(1).await;
+    // Odd spacing, an escape and key order that a re-serialisation would lose.
+    let body = "{ \"stream\":false,\n \"prompt\": \"caf\\u00e9 1.50\", \"keep_alive\": 3600.0, \"model\":\"llama3\" }";
+    let waiting = {
+        let http = http.clone();
+        let url = format!("{url}?trace=1&x=%20y");
+        tokio::spawn(async move {
+            http.send(
+                http::Method::POST,
+                &url,
+                &[
+                    ("content-type", "application/json"),
+                    ("x-custom", "kept as sent"),
+                ],
+                body,
+            )
+            .await
+        })
+    };
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    assert!(eventually(Duration::from_secs(5), || dispatcher.total_depth() == 1).await);
+    handle.release_all();
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(waiting.await.unwrap().status, 200);
+    let sent = handle.requests_to("/api/generate");
+    let waited = sent.last().unwrap();
+    assert_eq!(waited.body, body.as_bytes());
+    assert_eq!(waited.query.as_deref(), Some("trace=1&x=%20y"));
+    assert_eq!(waited.headers["x-custom"], "kept as sent");
+    stack.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_flood_is_refused_and_other_clients_are_served() {
+    let _exclusive = crate::support::exclusive().await;
     let (_fake, stack) = bad_input_stack().await;
     let addr = stack.proxy_addr();
     let mut load = Load::start(addr, 2, None, |_, _| Req::get("/api/tags", None));
@@ -496,6 +604,7 @@ async fn a_header_flood_is_refused_and_other_clients_are_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_client_is_cut_off_while_others_are_served() {
+    let _exclusive = crate::support::exclusive().await;
     let (_fake, stack) = bad_input_stack().await;
     let addr = stack.proxy_addr();
     let slow = TcpStream::connect(addr).await.unwrap();
@@ -579,6 +688,7 @@ async fn a_ten_thousand_input_embed_batch_is_answered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_reports_rss_at_start_and_end() {
+    let _exclusive = crate::support::exclusive().await;
     use oqp_tests::bench::procs::{self, Binaries, OqpCommand};
     use oqp_tests::bench::scenarios::{self, OqpConfig, USER_KEY};
     let duration = scale(Duration::from_secs(3), Duration::from_secs(600));
