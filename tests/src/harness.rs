@@ -112,6 +112,16 @@ pub async fn start_dataplane(
     node: &str,
     token: Option<&str>,
 ) -> Result<DataPlane, oqp_dataplane::StartError> {
+    start_dataplane_with(control_url, node, token, None).await
+}
+
+/// [`start_dataplane`], with a hook for the configured log level.
+pub async fn start_dataplane_with(
+    control_url: &str,
+    node: &str,
+    token: Option<&str>,
+    log_level: Option<oqp_dataplane::LogLevelHook>,
+) -> Result<DataPlane, oqp_dataplane::StartError> {
     DataPlane::start(oqp_dataplane::Options {
         control: ControlOptions {
             url: control_url.to_owned(),
@@ -121,7 +131,7 @@ pub async fn start_dataplane(
         },
         listener: Some(loopback().await),
         report_interval: Duration::from_millis(200),
-        log_level: None,
+        log_level,
     })
     .await
 }

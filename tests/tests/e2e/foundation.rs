@@ -359,21 +359,12 @@ async fn a_data_plane_follows_the_configured_log_level() {
     };
     let stack = Stack::start(&yaml("warn", 2)).await;
     let (levels, mut seen) = tokio::sync::mpsc::unbounded_channel();
-    let remote = oqp_dataplane::DataPlane::start(oqp_dataplane::Options {
-        control: oqp_dataplane::control::ControlOptions {
-            url: stack.control_url(),
-            node: "remote".to_owned(),
-            token: None,
-            ca_file: None,
-        },
-        listener: Some(harness::loopback().await),
-        report_interval: Duration::from_millis(200),
-        log_level: Some(LogLevelHook::new(move |level| {
-            let _ = levels.send(level);
-        })),
-    })
-    .await
-    .expect("data plane starts");
+    let hook = LogLevelHook::new(move |level| {
+        let _ = levels.send(level);
+    });
+    let remote = harness::start_dataplane_with(&stack.control_url(), "remote", None, Some(hook))
+        .await
+        .expect("data plane starts");
     let mut next = async || {
         tokio::time::timeout(Duration::from_secs(10), seen.recv())
             .await
