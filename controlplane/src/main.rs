@@ -91,6 +91,14 @@ async fn run_until_signalled(control_plane: &ControlPlane, set_level: Option<&Se
 /// Sets the log filter to a level name.
 type SetLevel = Box<dyn Fn(&str)>;
 
+/// The filter for `logging.level` (a level name): oqp's crates at the level,
+/// dependencies (hyper, h2, tonic) no more verbose than `warn`, as the data
+/// plane's binary does it.
+fn level_filter(level: &str) -> String {
+    let dependencies = if level == "error" { "error" } else { "warn" };
+    format!("{dependencies},oqp_dataplane={level},oqp_controlplane={level}")
+}
+
 /// Installs the log subscriber. `OQP_LOG` fixes the filter; without it the
 /// filter is `level` and the returned function changes it on reload.
 fn init_tracing(level: &str, format: &str) -> Option<SetLevel> {
@@ -100,7 +108,8 @@ fn init_tracing(level: &str, format: &str) -> Option<SetLevel> {
 
     let fixed = EnvFilter::try_from_env("OQP_LOG").ok();
     let following = fixed.is_none();
-    let (filter, handle) = reload::Layer::new(fixed.unwrap_or_else(|| EnvFilter::new(level)));
+    let (filter, handle) =
+        reload::Layer::new(fixed.unwrap_or_else(|| EnvFilter::new(level_filter(level))));
     let registry = tracing_subscriber::registry().with(filter);
     if format == "json" {
         registry.with(fmt::layer().json()).init();
@@ -109,7 +118,7 @@ fn init_tracing(level: &str, format: &str) -> Option<SetLevel> {
     }
     following.then(|| -> SetLevel {
         Box::new(move |level| {
-            let _ = handle.reload(EnvFilter::new(level));
+            let _ = handle.reload(EnvFilter::new(level_filter(level)));
         })
     })
 }

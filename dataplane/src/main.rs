@@ -84,7 +84,7 @@ fn init_tracing(format: &str) -> Option<LogLevelHook> {
     }
     following.then(|| {
         LogLevelHook::new(move |level| {
-            if handle.reload(EnvFilter::new(level.as_str())).is_ok() {
+            if handle.reload(EnvFilter::new(level.filter())).is_ok() {
                 tracing::info!(level = level.as_str(), "log level set by the config");
             }
         })

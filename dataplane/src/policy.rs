@@ -77,6 +77,18 @@ impl LogLevel {
         }
     }
 
+    /// The `tracing` filter for this level: oqp's own crates at the level,
+    /// dependencies (hyper, h2, tonic) no more verbose than `warn`, so that
+    /// `debug` shows oqp's per-request lines rather than HTTP/2 frames.
+    pub fn filter(self) -> String {
+        let dependencies = match self {
+            LogLevel::Error => "error",
+            _ => "warn",
+        };
+        let level = self.as_str();
+        format!("{dependencies},oqp_dataplane={level},oqp_controlplane={level}")
+    }
+
     /// Parses a level name, ignoring case.
     pub fn parse(text: &str) -> Option<Self> {
         [
@@ -415,6 +427,20 @@ mod tests {
         assert_eq!(
             normalize_model("registry:5000/ns/model"),
             "registry:5000/ns/model:latest"
+        );
+    }
+
+    #[test]
+    fn levels_parse_in_any_case_and_filter_dependencies_to_warn() {
+        assert_eq!(LogLevel::parse("DEBUG"), Some(LogLevel::Debug));
+        assert_eq!(LogLevel::parse("verbose"), None);
+        assert_eq!(
+            LogLevel::Debug.filter(),
+            "warn,oqp_dataplane=debug,oqp_controlplane=debug"
+        );
+        assert_eq!(
+            LogLevel::Error.filter(),
+            "error,oqp_dataplane=error,oqp_controlplane=error"
         );
     }
 }
