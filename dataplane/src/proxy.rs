@@ -90,9 +90,13 @@ impl Outbound {
         let headers = self
             .headers
             .iter()
-            .filter_map(|(name, value)| {
-                let value = http::HeaderValue::from_bytes(value.as_bytes()).ok()?;
-                Some((name.clone(), value))
+            .map(|(name, value)| {
+                // A value hyper accepted is always valid; keeping the view is
+                // the fallback, never dropping the header.
+                let mut copy = http::HeaderValue::from_bytes(value.as_bytes())
+                    .unwrap_or_else(|_| value.clone());
+                copy.set_sensitive(value.is_sensitive());
+                (name.clone(), copy)
             })
             .collect();
         let path_and_query = http::uri::PathAndQuery::from_maybe_shared(Bytes::copy_from_slice(
