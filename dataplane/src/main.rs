@@ -75,7 +75,9 @@ fn init_tracing(format: &str) -> Option<LogLevelHook> {
 
     let fixed = EnvFilter::try_from_env("OQP_LOG").ok();
     let following = fixed.is_none();
-    let (filter, handle) = reload::Layer::new(fixed.unwrap_or_else(|| EnvFilter::new("info")));
+    let (filter, handle) = reload::Layer::new(
+        fixed.unwrap_or_else(|| EnvFilter::new(oqp_dataplane::policy::LogLevel::Info.filter())),
+    );
     let registry = tracing_subscriber::registry().with(filter);
     if format == "json" {
         registry.with(fmt::layer().json()).init();
