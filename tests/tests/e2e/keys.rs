@@ -98,6 +98,23 @@ async fn add(stack: &Stack, request: api::AddKeyRequest) -> api::AddKeyResponse 
     response
 }
 
+/// Rotates `client_id`'s key with `grace_seconds` for the old one; waits
+/// until the data plane serves the result.
+async fn rotate(stack: &Stack, client_id: &str, grace_seconds: u64) -> api::RotateKeyResponse {
+    let request = api::RotateKeyRequest {
+        client_id: client_id.to_owned(),
+        grace_seconds,
+    };
+    let response = admin(stack)
+        .await
+        .rotate_key(authed(ADMIN, request))
+        .await
+        .unwrap()
+        .into_inner();
+    stack.wait_for_version(response.snapshot_version).await;
+    response
+}
+
 const GENERATE: &str = r#"{"model":"llama3","prompt":"hi","stream":false}"#;
 
 /// The status of a generate call through `base` with `key`.
@@ -216,19 +233,7 @@ async fn a_rotated_key_keeps_working_for_its_grace_period_then_disappears_by_its
         state: _state,
     } = setup().await;
     let old = add(&stack, add_request("batch")).await.key;
-    let rotated = admin(&stack)
-        .await
-        .rotate_key(authed(
-            ADMIN,
-            api::RotateKeyRequest {
-                client_id: "batch".to_owned(),
-                grace_seconds: 2,
-            },
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    stack.wait_for_version(rotated.snapshot_version).await;
+    let rotated = rotate(&stack, "batch", 2).await;
     assert_ne!(rotated.key, old);
     let grace_end = rotated.old_key_expires_unix_ms;
     let now = std::time::SystemTime::now()
@@ -349,18 +354,7 @@ async fn an_expiring_key_vanishes_at_its_expiry() {
 async fn the_store_survives_a_control_plane_restart() {
     let Setup { fake, stack, state } = setup().await;
     let added = add(&stack, add_request("batch")).await;
-    let rotated = admin(&stack)
-        .await
-        .rotate_key(authed(
-            ADMIN,
-            api::RotateKeyRequest {
-                client_id: "batch".to_owned(),
-                grace_seconds: 3600,
-            },
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let rotated = rotate(&stack, "batch", 3600).await;
     stack.shutdown().await;
 
     let stack = Stack::start(&config(&fake.url(), state.path())).await;
@@ -596,19 +590,7 @@ async fn key_values_never_leak_into_debug_listings_status_or_the_store_file() {
     } = setup().await;
     let second = stack.start_dataplane("second", None).await.unwrap();
     let added = add(&stack, add_request("batch")).await;
-    let rotated = admin(&stack)
-        .await
-        .rotate_key(authed(
-            ADMIN,
-            api::RotateKeyRequest {
-                client_id: "batch".to_owned(),
-                grace_seconds: 600,
-            },
-        ))
-        .await
-        .unwrap()
-        .into_inner();
-    stack.wait_for_version(rotated.snapshot_version).await;
+    let rotated = rotate(&stack, "batch", 600).await;
     harness::wait_for_version(&second, rotated.snapshot_version).await;
     assert_eq!(generate(&stack.url(), &rotated.key).await, 200);
 
