@@ -86,6 +86,12 @@ pub enum ProxyError {
     /// A management action needs the control plane, which is unreachable.
     #[error("control plane unavailable: {0}")]
     ControlPlaneUnavailable(String),
+    /// A queue-control call from a page of another origin.
+    #[error("cross-origin request refused: the Origin is not this proxy")]
+    ForeignOrigin,
+    /// A queue-control call with a body that is not JSON.
+    #[error("queue control takes no body or an application/json one")]
+    UnsupportedMediaType,
     /// The path is not served (disabled dashboard).
     #[error("Not Found")]
     NotFound,
@@ -97,9 +103,11 @@ impl ProxyError {
         match self {
             Self::MissingCredentials | Self::UnknownKey => StatusCode::UNAUTHORIZED,
             Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Self::ScopeRequired(_) | Self::ModelManagementDisabled | Self::RouteNotProxied => {
-                StatusCode::FORBIDDEN
-            }
+            Self::ScopeRequired(_)
+            | Self::ModelManagementDisabled
+            | Self::RouteNotProxied
+            | Self::ForeignOrigin => StatusCode::FORBIDDEN,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::InvalidTier(_) | Self::BodyUnreadable | Self::PathNotCanonical => {
                 StatusCode::BAD_REQUEST
             }

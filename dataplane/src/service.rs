@@ -103,6 +103,18 @@ async fn route(
                 return Ok(json_response(serde_json::json!({ "status": "ok" })));
             }
             (&Method::POST, "/queue/pause" | "/queue/resume" | "/queue/drain" | "/queue/flush") => {
+                // HTTP/2 names the host in the URI, HTTP/1 in `Host`.
+                let authority = request
+                    .uri()
+                    .authority()
+                    .map(http::uri::Authority::as_str)
+                    .or_else(|| {
+                        request
+                            .headers()
+                            .get(header::HOST)
+                            .and_then(|host| host.to_str().ok())
+                    });
+                queue_control::check_origin_and_body(request.headers(), authority)?;
                 let identity =
                     auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
                 identity.require(Scope::Management)?;

@@ -241,3 +241,55 @@ async fn keys_add_list_rotate_revoke_through_the_binary() {
     );
     control.shutdown().await;
 }
+
+/// With auth off nothing asks for a key, so none is minted: the refusal says
+/// why, and nothing reaches the key store. Other changes still work from
+/// loopback.
+#[tokio::test]
+async fn with_auth_off_keys_are_not_minted() {
+    let scratch = Scratch::new("auth-off");
+    let config = scratch.0.join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: nowhere}}\n\
+             control_plane:\n  state_dir: '{}'\n",
+            scratch.0.join("state").display()
+        ),
+    )
+    .unwrap();
+    let control = ControlPlane::start(Options {
+        config_path: config,
+        env: Env::empty(),
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        with_dataplane: false,
+        dataplane_listener: None,
+    })
+    .await
+    .unwrap();
+    refused(
+        &oqpctl(
+            &control,
+            None,
+            &[
+                "keys",
+                "add",
+                "batch",
+                "--max-priority",
+                "low",
+                "--scope",
+                "inference",
+            ],
+        )
+        .await,
+        "auth is disabled (auth.enabled: false): no key is minted",
+    );
+    refused(
+        &oqpctl(&control, None, &["keys", "rotate", "batch"]).await,
+        "auth is disabled (auth.enabled: false): no key is minted",
+    );
+    assert!(control.keys().records().is_empty());
+    let paused = oqpctl(&control, None, &["queue", "pause", "--tier", "low"]).await;
+    assert!(paused.status.success(), "{}", stderr(&paused));
+    control.shutdown().await;
+}

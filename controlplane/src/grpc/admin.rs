@@ -3,11 +3,18 @@
 //! file or the key store: `read` scope for the Get/List calls, `management`
 //! for everything that changes state.
 //!
+//! With `auth.enabled: false` there are no keys to check: the Get/List calls
+//! are open, a call that changes state is accepted only from a loopback peer
+//! or with the node token (what a data plane on another box presents), and
+//! no key is minted (a key made now would wait in the store, unnoticed, for
+//! the day auth is enabled).
+//!
 //! The key RPCs are thin: the [`KeyStore`] validates, persists and
 //! publishes; this module converts wire types and maps [`KeyError`]s to gRPC
 //! codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for config keys,
 //! INVALID_ARGUMENT, INTERNAL when the store cannot be written).
 
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -64,11 +71,30 @@ impl AdminApi {
 
     /// Checks the caller's key (a config key, or a stored key that is
     /// current or in its grace period, and not expired) against `needed`.
-    /// With `auth.enabled: false` nothing is enforced, as on the HTTP side.
+    /// With `auth.enabled: false` reads are open, as on the HTTP side, and
+    /// changes need a loopback peer or the node token
+    /// ([`open_change_allowed`]).
     fn authorize<T>(&self, request: &Request<T>, needed: Scope) -> Result<(), Status> {
         let config = self.hub.config();
         if !config.auth.enabled {
-            return Ok(());
+            let token = config
+                .control_plane
+                .node_token
+                .as_ref()
+                .is_some_and(|expected| {
+                    request
+                        .metadata()
+                        .get(oqp_proto::NODE_TOKEN_METADATA)
+                        .and_then(|value| value.to_str().ok())
+                        .is_some_and(|presented| super::secrets_match(presented, expected.expose()))
+                });
+            if needed == Scope::Read || open_change_allowed(request.remote_addr(), token) {
+                return Ok(());
+            }
+            return Err(Status::permission_denied(
+                "auth is disabled (auth.enabled: false): calls that change state are accepted \
+                 only from loopback or with the node token; enable auth and use a management key",
+            ));
         }
         let presented = request
             .metadata()
@@ -106,6 +132,18 @@ impl AdminApi {
                 needed.as_str()
             )))
         }
+    }
+
+    /// Refuses to mint a key while auth is off.
+    fn refuse_minting_with_auth_off(&self) -> Result<(), Status> {
+        if self.hub.config().auth.enabled {
+            return Ok(());
+        }
+        Err(Status::failed_precondition(
+            "auth is disabled (auth.enabled: false): no key is minted, since the proxy asks \
+             for none and a key made now would wait in the key store for the day auth is \
+             enabled; set auth.enabled: true and reload first",
+        ))
     }
 
     /// Pause, resume and flush: authorizes the caller, applies `change` to
@@ -230,6 +268,7 @@ impl AdminService for AdminApi {
         request: Request<api::AddKeyRequest>,
     ) -> Result<Response<api::AddKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
+        self.refuse_minting_with_auth_off()?;
         let new = new_key(request.into_inner())?;
         let keys = self.keys.clone();
         let issued = blocking(move || keys.add(new, SystemTime::now())).await?;
@@ -250,6 +289,7 @@ impl AdminService for AdminApi {
         request: Request<api::RotateKeyRequest>,
     ) -> Result<Response<api::RotateKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
+        self.refuse_minting_with_auth_off()?;
         let request = request.into_inner();
         let grace = Duration::from_secs(request.grace_seconds);
         let keys = self.keys.clone();
@@ -442,14 +482,33 @@ impl AdminService for AdminApi {
         request: Request<api::ReloadRequest>,
     ) -> Result<Response<api::ReloadResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
-        match (self.reload)() {
-            Ok((snapshot_version, warnings)) => Ok(Response::new(api::ReloadResponse {
-                snapshot_version,
-                warnings,
-            })),
+        // Reading, parsing and (for a changed webhook URL) resolving the
+        // file are blocking work: off the async workers.
+        let reload = self.reload.clone();
+        let reloaded = tokio::task::spawn_blocking(move || reload())
+            .await
+            .map_err(|error| Status::internal(format!("reload task failed: {error}")))?;
+        match reloaded {
+            Ok((snapshot_version, warnings)) => {
+                for warning in &warnings {
+                    tracing::warn!("config: {warning}");
+                }
+                tracing::info!(version = snapshot_version, "config reloaded");
+                Ok(Response::new(api::ReloadResponse {
+                    snapshot_version,
+                    warnings,
+                }))
+            }
             Err(error) => Err(Status::failed_precondition(error)),
         }
     }
+}
+
+/// With auth off, whether a call that changes state is accepted: from a
+/// loopback peer (oqpctl on the box, the single-box data plane), or with the
+/// node token. A peer oqp cannot see (`None`) is not trusted.
+fn open_change_allowed(peer: Option<SocketAddr>, node_token: bool) -> bool {
+    node_token || peer.is_some_and(|peer| peer.ip().to_canonical().is_loopback())
 }
 
 /// Waiting requests per node, and whether every reporting node has seen
@@ -622,4 +681,38 @@ fn redact(key: &str) -> String {
         return "…".to_owned();
     }
     format!("…{}", key.chars().skip(count - 4).collect::<String>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_auth_off_only_loopback_or_the_node_token_may_change_state() {
+        let peer = |text: &str| Some(text.parse::<SocketAddr>().unwrap());
+        for loopback in [
+            "127.0.0.1:5000",
+            "127.9.9.9:1",
+            "[::1]:5000",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert!(open_change_allowed(peer(loopback), false), "{loopback}");
+        }
+        for remote in [
+            "192.168.1.20:5000",
+            "10.0.0.1:1",
+            "0.0.0.0:1",
+            "[::]:1",
+            "[fe80::1]:1",
+            "[::ffff:192.168.1.2]:1",
+        ] {
+            assert!(!open_change_allowed(peer(remote), false), "{remote}");
+            assert!(
+                open_change_allowed(peer(remote), true),
+                "{remote} with token"
+            );
+        }
+        assert!(!open_change_allowed(None, false));
+        assert!(open_change_allowed(None, true));
+    }
 }
