@@ -686,6 +686,104 @@ fn redact(key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{Env, load_str};
+
+    /// An admin API with auth off, and the thread its reloader ran on.
+    type Seen = Arc<std::sync::Mutex<Option<std::thread::ThreadId>>>;
+
+    fn api_with_auth_off(dir: &std::path::Path, token: &str) -> (AdminApi, Seen) {
+        let yaml = format!(
+            "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: a}}\n\
+             control_plane:\n  node_token: {token}\n"
+        );
+        let hub = Hub::new(load_str(&yaml, &Env::empty()).unwrap().config);
+        let keys = KeyStore::load(dir, hub.clone()).unwrap();
+        let seen = Seen::default();
+        let reload: Reloader = {
+            let seen = seen.clone();
+            Arc::new(move || {
+                *seen.lock().unwrap() = Some(std::thread::current().id());
+                Ok((7, Vec::new()))
+            })
+        };
+        (
+            AdminApi::new(hub, keys, reload, CancellationToken::new()),
+            seen,
+        )
+    }
+
+    /// A request as tonic's TCP server hands it over: with the peer address.
+    fn from_peer<T>(peer: &str, message: T) -> Request<T> {
+        let mut request = Request::new(message);
+        request
+            .extensions_mut()
+            .insert(tonic::transport::server::TcpConnectInfo {
+                local_addr: None,
+                remote_addr: Some(peer.parse().unwrap()),
+            });
+        request
+    }
+
+    #[tokio::test]
+    async fn with_auth_off_a_remote_peer_changes_nothing_without_the_node_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let (api, _) = api_with_auth_off(dir.path(), "sk-node-0123456789");
+        let pause = || api::TierRequest {
+            tier: wire::Tier::Low as i32,
+        };
+        let refused = api
+            .pause_tier(from_peer("192.168.1.20:5000", pause()))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(refused.message().contains("auth is disabled"));
+        let revoke = api
+            .revoke_key(from_peer(
+                "192.168.1.20:5000",
+                api::RevokeKeyRequest {
+                    client_id: "x".into(),
+                },
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(revoke.code(), tonic::Code::PermissionDenied);
+        assert_eq!(api.hub.runtime().paused, [false; 3]);
+        // Reads stay open.
+        api.get_status(from_peer("192.168.1.20:5000", api::GetStatusRequest {}))
+            .await
+            .unwrap();
+
+        let mut with_token = from_peer("192.168.1.20:5000", pause());
+        with_token.metadata_mut().insert(
+            oqp_proto::NODE_TOKEN_METADATA,
+            "sk-node-0123456789".parse().unwrap(),
+        );
+        api.pause_tier(with_token).await.unwrap();
+        api.resume_tier(from_peer("127.0.0.1:5000", pause()))
+            .await
+            .unwrap();
+        let mut wrong_token = from_peer("192.168.1.20:5000", pause());
+        wrong_token
+            .metadata_mut()
+            .insert(oqp_proto::NODE_TOKEN_METADATA, "guess".parse().unwrap());
+        assert!(api.pause_tier(wrong_token).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn reload_reads_the_file_off_the_async_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        let (api, seen) = api_with_auth_off(dir.path(), "sk-node-0123456789");
+        let response = api
+            .reload(from_peer("127.0.0.1:5000", api::ReloadRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(response.snapshot_version, 7);
+        // A current-thread test runtime: a reload on the async worker would
+        // have run on this very thread.
+        let ran_on = seen.lock().unwrap().expect("the reloader ran");
+        assert_ne!(ran_on, std::thread::current().id());
+    }
 
     #[test]
     fn with_auth_off_only_loopback_or_the_node_token_may_change_state() {
