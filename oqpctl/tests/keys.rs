@@ -293,3 +293,34 @@ async fn with_auth_off_keys_are_not_minted() {
     assert!(paused.status.success(), "{}", stderr(&paused));
     control.shutdown().await;
 }
+
+/// `oqpctl config check` warns about a cloud host at `http://` (its keys and
+/// prompts would travel in plaintext) and still calls the file valid.
+#[tokio::test]
+async fn config_check_warns_about_a_cloud_host_at_plain_http() {
+    let scratch = Scratch::new("cloud-http");
+    let config = scratch.0.join("config.yml");
+    std::fs::write(
+        &config,
+        "ollama:\n  hosts:\n    - {url: 'http://ollama.com', name: cloud, api_keys: [{key: sk-cloud-0123456789}]}\n",
+    )
+    .unwrap();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
+        .arg("config")
+        .arg("check")
+        .arg(&config)
+        .env_remove("OLLAMA_API_KEY")
+        .env_remove("OLLAMA_API_KEYS")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let warnings = stderr(&output);
+    assert!(
+        warnings.contains(
+            "warning: ollama.hosts[0] ('cloud') is a cloud host at http://: its API keys and every prompt travel in plaintext"
+        ),
+        "{warnings}"
+    );
+    assert!(!warnings.contains("sk-cloud-0123456789"), "{warnings}");
+}
