@@ -88,7 +88,9 @@ impl AdminApi {
                         .and_then(|value| value.to_str().ok())
                         .is_some_and(|presented| super::secrets_match(presented, expected.expose()))
                 });
-            if needed == Scope::Read || open_change_allowed(request.remote_addr(), token) {
+            if needed == Scope::Read
+                || open_change_allowed(request.remote_addr(), request.local_addr(), token)
+            {
                 return Ok(());
             }
             return Err(Status::permission_denied(
@@ -504,11 +506,20 @@ impl AdminService for AdminApi {
     }
 }
 
-/// With auth off, whether a call that changes state is accepted: from a
-/// loopback peer (oqpctl on the box, the single-box data plane), or with the
-/// node token. A peer oqp cannot see (`None`) is not trusted.
-fn open_change_allowed(peer: Option<SocketAddr>, node_token: bool) -> bool {
-    node_token || peer.is_some_and(|peer| peer.ip().to_canonical().is_loopback())
+/// With auth off, whether a call that changes state is accepted: from this
+/// machine (a loopback peer, or one whose address is the address it reached:
+/// oqpctl on the box, the single-box data plane when `control_plane.listen`
+/// names a LAN address), or with the node token. A peer oqp cannot see
+/// (`None`) is not trusted.
+fn open_change_allowed(
+    peer: Option<SocketAddr>,
+    local: Option<SocketAddr>,
+    node_token: bool,
+) -> bool {
+    let Some(peer) = peer.map(|peer| peer.ip().to_canonical()) else {
+        return node_token;
+    };
+    node_token || peer.is_loopback() || local.is_some_and(|local| local.ip().to_canonical() == peer)
 }
 
 /// Waiting requests per node, and whether every reporting node has seen
@@ -718,7 +729,7 @@ mod tests {
         request
             .extensions_mut()
             .insert(tonic::transport::server::TcpConnectInfo {
-                local_addr: None,
+                local_addr: Some("192.168.1.5:50051".parse().unwrap()),
                 remote_addr: Some(peer.parse().unwrap()),
             });
         request
@@ -788,13 +799,24 @@ mod tests {
     #[test]
     fn with_auth_off_only_loopback_or_the_node_token_may_change_state() {
         let peer = |text: &str| Some(text.parse::<SocketAddr>().unwrap());
+        let here = peer("192.168.1.5:50051");
+        // This machine, through its LAN address.
+        assert!(open_change_allowed(peer("192.168.1.5:40000"), here, false));
+        assert!(open_change_allowed(
+            peer("[::ffff:192.168.1.5]:1"),
+            here,
+            false
+        ));
         for loopback in [
             "127.0.0.1:5000",
             "127.9.9.9:1",
             "[::1]:5000",
             "[::ffff:127.0.0.1]:1",
         ] {
-            assert!(open_change_allowed(peer(loopback), false), "{loopback}");
+            assert!(
+                open_change_allowed(peer(loopback), here, false),
+                "{loopback}"
+            );
         }
         for remote in [
             "192.168.1.20:5000",
@@ -804,13 +826,14 @@ mod tests {
             "[fe80::1]:1",
             "[::ffff:192.168.1.2]:1",
         ] {
-            assert!(!open_change_allowed(peer(remote), false), "{remote}");
+            assert!(!open_change_allowed(peer(remote), here, false), "{remote}");
+            assert!(!open_change_allowed(peer(remote), None, false), "{remote}");
             assert!(
-                open_change_allowed(peer(remote), true),
+                open_change_allowed(peer(remote), here, true),
                 "{remote} with token"
             );
         }
-        assert!(!open_change_allowed(None, false));
-        assert!(open_change_allowed(None, true));
+        assert!(!open_change_allowed(None, here, false));
+        assert!(open_change_allowed(None, None, true));
     }
 }
