@@ -4,8 +4,12 @@
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
-    // The one secret on the wire gets a redacting Debug (see src/lib.rs).
-    config.skip_debug(["oqp.policy.v1.CloudKey"]);
+    // The secrets on the wire get a redacting Debug (see src/lib.rs): cloud
+    // keys, and the cache settings, whose Redis URL may carry a password.
+    config.skip_debug([
+        "oqp.policy.v1.CloudKey",
+        "oqp.policy.v1.EmbeddingCacheSettings",
+    ]);
     tonic_prost_build::configure().compile_with_config(
         config,
         &["oqp/policy/v1/policy.proto", "oqp/admin/v1/admin.proto"],

@@ -75,8 +75,10 @@ async fn run_until_signalled(control_plane: &ControlPlane, set_level: Option<&Se
     loop {
         tokio::select! {
             _ = hangup.recv() => {
-                // Errors are logged by reload; the old snapshot stays.
-                if control_plane.reload().is_ok()
+                // Errors are logged by reload; the old snapshot stays. The
+                // file is read and parsed here, so the worker steps aside
+                // (multi-threaded runtime: `#[tokio::main]`).
+                if tokio::task::block_in_place(|| control_plane.reload()).is_ok()
                     && let Some(set_level) = set_level
                 {
                     set_level(control_plane.hub().config().logging.level.as_str());

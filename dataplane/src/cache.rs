@@ -55,6 +55,7 @@ pub use plan::{Assembled, Fetch, Fetched, Plan, PlanError, Timing, plan};
 pub use resolve::{Items, Outcome, ResolveError, Resolved};
 pub use stats::{CacheStats, LabelCounts, Labels};
 
+pub(crate) use self::redis::redact_url;
 use self::redis::{BackendError, Redis};
 use memory::Memory;
 use stats::{Counters, ErrorLog};

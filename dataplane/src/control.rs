@@ -95,8 +95,12 @@ type Client = PolicyServiceClient<InterceptedService<Channel, TokenInterceptor>>
 
 /// The control plane's admin API, on the same lazily connected channel. The
 /// HTTP queue-control endpoints call it with the caller's own key, so the
-/// control plane makes the authorisation decision.
-pub type AdminClient = oqp_proto::admin::v1::admin_service_client::AdminServiceClient<Channel>;
+/// control plane makes the authorisation decision; the node token goes too,
+/// which is what a control plane with auth off accepts from a data plane on
+/// another box.
+pub type AdminClient = oqp_proto::admin::v1::admin_service_client::AdminServiceClient<
+    InterceptedService<Channel, TokenInterceptor>,
+>;
 
 /// Adds the node token to every call.
 #[derive(Clone)]
@@ -150,8 +154,11 @@ pub fn clients(options: &ControlOptions) -> Result<(Client, AdminClient), Contro
     };
     let channel = endpoint.connect_lazy();
     Ok((
-        PolicyServiceClient::with_interceptor(channel.clone(), TokenInterceptor(token)),
-        AdminClient::new(channel),
+        PolicyServiceClient::with_interceptor(channel.clone(), TokenInterceptor(token.clone())),
+        oqp_proto::admin::v1::admin_service_client::AdminServiceClient::with_interceptor(
+            channel,
+            TokenInterceptor(token),
+        ),
     ))
 }
 

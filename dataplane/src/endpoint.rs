@@ -1,6 +1,17 @@
 //! What a request path is, as far as admission is concerned: a metadata read
 //! that skips the queue, inference that is queued, a model-management call
 //! that may be refused, or anything else (queued, streamed through).
+//!
+//! A path is classified only in its canonical form ([`path::canonical`]):
+//! Ollama's router matches the decoded path, so a path whose raw and decoded
+//! forms differ is refused before it is classified, and the path forwarded is
+//! the one classified. With model management off, only the routes of
+//! [`access`]'s allowlist are proxied: a route Ollama adds later is refused
+//! until it is classified here.
+
+pub mod path;
+
+use http::Method;
 
 /// The class of a proxied path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -9,7 +20,8 @@ pub enum Endpoint {
     Metadata,
     /// Generation and embeddings: queued, body read whole.
     Inference(Inference),
-    /// `/api/pull|push|delete|create|copy`: refused unless allowed.
+    /// `/api/pull|push|delete|create|copy`, blobs and the ollama.com
+    /// account routes: refused unless allowed.
     ModelManagement,
     /// Any other path: queued, body streamed through.
     Other,
@@ -64,7 +76,9 @@ impl Endpoint {
                 Self::Inference(Inference::OpenAiCompletion)
             }
             "/v1/embeddings" => Self::Inference(Inference::OpenAiEmbeddings),
-            "/api/pull" | "/api/push" | "/api/delete" | "/api/create" | "/api/copy" => {
+            "/api/pull" | "/api/push" | "/api/delete" | "/api/create" | "/api/copy" | "/api/me"
+            | "/api/signout" => Self::ModelManagement,
+            _ if path.starts_with("/api/blobs/") || path.starts_with("/api/user/keys/") => {
                 Self::ModelManagement
             }
             _ => Self::Other,
@@ -76,6 +90,65 @@ impl Endpoint {
     pub fn reads_body(self) -> bool {
         matches!(self, Self::Inference(_) | Self::Metadata)
     }
+}
+
+/// Whether a request may be proxied while model management is off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// On the allowlist: inference, metadata and model reads.
+    Proxied,
+    /// A known model-management or account route.
+    ModelManagement,
+    /// Not on the allowlist (a route unknown to oqp, or a method the route
+    /// does not serve).
+    Unlisted,
+}
+
+/// The allowlist of routes proxied while `proxy.allow_model_management` is
+/// false, by method and canonical path: the routes of Ollama's native API
+/// and of its OpenAI- and Anthropic-compatible layer that read models or run
+/// them. `HEAD` goes wherever `GET` does and `OPTIONS` (a CORS preflight)
+/// wherever either method does.
+pub fn access(method: &Method, path: &str) -> Access {
+    if Endpoint::of(path) == Endpoint::ModelManagement {
+        return Access::ModelManagement;
+    }
+    let read = matches!(
+        path,
+        "/" | "/api/version" | "/api/tags" | "/api/ps" | "/api/status" | "/v1/models"
+    ) || is_model_retrieve(path);
+    let run = matches!(
+        path,
+        "/api/show"
+            | "/api/generate"
+            | "/api/chat"
+            | "/api/embed"
+            | "/api/embeddings"
+            | "/v1/chat/completions"
+            | "/v1/completions"
+            | "/v1/embeddings"
+            | "/v1/responses"
+            | "/v1/messages"
+            | "/v1/audio/transcriptions"
+    );
+    let allowed = match *method {
+        Method::GET | Method::HEAD => read,
+        Method::POST => run,
+        Method::OPTIONS => read || run,
+        _ => false,
+    };
+    if allowed {
+        Access::Proxied
+    } else {
+        Access::Unlisted
+    }
+}
+
+/// `/v1/models/{model}`: one non-empty segment (Ollama's route), which a
+/// model name with a namespace (`library/llama3`) cannot be unencoded.
+fn is_model_retrieve(path: &str) -> bool {
+    path.strip_prefix("/v1/models/")
+        .is_some_and(|model| !model.is_empty() && !model.contains('/'))
 }
 
 #[cfg(test)]
@@ -92,6 +165,72 @@ mod tests {
             Endpoint::Inference(Inference::Embed)
         );
         assert_eq!(Endpoint::of("/api/pull"), Endpoint::ModelManagement);
-        assert_eq!(Endpoint::of("/api/blobs/sha256:00"), Endpoint::Other);
+        assert_eq!(
+            Endpoint::of("/api/blobs/sha256:00"),
+            Endpoint::ModelManagement
+        );
+        assert_eq!(Endpoint::of("/api/user/keys/k"), Endpoint::ModelManagement);
+        assert_eq!(Endpoint::of("/api/blob"), Endpoint::Other);
+    }
+
+    #[test]
+    fn the_allowlist_names_reads_and_runs_only() {
+        for (method, path) in [
+            (Method::GET, "/"),
+            (Method::HEAD, "/"),
+            (Method::HEAD, "/api/version"),
+            (Method::GET, "/api/tags"),
+            (Method::GET, "/api/ps"),
+            (Method::GET, "/api/status"),
+            (Method::POST, "/api/show"),
+            (Method::POST, "/api/generate"),
+            (Method::POST, "/api/chat"),
+            (Method::POST, "/api/embed"),
+            (Method::POST, "/api/embeddings"),
+            (Method::POST, "/v1/chat/completions"),
+            (Method::POST, "/v1/completions"),
+            (Method::POST, "/v1/embeddings"),
+            (Method::POST, "/v1/responses"),
+            (Method::POST, "/v1/messages"),
+            (Method::GET, "/v1/models"),
+            (Method::GET, "/v1/models/llama3:latest"),
+            (Method::OPTIONS, "/api/chat"),
+        ] {
+            assert_eq!(access(&method, path), Access::Proxied, "{method} {path}");
+        }
+        for (method, path) in [
+            (Method::POST, "/api/pull"),
+            (Method::POST, "/api/push"),
+            (Method::POST, "/api/create"),
+            (Method::POST, "/api/copy"),
+            (Method::DELETE, "/api/delete"),
+            (Method::POST, "/api/blobs/sha256:00"),
+            (Method::HEAD, "/api/blobs/sha256:00"),
+            (Method::POST, "/api/me"),
+            (Method::POST, "/api/signout"),
+            (Method::DELETE, "/api/user/keys/abc"),
+        ] {
+            assert_eq!(
+                access(&method, path),
+                Access::ModelManagement,
+                "{method} {path}"
+            );
+        }
+        for (method, path) in [
+            (Method::DELETE, "/v1/models/llama3"),
+            (Method::GET, "/v1/models/"),
+            (Method::GET, "/v1/models/library/llama3"),
+            (Method::DELETE, "/api/generate"),
+            (Method::GET, "/api/generate"),
+            (Method::PUT, "/api/chat"),
+            (Method::POST, "/api/tags"),
+            (Method::GET, "/api/tags/"),
+            (Method::POST, "/api/experimental/web_search"),
+            (Method::POST, "/api/future-route"),
+            (Method::GET, "/no/such/path"),
+            (Method::GET, "/API/TAGS"),
+        ] {
+            assert_eq!(access(&method, path), Access::Unlisted, "{method} {path}");
+        }
     }
 }

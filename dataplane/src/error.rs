@@ -42,6 +42,16 @@ pub enum ProxyError {
         "model management endpoints are disabled; set allow_model_management: true in config to enable"
     )]
     ModelManagementDisabled,
+    /// With model management off, a route outside the allowlist of
+    /// inference and metadata routes.
+    #[error(
+        "this route is not proxied while model management is disabled (only inference and metadata routes are); set allow_model_management: true in config to enable"
+    )]
+    RouteNotProxied,
+    /// A path with a `%` escape, an empty or a dot segment, which the
+    /// upstream could route as another path.
+    #[error("request path must not contain percent escapes, empty segments or dot segments")]
+    PathNotCanonical,
     /// The tier refuses new requests.
     #[error("queue tier '{}' is paused", .0.as_str())]
     TierPaused(Tier),
@@ -76,6 +86,12 @@ pub enum ProxyError {
     /// A management action needs the control plane, which is unreachable.
     #[error("control plane unavailable: {0}")]
     ControlPlaneUnavailable(String),
+    /// A queue-control call from a page of another origin.
+    #[error("cross-origin request refused: the Origin is not this proxy")]
+    ForeignOrigin,
+    /// A queue-control call with a body that is not JSON.
+    #[error("queue control takes no body or an application/json one")]
+    UnsupportedMediaType,
     /// The path is not served (disabled dashboard).
     #[error("Not Found")]
     NotFound,
@@ -87,8 +103,14 @@ impl ProxyError {
         match self {
             Self::MissingCredentials | Self::UnknownKey => StatusCode::UNAUTHORIZED,
             Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
-            Self::ScopeRequired(_) | Self::ModelManagementDisabled => StatusCode::FORBIDDEN,
-            Self::InvalidTier(_) | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
+            Self::ScopeRequired(_)
+            | Self::ModelManagementDisabled
+            | Self::RouteNotProxied
+            | Self::ForeignOrigin => StatusCode::FORBIDDEN,
+            Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::InvalidTier(_) | Self::BodyUnreadable | Self::PathNotCanonical => {
+                StatusCode::BAD_REQUEST
+            }
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,

@@ -322,12 +322,25 @@ pub struct KeepAlive {
 }
 
 /// Where cached embeddings live.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub enum CacheBackend {
     /// In this process.
     Memory,
-    /// A shared Valkey/Redis at this URL.
+    /// A shared Valkey/Redis at this URL, which may carry a password: never
+    /// printed as it is (see the `Debug` impl).
     Redis(String),
+}
+
+impl std::fmt::Debug for CacheBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Memory => f.write_str("Memory"),
+            Self::Redis(url) => f
+                .debug_tuple("Redis")
+                .field(&crate::cache::redact_url(url))
+                .finish(),
+        }
+    }
 }
 
 /// Embedding cache settings.
@@ -427,6 +440,26 @@ mod tests {
         assert_eq!(
             normalize_model("registry:5000/ns/model"),
             "registry:5000/ns/model:latest"
+        );
+    }
+
+    #[test]
+    fn a_redis_password_is_not_debug_printed() {
+        let settings = CacheSettings {
+            enabled: true,
+            backend: CacheBackend::Redis("redis://:hunter2@valkey:6379/0".to_owned()),
+            ttl: Duration::from_secs(1),
+            max_entry_bytes: 1,
+            key_prefix: String::new(),
+            connect_timeout: Duration::from_secs(1),
+            max_memory_bytes: 1,
+            per_client: false,
+        };
+        let printed = format!("{settings:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(
+            printed.contains("Redis(\"redis://:***@valkey:6379/0\")"),
+            "{printed}"
         );
     }
 

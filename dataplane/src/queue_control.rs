@@ -5,6 +5,12 @@
 //! applies. The caller's own key is presented to the control plane, which
 //! makes the authorisation decision again. When the control plane is
 //! unreachable the endpoints answer 503 and change nothing.
+//!
+//! A browser lets any page send a "simple" cross-site POST (no preflight:
+//! form types or `text/plain`, with the user's network position and, for
+//! the dashboard's origin, nothing else needed when auth is off).
+//! [`check_origin_and_body`] refuses what such a request looks like: a
+//! foreign `Origin` (403), and a body that is not JSON (415).
 
 use std::time::Duration;
 
@@ -89,6 +95,53 @@ pub async fn handle(app: &App, request: &Request<Incoming>) -> Result<Response<B
     Ok(json_response(body))
 }
 
+/// Refuses a call from a page of another origin (an `Origin` whose host and
+/// port are not `authority`, the `Host` the request was sent to) and one
+/// with a body that is not `application/json`: no `Content-Type` is fine
+/// only without a body.
+pub fn check_origin_and_body(
+    headers: &http::HeaderMap,
+    authority: Option<&str>,
+) -> Result<(), ProxyError> {
+    if let Some(origin) = headers.get(http::header::ORIGIN) {
+        let own = origin
+            .to_str()
+            .ok()
+            .and_then(|origin| origin.split_once("://"))
+            .is_some_and(|(_, host)| {
+                authority.is_some_and(|authority| host.eq_ignore_ascii_case(authority))
+            });
+        if !own {
+            return Err(ProxyError::ForeignOrigin);
+        }
+    }
+    match headers.get(http::header::CONTENT_TYPE) {
+        Some(value) => {
+            let media = value
+                .to_str()
+                .unwrap_or_default()
+                .split(';')
+                .next()
+                .unwrap_or_default()
+                .trim();
+            if !media.eq_ignore_ascii_case("application/json") {
+                return Err(ProxyError::UnsupportedMediaType);
+            }
+        }
+        None => {
+            let length = headers
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok());
+            let bodiless = length.is_none_or(|length| length.trim() == "0")
+                && !headers.contains_key(http::header::TRANSFER_ENCODING);
+            if !bodiless {
+                return Err(ProxyError::UnsupportedMediaType);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// An admin call carrying the caller's `Authorization`.
 fn with_key<T>(
     message: T,
@@ -141,6 +194,68 @@ async fn wait_for_version(app: &App, version: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn check(pairs: &[(&'static str, &'static str)]) -> Result<(), ProxyError> {
+        let mut headers = http::HeaderMap::new();
+        for (name, value) in pairs {
+            headers.insert(*name, http::HeaderValue::from_static(value));
+        }
+        check_origin_and_body(&headers, Some("proxy.lan:11434"))
+    }
+
+    #[test]
+    fn cross_site_shapes_are_refused() {
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(check(&[("content-length", "0")]), Ok(()));
+        assert_eq!(check(&[("origin", "http://proxy.lan:11434")]), Ok(()));
+        assert_eq!(check(&[("origin", "https://PROXY.lan:11434")]), Ok(()));
+        assert_eq!(
+            check(&[("content-type", "application/json; charset=utf-8")]),
+            Ok(())
+        );
+        for origin in [
+            "http://evil.example",
+            "null",
+            "http://proxy.lan:8080",
+            "proxy.lan:11434",
+        ] {
+            let mut headers = http::HeaderMap::new();
+            headers.insert("origin", origin.parse().unwrap());
+            assert_eq!(
+                check_origin_and_body(&headers, Some("proxy.lan:11434")),
+                Err(ProxyError::ForeignOrigin),
+                "{origin}"
+            );
+        }
+        let mut headers = http::HeaderMap::new();
+        headers.insert("origin", "http://proxy.lan:11434".parse().unwrap());
+        assert_eq!(
+            check_origin_and_body(&headers, None),
+            Err(ProxyError::ForeignOrigin)
+        );
+        for content_type in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            "application/jsonp",
+        ] {
+            let mut headers = http::HeaderMap::new();
+            headers.insert("content-type", content_type.parse().unwrap());
+            assert_eq!(
+                check_origin_and_body(&headers, Some("proxy.lan:11434")),
+                Err(ProxyError::UnsupportedMediaType),
+                "{content_type}"
+            );
+        }
+        assert_eq!(
+            check(&[("content-length", "5")]),
+            Err(ProxyError::UnsupportedMediaType)
+        );
+        assert_eq!(
+            check(&[("transfer-encoding", "chunked")]),
+            Err(ProxyError::UnsupportedMediaType)
+        );
+    }
 
     #[test]
     fn tier_parameter() {

@@ -5,7 +5,8 @@
 //! handle → reserved routes (main port: /health, /queue/*, /metrics,
 //!          /dashboard)
 //!        → identify (key digest or injected identity) → scope
-//!        → classify → model management refused unless allowed
+//!        → canonical path (no escapes, empty or dot segments) → classify
+//!          → with model management off, the route allowlist
 //!        → read body (bounded) or stream it
 //!        → metadata: straight to a host (fast path)
 //!        → everything else: admit → wait for a slot → send (fail over
@@ -27,7 +28,7 @@ use crate::auth::{self, Identity};
 use crate::body::{self, Body};
 use crate::dispatch::{self, Grant};
 use crate::embeddings;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{self, Access, Endpoint};
 use crate::error::ProxyError;
 use crate::headers;
 use crate::metrics;
@@ -102,6 +103,18 @@ async fn route(
                 return Ok(json_response(serde_json::json!({ "status": "ok" })));
             }
             (&Method::POST, "/queue/pause" | "/queue/resume" | "/queue/drain" | "/queue/flush") => {
+                // HTTP/2 names the host in the URI, HTTP/1 in `Host`.
+                let authority = request
+                    .uri()
+                    .authority()
+                    .map(http::uri::Authority::as_str)
+                    .or_else(|| {
+                        request
+                            .headers()
+                            .get(header::HOST)
+                            .and_then(|host| host.to_str().ok())
+                    });
+                queue_control::check_origin_and_body(request.headers(), authority)?;
                 let identity =
                     auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
                 identity.require(Scope::Management)?;
@@ -152,9 +165,17 @@ async fn forward(
     if app.is_shutting_down() {
         return Err(ProxyError::ShuttingDown);
     }
-    let endpoint = Endpoint::of(request.uri().path());
-    if endpoint == Endpoint::ModelManagement && !policy.proxy.allow_model_management {
-        return Err(ProxyError::ModelManagementDisabled);
+    // The path classified is the path forwarded: `path_and_query` below is
+    // the same bytes, accepted only in the form the upstream routes.
+    let path = endpoint::path::canonical(request.uri().path())
+        .map_err(|_| ProxyError::PathNotCanonical)?;
+    let endpoint = Endpoint::of(path);
+    if !policy.proxy.allow_model_management {
+        match endpoint::access(request.method(), path) {
+            Access::Proxied => {}
+            Access::ModelManagement => return Err(ProxyError::ModelManagementDisabled),
+            Access::Unlisted => return Err(ProxyError::RouteNotProxied),
+        }
     }
     let tier = identity.tier(auth::requested_tier(request.headers()));
     let client_id = identity.client_id().cloned();

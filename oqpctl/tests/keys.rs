@@ -241,3 +241,86 @@ async fn keys_add_list_rotate_revoke_through_the_binary() {
     );
     control.shutdown().await;
 }
+
+/// With auth off nothing asks for a key, so none is minted: the refusal says
+/// why, and nothing reaches the key store. Other changes still work from
+/// loopback.
+#[tokio::test]
+async fn with_auth_off_keys_are_not_minted() {
+    let scratch = Scratch::new("auth-off");
+    let config = scratch.0.join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: nowhere}}\n\
+             control_plane:\n  state_dir: '{}'\n",
+            scratch.0.join("state").display()
+        ),
+    )
+    .unwrap();
+    let control = ControlPlane::start(Options {
+        config_path: config,
+        env: Env::empty(),
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        with_dataplane: false,
+        dataplane_listener: None,
+    })
+    .await
+    .unwrap();
+    refused(
+        &oqpctl(
+            &control,
+            None,
+            &[
+                "keys",
+                "add",
+                "batch",
+                "--max-priority",
+                "low",
+                "--scope",
+                "inference",
+            ],
+        )
+        .await,
+        "auth is disabled (auth.enabled: false): no key is minted",
+    );
+    refused(
+        &oqpctl(&control, None, &["keys", "rotate", "batch"]).await,
+        "auth is disabled (auth.enabled: false): no key is minted",
+    );
+    assert!(control.keys().records().is_empty());
+    let paused = oqpctl(&control, None, &["queue", "pause", "--tier", "low"]).await;
+    assert!(paused.status.success(), "{}", stderr(&paused));
+    control.shutdown().await;
+}
+
+/// `oqpctl config check` warns about a cloud host at `http://` (its keys and
+/// prompts would travel in plaintext) and still calls the file valid.
+#[tokio::test]
+async fn config_check_warns_about_a_cloud_host_at_plain_http() {
+    let scratch = Scratch::new("cloud-http");
+    let config = scratch.0.join("config.yml");
+    std::fs::write(
+        &config,
+        "ollama:\n  hosts:\n    - {url: 'http://ollama.com', name: cloud, api_keys: [{key: sk-cloud-0123456789}]}\n",
+    )
+    .unwrap();
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
+        .arg("config")
+        .arg("check")
+        .arg(&config)
+        .env_remove("OLLAMA_API_KEY")
+        .env_remove("OLLAMA_API_KEYS")
+        .output()
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let warnings = stderr(&output);
+    assert!(
+        warnings.contains(
+            "warning: ollama.hosts[0] ('cloud') is a cloud host at http://: its API keys and every prompt travel in plaintext"
+        ),
+        "{warnings}"
+    );
+    assert!(!warnings.contains("sk-cloud-0123456789"), "{warnings}");
+}

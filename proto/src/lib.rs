@@ -34,3 +34,61 @@ impl std::fmt::Debug for policy::v1::CloudKey {
             .finish()
     }
 }
+
+impl std::fmt::Debug for policy::v1::EmbeddingCacheSettings {
+    /// Never prints the password of a `redis://user:password@host` backend.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddingCacheSettings")
+            .field("enabled", &self.enabled)
+            .field("backend", &without_userinfo(&self.backend))
+            .field("ttl_seconds", &self.ttl_seconds)
+            .field("max_entry_bytes", &self.max_entry_bytes)
+            .field("key_prefix", &self.key_prefix)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("max_memory_bytes", &self.max_memory_bytes)
+            .field("per_client", &self.per_client)
+            .finish()
+    }
+}
+
+/// A URL with its `user:password@` (and any query, which Redis URLs may use
+/// for a password too) replaced by `…`.
+fn without_userinfo(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let rest = match rest.split_once('?') {
+        Some((rest, _)) => format!("{rest}?…"),
+        None => rest.to_owned(),
+    };
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..authority_end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://…@{host}{}", &rest[authority_end..]),
+        None => format!("{scheme}://{rest}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_debug_shows_no_redis_password() {
+        let snapshot = policy::v1::PolicySnapshot {
+            embedding_cache: Some(policy::v1::EmbeddingCacheSettings {
+                backend: "redis://user:hunter2@valkey:6379/0?password=hunter3".to_owned(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let printed = format!("{snapshot:?}");
+        assert!(!printed.contains("hunter"), "{printed}");
+        assert!(printed.contains("redis://…@valkey:6379/0?…"), "{printed}");
+        assert_eq!(without_userinfo("memory"), "memory");
+        assert_eq!(
+            without_userinfo("redis://valkey:6379/0"),
+            "redis://valkey:6379/0"
+        );
+        assert_eq!(without_userinfo("rediss://:pw@h"), "rediss://…@h");
+    }
+}

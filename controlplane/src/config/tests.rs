@@ -987,3 +987,26 @@ fn the_programs_own_variables_are_not_overrides() {
     .unwrap();
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
 }
+
+#[test]
+fn a_cloud_host_at_plain_http_is_warned_about() {
+    let yaml = "ollama:\n  hosts:\n    - {url: \"http://ollama.com\", name: cloud, api_keys: [{key: ck1}]}\n    \
+                - {url: \"http://relay.lan:8080\", name: relay, kind: cloud, api_keys: [{key: ck2}]}\n    \
+                - {url: \"http://127.0.0.1:9443\", name: tunnel, kind: cloud, api_keys: [{key: ck3}]}\n    \
+                - {url: \"https://ollama.com\", name: secure, api_keys: [{key: ck4}]}\n    \
+                - {url: \"http://gpu:11434\", name: gpu}\n";
+    let Loaded { warnings, .. } = load(yaml);
+    let plaintext: Vec<&String> = warnings
+        .iter()
+        .filter(|w| w.contains("cloud host at http://"))
+        .collect();
+    assert_eq!(plaintext.len(), 2, "{warnings:?}");
+    assert!(plaintext[0].starts_with("ollama.hosts[0] ('cloud')"));
+    assert!(plaintext[1].starts_with("ollama.hosts[1] ('relay')"));
+    assert!(
+        !warnings
+            .iter()
+            .any(|w| w.contains("ck1") || w.contains("ck2")),
+        "{warnings:?}"
+    );
+}

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use super::HostKind;
 use super::error::Problems;
 use super::net;
 use super::resolve::{checked, ranged};
@@ -112,6 +113,18 @@ pub(crate) fn security_warnings(config: &Config, problems: &mut Problems) {
             "WARNING: one or more client_injection.listeners bind to a non-loopback address. \
              Anyone who can reach those ports acts as the injected client, without a key.",
         );
+    }
+    for (index, host) in config.ollama.hosts.iter().enumerate() {
+        let plaintext = host.kind == HostKind::Cloud
+            && host.url.starts_with("http://")
+            && net::parse_http_url(&host.url).is_ok_and(|url| !net::is_loopback(&url.host));
+        if plaintext {
+            problems.warn(format!(
+                "ollama.hosts[{index}] ('{}') is a cloud host at http://: its API keys and every \
+                 prompt travel in plaintext; use https://",
+                host.name
+            ));
+        }
     }
     let control_plane = &config.control_plane;
     let listen_host = net::parse_listen(&control_plane.listen).unwrap_or("127.0.0.1");

@@ -3,11 +3,18 @@
 //! file or the key store: `read` scope for the Get/List calls, `management`
 //! for everything that changes state.
 //!
+//! With `auth.enabled: false` there are no keys to check: the Get/List calls
+//! are open, a call that changes state is accepted only from a loopback peer
+//! or with the node token (what a data plane on another box presents), and
+//! no key is minted (a key made now would wait in the store, unnoticed, for
+//! the day auth is enabled).
+//!
 //! The key RPCs are thin: the [`KeyStore`] validates, persists and
 //! publishes; this module converts wire types and maps [`KeyError`]s to gRPC
 //! codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for config keys,
 //! INVALID_ARGUMENT, INTERNAL when the store cannot be written).
 
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -64,11 +71,32 @@ impl AdminApi {
 
     /// Checks the caller's key (a config key, or a stored key that is
     /// current or in its grace period, and not expired) against `needed`.
-    /// With `auth.enabled: false` nothing is enforced, as on the HTTP side.
+    /// With `auth.enabled: false` reads are open, as on the HTTP side, and
+    /// changes need a loopback peer or the node token
+    /// ([`open_change_allowed`]).
     fn authorize<T>(&self, request: &Request<T>, needed: Scope) -> Result<(), Status> {
         let config = self.hub.config();
         if !config.auth.enabled {
-            return Ok(());
+            let token = config
+                .control_plane
+                .node_token
+                .as_ref()
+                .is_some_and(|expected| {
+                    request
+                        .metadata()
+                        .get(oqp_proto::NODE_TOKEN_METADATA)
+                        .and_then(|value| value.to_str().ok())
+                        .is_some_and(|presented| super::secrets_match(presented, expected.expose()))
+                });
+            if needed == Scope::Read
+                || open_change_allowed(request.remote_addr(), request.local_addr(), token)
+            {
+                return Ok(());
+            }
+            return Err(Status::permission_denied(
+                "auth is disabled (auth.enabled: false): calls that change state are accepted \
+                 only from loopback or with the node token; enable auth and use a management key",
+            ));
         }
         let presented = request
             .metadata()
@@ -106,6 +134,18 @@ impl AdminApi {
                 needed.as_str()
             )))
         }
+    }
+
+    /// Refuses to mint a key while auth is off.
+    fn refuse_minting_with_auth_off(&self) -> Result<(), Status> {
+        if self.hub.config().auth.enabled {
+            return Ok(());
+        }
+        Err(Status::failed_precondition(
+            "auth is disabled (auth.enabled: false): no key is minted, since the proxy asks \
+             for none and a key made now would wait in the key store for the day auth is \
+             enabled; set auth.enabled: true and reload first",
+        ))
     }
 
     /// Pause, resume and flush: authorizes the caller, applies `change` to
@@ -230,6 +270,7 @@ impl AdminService for AdminApi {
         request: Request<api::AddKeyRequest>,
     ) -> Result<Response<api::AddKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
+        self.refuse_minting_with_auth_off()?;
         let new = new_key(request.into_inner())?;
         let keys = self.keys.clone();
         let issued = blocking(move || keys.add(new, SystemTime::now())).await?;
@@ -250,6 +291,7 @@ impl AdminService for AdminApi {
         request: Request<api::RotateKeyRequest>,
     ) -> Result<Response<api::RotateKeyResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
+        self.refuse_minting_with_auth_off()?;
         let request = request.into_inner();
         let grace = Duration::from_secs(request.grace_seconds);
         let keys = self.keys.clone();
@@ -442,14 +484,42 @@ impl AdminService for AdminApi {
         request: Request<api::ReloadRequest>,
     ) -> Result<Response<api::ReloadResponse>, Status> {
         self.authorize(&request, Scope::Management)?;
-        match (self.reload)() {
-            Ok((snapshot_version, warnings)) => Ok(Response::new(api::ReloadResponse {
-                snapshot_version,
-                warnings,
-            })),
+        // Reading, parsing and (for a changed webhook URL) resolving the
+        // file are blocking work: off the async workers.
+        let reload = self.reload.clone();
+        let reloaded = tokio::task::spawn_blocking(move || reload())
+            .await
+            .map_err(|error| Status::internal(format!("reload task failed: {error}")))?;
+        match reloaded {
+            Ok((snapshot_version, warnings)) => {
+                for warning in &warnings {
+                    tracing::warn!("config: {warning}");
+                }
+                tracing::info!(version = snapshot_version, "config reloaded");
+                Ok(Response::new(api::ReloadResponse {
+                    snapshot_version,
+                    warnings,
+                }))
+            }
             Err(error) => Err(Status::failed_precondition(error)),
         }
     }
+}
+
+/// With auth off, whether a call that changes state is accepted: from this
+/// machine (a loopback peer, or one whose address is the address it reached:
+/// oqpctl on the box, the single-box data plane when `control_plane.listen`
+/// names a LAN address), or with the node token. A peer oqp cannot see
+/// (`None`) is not trusted.
+fn open_change_allowed(
+    peer: Option<SocketAddr>,
+    local: Option<SocketAddr>,
+    node_token: bool,
+) -> bool {
+    let Some(peer) = peer.map(|peer| peer.ip().to_canonical()) else {
+        return node_token;
+    };
+    node_token || peer.is_loopback() || local.is_some_and(|local| local.ip().to_canonical() == peer)
 }
 
 /// Waiting requests per node, and whether every reporting node has seen
@@ -622,4 +692,148 @@ fn redact(key: &str) -> String {
         return "…".to_owned();
     }
     format!("…{}", key.chars().skip(count - 4).collect::<String>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Env, load_str};
+
+    /// An admin API with auth off, and the thread its reloader ran on.
+    type Seen = Arc<std::sync::Mutex<Option<std::thread::ThreadId>>>;
+
+    fn api_with_auth_off(dir: &std::path::Path, token: &str) -> (AdminApi, Seen) {
+        let yaml = format!(
+            "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: a}}\n\
+             control_plane:\n  node_token: {token}\n"
+        );
+        let hub = Hub::new(load_str(&yaml, &Env::empty()).unwrap().config);
+        let keys = KeyStore::load(dir, hub.clone()).unwrap();
+        let seen = Seen::default();
+        let reload: Reloader = {
+            let seen = seen.clone();
+            Arc::new(move || {
+                *seen.lock().unwrap() = Some(std::thread::current().id());
+                Ok((7, Vec::new()))
+            })
+        };
+        (
+            AdminApi::new(hub, keys, reload, CancellationToken::new()),
+            seen,
+        )
+    }
+
+    /// A request as tonic's TCP server hands it over: with the peer address.
+    fn from_peer<T>(peer: &str, message: T) -> Request<T> {
+        let mut request = Request::new(message);
+        request
+            .extensions_mut()
+            .insert(tonic::transport::server::TcpConnectInfo {
+                local_addr: Some("192.168.1.5:50051".parse().unwrap()),
+                remote_addr: Some(peer.parse().unwrap()),
+            });
+        request
+    }
+
+    #[tokio::test]
+    async fn with_auth_off_a_remote_peer_changes_nothing_without_the_node_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let (api, _) = api_with_auth_off(dir.path(), "sk-node-0123456789");
+        let pause = || api::TierRequest {
+            tier: wire::Tier::Low as i32,
+        };
+        let refused = api
+            .pause_tier(from_peer("192.168.1.20:5000", pause()))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::PermissionDenied);
+        assert!(refused.message().contains("auth is disabled"));
+        let revoke = api
+            .revoke_key(from_peer(
+                "192.168.1.20:5000",
+                api::RevokeKeyRequest {
+                    client_id: "x".into(),
+                },
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(revoke.code(), tonic::Code::PermissionDenied);
+        assert_eq!(api.hub.runtime().paused, [false; 3]);
+        // Reads stay open.
+        api.get_status(from_peer("192.168.1.20:5000", api::GetStatusRequest {}))
+            .await
+            .unwrap();
+
+        let mut with_token = from_peer("192.168.1.20:5000", pause());
+        with_token.metadata_mut().insert(
+            oqp_proto::NODE_TOKEN_METADATA,
+            "sk-node-0123456789".parse().unwrap(),
+        );
+        api.pause_tier(with_token).await.unwrap();
+        api.resume_tier(from_peer("127.0.0.1:5000", pause()))
+            .await
+            .unwrap();
+        let mut wrong_token = from_peer("192.168.1.20:5000", pause());
+        wrong_token
+            .metadata_mut()
+            .insert(oqp_proto::NODE_TOKEN_METADATA, "guess".parse().unwrap());
+        assert!(api.pause_tier(wrong_token).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn reload_reads_the_file_off_the_async_workers() {
+        let dir = tempfile::tempdir().unwrap();
+        let (api, seen) = api_with_auth_off(dir.path(), "sk-node-0123456789");
+        let response = api
+            .reload(from_peer("127.0.0.1:5000", api::ReloadRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(response.snapshot_version, 7);
+        // A current-thread test runtime: a reload on the async worker would
+        // have run on this very thread.
+        let ran_on = seen.lock().unwrap().expect("the reloader ran");
+        assert_ne!(ran_on, std::thread::current().id());
+    }
+
+    #[test]
+    fn with_auth_off_only_loopback_or_the_node_token_may_change_state() {
+        let peer = |text: &str| Some(text.parse::<SocketAddr>().unwrap());
+        let here = peer("192.168.1.5:50051");
+        // This machine, through its LAN address.
+        assert!(open_change_allowed(peer("192.168.1.5:40000"), here, false));
+        assert!(open_change_allowed(
+            peer("[::ffff:192.168.1.5]:1"),
+            here,
+            false
+        ));
+        for loopback in [
+            "127.0.0.1:5000",
+            "127.9.9.9:1",
+            "[::1]:5000",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert!(
+                open_change_allowed(peer(loopback), here, false),
+                "{loopback}"
+            );
+        }
+        for remote in [
+            "192.168.1.20:5000",
+            "10.0.0.1:1",
+            "0.0.0.0:1",
+            "[::]:1",
+            "[fe80::1]:1",
+            "[::ffff:192.168.1.2]:1",
+        ] {
+            assert!(!open_change_allowed(peer(remote), here, false), "{remote}");
+            assert!(!open_change_allowed(peer(remote), None, false), "{remote}");
+            assert!(
+                open_change_allowed(peer(remote), here, true),
+                "{remote} with token"
+            );
+        }
+        assert!(!open_change_allowed(None, here, false));
+        assert!(open_change_allowed(None, None, true));
+    }
 }

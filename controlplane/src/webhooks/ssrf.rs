@@ -95,8 +95,12 @@ pub fn check_blocking(config: &WebhooksConfig) -> Result<(), SsrfError> {
 }
 
 /// Whether an address is one a webhook must not reach: 10/8, 172.16/12,
-/// 192.168/16, 127/8, 169.254/16, 100.64/10, 0/8, `::1`, `::`, fc00::/7,
-/// fe80::/10, and the IPv4-mapped and IPv4-compatible forms of the IPv4 ranges.
+/// 192.168/16, 127/8, 169.254/16, 100.64/10, 0/8, 198.18/15 (benchmarking,
+/// often routed internally), multicast 224/4 and reserved 240/4 (broadcast
+/// included), `::1`, `::`, fc00::/7, fe80::/10, multicast ff00::/8, the NAT64
+/// prefixes 64:ff9b::/96 and 64:ff9b:1::/48 (a gateway translates them to
+/// any IPv4 address, private ones included), and the IPv4-mapped and
+/// IPv4-compatible forms of the IPv4 ranges.
 pub fn is_blocked(addr: IpAddr) -> bool {
     match addr {
         IpAddr::V4(v4) => is_blocked_v4(v4),
@@ -113,14 +117,22 @@ fn is_blocked_v4(addr: Ipv4Addr) -> bool {
         || (a == 169 && b == 254)
         || (a == 100 && (64..=127).contains(&b))
         || a == 0
+        || (a == 198 && (18..=19).contains(&b))
+        || a >= 224
 }
 
 fn is_blocked_v6(addr: Ipv6Addr) -> bool {
-    let first = addr.segments()[0];
+    let segments = addr.segments();
+    let first = segments[0];
+    let nat64 = first == 0x0064
+        && segments[1] == 0xff9b
+        && (segments[2] == 0x0001 || segments[2..6] == [0, 0, 0, 0]);
     addr.is_loopback()
         || addr.is_unspecified()
         || (first & 0xfe00) == 0xfc00
         || (first & 0xffc0) == 0xfe80
+        || (first & 0xff00) == 0xff00
+        || nat64
         // `::ffff:10.0.0.1` and `::10.0.0.1` reach the IPv4 address.
         || addr.to_ipv4().is_some_and(is_blocked_v4)
 }
@@ -223,6 +235,21 @@ mod tests {
             "::ffff:127.0.0.1",
             "::ffff:169.254.169.254",
             "::192.168.0.1",
+            "198.18.0.1",
+            "198.19.255.255",
+            "224.0.0.1",
+            "239.255.255.250",
+            "255.255.255.255",
+            "240.0.0.1",
+            "ff02::1",
+            "ff05::1:3",
+            "ff0e::1",
+            "64:ff9b::a00:1",
+            "64:ff9b::808:808",
+            "64:ff9b::7f00:1",
+            "64:ff9b:1::1",
+            "64:ff9b:1:ffff:ffff:ffff:ffff:ffff",
+            "::ffff:224.0.0.1",
         ] {
             assert!(is_blocked(blocked.parse().unwrap()), "{blocked}");
         }
@@ -238,6 +265,12 @@ mod tests {
             "2606:4700:4700::1111",
             "fec0::1",
             "::ffff:8.8.8.8",
+            "198.17.255.255",
+            "198.20.0.1",
+            "223.255.255.255",
+            "64:ff9b:2::1",
+            "64:ff9b:0:0:1::1",
+            "fe00::1",
         ] {
             assert!(!is_blocked(public.parse().unwrap()), "{public}");
         }

@@ -22,51 +22,72 @@ async fn metadata_endpoints_pass_through_byte_for_byte() {
         .loaded("llama3")
         .spawn()
         .await;
-    let stack = stack_with(&fake).await;
-    let http = HttpClient::new();
-    for (method, path, body) in [
-        (Method::GET, "/", ""),
-        (Method::HEAD, "/", ""),
-        (Method::GET, "/api/version", ""),
-        (Method::GET, "/api/tags", ""),
-        (Method::GET, "/api/ps", ""),
-        (Method::POST, "/api/show", r#"{"model":"llama3"}"#),
-        (Method::POST, "/api/show", r#"{"model":"nope"}"#),
-        (Method::GET, "/v1/models", ""),
-        (Method::GET, "/no/such/path", ""),
-        (Method::DELETE, "/api/generate", ""),
+    // Unknown routes and methods pass through only with model management on:
+    // otherwise they are outside the allowlist (see `paths`).
+    let managed =
+        basic_config(&fake.url()).replace("proxy:\n", "proxy:\n  allow_model_management: true\n");
+    for (stack, management) in [
+        (stack_with(&fake).await, false),
+        (Stack::start(&managed).await, true),
     ] {
-        let direct = http
-            .send(
-                method.clone(),
-                &format!("{}{path}", fake.url()),
-                &[],
-                body.to_owned(),
-            )
-            .await;
-        let proxied = http
-            .send(
-                method.clone(),
-                &format!("{}{path}", stack.url()),
-                &[],
-                body.to_owned(),
-            )
-            .await;
-        assert_eq!(proxied.status, direct.status, "{method} {path}");
-        assert_eq!(proxied.body, direct.body, "{method} {path}");
-        assert_eq!(
-            proxied.header("content-type"),
-            direct.header("content-type"),
-            "{method} {path}"
-        );
-        assert_eq!(
-            proxied.header("x-failover-host").as_deref(),
-            Some("primary")
-        );
+        let http = HttpClient::new();
+        for (method, path, body) in [
+            (Method::GET, "/", ""),
+            (Method::HEAD, "/", ""),
+            (Method::GET, "/api/version", ""),
+            (Method::GET, "/api/tags", ""),
+            (Method::GET, "/api/ps", ""),
+            (Method::POST, "/api/show", r#"{"model":"llama3"}"#),
+            (Method::POST, "/api/show", r#"{"model":"nope"}"#),
+            (Method::GET, "/v1/models", ""),
+            (Method::GET, "/no/such/path", ""),
+            (Method::DELETE, "/api/generate", ""),
+        ] {
+            let unlisted = path == "/no/such/path" || method == Method::DELETE;
+            if unlisted && !management {
+                let refused = http
+                    .send(
+                        method.clone(),
+                        &format!("{}{path}", stack.url()),
+                        &[],
+                        body.to_owned(),
+                    )
+                    .await;
+                assert_eq!(refused.status, 403, "{method} {path}");
+                continue;
+            }
+            let direct = http
+                .send(
+                    method.clone(),
+                    &format!("{}{path}", fake.url()),
+                    &[],
+                    body.to_owned(),
+                )
+                .await;
+            let proxied = http
+                .send(
+                    method.clone(),
+                    &format!("{}{path}", stack.url()),
+                    &[],
+                    body.to_owned(),
+                )
+                .await;
+            assert_eq!(proxied.status, direct.status, "{method} {path}");
+            assert_eq!(proxied.body, direct.body, "{method} {path}");
+            assert_eq!(
+                proxied.header("content-type"),
+                direct.header("content-type"),
+                "{method} {path}"
+            );
+            assert_eq!(
+                proxied.header("x-failover-host").as_deref(),
+                Some("primary")
+            );
+        }
+        let root = http.get(&format!("{}/", stack.url()), &[]).await;
+        assert_eq!(root.text(), "Ollama is running");
+        stack.shutdown().await;
     }
-    let root = http.get(&format!("{}/", stack.url()), &[]).await;
-    assert_eq!(root.text(), "Ollama is running");
-    stack.shutdown().await;
 }
 
 #[tokio::test]

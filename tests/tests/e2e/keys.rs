@@ -562,26 +562,6 @@ async fn the_admin_api_checks_scopes_for_config_and_stored_keys() {
 }
 
 #[tokio::test]
-async fn with_auth_off_the_admin_api_needs_no_key() {
-    let fake = FakeOllama::builder().model("llama3").spawn().await;
-    let state = tempfile::tempdir().unwrap();
-    let yaml = format!(
-        "{}control_plane:\n  state_dir: \"{}\"\n",
-        harness::basic_config(&fake.url()),
-        state.path().display()
-    );
-    let stack = Stack::start(&yaml).await;
-    let response = admin(&stack)
-        .await
-        .add_key(add_request("batch"))
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(response.key.starts_with(PREFIX));
-    stack.shutdown().await;
-}
-
-#[tokio::test]
 async fn key_values_never_leak_into_debug_listings_status_or_the_store_file() {
     let Setup {
         stack,
@@ -634,5 +614,86 @@ async fn key_values_never_leak_into_debug_listings_status_or_the_store_file() {
         }
     }
     second.shutdown().await;
+    stack.shutdown().await;
+}
+
+/// With auth off: no key is minted over gRPC, a change from loopback still
+/// works (the non-loopback refusal is a function of the peer address, unit
+/// tested in `grpc::admin`), and `POST /queue/*` refuses what a cross-site
+/// page can send without a preflight.
+#[tokio::test]
+async fn with_auth_off_keys_are_not_minted_and_queue_control_refuses_cross_site_calls() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let state = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        "{}control_plane:\n  state_dir: \"{}\"\n",
+        harness::basic_config(&fake.url()),
+        state.path().display()
+    );
+    let stack = Stack::start(&yaml).await;
+    let mut client = admin(&stack).await;
+    for refused in [
+        client.add_key(add_request("batch")).await.unwrap_err(),
+        client
+            .rotate_key(api::RotateKeyRequest {
+                client_id: "batch".into(),
+                grace_seconds: 0,
+            })
+            .await
+            .unwrap_err(),
+    ] {
+        assert_eq!(refused.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            refused.message().contains("auth is disabled"),
+            "{}",
+            refused.message()
+        );
+    }
+    assert!(stack.control.keys().records().is_empty());
+
+    let http = HttpClient::new();
+    let url = format!("{}/queue/pause?tier=low", stack.url());
+    let own = format!("http://{}", stack.proxy_addr());
+    for (headers, body, status) in [
+        (vec![("origin", "http://evil.example")], "", 403),
+        (vec![("origin", "null")], "", 403),
+        (vec![("content-type", "text/plain")], "{}", 415),
+        (
+            vec![("content-type", "application/x-www-form-urlencoded")],
+            "a=b",
+            415,
+        ),
+        (
+            vec![("content-type", "multipart/form-data; boundary=x")],
+            "",
+            415,
+        ),
+        (
+            vec![("origin", own.as_str()), ("content-type", "text/plain")],
+            "{}",
+            415,
+        ),
+    ] {
+        let reply = http
+            .send(http::Method::POST, &url, &headers, body.to_owned())
+            .await;
+        assert_eq!(reply.status, status, "{headers:?}");
+        assert!(reply.json()["request_id"].is_string());
+    }
+    assert_eq!(stack.control.hub().runtime().paused, [false; 3]);
+
+    let same_origin = http
+        .send(http::Method::POST, &url, &[("origin", own.as_str())], "")
+        .await;
+    assert_eq!(same_origin.status, 200, "{}", same_origin.text());
+    assert_eq!(stack.control.hub().runtime().paused, [false, false, true]);
+    let resumed = client
+        .resume_tier(api::TierRequest {
+            tier: wire::Tier::Low as i32,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(resumed.status, "resumed");
     stack.shutdown().await;
 }

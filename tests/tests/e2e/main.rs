@@ -14,6 +14,7 @@ mod foundation;
 mod hosts;
 mod keys;
 mod observability;
+mod paths;
 mod reliability;
 mod routing;
 mod scheduling;

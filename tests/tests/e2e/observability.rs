@@ -1006,3 +1006,35 @@ async fn the_monitoring_examples_parse_and_match_the_metrics() {
     }
     stack.shutdown().await;
 }
+
+/// A Redis URL's password crosses the snapshot (the data planes connect to
+/// Redis themselves) but never shows in `Debug` output of either plane, in
+/// status or in the logs' error texts.
+#[tokio::test]
+async fn a_redis_password_crosses_the_snapshot_but_shows_nowhere() {
+    use oqp_dataplane::policy::CacheBackend;
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let yaml = oqp_tests::harness::basic_config(&fake.url())
+        + "embedding_cache:\n  enabled: false\n  backend: \"redis://:hunter2-secret@127.0.0.1:1/0\"\n";
+    let stack = Stack::start(&yaml).await;
+    let dataplane = stack.control.dataplane().expect("single-box stack");
+    let policy = dataplane.app().store.load();
+    assert!(
+        matches!(&policy.embedding_cache.backend, CacheBackend::Redis(url) if url.contains("hunter2-secret")),
+        "the data plane has the URL it needs"
+    );
+    let status = HttpClient::new()
+        .get(&format!("{}/queue/status", stack.url()), &[])
+        .await;
+    let printed = format!(
+        "{:?}\n{:?}\n{:?}\n{:?}\n{}",
+        stack.control.hub().current(),
+        policy,
+        stack.control.hub().config(),
+        stack.control,
+        status.text(),
+    );
+    assert!(printed.contains("127.0.0.1:1/0"), "{printed}");
+    assert!(!printed.contains("hunter2-secret"), "{printed}");
+    stack.shutdown().await;
+}
