@@ -16,6 +16,7 @@ use crate::policy::{LogLevel, Policy};
 use crate::scheduler::Tier;
 use crate::server::{self, ListenerKind};
 use crate::snapshot::PolicyStore;
+use crate::supervise;
 
 /// How to start a data plane.
 #[derive(Debug)]
@@ -181,18 +182,34 @@ async fn follow_policy(
             apply(wanted);
         }
     };
-    follow_level(&app.store.load());
+    let store = &app.store;
+    let first = store.load();
+    supervise::apply(store, "log level", first.version, || follow_level(&first));
+    drop(first);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
-        let policy = app.store.load();
-        follow_level(&policy);
-        app.dispatcher.apply(&policy);
-        app.cloud.update(&policy);
-        app.metrics.apply(&policy);
-        reconnect_cache(&app, &policy).await;
+        // Each part under its own guard: one that fails does not keep the
+        // others (nor the next snapshot, say a pause) from being applied.
+        let policy = store.load();
+        let version = policy.version;
+        supervise::apply(store, "log level", version, || follow_level(&policy));
+        supervise::apply(store, "dispatcher", version, || {
+            app.dispatcher.apply(&policy);
+        });
+        supervise::apply(store, "cloud pools", version, || {
+            app.cloud.update(&policy);
+        });
+        supervise::apply(store, "metrics", version, || app.metrics.apply(&policy));
+        supervise::apply_async(
+            store,
+            "embedding cache",
+            version,
+            reconnect_cache(&app, &policy),
+        )
+        .await;
     }
 }
 
@@ -309,5 +326,7 @@ fn report(app: &App) -> NodeReport {
         uptime_seconds: app.started.elapsed().as_secs(),
         software_version: env!("CARGO_PKG_VERSION").to_owned(),
         active: app.active(),
+        apply_errors: app.store.failures(),
+        stale_version: app.control.stale_version(),
     }
 }

@@ -107,6 +107,8 @@ pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -
                         "uptime_seconds": report.uptime_seconds,
                         "rejected_version": (report.rejected_version != 0).then_some(report.rejected_version),
                         "rejected_reason": (!report.rejected_reason.is_empty()).then_some(report.rejected_reason),
+                        "apply_errors": report.apply_errors,
+                        "stale_version": (report.stale_version != 0).then_some(report.stale_version),
                     })
                 })
                 .collect();

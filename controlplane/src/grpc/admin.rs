@@ -170,6 +170,7 @@ impl AdminService for AdminApi {
             warnings.push("no upstream host answered the last poll".to_owned());
         }
         warnings.extend(self.keys.warnings(&config));
+        warnings.extend(node_warnings(&self.hub));
         Ok(Response::new(api::GetStatusResponse {
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime_seconds: self.hub.started().elapsed().as_secs(),
@@ -450,6 +451,35 @@ impl AdminService for AdminApi {
             Err(error) => Err(Status::failed_precondition(error)),
         }
     }
+}
+
+/// What the data planes report not applying: a rejected snapshot, a part
+/// of the current one that failed (it said why), a stale stream.
+fn node_warnings(hub: &Hub) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (name, node) in hub.nodes() {
+        let report = &node.report;
+        if report.rejected_version != 0 {
+            warnings.push(format!(
+                "node {name} rejected snapshot {}: {}",
+                report.rejected_version, report.rejected_reason
+            ));
+        }
+        for error in &report.apply_errors {
+            warnings.push(format!(
+                "node {name} did not apply part of snapshot {}: {error}",
+                report.applied_version
+            ));
+        }
+        if report.stale_version != 0 {
+            warnings.push(format!(
+                "node {name} ignores this control plane's snapshots: it holds version {}, above \
+                 the {} it was sent",
+                report.applied_version, report.stale_version
+            ));
+        }
+    }
+    warnings
 }
 
 /// Waiting requests per node, and whether every reporting node has seen
