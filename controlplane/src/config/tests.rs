@@ -992,20 +992,72 @@ fn the_programs_own_variables_are_not_overrides() {
 /// largest value it accepts.
 const BOUNDED_KEYS: &[(&str, &str, &str)] = &[
     ("proxy: {drain_timeout: {}}\n", "proxy.drain_timeout", "1d"),
-    ("proxy: {max_request_body_mb: {}}\n", "proxy.max_request_body_mb", "1048576"),
-    ("queue: {high: {max_wait: {}}}\n", "queue.high.max_wait", "1d"),
+    (
+        "proxy: {max_request_body_mb: {}}\n",
+        "proxy.max_request_body_mb",
+        "1048576",
+    ),
+    (
+        "queue: {high: {max_wait: {}}}\n",
+        "queue.high.max_wait",
+        "1d",
+    ),
     ("queue: {low: {max_wait: {}}}\n", "queue.low.max_wait", "1d"),
-    ("queue: {low: {promote_after: {}, max_wait: 1d}}\n", "queue.low.promote_after", "1d"),
-    ("queue: {max_queued_mb: {}}\n", "queue.max_queued_mb", "1048576"),
-    ("queue: {fair_share: {half_life: {}}}\n", "queue.fair_share.half_life", "30d"),
-    ("auth: {rate_limit: {window_seconds: {}}}\n", "auth.rate_limit.window_seconds", "86400"),
-    ("routing: {model_poll_timeout: {}}\n", "routing.model_poll_timeout", "1h"),
-    ("routing: {acquire_timeout: {}}\n", "routing.acquire_timeout", "1d"),
-    ("embedding_cache: {ttl: {}}\n", "embedding_cache.ttl", "365d"),
-    ("embedding_cache: {connect_timeout: {}}\n", "embedding_cache.connect_timeout", "1h"),
-    ("embedding_cache: {max_memory_mb: {}}\n", "embedding_cache.max_memory_mb", "1048576"),
-    ("embedding_cache: {max_entry_bytes: {}}\n", "embedding_cache.max_entry_bytes", "1073741824"),
-    ("dashboard: {refresh_seconds: {}}\n", "dashboard.refresh_seconds", "86400"),
+    (
+        "queue: {low: {promote_after: {}, max_wait: 1d}}\n",
+        "queue.low.promote_after",
+        "1d",
+    ),
+    (
+        "queue: {max_queued_mb: {}}\n",
+        "queue.max_queued_mb",
+        "1048576",
+    ),
+    (
+        "queue: {fair_share: {half_life: {}}}\n",
+        "queue.fair_share.half_life",
+        "30d",
+    ),
+    (
+        "auth: {rate_limit: {window_seconds: {}}}\n",
+        "auth.rate_limit.window_seconds",
+        "86400",
+    ),
+    (
+        "routing: {model_poll_timeout: {}}\n",
+        "routing.model_poll_timeout",
+        "1h",
+    ),
+    (
+        "routing: {acquire_timeout: {}}\n",
+        "routing.acquire_timeout",
+        "1d",
+    ),
+    (
+        "embedding_cache: {ttl: {}}\n",
+        "embedding_cache.ttl",
+        "365d",
+    ),
+    (
+        "embedding_cache: {connect_timeout: {}}\n",
+        "embedding_cache.connect_timeout",
+        "1h",
+    ),
+    (
+        "embedding_cache: {max_memory_mb: {}}\n",
+        "embedding_cache.max_memory_mb",
+        "1048576",
+    ),
+    (
+        "embedding_cache: {max_entry_bytes: {}}\n",
+        "embedding_cache.max_entry_bytes",
+        "1073741824",
+    ),
+    (
+        "dashboard: {refresh_seconds: {}}\n",
+        "dashboard.refresh_seconds",
+        "86400",
+    ),
 ];
 
 #[test]

@@ -17,5 +17,6 @@ mod observability;
 mod reliability;
 mod routing;
 mod scheduling;
+mod snapshots;
 mod support;
 mod tenancy;
