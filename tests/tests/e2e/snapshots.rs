@@ -282,6 +282,14 @@ async fn a_stale_stream_is_flagged_in_the_report() {
     control.publish(900, &low_paused(), |_| {});
     let report = control.report_where(|r| r.stale_version == 900).await;
     assert_eq!(report.applied_version, 1000);
+    let status = HttpClient::new()
+        .get(
+            &format!("http://{}/queue/status", dataplane.local_addr()),
+            &[("authorization", "Bearer sk-batch-0123456789")],
+        )
+        .await
+        .json();
+    assert_eq!(status["snapshot"]["stale_version"], 900, "{status}");
     control.publish(1001, &Runtime::default(), |_| {});
     control
         .report_where(|r| r.applied_version == 1001 && r.stale_version == 0)
