@@ -387,3 +387,47 @@ async fn an_injection_listener_whose_port_is_taken_opens_once_it_is_free() {
     assert!(store.failures().is_empty(), "{:?}", store.failures());
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_restart_with_the_clock_set_back_and_no_data_plane_still_moves_forward() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let config_path = dir.path().join("config.yml");
+    let yaml = format!(
+        "{}control_plane:\n  state_dir: \"{}\"\n",
+        config(&fake.url(), ""),
+        state.display()
+    );
+    std::fs::write(&config_path, yaml).unwrap();
+    let start = |clock: Option<Clock>| {
+        let config_path = config_path.clone();
+        async move {
+            ControlPlane::start(Options {
+                config_path,
+                env: Env::empty(),
+                listener: Some(harness::loopback().await),
+                with_dataplane: false,
+                dataplane_listener: None,
+                clock,
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let control = start(None).await;
+    let version = control.hub().update_runtime(|_| {});
+    let saved = state.join("version");
+    let written = eventually(Duration::from_secs(10), || {
+        std::fs::read_to_string(&saved).is_ok_and(|text| text.trim() == version.to_string())
+    })
+    .await;
+    assert!(written, "the version was saved");
+    control.shutdown().await;
+
+    let a_day_ago = SystemTime::now() - Duration::from_secs(86_400);
+    let control = start(Some(Clock::new(move || a_day_ago))).await;
+    assert!(control.hub().current().version > version);
+    control.shutdown().await;
+}
