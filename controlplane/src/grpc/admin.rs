@@ -323,7 +323,8 @@ impl AdminService for AdminApi {
         self.authorize(&request, Scope::Management)?;
         let timeout = match request.into_inner().timeout_ms {
             0 => Duration::from_secs(300),
-            ms => Duration::from_millis(ms),
+            // The caller's choice, bounded: `Instant + u64::MAX ms` would panic.
+            ms => Duration::from_millis(ms).min(Duration::from_secs(86_400)),
         };
         let mut generation = 0;
         self.hub.update_runtime(|runtime| {
