@@ -65,6 +65,7 @@ pub fn path(state_dir: &Path) -> PathBuf {
 /// each said in the log).
 pub fn read(state_dir: &Path) -> u64 {
     let path = path(state_dir);
+    file::remove_temporaries(&path);
     match file::read(&path) {
         Ok(None) => 0,
         Ok(Some(bytes)) => match std::str::from_utf8(&bytes)

@@ -53,7 +53,7 @@ pub(crate) fn write_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
 }
 
 /// Removes temporaries a crash left beside `path`.
-pub(super) fn remove_temporaries(path: &Path) {
+pub(crate) fn remove_temporaries(path: &Path) {
     let Some(prefix) = temporary_prefix(path) else {
         return;
     };
