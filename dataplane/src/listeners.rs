@@ -52,7 +52,13 @@ struct Listeners {
 }
 
 impl Listeners {
-    async fn reconcile(&mut self, app: &Arc<App>, shutdown: &CancellationToken) {
+    /// Opens and closes listeners; each that fails to bind is reported on
+    /// its own, so the whole step always succeeds.
+    async fn reconcile(
+        &mut self,
+        app: &Arc<App>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), String> {
         let wanted = app.store.load().injection_listeners.clone();
         self.open.retain(|listener, stop| {
             let keep = wanted.contains(listener);
@@ -100,6 +106,7 @@ impl Listeners {
                 }
             }
         }
+        Ok(())
     }
 }
 

@@ -165,7 +165,8 @@ impl DataPlane {
 }
 
 /// Applies every new snapshot to the parts that keep state across
-/// snapshots (the dispatcher, the metrics' client labels, the log level),
+/// snapshots (the dispatcher, the cloud pools, the metrics' client labels,
+/// the cache, the log level), each under its own guard ([`supervise`]),
 /// until `shutdown`.
 async fn follow_policy(
     app: Arc<App>,
@@ -178,8 +179,10 @@ async fn follow_policy(
         if let (Some(LogLevelHook(apply)), Some(wanted)) = (&log_level, policy.log_level)
             && level != Some(wanted)
         {
-            level = Some(wanted);
+            // Remembered only once applied: a hook that failed is tried
+            // again (and reported again) with the next snapshot.
             apply(wanted);
+            level = Some(wanted);
         }
     };
     let store = &app.store;
@@ -214,8 +217,8 @@ async fn follow_policy(
 }
 
 /// Replaces the embedding cache when its settings changed. A backend that
-/// cannot be reached keeps the old cache (or none) and says so.
-async fn reconnect_cache(app: &App, policy: &Policy) {
+/// cannot be reached keeps the old cache (or none) and says why.
+async fn reconnect_cache(app: &App, policy: &Policy) -> Result<(), String> {
     let settings = &policy.embedding_cache;
     let current = app.cache();
     let same = current
@@ -224,11 +227,13 @@ async fn reconnect_cache(app: &App, policy: &Policy) {
     if !settings.enabled {
         app.embedding_cache.store(None);
     } else if !same {
-        match crate::cache::connect(settings).await {
-            Ok(cache) => app.embedding_cache.store(Some(Arc::new(cache))),
-            Err(error) => tracing::error!(%error, "embedding cache settings not applied"),
-        }
+        // The error names the URL with its password hidden.
+        let cache = crate::cache::connect(settings)
+            .await
+            .map_err(|error| error.to_string())?;
+        app.embedding_cache.store(Some(Arc::new(cache)));
     }
+    Ok(())
 }
 
 /// This node's report for the control plane.

@@ -25,15 +25,24 @@ pub fn apply(store: &PolicyStore, part: &str, version: u64, apply: impl FnOnce()
     settle(store, part, version, outcome)
 }
 
-/// [`apply`] for a part that awaits.
+/// [`apply`] for a part that awaits and may refuse the snapshot without
+/// panicking (`Err(why)`, reported the same way).
 pub async fn apply_async(
     store: &PolicyStore,
     part: &str,
     version: u64,
-    apply: impl Future<Output = ()>,
+    apply: impl Future<Output = Result<(), String>>,
 ) -> bool {
-    let outcome = AssertUnwindSafe(apply).catch_unwind().await;
-    settle(store, part, version, outcome)
+    match AssertUnwindSafe(apply).catch_unwind().await {
+        Ok(Err(reason)) => {
+            let reason = format!("snapshot {version} not applied: {reason}");
+            tracing::error!(part, version, %reason, "a part of the snapshot was not applied; the others were");
+            store.part_failed(part, reason);
+            false
+        }
+        Ok(Ok(())) => settle(store, part, version, Ok(())),
+        Err(payload) => settle(store, part, version, Err(payload)),
+    }
 }
 
 fn settle(
@@ -108,14 +117,19 @@ mod tests {
         assert!(!apply(&store, "dispatcher", 7, || panic!("boom {}", 1)));
         assert!(apply(&store, "metrics", 7, || ran = true));
         assert!(ran, "the next part still runs");
-        assert!(!apply_async(&store, "cache", 7, async { panic!("{}", "x".repeat(500)) }).await);
+        let huge = async { panic!("{}", "x".repeat(500)) };
+        assert!(!apply_async(&store, "cache", 7, huge).await);
+        let refused = async { Err("unreachable".to_owned()) };
+        assert!(!apply_async(&store, "redis", 7, refused).await);
         let failures = store.failures();
-        assert_eq!(failures.len(), 2, "{failures:?}");
+        assert_eq!(failures.len(), 3, "{failures:?}");
         assert!(failures[0].starts_with("cache: snapshot 7 panicked: xxx"));
         assert!(failures[0].len() < 260, "bounded: {}", failures[0].len());
         assert_eq!(failures[1], "dispatcher: snapshot 7 panicked: boom 1");
+        assert_eq!(failures[2], "redis: snapshot 7 not applied: unreachable");
         assert!(apply(&store, "dispatcher", 8, || {}));
-        assert!(apply_async(&store, "cache", 8, async {}).await);
+        assert!(apply_async(&store, "cache", 8, async { Ok(()) }).await);
+        assert!(apply_async(&store, "redis", 8, async { Ok(()) }).await);
         assert!(store.failures().is_empty());
     }
 }

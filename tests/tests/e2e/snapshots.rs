@@ -268,6 +268,24 @@ async fn a_part_that_panics_is_reported_and_the_next_snapshot_still_applies() {
     assert_eq!(pause_low(&base).await.status, 200);
     harness::wait_for_version(&dataplane, hub.current().version).await;
     assert_paused(&low_generate(&base).await);
+    // The hook still fails, and is still reported, with the next snapshot.
+    let version = hub.current().version;
+    let still = eventually(Duration::from_secs(10), || {
+        hub.nodes().get("edge").is_some_and(|node| {
+            node.report.applied_version == version
+                && node
+                    .report
+                    .apply_errors
+                    .iter()
+                    .any(|e| e.starts_with(&format!("log level: snapshot {version}")))
+        })
+    })
+    .await;
+    assert!(
+        still,
+        "{:?}",
+        hub.nodes().get("edge").map(|n| &n.report.apply_errors)
+    );
     dataplane.shutdown().await;
     stack.shutdown().await;
 }
@@ -430,4 +448,31 @@ async fn a_restart_with_the_clock_set_back_and_no_data_plane_still_moves_forward
     let control = start(Some(Clock::new(move || a_day_ago))).await;
     assert!(control.hub().current().version > version);
     control.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_cache_backend_that_cannot_be_reached_on_reload_is_reported() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let cache = format!(
+        "embedding_cache:\n  enabled: true\n  backend: \"redis://:hunter2@127.0.0.1:{port}/0\"\n  connect_timeout: 0.2\n"
+    );
+    let version = stack
+        .rewrite_and_reload(&config(&fake.url(), &cache))
+        .unwrap();
+    stack.wait_for_version(version).await;
+    let store = stack.control.dataplane().unwrap().app().store.clone();
+    let reported = eventually(Duration::from_secs(10), || {
+        store
+            .failures()
+            .iter()
+            .any(|f| f.starts_with("embedding cache: snapshot") && f.contains("unreachable"))
+    })
+    .await;
+    assert!(reported, "{:?}", store.failures());
+    assert!(store.failures().iter().all(|f| !f.contains("hunter2")));
+    stack.shutdown().await;
 }
