@@ -11,6 +11,9 @@
 //! handle (kept in step with reloads), a watch of the config in force (the
 //! poller restarts its per-host loops from it), and per-host re-poll signals
 //! (a data plane that starts failing to reach a host asks for an early poll).
+//!
+//! Versions only move forward, also across a restart with the clock set
+//! back: see [`version`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -23,6 +26,10 @@ use crate::compile::{self, Inventory, Runtime};
 use crate::config::Config;
 use crate::webhooks::Webhooks;
 
+pub mod version;
+
+pub use version::Clock;
+
 /// Shared control-plane state.
 #[derive(Debug)]
 pub struct Hub {
@@ -34,6 +41,7 @@ pub struct Hub {
     /// Hosts a data plane reported unreachable since their last poll.
     doubted: Mutex<std::collections::HashSet<String>>,
     started: Instant,
+    clock: Clock,
 }
 
 #[derive(Debug)]
@@ -60,8 +68,14 @@ pub struct Node {
 impl Hub {
     /// A hub serving `config`, with its first snapshot built.
     pub fn new(config: Config) -> Arc<Self> {
+        Self::starting(config, Clock::system(), 0)
+    }
+
+    /// A hub whose versions come from `clock` and start above `floor` (the
+    /// version saved by the previous run).
+    pub fn starting(config: Config, clock: Clock, floor: u64) -> Arc<Self> {
         let config = Arc::new(config);
-        let version = next_version(0);
+        let version = version::next(&clock, floor.min(version::MAX_ADOPTED));
         let first = compile::snapshot(&config, &Runtime::default(), &HashMap::new(), &[], version);
         let (snapshots, _) = watch::channel(Arc::new(first));
         let (configs, _) = watch::channel(config.clone());
@@ -81,6 +95,7 @@ impl Hub {
             repolls: Mutex::new(HashMap::new()),
             doubted: Mutex::new(std::collections::HashSet::new()),
             started: Instant::now(),
+            clock,
         })
     }
 
@@ -207,8 +222,33 @@ impl Hub {
         self.publish(&mut state)
     }
 
+    /// Moves versions above `held`, the version a data plane holds, and
+    /// publishes, when `held` is not below the current one: this control
+    /// plane's clock went back (or its state was lost) since it published
+    /// `held`, and the node would ignore everything it sends. The same
+    /// version is normal (a reconnect). `None` when nothing changed.
+    pub fn adopt_version(&self, node: &str, held: u64) -> Option<u64> {
+        let mut state = self.lock();
+        if held <= state.version {
+            return None;
+        }
+        if held > version::MAX_ADOPTED {
+            tracing::warn!(%node, held, "a data plane reports an implausible snapshot version; ignored");
+            return None;
+        }
+        tracing::warn!(
+            %node,
+            held,
+            ours = state.version,
+            "a data plane holds a newer snapshot version than this control plane (its clock went \
+             back, or its state was lost); versions continue above it"
+        );
+        state.version = held;
+        Some(self.publish(&mut state))
+    }
+
     fn publish(&self, state: &mut State) -> u64 {
-        state.version = next_version(state.version);
+        state.version = version::next(&self.clock, state.version);
         // A stored key past its expiry (or an old key past its grace) leaves
         // with whichever snapshot comes first after the deadline, whatever
         // triggered it; the key store's timer makes sure one does.
@@ -235,6 +275,9 @@ impl Hub {
     /// so that every node learns of the failure within a poll's time rather
     /// than an interval's.
     pub fn record_report(&self, report: NodeReport) {
+        // A node that watched before it could present its version (an older
+        // data plane) still moves versions forward, from its first report.
+        self.adopt_version(&report.node, report.applied_version);
         let mut state = self.lock();
         let node = state
             .nodes
@@ -301,15 +344,6 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// Versions only move forward, also across restarts of the control plane:
-/// a data plane that kept serving version N while the control plane was down
-/// must accept the restarted control plane's snapshots, so versions start at
-/// the wall clock in milliseconds.
-fn next_version(previous: u64) -> u64 {
-    let now = u64::try_from(compile::unix_ms(SystemTime::now())).unwrap_or(0);
-    now.max(previous + 1)
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
@@ -320,18 +354,43 @@ mod tests {
     use super::*;
     use crate::config::{self, Env};
 
-    #[test]
-    fn versions_always_increase() {
-        let first = next_version(0);
-        assert!(first > 1_600_000_000_000);
-        assert!(next_version(first) > first);
-        assert_eq!(next_version(u64::MAX - 1), u64::MAX);
-    }
-
-    fn hub(extra: &str) -> Arc<Hub> {
+    pub(super) fn hub(extra: &str) -> Arc<Hub> {
         let yaml =
             format!("ollama:\n  hosts:\n    - {{url: \"http://gpu:11434\", name: gpu}}\n{extra}");
         Hub::new(config::load_str(&yaml, &Env::empty()).unwrap().config)
+    }
+
+    #[test]
+    fn a_data_plane_ahead_of_a_clock_set_back_moves_versions_above_it() {
+        let config = hub("").config().as_ref().clone();
+        let an_hour_ago = SystemTime::now() - Duration::from_secs(3_600);
+        let hub = Hub::starting(config.clone(), Clock::new(move || an_hour_ago), 0);
+        let ours = hub.current().version;
+        let held = ours + 3_600_000;
+        assert_eq!(
+            hub.adopt_version("n1", ours),
+            None,
+            "the same version is a reconnect"
+        );
+        assert_eq!(hub.adopt_version("n1", ours - 1), None);
+        let bumped = hub.adopt_version("n1", held).unwrap();
+        assert!(bumped > held);
+        assert_eq!(hub.current().version, bumped, "published at once");
+        assert!(hub.update_runtime(|_| {}) > bumped, "and onward from there");
+        assert_eq!(hub.adopt_version("n1", u64::MAX), None, "implausible");
+
+        // A report does the same (a node that could not present its version).
+        let hub = Hub::starting(config.clone(), Clock::new(move || an_hour_ago), 0);
+        hub.record_report(NodeReport {
+            node: "n1".into(),
+            applied_version: held,
+            ..NodeReport::default()
+        });
+        assert!(hub.current().version > held);
+
+        // The saved version counts as well.
+        let hub = Hub::starting(config, Clock::new(move || an_hour_ago), held);
+        assert_eq!(hub.current().version, held + 1);
     }
 
     fn healthy(installed: &[&str]) -> Inventory {

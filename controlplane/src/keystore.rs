@@ -22,7 +22,7 @@
 //! A rotation or revocation also queues the `key.rotated` / `key.revoked`
 //! webhook through the hub's [`Webhooks`](crate::webhooks::Webhooks).
 
-mod file;
+pub(crate) mod file;
 mod mint;
 mod record;
 

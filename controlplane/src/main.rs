@@ -48,6 +48,7 @@ async fn main() -> ExitCode {
         listener: None,
         with_dataplane: args.with_dataplane,
         dataplane_listener: None,
+        clock: None,
     };
     let control_plane = match ControlPlane::start(options).await {
         Ok(control_plane) => control_plane,

@@ -26,7 +26,7 @@ use tonic::transport::{Identity, Server, ServerTlsConfig};
 use crate::config::{self, ConfigError, Env, Loaded};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
-use crate::hub::Hub;
+use crate::hub::{self, Clock, Hub};
 use crate::keystore::{KeyStore, StoreError};
 use crate::outbound::Outbound;
 use crate::poller;
@@ -45,6 +45,9 @@ pub struct Options {
     pub with_dataplane: bool,
     /// For the in-process data plane: a listener instead of `proxy.host:port`.
     pub dataplane_listener: Option<TcpListener>,
+    /// The clock snapshot versions start from; `None` = the system's (tests
+    /// set one back).
+    pub clock: Option<Clock>,
 }
 
 /// Why a control plane could not start.
@@ -155,7 +158,12 @@ impl ControlPlane {
 
         let state_dir = config.control_plane.state_dir.clone();
         check_shared_cache(&config).await?;
-        let hub = Hub::new(config);
+        let saved_version = hub::version::read(&state_dir);
+        let hub = Hub::starting(
+            config,
+            options.clock.unwrap_or_else(Clock::system),
+            saved_version,
+        );
         // A store that exists but does not load stops the start: serving
         // without it would silently lock out every client it holds.
         let keys = KeyStore::load(&state_dir, hub.clone())?;
@@ -220,6 +228,11 @@ impl ControlPlane {
             tasks.spawn(sender);
         }
         tasks.spawn(poller::run(hub.clone(), outbound, shutdown.clone()));
+        tasks.spawn(hub::version::persist(
+            hub.clone(),
+            state_dir.clone(),
+            shutdown.clone(),
+        ));
         tracing::info!(%addr, version = hub.current().version, "control plane serving");
 
         let dataplane = if options.with_dataplane {

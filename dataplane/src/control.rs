@@ -7,7 +7,7 @@
 //! waits on this module.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -61,6 +61,7 @@ pub enum ControlError {
 pub struct ControlLink {
     connected: AtomicBool,
     last_error: Mutex<Option<String>>,
+    stale: AtomicU64,
 }
 
 impl ControlLink {
@@ -72,6 +73,12 @@ impl ControlLink {
     /// The last error seen on the link, if the link is down.
     pub fn last_error(&self) -> Option<String> {
         self.last_error.lock().ok().and_then(|e| e.clone())
+    }
+
+    /// The version of the last snapshot the current stream offered below the
+    /// one this node holds; 0 when the stream is not stale.
+    pub fn stale_version(&self) -> u64 {
+        self.stale.load(Ordering::Relaxed)
     }
 
     fn up(&self) {
@@ -177,6 +184,10 @@ pub struct Watcher {
     link: Arc<ControlLink>,
     stream: Option<tonic::Streaming<PolicySnapshot>>,
     backoff: Backoff,
+    // The version this node holds, presented when a stream opens.
+    held: u64,
+    // Whether this stream's staleness was logged already.
+    warned_stale: bool,
 }
 
 impl std::fmt::Debug for Watcher {
@@ -196,6 +207,8 @@ impl Watcher {
             link,
             stream: None,
             backoff: Backoff::default(),
+            held: 0,
+            warned_stale: false,
         }
     }
 
@@ -207,9 +220,13 @@ impl Watcher {
                 let hello = NodeHello {
                     node: self.node.clone(),
                     software_version: env!("CARGO_PKG_VERSION").to_owned(),
+                    applied_version: self.held,
                 };
                 match self.client.watch_policy(hello).await {
-                    Ok(response) => self.stream = Some(response.into_inner()),
+                    Ok(response) => {
+                        self.stream = Some(response.into_inner());
+                        self.warned_stale = false;
+                    }
                     Err(status) => {
                         if is_fatal(&status) && refuse_fatal {
                             return Err(ControlError::Refused(status.message().to_owned()));
@@ -240,6 +257,7 @@ impl Watcher {
     /// Feeds every later snapshot into `store` until `shutdown`.
     pub async fn run(mut self, store: Arc<PolicyStore>, shutdown: CancellationToken) {
         loop {
+            self.held = store.load().version;
             let snapshot = tokio::select! {
                 () = shutdown.cancelled() => return,
                 next = self.next(false) => match next {
@@ -249,12 +267,40 @@ impl Watcher {
             };
             let version = snapshot.version;
             match store.offer(snapshot) {
-                Offer::Applied => tracing::info!(version, "applied policy snapshot"),
-                Offer::Stale => tracing::debug!(version, "ignored a stale snapshot"),
+                Offer::Applied => {
+                    self.link.stale.store(0, Ordering::Relaxed);
+                    tracing::info!(version, "applied policy snapshot");
+                }
+                Offer::Stale => self.stale(version, store.load().version),
                 Offer::Rejected(error) => {
                     tracing::error!(version, %error, "rejected policy snapshot; keeping the current one");
                 }
             }
+        }
+    }
+}
+
+impl Watcher {
+    /// A snapshot not above the one held: the same version again is normal
+    /// (a reconnect); a lower one means the control plane is behind this
+    /// node (an old control plane whose clock went back), and everything it
+    /// sends is ignored until it catches up, which must not go unnoticed.
+    fn stale(&mut self, offered: u64, held: u64) {
+        if offered == held {
+            self.link.stale.store(0, Ordering::Relaxed);
+            tracing::debug!(version = offered, "ignored a snapshot already applied");
+            return;
+        }
+        self.link.stale.store(offered, Ordering::Relaxed);
+        if !self.warned_stale {
+            self.warned_stale = true;
+            tracing::error!(
+                offered,
+                held,
+                "the control plane sends snapshot versions below the one this node holds, so                  they are all ignored (did its clock go back?); restart this data plane or                  upgrade the control plane"
+            );
+        } else {
+            tracing::debug!(offered, held, "ignored a stale snapshot");
         }
     }
 }

@@ -432,7 +432,11 @@ impl Dispatcher {
         down: bool,
         timeout: Duration,
     ) -> bool {
-        let deadline = tokio::time::Instant::now() + timeout;
+        let now = tokio::time::Instant::now();
+        // The snapshot bounds the timeout; still, never panic on the request path.
+        let deadline = now
+            .checked_add(timeout)
+            .unwrap_or(now + Duration::from_secs(86_400));
         let mut mark_down = down;
         loop {
             let freed = self.slot_freed.notified();

@@ -13,6 +13,8 @@
 //! - [`scheduler`]: tiers, fair share, caps, expiry (pure, no I/O);
 //! - [`snapshot`] and [`policy`]: the one immutable policy behind an `ArcSwap`;
 //! - [`control`]: the watch of the policy stream and the status reports;
+//! - [`supervise`]: each new snapshot applied part by part, a panic in one
+//!   part caught and reported;
 //! - [`status`], [`metrics`] and [`dashboard`]: what the data plane shows of
 //!   itself (`/queue/status`, `/queue/summary`, `/metrics`, `/dashboard`).
 
@@ -43,6 +45,7 @@ pub mod server;
 pub mod service;
 pub mod snapshot;
 pub mod status;
+pub mod supervise;
 pub mod upstream;
 
 mod run;

@@ -16,6 +16,7 @@ use crate::policy::{LogLevel, Policy};
 use crate::scheduler::Tier;
 use crate::server::{self, ListenerKind};
 use crate::snapshot::PolicyStore;
+use crate::supervise;
 
 /// How to start a data plane.
 #[derive(Debug)]
@@ -164,7 +165,8 @@ impl DataPlane {
 }
 
 /// Applies every new snapshot to the parts that keep state across
-/// snapshots (the dispatcher, the metrics' client labels, the log level),
+/// snapshots (the dispatcher, the cloud pools, the metrics' client labels,
+/// the cache, the log level), each under its own guard ([`supervise`]),
 /// until `shutdown`.
 async fn follow_policy(
     app: Arc<App>,
@@ -177,28 +179,46 @@ async fn follow_policy(
         if let (Some(LogLevelHook(apply)), Some(wanted)) = (&log_level, policy.log_level)
             && level != Some(wanted)
         {
-            level = Some(wanted);
+            // Remembered only once applied: a hook that failed is tried
+            // again (and reported again) with the next snapshot.
             apply(wanted);
+            level = Some(wanted);
         }
     };
-    follow_level(&app.store.load());
+    let store = &app.store;
+    let first = store.load();
+    supervise::apply(store, "log level", first.version, || follow_level(&first));
+    drop(first);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
-        let policy = app.store.load();
-        follow_level(&policy);
-        app.dispatcher.apply(&policy);
-        app.cloud.update(&policy);
-        app.metrics.apply(&policy);
-        reconnect_cache(&app, &policy).await;
+        // Each part under its own guard: one that fails does not keep the
+        // others (nor the next snapshot, say a pause) from being applied.
+        let policy = store.load();
+        let version = policy.version;
+        supervise::apply(store, "log level", version, || follow_level(&policy));
+        supervise::apply(store, "dispatcher", version, || {
+            app.dispatcher.apply(&policy);
+        });
+        supervise::apply(store, "cloud pools", version, || {
+            app.cloud.update(&policy);
+        });
+        supervise::apply(store, "metrics", version, || app.metrics.apply(&policy));
+        supervise::apply_async(
+            store,
+            "embedding cache",
+            version,
+            reconnect_cache(&app, &policy),
+        )
+        .await;
     }
 }
 
 /// Replaces the embedding cache when its settings changed. A backend that
-/// cannot be reached keeps the old cache (or none) and says so.
-async fn reconnect_cache(app: &App, policy: &Policy) {
+/// cannot be reached keeps the old cache (or none) and says why.
+async fn reconnect_cache(app: &App, policy: &Policy) -> Result<(), String> {
     let settings = &policy.embedding_cache;
     let current = app.cache();
     let same = current
@@ -207,11 +227,13 @@ async fn reconnect_cache(app: &App, policy: &Policy) {
     if !settings.enabled {
         app.embedding_cache.store(None);
     } else if !same {
-        match crate::cache::connect(settings).await {
-            Ok(cache) => app.embedding_cache.store(Some(Arc::new(cache))),
-            Err(error) => tracing::error!(%error, "embedding cache settings not applied"),
-        }
+        // The error names the URL with its password hidden.
+        let cache = crate::cache::connect(settings)
+            .await
+            .map_err(|error| error.to_string())?;
+        app.embedding_cache.store(Some(Arc::new(cache)));
     }
+    Ok(())
 }
 
 /// This node's report for the control plane.
@@ -309,5 +331,7 @@ fn report(app: &App) -> NodeReport {
         uptime_seconds: app.started.elapsed().as_secs(),
         software_version: env!("CARGO_PKG_VERSION").to_owned(),
         active: app.active(),
+        apply_errors: app.store.failures(),
+        stale_version: app.control.stale_version(),
     }
 }

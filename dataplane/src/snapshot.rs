@@ -5,7 +5,11 @@
 //! flight. Writers only ever move forward: a snapshot whose version is not
 //! newer than the current one is ignored, and one that fails to compile is
 //! rejected while the current one stays (the xDS ACK/NACK rule).
+//!
+//! The store also remembers, for the report, which parts of the current
+//! snapshot could not be applied (see [`crate::supervise`]).
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +26,8 @@ pub struct PolicyStore {
     // Read by the reporter only; never touched on the request path.
     rejected: Mutex<Option<Rejected>>,
     rejected_total: AtomicU64,
+    // Part name → why it is not applied; read by the reporter only.
+    failures: Mutex<BTreeMap<String, String>>,
     changed: tokio::sync::watch::Sender<u64>,
 }
 
@@ -53,6 +59,7 @@ impl PolicyStore {
             current: ArcSwap::from_pointee(initial),
             rejected: Mutex::new(None),
             rejected_total: AtomicU64::new(0),
+            failures: Mutex::new(BTreeMap::new()),
             changed,
         }
     }
@@ -116,6 +123,33 @@ impl PolicyStore {
     /// Snapshots rejected since start.
     pub fn rejected_total(&self) -> u64 {
         self.rejected_total.load(Ordering::Relaxed)
+    }
+
+    /// Records that `part` could not apply the current snapshot, and why.
+    pub fn part_failed(&self, part: &str, reason: String) {
+        if let Ok(mut failures) = self.failures.lock() {
+            failures.insert(part.to_owned(), reason);
+        }
+    }
+
+    /// Records that `part` applied the current snapshot (or is gone).
+    pub fn part_applied(&self, part: &str) {
+        if let Ok(mut failures) = self.failures.lock() {
+            failures.remove(part);
+        }
+    }
+
+    /// The parts not applied now, as "part: why" lines.
+    pub fn failures(&self) -> Vec<String> {
+        self.failures.lock().map_or_else(
+            |_| Vec::new(),
+            |failures| {
+                failures
+                    .iter()
+                    .map(|(part, reason)| format!("{part}: {reason}"))
+                    .collect()
+            },
+        )
     }
 
     /// A receiver that sees every applied version.

@@ -138,6 +138,10 @@ struct SnapshotStatus {
     version: u64,
     control_plane_connected: bool,
     last_error: Option<String>,
+    /// The version a stale stream last offered (the control plane is behind).
+    stale_version: Option<u64>,
+    /// Parts of the snapshot not applied, "part: why".
+    apply_errors: Vec<String>,
 }
 
 /// The `/queue/summary` document: exactly these ten scalars.
@@ -229,6 +233,8 @@ pub fn status(app: &App, policy: &Policy) -> Status {
             version: policy.version,
             control_plane_connected: app.control.is_connected(),
             last_error: app.control.last_error(),
+            stale_version: Some(app.control.stale_version()).filter(|v| *v != 0),
+            apply_errors: app.store.failures(),
         },
     }
 }

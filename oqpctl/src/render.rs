@@ -107,6 +107,8 @@ pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -
                         "uptime_seconds": report.uptime_seconds,
                         "rejected_version": (report.rejected_version != 0).then_some(report.rejected_version),
                         "rejected_reason": (!report.rejected_reason.is_empty()).then_some(report.rejected_reason),
+                        "apply_errors": report.apply_errors,
+                        "stale_version": (report.stale_version != 0).then_some(report.stale_version),
                     })
                 })
                 .collect();
@@ -602,6 +604,20 @@ mod tests {
         assert_eq!(value["nodes"][0]["in_sync"], true);
         assert_eq!(value["nodes"][0]["queued"], 3);
         assert_eq!(value["nodes"][0]["active"], 2);
+        assert_eq!(value["nodes"][0]["apply_errors"], json!([]));
+        assert_eq!(value["nodes"][0]["stale_version"], Value::Null);
+
+        let mut failing = sample_status();
+        let report = failing.nodes[0].report.as_mut().unwrap();
+        report.apply_errors = vec!["metrics: snapshot 42 panicked: boom".into()];
+        report.stale_version = 7;
+        let value: Value =
+            serde_json::from_str(&status(&failing, Output::Json, Style { color: false })).unwrap();
+        assert_eq!(
+            value["nodes"][0]["apply_errors"],
+            json!(["metrics: snapshot 42 panicked: boom"])
+        );
+        assert_eq!(value["nodes"][0]["stale_version"], 7);
     }
 
     #[test]

@@ -55,6 +55,7 @@ async fn control_plane(dir: &Path) -> ControlPlane {
         listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
         with_dataplane: false,
         dataplane_listener: None,
+        clock: None,
     })
     .await
     .unwrap()
@@ -264,6 +265,7 @@ async fn with_auth_off_keys_are_not_minted() {
         listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
         with_dataplane: false,
         dataplane_listener: None,
+        clock: None,
     })
     .await
     .unwrap();

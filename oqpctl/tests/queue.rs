@@ -30,6 +30,7 @@ async fn start(dir: &std::path::Path) -> ControlPlane {
         listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
         with_dataplane: true,
         dataplane_listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        clock: None,
     })
     .await
     .unwrap()

@@ -47,6 +47,7 @@ impl Stack {
             listener: Some(loopback().await),
             with_dataplane: true,
             dataplane_listener: Some(loopback().await),
+            clock: None,
         })
         .await?;
         Ok(Stack {

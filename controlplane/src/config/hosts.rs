@@ -8,7 +8,7 @@ use super::env::Env;
 use super::error::Problems;
 use super::keys;
 use super::net::{self, UrlError};
-use super::resolve::{checked, duration_at_least, ranged};
+use super::resolve::{DAY, checked, duration_within, ranged};
 use super::schema::{RawHost, RawOllama};
 use super::types::{HostConfig, OllamaConfig};
 
@@ -28,10 +28,11 @@ pub(crate) fn ollama(
              ollama.hosts[].model_sync_interval; it has no effect and can be removed",
         );
     }
-    let request_timeout = duration_at_least(
+    let request_timeout = duration_within(
         raw.request_timeout,
         OllamaConfig::DEFAULT_REQUEST_TIMEOUT,
         Duration::from_nanos(1),
+        DAY,
         "ollama.request_timeout",
         problems,
     );
@@ -157,10 +158,11 @@ fn host(
                 problems,
                 |n| format!("{path}.weight must be a positive integer, got {n}"),
             ),
-            model_sync_interval: duration_at_least(
+            model_sync_interval: duration_within(
                 raw.model_sync_interval,
                 HostConfig::DEFAULT_MODEL_SYNC_INTERVAL,
                 Duration::from_secs(1),
+                DAY,
                 &format!("{path}.model_sync_interval"),
                 problems,
             ),

@@ -66,11 +66,35 @@ pub(crate) fn at_least<T: TryFrom<i64>>(
     })
 }
 
-/// A duration of at least `min`, or `default` when absent.
+/// One day: the ceiling of most timeouts and intervals.
+pub(crate) const DAY: Duration = Duration::from_secs(86_400);
+
+/// The longest duration any key accepts unless it names a tighter bound: far
+/// beyond any sensible setting, and far below what overflows the data plane's
+/// clock arithmetic.
+pub(crate) const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
+
+/// The largest size in MiB any `*_mb` key accepts (1 TiB): its byte count fits
+/// `u64` arithmetic with room to spare.
+pub(crate) const MAX_MB: i64 = 1 << 20;
+
+/// A duration of at least `min` (and at most [`MAX_DURATION`]), or `default` when absent.
 pub(crate) fn duration_at_least(
     value: Option<Seconds>,
     default: Duration,
     min: Duration,
+    path: &str,
+    problems: &mut Problems,
+) -> Duration {
+    duration_within(value, default, min, MAX_DURATION, path, problems)
+}
+
+/// A duration in `min..=max`, or `default` when absent.
+pub(crate) fn duration_within(
+    value: Option<Seconds>,
+    default: Duration,
+    min: Duration,
+    max: Duration,
     path: &str,
     problems: &mut Problems,
 ) -> Duration {
@@ -89,8 +113,31 @@ pub(crate) fn duration_at_least(
             "{path} must be {bound}, got {}",
             scalar::show(value)
         ));
+    } else if value > max {
+        problems.error(format!(
+            "{path} must be at most {}, got {}",
+            scalar::show(max),
+            scalar::show(value)
+        ));
+        return default;
     }
     value
+}
+
+/// A size in MiB in `1..=`[`MAX_MB`], or `default` when absent.
+pub(crate) fn megabytes(
+    value: Option<Int>,
+    default: u64,
+    path: &str,
+    problems: &mut Problems,
+) -> u64 {
+    ranged(value, default, 1..=MAX_MB, problems, |n| {
+        if n < 1 {
+            format!("{path} must be >= 1, got {n}")
+        } else {
+            format!("{path} must be at most {MAX_MB} (1 TiB), got {n}")
+        }
+    })
 }
 
 /// A config word (`round_robin`, `json`, …), or `default` when absent.
@@ -139,11 +186,17 @@ pub(crate) fn proxy(raw: RawProxy, problems: &mut Problems) -> Option<ProxyConfi
                 raw.allow_model_management,
                 defaults.allow_model_management,
             ),
-            drain_timeout: raw.drain_timeout.map_or(defaults.drain_timeout, |s| s.0),
-            max_request_body_mb: at_least(
+            drain_timeout: duration_within(
+                raw.drain_timeout,
+                defaults.drain_timeout,
+                Duration::ZERO,
+                DAY,
+                "proxy.drain_timeout",
+                problems,
+            ),
+            max_request_body_mb: megabytes(
                 raw.max_request_body_mb,
                 defaults.max_request_body_mb,
-                1,
                 "proxy.max_request_body_mb",
                 problems,
             ),
@@ -167,18 +220,18 @@ pub(crate) fn queue(raw: RawQueue, problems: &mut Problems) -> Option<QueueConfi
                 defaults.overflow_status_code
             }
         },
-        max_queued_mb: at_least(
+        max_queued_mb: megabytes(
             raw.max_queued_mb,
             defaults.max_queued_mb,
-            1,
             "queue.max_queued_mb",
             problems,
         ),
         fair_share: FairShareConfig {
-            half_life: duration_at_least(
+            half_life: duration_within(
                 raw.fair_share.and_then(|f| f.half_life),
                 defaults.fair_share.half_life,
                 Duration::from_nanos(1),
+                30 * DAY,
                 "queue.fair_share.half_life",
                 problems,
             ),
@@ -191,16 +244,23 @@ fn tier(raw: Option<RawTier>, tier: Tier, problems: &mut Problems) -> TierConfig
     let raw = raw.unwrap_or_default();
     let defaults = TierConfig::default_for(tier);
     let path = format!("queue.{tier}");
-    let max_wait = duration_at_least(
+    let max_wait = duration_within(
         raw.max_wait,
         defaults.max_wait,
         Duration::from_nanos(1),
+        DAY,
         &format!("{path}.max_wait"),
         problems,
     );
     let promote_after = raw.promote_after.map(|Seconds(after)| {
         if after.is_zero() {
             problems.error(format!("{path}.promote_after must be > 0 (omit it to never promote)"));
+        } else if after > DAY {
+            problems.error(format!(
+                "{path}.promote_after must be at most {}, got {}",
+                scalar::show(DAY),
+                scalar::show(after)
+            ));
         } else if tier == Tier::High {
             problems.warn(format!("{path}.promote_after has no effect: there is no tier above high"));
         } else if after >= max_wait {
@@ -317,12 +377,20 @@ pub(crate) fn auth(
                     "auth.rate_limit.max_failures",
                     problems,
                 ),
-                window_seconds: at_least(
+                window_seconds: ranged(
                     rate_limit.window_seconds,
                     defaults.window_seconds,
-                    1,
-                    "auth.rate_limit.window_seconds",
+                    1..=86_400,
                     problems,
+                    |n| {
+                        if n < 1 {
+                            format!("auth.rate_limit.window_seconds must be >= 1, got {n}")
+                        } else {
+                            format!(
+                                "auth.rate_limit.window_seconds must be at most 86400 (1 day), got {n}"
+                            )
+                        }
+                    },
                 ),
             },
         }
@@ -366,19 +434,28 @@ pub(crate) fn routing(raw: RawRouting, problems: &mut Problems) -> Option<Routin
             "routing.fallback",
             problems,
         ),
-        model_poll_timeout: duration_at_least(
+        model_poll_timeout: duration_within(
             raw.model_poll_timeout,
             defaults.model_poll_timeout,
             Duration::from_nanos(1),
+            Duration::from_secs(3_600),
             "routing.model_poll_timeout",
             problems,
         ),
         require_host_at_start: flag(raw.require_host_at_start, defaults.require_host_at_start),
-        acquire_timeout: raw
-            .acquire_timeout
-            .map_or(defaults.acquire_timeout, |s| s.0),
+        acquire_timeout: duration_within(
+            raw.acquire_timeout,
+            defaults.acquire_timeout,
+            Duration::ZERO,
+            DAY,
+            "routing.acquire_timeout",
+            problems,
+        ),
     })
 }
+
+/// The largest `embedding_cache.max_entry_bytes` (1 GiB).
+const MAX_ENTRY_BYTES: i64 = 1 << 30;
 
 pub(crate) fn embedding_cache(
     raw: RawCache,
@@ -391,6 +468,7 @@ pub(crate) fn embedding_cache(
             None => defaults.backend.clone(),
             Some(backend) => cache_backend(&backend, problems),
         },
+        // At most MAX_DURATION (a year), like every key without a tighter bound.
         ttl: duration_at_least(
             raw.ttl,
             defaults.ttl,
@@ -398,27 +476,35 @@ pub(crate) fn embedding_cache(
             "embedding_cache.ttl",
             problems,
         ),
-        max_entry_bytes: at_least(
+        max_entry_bytes: ranged(
             raw.max_entry_bytes,
             defaults.max_entry_bytes,
-            1,
-            "embedding_cache.max_entry_bytes",
+            1..=MAX_ENTRY_BYTES,
             problems,
+            |n| {
+                if n < 1 {
+                    format!("embedding_cache.max_entry_bytes must be >= 1, got {n}")
+                } else {
+                    format!(
+                        "embedding_cache.max_entry_bytes must be at most {MAX_ENTRY_BYTES} (1 GiB), got {n}"
+                    )
+                }
+            },
         ),
         key_prefix: raw
             .key_prefix
             .map_or(defaults.key_prefix.clone(), |text| text.0),
-        connect_timeout: duration_at_least(
+        connect_timeout: duration_within(
             raw.connect_timeout,
             defaults.connect_timeout,
             Duration::from_nanos(1),
+            Duration::from_secs(3_600),
             "embedding_cache.connect_timeout",
             problems,
         ),
-        max_memory_mb: at_least(
+        max_memory_mb: megabytes(
             raw.max_memory_mb,
             defaults.max_memory_mb,
-            1,
             "embedding_cache.max_memory_mb",
             problems,
         ),
@@ -475,9 +561,15 @@ pub(crate) fn dashboard(raw: RawDashboard, problems: &mut Problems) -> Option<Da
         refresh_seconds: ranged(
             raw.refresh_seconds,
             defaults.refresh_seconds,
-            1..=i64::from(u32::MAX),
+            1..=86_400,
             problems,
-            |n| format!("dashboard.refresh_seconds must be >= 1 second, got {n}"),
+            |n| {
+                if n < 1 {
+                    format!("dashboard.refresh_seconds must be >= 1 second, got {n}")
+                } else {
+                    format!("dashboard.refresh_seconds must be at most 86400 (1 day), got {n}")
+                }
+            },
         ),
     })
 }

@@ -1010,3 +1010,112 @@ fn a_cloud_host_at_plain_http_is_warned_about() {
         "{warnings:?}"
     );
 }
+
+/// Every duration and size key, as a config with `{}` where its value goes, its path, and the
+/// largest value it accepts.
+const BOUNDED_KEYS: &[(&str, &str, &str)] = &[
+    ("proxy: {drain_timeout: {}}\n", "proxy.drain_timeout", "1d"),
+    (
+        "proxy: {max_request_body_mb: {}}\n",
+        "proxy.max_request_body_mb",
+        "1048576",
+    ),
+    (
+        "queue: {high: {max_wait: {}}}\n",
+        "queue.high.max_wait",
+        "1d",
+    ),
+    ("queue: {low: {max_wait: {}}}\n", "queue.low.max_wait", "1d"),
+    (
+        "queue: {low: {promote_after: {}, max_wait: 1d}}\n",
+        "queue.low.promote_after",
+        "1d",
+    ),
+    (
+        "queue: {max_queued_mb: {}}\n",
+        "queue.max_queued_mb",
+        "1048576",
+    ),
+    (
+        "queue: {fair_share: {half_life: {}}}\n",
+        "queue.fair_share.half_life",
+        "30d",
+    ),
+    (
+        "auth: {rate_limit: {window_seconds: {}}}\n",
+        "auth.rate_limit.window_seconds",
+        "86400",
+    ),
+    (
+        "routing: {model_poll_timeout: {}}\n",
+        "routing.model_poll_timeout",
+        "1h",
+    ),
+    (
+        "routing: {acquire_timeout: {}}\n",
+        "routing.acquire_timeout",
+        "1d",
+    ),
+    (
+        "embedding_cache: {ttl: {}}\n",
+        "embedding_cache.ttl",
+        "365d",
+    ),
+    (
+        "embedding_cache: {connect_timeout: {}}\n",
+        "embedding_cache.connect_timeout",
+        "1h",
+    ),
+    (
+        "embedding_cache: {max_memory_mb: {}}\n",
+        "embedding_cache.max_memory_mb",
+        "1048576",
+    ),
+    (
+        "embedding_cache: {max_entry_bytes: {}}\n",
+        "embedding_cache.max_entry_bytes",
+        "1073741824",
+    ),
+    (
+        "dashboard: {refresh_seconds: {}}\n",
+        "dashboard.refresh_seconds",
+        "86400",
+    ),
+];
+
+#[test]
+fn every_duration_and_size_key_has_an_upper_bound_named_in_its_error() {
+    let hosts = |sync: &str| {
+        format!(
+            "ollama:\n  request_timeout: {sync}\n  hosts:\n    - {{url: http://127.0.0.1:11434, name: local, model_sync_interval: {sync}}}\n"
+        )
+    };
+    let mut cases: Vec<(String, String, &str)> = BOUNDED_KEYS
+        .iter()
+        .map(|(yaml, path, max)| (with_host(yaml), (*path).to_owned(), *max))
+        .collect();
+    // The hosts' own keys: both in one file, each reported under its own path.
+    cases.push((hosts("{}"), "ollama.request_timeout".into(), "1d"));
+    cases.push((
+        hosts("{}"),
+        "ollama.hosts[0].model_sync_interval".into(),
+        "1d",
+    ));
+    // `embedding_cache.ttl: 40000000000` once stopped the data plane from applying snapshots.
+    for huge in ["40000000000", "18446744073709551615", "1000000y"] {
+        for (yaml, path, max) in &cases {
+            let file = yaml.replace("{}", huge);
+            let errors = problems(&file, &[]);
+            // A value past i64 (or a duration string for a count) fails as a number; the rest
+            // name the bound.
+            let named = |e: &String| {
+                e.starts_with(path.as_str()) && (e.contains("at most") || huge != "40000000000")
+            };
+            assert!(errors.iter().any(named), "{path} = {huge}: {errors:?}");
+            let file = yaml.replace("{}", max);
+            if let Err(error) = load_with(&file, &[]) {
+                panic!("{path} = {max} should load: {error}");
+            }
+        }
+    }
+}

@@ -210,6 +210,7 @@ impl AdminService for AdminApi {
             warnings.push("no upstream host answered the last poll".to_owned());
         }
         warnings.extend(self.keys.warnings(&config));
+        warnings.extend(node_warnings(&self.hub));
         Ok(Response::new(api::GetStatusResponse {
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime_seconds: self.hub.started().elapsed().as_secs(),
@@ -364,7 +365,8 @@ impl AdminService for AdminApi {
         self.authorize(&request, Scope::Management)?;
         let timeout = match request.into_inner().timeout_ms {
             0 => Duration::from_secs(300),
-            ms => Duration::from_millis(ms),
+            // The caller's choice, bounded: `Instant + u64::MAX ms` would panic.
+            ms => Duration::from_millis(ms).min(Duration::from_secs(86_400)),
         };
         let mut generation = 0;
         self.hub.update_runtime(|runtime| {
@@ -520,6 +522,35 @@ fn open_change_allowed(
         return node_token;
     };
     node_token || peer.is_loopback() || local.is_some_and(|local| local.ip().to_canonical() == peer)
+}
+
+/// What the data planes report not applying: a rejected snapshot, a part
+/// of the current one that failed (it said why), a stale stream.
+fn node_warnings(hub: &Hub) -> Vec<String> {
+    let mut warnings = Vec::new();
+    for (name, node) in hub.nodes() {
+        let report = &node.report;
+        if report.rejected_version != 0 {
+            warnings.push(format!(
+                "node {name} rejected snapshot {}: {}",
+                report.rejected_version, report.rejected_reason
+            ));
+        }
+        for error in &report.apply_errors {
+            warnings.push(format!(
+                "node {name} did not apply part of snapshot {}: {error}",
+                report.applied_version
+            ));
+        }
+        if report.stale_version != 0 {
+            warnings.push(format!(
+                "node {name} ignores this control plane's snapshots: it holds version {}, above \
+                 the {} it was sent",
+                report.applied_version, report.stale_version
+            ));
+        }
+    }
+    warnings
 }
 
 /// Waiting requests per node, and whether every reporting node has seen

@@ -84,7 +84,10 @@ impl PolicyService for PolicyApi {
         } else {
             hello.node
         };
-        tracing::info!(%node, version = %hello.software_version, "data plane watching");
+        tracing::info!(%node, version = %hello.software_version, held = hello.applied_version, "data plane watching");
+        // Before subscribing, so that the stream's first snapshot is already
+        // above what the node holds.
+        self.hub.adopt_version(&node, hello.applied_version);
         self.hub.watch_changed(&node, true);
         let guard = WatchGuard {
             hub: self.hub.clone(),

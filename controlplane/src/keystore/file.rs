@@ -15,7 +15,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// The file's content, or `None` if it does not exist yet.
-pub(super) fn read(path: &Path) -> io::Result<Option<Vec<u8>>> {
+pub(crate) fn read(path: &Path) -> io::Result<Option<Vec<u8>>> {
     match fs::read(path) {
         Ok(bytes) => Ok(Some(bytes)),
         Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
@@ -31,7 +31,7 @@ pub(super) fn shared_mode(path: &Path) -> Option<u32> {
 
 /// Replaces `path` with `contents`: old or new content survive a crash,
 /// nothing in between. Creates the directory (mode 0700) if needed.
-pub(super) fn write_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
+pub(crate) fn write_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
     let dir = parent(path);
     if !dir.exists() {
         fs::DirBuilder::new()
@@ -53,7 +53,7 @@ pub(super) fn write_atomic(path: &Path, contents: &[u8]) -> io::Result<()> {
 }
 
 /// Removes temporaries a crash left beside `path`.
-pub(super) fn remove_temporaries(path: &Path) {
+pub(crate) fn remove_temporaries(path: &Path) {
     let Some(prefix) = temporary_prefix(path) else {
         return;
     };

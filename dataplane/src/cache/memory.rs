@@ -50,7 +50,11 @@ impl Memory {
     }
 
     fn now(&self) -> Instant {
-        Instant::now() + Duration::from_millis(self.offset_ms.load(Ordering::Relaxed))
+        let now = Instant::now();
+        now.checked_add(Duration::from_millis(
+            self.offset_ms.load(Ordering::Relaxed),
+        ))
+        .unwrap_or(now)
     }
 
     /// Moves this store's clock forward.
@@ -80,7 +84,10 @@ impl Memory {
 
     /// Stores each `(key, vector)`.
     pub async fn set_many(&self, entries: &[(String, Bytes)]) {
-        let expires = self.now() + self.ttl;
+        // The snapshot bounds the ttl; an unrepresentable deadline is "never".
+        let Some(expires) = self.now().checked_add(self.ttl) else {
+            return;
+        };
         for (key, vector) in entries {
             let entry = Entry {
                 vector: vector.clone(),

@@ -39,16 +39,30 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
         let proxy = ProxySettings {
             max_concurrent: proxy.max_concurrent,
             allow_model_management: proxy.allow_model_management,
-            max_request_body_bytes: proxy.max_request_body_bytes,
-            request_timeout: millis(proxy.request_timeout_ms, Duration::from_secs(300)),
-            drain_timeout: millis(proxy.drain_timeout_ms, Duration::from_secs(30)),
+            max_request_body_bytes: bytes(
+                proxy.max_request_body_bytes,
+                "proxy.max_request_body_bytes",
+            )?,
+            request_timeout: millis(
+                proxy.request_timeout_ms,
+                Duration::from_secs(300),
+                "proxy.request_timeout_ms",
+            )?,
+            drain_timeout: millis(
+                proxy.drain_timeout_ms,
+                Duration::from_secs(30),
+                "proxy.drain_timeout_ms",
+            )?,
         };
 
         let auth = snapshot.auth.unwrap_or_default();
         let auth = AuthSettings {
             enabled: auth.enabled,
             max_failures: auth.rate_limit_max_failures,
-            window: Duration::from_secs(u64::from(auth.rate_limit_window_seconds.max(1))),
+            window: seconds(
+                u64::from(auth.rate_limit_window_seconds.max(1)),
+                "auth.rate_limit_window_seconds",
+            )?,
         };
 
         let mut clients = HashMap::new();
@@ -94,7 +108,11 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                     )));
                 }
             },
-            acquire_timeout: millis(routing.acquire_timeout_ms, Duration::from_secs(5)),
+            acquire_timeout: millis(
+                routing.acquire_timeout_ms,
+                Duration::from_secs(5),
+                "routing.acquire_timeout_ms",
+            )?,
         };
 
         let keep_alive = snapshot.keep_alive.unwrap_or_default();
@@ -124,18 +142,25 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
         let embedding_cache = CacheSettings {
             enabled: cache.enabled,
             backend,
-            ttl: Duration::from_secs(cache.ttl_seconds.max(1)),
-            max_entry_bytes: cache.max_entry_bytes,
+            ttl: seconds(cache.ttl_seconds.max(1), "embedding_cache.ttl_seconds")?,
+            max_entry_bytes: bytes(cache.max_entry_bytes, "embedding_cache.max_entry_bytes")?,
             key_prefix: cache.key_prefix,
-            connect_timeout: millis(cache.connect_timeout_ms, Duration::from_secs(2)),
-            max_memory_bytes: cache.max_memory_bytes,
+            connect_timeout: millis(
+                cache.connect_timeout_ms,
+                Duration::from_secs(2),
+                "embedding_cache.connect_timeout_ms",
+            )?,
+            max_memory_bytes: bytes(cache.max_memory_bytes, "embedding_cache.max_memory_bytes")?,
             per_client: cache.per_client,
         };
 
         let dashboard = snapshot.dashboard.unwrap_or_default();
         let dashboard = DashboardSettings {
             enabled: dashboard.enabled,
-            refresh: Duration::from_secs(u64::from(dashboard.refresh_seconds.max(1))),
+            refresh: seconds(
+                u64::from(dashboard.refresh_seconds.max(1)),
+                "dashboard.refresh_seconds",
+            )?,
         };
 
         let mut injection_listeners = Vec::new();
@@ -237,10 +262,18 @@ fn convert_queue(queue: wire::QueueSettings) -> Result<QueueSettings, PolicyErro
         }
         Ok(TierSettings {
             max_depth: settings.max_depth,
-            max_wait: Duration::from_millis(settings.max_wait_ms),
+            max_wait: bounded(
+                Duration::from_millis(settings.max_wait_ms),
+                &format!("queue.{name}.max_wait_ms"),
+            )?,
             high_watermark_pct: settings.high_watermark_pct,
-            promote_after: (settings.promote_after_ms > 0)
-                .then(|| Duration::from_millis(settings.promote_after_ms)),
+            promote_after: match settings.promote_after_ms {
+                0 => None,
+                ms => Some(bounded(
+                    Duration::from_millis(ms),
+                    &format!("queue.{name}.promote_after_ms"),
+                )?),
+            },
             paused: settings.paused,
             flush_generation: settings.flush_generation,
         })
@@ -261,8 +294,12 @@ fn convert_queue(queue: wire::QueueSettings) -> Result<QueueSettings, PolicyErro
             tier_settings(queue.low, "low")?,
         ],
         overflow_status,
-        max_queued_bytes: queue.max_queued_bytes,
-        fair_share_half_life: millis(queue.fair_share_half_life_ms, Duration::from_secs(60)),
+        max_queued_bytes: bytes(queue.max_queued_bytes, "queue.max_queued_bytes")?,
+        fair_share_half_life: millis(
+            queue.fair_share_half_life_ms,
+            Duration::from_secs(60),
+            "queue.fair_share_half_life_ms",
+        )?,
         drain_generation: queue.drain_generation,
     })
 }
@@ -346,12 +383,46 @@ fn tier(value: i32, unspecified: Tier) -> Option<Tier> {
     }
 }
 
-fn millis(value: u64, default: Duration) -> Duration {
+/// The longest duration a snapshot may carry. The control plane's bounds
+/// are tighter; this one keeps every `Instant + duration` and every timer
+/// the data plane derives from a snapshot far from overflow, whoever sent it.
+pub const MAX_DURATION: Duration = Duration::from_secs(366 * 86_400);
+
+/// The largest byte count a snapshot may carry (1 TiB).
+pub const MAX_BYTES: u64 = 1 << 40;
+
+/// `value` milliseconds, `default` when 0.
+fn millis(value: u64, default: Duration, path: &str) -> Result<Duration, PolicyError> {
     if value == 0 {
-        default
+        Ok(default)
     } else {
-        Duration::from_millis(value)
+        bounded(Duration::from_millis(value), path)
     }
+}
+
+fn seconds(value: u64, path: &str) -> Result<Duration, PolicyError> {
+    bounded(Duration::from_secs(value), path)
+}
+
+fn bounded(duration: Duration, path: &str) -> Result<Duration, PolicyError> {
+    if duration > MAX_DURATION {
+        return Err(PolicyError::new(format!(
+            "{path}: {} s is above the limit of {} s (366 days)",
+            duration.as_secs(),
+            MAX_DURATION.as_secs()
+        )));
+    }
+    Ok(duration)
+}
+
+/// A byte count that fits both the limit and this machine's `usize`.
+fn bytes(value: u64, path: &str) -> Result<u64, PolicyError> {
+    if value > MAX_BYTES || usize::try_from(value).is_err() {
+        return Err(PolicyError::new(format!(
+            "{path}: {value} is above the limit of {MAX_BYTES} bytes (1 TiB)"
+        )));
+    }
+    Ok(value)
 }
 
 fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {
@@ -365,4 +436,128 @@ fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {
             .map_err(|_| format!("'{other}' is not an IP address"))?,
     };
     Ok(SocketAddr::new(ip, port))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn minimal() -> wire::PolicySnapshot {
+        wire::PolicySnapshot {
+            version: 1,
+            listener: Some(wire::Listener {
+                host: "127.0.0.1".into(),
+                port: 0,
+            }),
+            proxy: Some(wire::ProxySettings {
+                max_concurrent: 1,
+                ..Default::default()
+            }),
+            hosts: vec![wire::Host {
+                name: "gpu".into(),
+                url: "http://127.0.0.1:1".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    type Edit = fn(&mut wire::PolicySnapshot, u64);
+
+    /// Every duration and size field, with the path its rejection names.
+    const FIELDS: &[(&str, Edit)] = &[
+        ("proxy.request_timeout_ms", |s, v| {
+            s.proxy.as_mut().unwrap().request_timeout_ms = v;
+        }),
+        ("proxy.drain_timeout_ms", |s, v| {
+            s.proxy.as_mut().unwrap().drain_timeout_ms = v;
+        }),
+        ("proxy.max_request_body_bytes", |s, v| {
+            s.proxy.as_mut().unwrap().max_request_body_bytes = v;
+        }),
+        ("auth.rate_limit_window_seconds", |s, v| {
+            s.auth.get_or_insert_default().rate_limit_window_seconds =
+                u32::try_from(v).unwrap_or(u32::MAX);
+        }),
+        ("queue.high.max_wait_ms", |s, v| {
+            s.queue
+                .get_or_insert_default()
+                .high
+                .get_or_insert_default()
+                .max_wait_ms = v;
+        }),
+        ("queue.low.promote_after_ms", |s, v| {
+            let low = s.queue.get_or_insert_default().low.get_or_insert_default();
+            low.promote_after_ms = v;
+        }),
+        ("queue.max_queued_bytes", |s, v| {
+            s.queue.get_or_insert_default().max_queued_bytes = v;
+        }),
+        ("queue.fair_share_half_life_ms", |s, v| {
+            s.queue.get_or_insert_default().fair_share_half_life_ms = v;
+        }),
+        ("routing.acquire_timeout_ms", |s, v| {
+            s.routing.get_or_insert_default().acquire_timeout_ms = v;
+        }),
+        ("embedding_cache.ttl_seconds", |s, v| {
+            s.embedding_cache.get_or_insert_default().ttl_seconds = v;
+        }),
+        ("embedding_cache.connect_timeout_ms", |s, v| {
+            s.embedding_cache.get_or_insert_default().connect_timeout_ms = v;
+        }),
+        ("embedding_cache.max_entry_bytes", |s, v| {
+            s.embedding_cache.get_or_insert_default().max_entry_bytes = v;
+        }),
+        ("embedding_cache.max_memory_bytes", |s, v| {
+            s.embedding_cache.get_or_insert_default().max_memory_bytes = v;
+        }),
+        ("dashboard.refresh_seconds", |s, v| {
+            s.dashboard.get_or_insert_default().refresh_seconds =
+                u32::try_from(v).unwrap_or(u32::MAX);
+        }),
+    ];
+
+    #[test]
+    fn out_of_range_durations_and_sizes_are_rejected_by_name() {
+        for (path, edit) in FIELDS {
+            let mut snapshot = minimal();
+            edit(&mut snapshot, u64::MAX);
+            let error = Policy::try_from(snapshot).expect_err(path).to_string();
+            assert!(error.contains(path), "{path}: {error}");
+            assert!(error.contains("above the limit"), "{path}: {error}");
+        }
+        // The value that once panicked the data plane's cache.
+        let mut snapshot = minimal();
+        snapshot.embedding_cache = Some(wire::EmbeddingCacheSettings {
+            enabled: true,
+            ttl_seconds: 40_000_000_000,
+            ..Default::default()
+        });
+        assert!(Policy::try_from(snapshot).is_err());
+    }
+
+    #[tokio::test]
+    async fn the_largest_accepted_values_build_every_part_without_panicking() {
+        let mut snapshot = minimal();
+        for (_, edit) in FIELDS {
+            edit(&mut snapshot, 1);
+        }
+        let cache = snapshot.embedding_cache.get_or_insert_default();
+        cache.enabled = true;
+        cache.ttl_seconds = MAX_DURATION.as_secs();
+        cache.max_memory_bytes = MAX_BYTES;
+        cache.max_entry_bytes = MAX_BYTES;
+        let proxy = snapshot.proxy.get_or_insert_default();
+        proxy.request_timeout_ms = u64::try_from(MAX_DURATION.as_millis()).unwrap();
+        let policy = Policy::try_from(snapshot).unwrap();
+        let cache = crate::cache::connect(&policy.embedding_cache)
+            .await
+            .unwrap();
+        let keys = vec!["k".to_owned()];
+        cache
+            .store(vec![(keys[0].clone(), bytes::Bytes::from_static(b"[1]"))])
+            .await;
+        assert!(cache.lookup(&keys).await[0].is_some());
+    }
 }

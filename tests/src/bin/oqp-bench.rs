@@ -134,6 +134,7 @@ async fn single_box(config: PathBuf) -> anyhow::Result<()> {
         listener: None,
         with_dataplane: true,
         dataplane_listener: None,
+        clock: None,
     })
     .await?;
     until_signalled().await?;

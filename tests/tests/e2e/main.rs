@@ -18,5 +18,6 @@ mod paths;
 mod reliability;
 mod routing;
 mod scheduling;
+mod snapshots;
 mod support;
 mod tenancy;

@@ -54,6 +54,7 @@ async fn a_control_plane_restart_under_load_fails_no_request() {
             listener: Some(listener),
             with_dataplane: false,
             dataplane_listener: None,
+            clock: None,
         })
     };
     let mut control = start(harness::loopback().await).await.unwrap();
