@@ -167,8 +167,18 @@ async fn forward(
 
     let (parts, incoming) = request.into_parts();
     let limit = policy.proxy.max_request_body_bytes;
+    // Held until this request has an answer's head (or is refused): the
+    // body is in memory all that time.
+    let mut reservation = app.body_budget.reserve(policy.queue.max_queued_bytes);
     let body = if endpoint.reads_body() {
-        RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, limit).await?)
+        let read = proxy::BodyRead {
+            limit,
+            timeout: policy.proxy.body_read_timeout,
+            reservation: &mut reservation,
+        };
+        let client = client_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
+        let over_budget = || app.dispatcher.over_capacity(tier, &client);
+        RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
     } else {
         RequestBody::Streamed(proxy::stream_body(incoming, &parts.headers, limit)?)
     };
@@ -299,7 +309,12 @@ async fn send_granted(
         drop(lease);
     });
     let guard: Box<dyn Send + Sync> = Box::new((active, guards));
-    let mut response = proxy::respond(answer, Some(guard), Some(completion));
+    let mut response = proxy::respond(
+        answer,
+        Some(guard),
+        Some(completion),
+        policy.proxy.upstream_stall_timeout,
+    );
     for (name, value) in wait_header.into_iter().chain(extra_headers) {
         response.headers_mut().insert(name, value);
     }
@@ -353,7 +368,12 @@ async fn metadata(
     for _ in &answer.failed {
         app.metrics.failover();
     }
-    Ok(proxy::respond(answer, Some(Box::new(active)), None))
+    Ok(proxy::respond(
+        answer,
+        Some(Box::new(active)),
+        None,
+        policy.proxy.upstream_stall_timeout,
+    ))
 }
 
 /// Asks every host at once and merges their model lists.

@@ -42,6 +42,24 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             max_request_body_bytes: proxy.max_request_body_bytes,
             request_timeout: millis(proxy.request_timeout_ms, Duration::from_secs(300)),
             drain_timeout: millis(proxy.drain_timeout_ms, Duration::from_secs(30)),
+            connections: ConnectionLimits {
+                max_connections: count(proxy.max_connections, 1024),
+                max_per_ip: count(proxy.max_connections_per_ip, 256),
+                first_request_timeout: bounded(
+                    proxy.first_request_timeout_ms,
+                    Duration::from_secs(10),
+                ),
+                idle_timeout: bounded(proxy.idle_timeout_ms, Duration::from_secs(60)),
+                client_stall_timeout: bounded(
+                    proxy.client_stall_timeout_ms,
+                    Duration::from_secs(60),
+                ),
+            },
+            body_read_timeout: bounded(proxy.body_read_timeout_ms, Duration::from_secs(30)),
+            upstream_stall_timeout: bounded(
+                proxy.upstream_stall_timeout_ms,
+                Duration::from_secs(60),
+            ),
         };
 
         let auth = snapshot.auth.unwrap_or_default();
@@ -352,6 +370,17 @@ fn millis(value: u64, default: Duration) -> Duration {
     } else {
         Duration::from_millis(value)
     }
+}
+
+/// A connection timeout: the default when unset (an older control plane),
+/// at most a day.
+fn bounded(value: u64, default: Duration) -> Duration {
+    millis(value, default).min(Duration::from_secs(24 * 60 * 60))
+}
+
+/// A connection cap: the default when unset (an older control plane).
+fn count(value: u32, default: u32) -> u32 {
+    if value == 0 { default } else { value }
 }
 
 fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {
