@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod bench_smoke;
+mod connections;
 mod embeddings;
 mod foundation;
 mod hosts;
@@ -17,5 +18,6 @@ mod observability;
 mod reliability;
 mod routing;
 mod scheduling;
+mod stalls;
 mod support;
 mod tenancy;
