@@ -44,7 +44,7 @@ pub struct App {
     /// Prometheus metrics (`/metrics`).
     pub metrics: Metrics,
     /// Buffered request bodies, counted against `queue.max_queued_mb`.
-    pub body_budget: Arc<crate::budget::BodyBudget>,
+    pub body_budget: crate::budget::BodyBudget,
     /// Open client connections, counted against the caps by every listener.
     pub connections: Arc<crate::server::limits::Connections>,
     shutting_down: AtomicBool,
@@ -72,7 +72,7 @@ impl App {
             },
             metrics: Metrics::new(&policy),
             connections: Arc::default(),
-            body_budget: Arc::default(),
+            body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             admin,
             node: Arc::from(node),

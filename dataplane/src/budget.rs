@@ -8,7 +8,6 @@
 //! check, a body that arrives when nothing else is held is taken whatever
 //! its size, or it could never run.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Bytes of buffered bodies held now.
@@ -17,10 +16,11 @@ pub struct BodyBudget {
     used: AtomicU64,
 }
 
-/// One body's share of the budget, returned when dropped.
+/// One body's share of the budget, returned when dropped. It borrows the
+/// budget: a request with no body touches no shared counter at all.
 #[derive(Debug)]
-pub struct Reservation {
-    budget: Arc<BodyBudget>,
+pub struct Reservation<'a> {
+    budget: &'a BodyBudget,
     limit: u64,
     bytes: u64,
 }
@@ -32,9 +32,9 @@ pub struct OverBudget;
 
 impl BodyBudget {
     /// An empty reservation against at most `limit` bytes in all.
-    pub fn reserve(self: &Arc<Self>, limit: u64) -> Reservation {
+    pub fn reserve(&self, limit: u64) -> Reservation<'_> {
         Reservation {
-            budget: self.clone(),
+            budget: self,
             limit,
             bytes: 0,
         }
@@ -46,7 +46,7 @@ impl BodyBudget {
     }
 }
 
-impl Reservation {
+impl Reservation<'_> {
     /// Bytes this body holds.
     pub fn bytes(&self) -> u64 {
         self.bytes
@@ -75,9 +75,12 @@ impl Reservation {
     }
 }
 
-impl Drop for Reservation {
+impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         let bytes = self.bytes;
+        if bytes == 0 {
+            return;
+        }
         let _ = self
             .budget
             .used
@@ -93,7 +96,7 @@ mod tests {
 
     #[test]
     fn bodies_share_one_limit_and_a_lone_body_always_fits() {
-        let budget = Arc::new(BodyBudget::default());
+        let budget = BodyBudget::default();
         let mut big = budget.reserve(100);
         assert!(big.grow_to(150).is_ok(), "alone, any size fits");
         let mut other = budget.reserve(100);

@@ -30,14 +30,14 @@ pub enum RequestBody {
 
 /// How a whole request body is read.
 #[derive(Debug)]
-pub struct BodyRead<'a> {
+pub struct BodyRead<'a, 'b> {
     /// Most bytes accepted (413 above).
     pub limit: u64,
     /// Time for the whole body to arrive (408 after).
     pub timeout: Duration,
     /// The body's share of the byte budget, grown as bytes arrive (or at
     /// once by the declared length).
-    pub reservation: &'a mut Reservation,
+    pub reservation: &'a mut Reservation<'b>,
 }
 
 /// Reads a request body whole, refusing more than `read.limit` bytes with
@@ -47,7 +47,7 @@ pub struct BodyRead<'a> {
 pub async fn read_body(
     body: Incoming,
     headers: &http::HeaderMap,
-    read: BodyRead<'_>,
+    read: BodyRead<'_, '_>,
     over_budget: impl FnOnce() -> ProxyError,
 ) -> Result<Bytes, ProxyError> {
     let declared = declared_length(headers);
@@ -80,13 +80,13 @@ pub async fn read_body(
 }
 
 /// A body being read, counted against the byte budget frame by frame.
-struct Metered<'a, B> {
+struct Metered<'a, 'b, B> {
     inner: B,
-    reservation: &'a mut Reservation,
+    reservation: &'a mut Reservation<'b>,
     received: u64,
 }
 
-impl<B> http_body::Body for Metered<'_, B>
+impl<B> http_body::Body for Metered<'_, '_, B>
 where
     B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
 {

@@ -402,7 +402,16 @@ async fn union_response(
             if !response.status().is_success() {
                 return None;
             }
-            let bytes = response.into_body().collect().await.ok()?.to_bytes();
+            // Bounded like any upstream body: a host that sends its head
+            // and then nothing must not hold the union.
+            let bytes = tokio::time::timeout(
+                policy.proxy.upstream_stall_timeout,
+                response.into_body().collect(),
+            )
+            .await
+            .ok()?
+            .ok()?
+            .to_bytes();
             serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
                 .map(|value| (host.name.clone(), value))

@@ -43,8 +43,8 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             request_timeout: millis(proxy.request_timeout_ms, Duration::from_secs(300)),
             drain_timeout: millis(proxy.drain_timeout_ms, Duration::from_secs(30)),
             connections: ConnectionLimits {
-                max_connections: count(proxy.max_connections, 1024),
-                max_per_ip: count(proxy.max_connections_per_ip, 256),
+                max_connections: count(proxy.max_connections, 4096),
+                max_per_ip: count(proxy.max_connections_per_ip, 1024),
                 first_request_timeout: bounded(
                     proxy.first_request_timeout_ms,
                     Duration::from_secs(10),

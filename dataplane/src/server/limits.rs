@@ -116,6 +116,46 @@ fn bucket(peer: IpAddr) -> IpAddr {
     }
 }
 
+/// File descriptors the process needs besides client connections (upstream
+/// pools, the control-plane link, Redis, the cache): with fewer to spare,
+/// `accept` could fail before the connection cap is reached.
+const SPARE_DESCRIPTORS: u64 = 512;
+
+/// Raises the process's soft open-file limit to its hard limit, once (as
+/// Go's runtime, and so Ollama, does at start): the usual soft limit of 1024
+/// would make `accept` fail long before `proxy.max_connections`. Warns when
+/// `max_connections` still does not fit.
+pub fn raise_open_file_limit(max_connections: u32) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    static RAISED: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    // `None` is "unlimited".
+    let soft = *RAISED.get_or_init(|| {
+        let mut limit = getrlimit(Resource::Nofile);
+        let below_hard = match (limit.current, limit.maximum) {
+            (Some(current), Some(maximum)) => current < maximum,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if below_hard {
+            limit.current = limit.maximum;
+            if let Err(error) = setrlimit(Resource::Nofile, limit) {
+                tracing::debug!(%error, "cannot raise the open-file limit");
+            }
+        }
+        getrlimit(Resource::Nofile).current
+    });
+    if let Some(soft) = soft
+        && soft < u64::from(max_connections) + SPARE_DESCRIPTORS
+    {
+        tracing::warn!(
+            open_file_limit = soft,
+            max_connections,
+            "the open-file limit is too low for proxy.max_connections; \
+             raise it (ulimit -n, LimitNOFILE) or lower max_connections"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;

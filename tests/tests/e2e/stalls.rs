@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use oqp_tests::client::{HttpClient, eventually};
-use oqp_tests::fake::{FakeOllama, Failure};
+use oqp_tests::fake::{Failure, FakeOllama};
 use oqp_tests::harness::Stack;
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,7 +33,11 @@ fn generate(stream: bool) -> Value {
 async fn assert_slot_free(stack: &Stack, http: &HttpClient) {
     let reply = tokio::time::timeout(
         PATIENCE,
-        http.post_json(&format!("{}/api/generate", stack.url()), &[], &generate(false)),
+        http.post_json(
+            &format!("{}/api/generate", stack.url()),
+            &[],
+            &generate(false),
+        ),
     )
     .await
     .expect("the next request was never served: the slot is still held");
@@ -48,18 +52,22 @@ async fn assert_slot_free(stack: &Stack, http: &HttpClient) {
 
 #[tokio::test]
 async fn an_upstream_silent_mid_stream_ends_it_in_band_and_frees_the_slot() {
-    let fake = FakeOllama::builder().model("llama3").tokens(10).spawn().await;
-    let stack = Stack::start(&config(
-        &fake.url(),
-        "  upstream_stall_timeout: 0.3\n",
-        "",
-    ))
-    .await;
-    fake.handle().fail_next(Failure::StallMidStream { after_lines: 2 });
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .tokens(10)
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), "  upstream_stall_timeout: 0.3\n", "")).await;
+    fake.handle()
+        .fail_next(Failure::StallMidStream { after_lines: 2 });
     let http = HttpClient::new();
     let (status, _, lines) = tokio::time::timeout(
         PATIENCE,
-        http.post_lines(&format!("{}/api/generate", stack.url()), &[], &generate(true)),
+        http.post_lines(
+            &format!("{}/api/generate", stack.url()),
+            &[],
+            &generate(true),
+        ),
     )
     .await
     .expect("the stalled stream never ended");
@@ -207,10 +215,7 @@ async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
     let failed_over = ask("both");
     // (The control plane's polls reach the fake too: count generates only.)
     assert!(
-        eventually(PATIENCE, || a
-            .handle()
-            .requests_to("/api/generate")
-            .len()
+        eventually(PATIENCE, || a.handle().requests_to("/api/generate").len()
             == 1)
         .await,
         "the request never reached a"
