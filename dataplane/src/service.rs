@@ -176,8 +176,10 @@ async fn forward(
             timeout: policy.proxy.body_read_timeout,
             reservation: &mut reservation,
         };
-        let client = client_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
-        let over_budget = || app.dispatcher.over_capacity(tier, &client);
+        let over_budget = || {
+            let client = client_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
+            app.dispatcher.over_capacity(tier, &client)
+        };
         RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
     } else {
         RequestBody::Streamed(proxy::stream_body(incoming, &parts.headers, limit)?)
