@@ -124,6 +124,13 @@ pub fn snapshot(
             max_request_body_bytes: config.proxy.max_request_body_bytes(),
             request_timeout_ms: millis(config.ollama.request_timeout),
             drain_timeout_ms: millis(config.proxy.drain_timeout),
+            max_connections: config.proxy.max_connections,
+            max_connections_per_ip: config.proxy.max_connections_per_ip,
+            first_request_timeout_ms: millis(config.proxy.first_request_timeout),
+            idle_timeout_ms: millis(config.proxy.idle_timeout),
+            body_read_timeout_ms: millis(config.proxy.body_read_timeout),
+            upstream_stall_timeout_ms: millis(config.proxy.upstream_stall_timeout),
+            client_stall_timeout_ms: millis(config.proxy.client_stall_timeout),
         }),
         auth: Some(wire::AuthSettings {
             enabled: config.auth.enabled,

@@ -43,6 +43,10 @@ pub struct App {
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
     pub metrics: Metrics,
+    /// Buffered request bodies, counted against `queue.max_queued_mb`.
+    pub body_budget: crate::budget::BodyBudget,
+    /// Open client connections, counted against the caps by every listener.
+    pub connections: Arc<crate::server::limits::Connections>,
     shutting_down: AtomicBool,
     active: AtomicU32,
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
@@ -67,6 +71,8 @@ impl App {
                 pools
             },
             metrics: Metrics::new(&policy),
+            connections: Arc::default(),
+            body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             admin,
             node: Arc::from(node),

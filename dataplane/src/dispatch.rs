@@ -424,7 +424,8 @@ impl Dispatcher {
 
     /// Like [`fail_over`](Self::fail_over), but when the other hosts are
     /// only busy, waits (at most `timeout`) for one of their slots to free
-    /// instead of giving up. False when no other host can ever take it.
+    /// instead of giving up, having released the failed host's slot. False
+    /// when no other host can ever take it (the lease then holds no slot).
     pub async fn fail_over_wait(
         &self,
         lease: &mut Lease,
@@ -446,6 +447,10 @@ impl Dispatcher {
                 return true;
             }
             mark_down = false;
+            // The failed host's slot is free for others at once, not when
+            // this request ends: waiting here for another host must not
+            // keep a host it has left.
+            drop(lease.placement.take());
             let candidate_left = self
                 .lock()
                 .router
@@ -459,6 +464,12 @@ impl Dispatcher {
                 return false;
             }
         }
+    }
+
+    /// The refusal of a request whose body does not fit the byte budget of
+    /// buffered bodies: the queue's own over-capacity answer and event.
+    pub fn over_capacity(&self, tier: Tier, client: &Arc<str>) -> ProxyError {
+        self.lock().refusal(Rejection::OverCapacity, tier, client)
     }
 
     /// Removes `(host, model)` from routing after Ollama answered "model not

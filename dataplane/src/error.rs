@@ -95,6 +95,9 @@ pub enum ProxyError {
     /// The path is not served (disabled dashboard).
     #[error("Not Found")]
     NotFound,
+    /// The whole request body did not arrive within `proxy.body_read_timeout`.
+    #[error("request body not received within the body read timeout")]
+    BodyTimeout,
 }
 
 impl ProxyError {
@@ -114,6 +117,7 @@ impl ProxyError {
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,
+            Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::TierPaused(_)
             | Self::Expired
             | Self::Flushed

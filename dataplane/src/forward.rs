@@ -33,6 +33,11 @@ use crate::upstream::UpstreamError;
 /// Bytes of an error body read to classify it.
 const PEEK_LIMIT: usize = 16 * 1024;
 
+/// Time allowed to read an error body to classify it: an error answer is
+/// small, and a host that sends its head but not its body must not hold the
+/// request (and its slot) for the request timeout.
+const PEEK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// An upstream answer, plus what must live as long as its body and the
 /// headers it adds.
 pub struct Forwarded {
@@ -153,7 +158,7 @@ async fn send_local(
     let mut answer = Answer::new(host.clone(), response);
     let status = answer.response.status();
     if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::NOT_FOUND {
-        let bytes = peek(&mut answer).await;
+        let bytes = peek(&mut answer.response, PEEK_TIMEOUT).await;
         if status == StatusCode::SERVICE_UNAVAILABLE && is_busy(&bytes) {
             return Ok(Sent::Busy(answer));
         }
@@ -246,7 +251,7 @@ async fn send_cloud(
             };
             let mut answer = Answer::new(host.clone(), response);
             if !answer.response.status().is_success() {
-                let bytes = peek(&mut answer).await;
+                let bytes = peek(&mut answer.response, PEEK_TIMEOUT).await;
                 if !candidate.is_empty() && is_model_not_found(answer.response.status(), &bytes) {
                     // The model is gone whatever the key: try the next candidate.
                     attempts.succeed(&attempt);
@@ -344,24 +349,30 @@ fn set_bearer(headers: &mut http::HeaderMap, key: &str) {
     }
 }
 
-/// Reads an (error) answer's body, at most [`PEEK_LIMIT`] bytes, and puts it
-/// back so that the answer can still be passed on unchanged.
-async fn peek(answer: &mut Answer) -> Bytes {
-    let mut body = std::mem::replace(answer.response.body_mut(), body::empty());
+/// Reads an (error) answer's body, at most [`PEEK_LIMIT`] bytes and
+/// `timeout` long, and puts what it read back so that the answer can still
+/// be passed on (unchanged unless it was cut short).
+async fn peek(response: &mut Response<Body>, timeout: std::time::Duration) -> Bytes {
+    let mut body = std::mem::replace(response.body_mut(), body::empty());
     let mut bytes = bytes::BytesMut::new();
-    while bytes.len() < PEEK_LIMIT {
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Some(data) = frame.data_ref() {
-                    bytes.extend_from_slice(data);
+    let read = async {
+        while bytes.len() < PEEK_LIMIT {
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        bytes.extend_from_slice(data);
+                    }
                 }
+                Some(Err(_)) | None => break,
             }
-            Some(Err(_)) | None => break,
         }
+    };
+    if tokio::time::timeout(timeout, read).await.is_err() {
+        tracing::warn!("an upstream error body did not arrive in time; passing on what came");
     }
     let bytes = bytes.freeze();
-    answer.response.headers_mut().remove(header::CONTENT_LENGTH);
-    *answer.response.body_mut() = body::full(bytes.clone());
+    response.headers_mut().remove(header::CONTENT_LENGTH);
+    *response.body_mut() = body::full(bytes.clone());
     bytes
 }
 
@@ -411,6 +422,20 @@ pub fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn peek_gives_up_on_an_error_body_that_stalls() {
+        use futures_util::StreamExt;
+        let first = futures_util::stream::iter([Ok::<_, crate::body::BoxError>(
+            http_body::Frame::data(Bytes::from_static(br#"{"error":"#)),
+        )]);
+        let stalled = first.chain(futures_util::stream::pending());
+        let mut response = Response::new(BodyExt::boxed(http_body_util::StreamBody::new(stalled)));
+        let bytes = peek(&mut response, std::time::Duration::from_millis(50)).await;
+        assert_eq!(&bytes[..], br#"{"error":"#);
+        let passed_on = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(passed_on, bytes, "what was read is passed on");
+    }
 
     #[test]
     fn recognises_ollamas_busy_answer() {

@@ -21,6 +21,7 @@
 pub mod app;
 pub mod auth;
 pub mod body;
+pub mod budget;
 pub mod cache;
 pub mod cloud;
 pub mod control;

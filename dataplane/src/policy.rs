@@ -116,6 +116,28 @@ pub struct ProxySettings {
     pub request_timeout: Duration,
     /// How long shutdown lets in-flight work finish.
     pub drain_timeout: Duration,
+    /// Connection caps and timeouts of the listeners.
+    pub connections: ConnectionLimits,
+    /// Time to receive a whole buffered request body (408 after).
+    pub body_read_timeout: Duration,
+    /// Longest upstream silence between two response body frames.
+    pub upstream_stall_timeout: Duration,
+}
+
+/// What a client connection may hold, and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Most connections open at once, all listeners together.
+    pub max_connections: u32,
+    /// Most connections open at once from one address (IPv6: one /64).
+    pub max_per_ip: u32,
+    /// Accept to the first request's complete head.
+    pub first_request_timeout: Duration,
+    /// No request in flight for this long closes the connection.
+    pub idle_timeout: Duration,
+    /// A write to the client that makes no progress for this long closes
+    /// the connection.
+    pub client_stall_timeout: Duration,
 }
 
 /// Authentication settings.

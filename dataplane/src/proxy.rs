@@ -1,7 +1,10 @@
 //! The proxied request: read (or stream) the body, pick hosts, send, fail
 //! over before the first byte, and stream the answer back.
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, header};
@@ -9,6 +12,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 use crate::body::{self, Body, BoxError};
+use crate::budget::{OverBudget, Reservation};
 use crate::error::ProxyError;
 use crate::headers;
 use crate::policy::Host;
@@ -24,23 +28,94 @@ pub enum RequestBody {
     Streamed(Body),
 }
 
-/// Reads a request body whole, refusing more than `limit` bytes with 413 as
-/// soon as the declared or received length passes it.
+/// How a whole request body is read.
+#[derive(Debug)]
+pub struct BodyRead<'a, 'b> {
+    /// Most bytes accepted (413 above).
+    pub limit: u64,
+    /// Time for the whole body to arrive (408 after).
+    pub timeout: Duration,
+    /// The body's share of the byte budget, grown as bytes arrive (or at
+    /// once by the declared length).
+    pub reservation: &'a mut Reservation<'b>,
+}
+
+/// Reads a request body whole, refusing more than `read.limit` bytes with
+/// 413 as soon as the declared or received length passes it, a body that
+/// takes longer than `read.timeout` with 408, and one that does not fit the
+/// byte budget with `over_budget()`.
 pub async fn read_body(
     body: Incoming,
     headers: &http::HeaderMap,
-    limit: u64,
+    read: BodyRead<'_, '_>,
+    over_budget: impl FnOnce() -> ProxyError,
 ) -> Result<Bytes, ProxyError> {
-    if declared_length(headers).is_some_and(|length| length > limit) {
+    let declared = declared_length(headers);
+    if declared.is_some_and(|length| length > read.limit) {
         return Err(ProxyError::BodyTooLarge);
     }
-    let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-    match Limited::new(body, limit).collect().await {
+    if let Some(length) = declared
+        && read.reservation.grow_to(length).is_err()
+    {
+        return Err(over_budget());
+    }
+    let limit = usize::try_from(read.limit).unwrap_or(usize::MAX);
+    let metered = Metered {
+        inner: Limited::new(body, limit),
+        reservation: read.reservation,
+        received: 0,
+    };
+    let collected = match tokio::time::timeout(read.timeout, metered.collect()).await {
+        Err(_) => return Err(ProxyError::BodyTimeout),
+        Ok(collected) => collected,
+    };
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(error) if error.is::<http_body_util::LengthLimitError>() => {
             Err(ProxyError::BodyTooLarge)
         }
+        Err(error) if error.is::<OverBudget>() => Err(over_budget()),
         Err(_) => Err(ProxyError::BodyUnreadable),
+    }
+}
+
+/// A body being read, counted against the byte budget frame by frame.
+struct Metered<'a, 'b, B> {
+    inner: B,
+    reservation: &'a mut Reservation<'b>,
+    received: u64,
+}
+
+impl<B> http_body::Body for Metered<'_, '_, B>
+where
+    B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        if let Some(Ok(frame)) = &frame
+            && let Some(data) = frame.data_ref()
+        {
+            this.received = this.received.saturating_add(data.len() as u64);
+            if this.reservation.grow_to(this.received).is_err() {
+                return Poll::Ready(Some(Err(Box::new(OverBudget))));
+            }
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -198,6 +273,7 @@ pub fn respond(
     answer: Answer,
     guard: Option<Box<dyn Send + Sync>>,
     completion: Option<Completion>,
+    stall: std::time::Duration,
 ) -> Response<Body> {
     let (mut parts, incoming) = answer.response.into_parts();
     headers::strip_hop_by_hop(&mut parts.headers);
@@ -211,6 +287,7 @@ pub fn respond(
         answer.host.name.clone(),
         guard,
         completion,
+        stall,
     );
     Response::from_parts(parts, body.boxed())
 }

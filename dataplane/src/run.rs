@@ -94,6 +94,7 @@ impl DataPlane {
             version = policy.version,
             "received the first policy snapshot"
         );
+        server::limits::raise_open_file_limit(policy.proxy.connections.max_connections);
         let listener = match options.listener {
             Some(listener) => listener,
             None => server::bind(policy.listen).await?,

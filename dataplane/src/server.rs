@@ -1,6 +1,13 @@
 //! Listeners: accept connections, serve HTTP/1.1 and HTTP/2 on each, and shut
 //! down gracefully (stop accepting, let in-flight requests finish within the
 //! drain timeout).
+//!
+//! Every listener (main and injection) counts its connections against the
+//! same caps ([`limits`]) and closes connections that send no request in
+//! time, sit idle, or stop reading ([`watch`]).
+
+pub mod limits;
+pub mod watch;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -10,16 +17,14 @@ use std::time::Duration;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
+use crate::policy::ConnectionLimits;
 use crate::service;
 
-/// How long a client may take to send its request headers. A slow client
-/// (one byte a second) is disconnected; others are served meanwhile.
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+use watch::{Activity, InFlight, StallGuarded, Tracked};
 
 /// The largest read buffer of an HTTP/1 connection, and so the largest
 /// request head. Hyper starts a connection's buffer at 8 KiB and, with any
@@ -28,6 +33,16 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// open connection costs (a queued request or an idle keep-alive). Bodies
 /// are read 8 KiB at a time; request heads over 8 KiB are refused with 431.
 const READ_BUFFER_BYTES: usize = 8 * 1024;
+
+/// How often an HTTP/2 connection is pinged when the client sends nothing,
+/// and how long the answer may take before the connection is closed: a
+/// client that vanished does not keep its streams (and their slots).
+const H2_PING_INTERVAL: Duration = Duration::from_secs(20);
+const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long to back off after a failed `accept` (out of file descriptors
+/// and the like), so that the loop neither spins nor stops.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// What a listener is for.
 #[derive(Debug, Clone)]
@@ -47,52 +62,129 @@ pub async fn serve(
     shutdown: CancellationToken,
     drain: impl Fn() -> Duration,
 ) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(HEADER_READ_TIMEOUT)
-        .max_buf_size(READ_BUFFER_BYTES);
-    builder.http2().timer(TokioTimer::new());
-    let builder = Arc::new(builder);
-    let graceful = GracefulShutdown::new();
+    // Every connection task holds a receiver; the drain waits for all of
+    // them to be dropped.
+    let (open, _) = tokio::sync::watch::channel(());
+    let mut builders: Option<(ConnectionLimits, Arc<auto::Builder<TokioExecutor>>)> = None;
     loop {
         let (stream, peer) = tokio::select! {
             () = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(error) => {
-                    // Out of file descriptors and the like: back off briefly
-                    // rather than spin.
                     tracing::warn!(%error, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
                     continue;
                 }
             },
         };
+        let limits = app.store.load().proxy.connections;
+        let slot = match app.connections.admit(peer.ip(), &limits) {
+            Ok(slot) => slot,
+            Err(refusal) => {
+                // Closed at once, before a byte is read: a connection over a
+                // cap costs nothing but the accept.
+                tracing::debug!(%peer, ?refusal, "connection refused: over the connection cap");
+                drop(stream);
+                continue;
+            }
+        };
+        let builder = match &builders {
+            Some((built_for, builder)) if *built_for == limits => builder.clone(),
+            _ => {
+                let builder = Arc::new(builder(&limits));
+                builders = Some((limits, builder.clone()));
+                builder
+            }
+        };
         let _ = stream.set_nodelay(true);
-        let watcher = graceful.watcher();
-        let builder = builder.clone();
         let app = app.clone();
         let kind = kind.clone();
+        let shutdown = shutdown.clone();
+        let open = open.subscribe();
         tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                let app = app.clone();
-                let kind = kind.clone();
-                async move { Ok::<_, Infallible>(service::handle(app, &kind, peer, request).await) }
-            });
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(error) = watcher.watch(connection.into_owned()).await {
-                tracing::debug!(%peer, error = %error, "connection ended with an error");
-            }
+            serve_connection(stream, peer, app, kind, &builder, limits, shutdown).await;
+            drop((slot, open));
         });
     }
     drop(listener);
-    if tokio::time::timeout(drain(), graceful.shutdown())
-        .await
-        .is_err()
-    {
+    if tokio::time::timeout(drain(), open.closed()).await.is_err() {
         tracing::warn!("drain timeout passed; closing remaining connections");
+    }
+}
+
+/// The HTTP/1 and HTTP/2 settings of connections accepted under `limits`.
+fn builder(limits: &ConnectionLimits) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        // A backstop only: the connection's own deadlines come first.
+        .header_read_timeout(limits.first_request_timeout.max(limits.idle_timeout))
+        .max_buf_size(READ_BUFFER_BYTES);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_PING_INTERVAL)
+        .keep_alive_timeout(H2_PING_TIMEOUT);
+    builder
+}
+
+/// Serves one connection until it ends, its deadline passes with no
+/// request in flight, or shutdown (then gracefully).
+async fn serve_connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: Arc<App>,
+    kind: ListenerKind,
+    builder: &auto::Builder<TokioExecutor>,
+    limits: ConnectionLimits,
+    shutdown: CancellationToken,
+) {
+    let activity = Activity::new();
+    let tracker = activity.clone();
+    let service = service_fn(move |request| {
+        let app = app.clone();
+        let kind = kind.clone();
+        let in_flight = InFlight::start(&tracker);
+        async move {
+            let response = service::handle(app, &kind, peer, request).await;
+            Ok::<_, Infallible>(response.map(|body| Tracked::new(body, in_flight)))
+        }
+    });
+    let io = TokioIo::new(StallGuarded::new(stream, limits.client_stall_timeout));
+    let connection = builder.serve_connection_with_upgrades(io, service);
+    tokio::pin!(connection);
+    let timer = tokio::time::sleep(limits.first_request_timeout);
+    tokio::pin!(timer);
+    let mut draining = false;
+    loop {
+        let deadline = activity.deadline(&limits);
+        if let Some(deadline) = deadline {
+            timer.as_mut().reset(deadline);
+        }
+        tokio::select! {
+            result = connection.as_mut() => {
+                if let Err(error) = result {
+                    tracing::debug!(%peer, %error, "connection ended with an error");
+                }
+                return;
+            }
+            () = shutdown.cancelled(), if !draining => {
+                draining = true;
+                connection.as_mut().graceful_shutdown();
+            }
+            () = activity.changed() => {}
+            () = &mut timer, if deadline.is_some() => {
+                if activity
+                    .deadline(&limits)
+                    .is_some_and(|deadline| deadline <= tokio::time::Instant::now())
+                {
+                    tracing::debug!(%peer, "closing a connection with no request in time");
+                    return;
+                }
+            }
+        }
     }
 }
 

@@ -188,8 +188,20 @@ async fn forward(
 
     let (parts, incoming) = request.into_parts();
     let limit = policy.proxy.max_request_body_bytes;
+    // Held until this request has an answer's head (or is refused): the
+    // body is in memory all that time.
+    let mut reservation = app.body_budget.reserve(policy.queue.max_queued_bytes);
     let body = if endpoint.reads_body() {
-        RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, limit).await?)
+        let read = proxy::BodyRead {
+            limit,
+            timeout: policy.proxy.body_read_timeout,
+            reservation: &mut reservation,
+        };
+        let over_budget = || {
+            let client = client_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
+            app.dispatcher.over_capacity(tier, &client)
+        };
+        RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
     } else {
         RequestBody::Streamed(proxy::stream_body(incoming, &parts.headers, limit)?)
     };
@@ -320,7 +332,12 @@ async fn send_granted(
         drop(lease);
     });
     let guard: Box<dyn Send + Sync> = Box::new((active, guards));
-    let mut response = proxy::respond(answer, Some(guard), Some(completion));
+    let mut response = proxy::respond(
+        answer,
+        Some(guard),
+        Some(completion),
+        policy.proxy.upstream_stall_timeout,
+    );
     for (name, value) in wait_header.into_iter().chain(extra_headers) {
         response.headers_mut().insert(name, value);
     }
@@ -374,7 +391,12 @@ async fn metadata(
     for _ in &answer.failed {
         app.metrics.failover();
     }
-    Ok(proxy::respond(answer, Some(Box::new(active)), None))
+    Ok(proxy::respond(
+        answer,
+        Some(Box::new(active)),
+        None,
+        policy.proxy.upstream_stall_timeout,
+    ))
 }
 
 /// Asks every host at once and merges their model lists.
@@ -403,7 +425,16 @@ async fn union_response(
             if !response.status().is_success() {
                 return None;
             }
-            let bytes = response.into_body().collect().await.ok()?.to_bytes();
+            // Bounded like any upstream body: a host that sends its head
+            // and then nothing must not hold the union.
+            let bytes = tokio::time::timeout(
+                policy.proxy.upstream_stall_timeout,
+                response.into_body().collect(),
+            )
+            .await
+            .ok()?
+            .ok()?
+            .to_bytes();
             serde_json::from_slice::<serde_json::Value>(&bytes)
                 .ok()
                 .map(|value| (host.name.clone(), value))

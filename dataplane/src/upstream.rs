@@ -7,7 +7,9 @@
 //! away, never before (a long stream holds its slot to the last line). When
 //! the upstream dies mid-stream on an NDJSON or SSE response, the client gets
 //! one in-band error frame, as Ollama itself does, instead of a silently
-//! truncated 200.
+//! truncated 200. An upstream that goes silent mid-body for longer than the
+//! stall timeout is treated the same way (the wait for the response headers,
+//! model loading included, is the request timeout's, not this one's).
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -19,6 +21,7 @@ use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
+use tokio::time::Sleep;
 
 use crate::body::{Body, BoxError};
 
@@ -36,6 +39,16 @@ pub enum UpstreamError {
     Transport(String),
 }
 
+/// TCP keep-alive probes on upstream sockets start after this much silence,
+/// so that a host that vanished (power cut, cable) does not leave a
+/// connection, and the slot that waits on it, open for hours.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// The upstream sent nothing for the stall timeout in the middle of a body.
+#[derive(Debug, thiserror::Error)]
+#[error("no data from the upstream for {0:?} in the middle of the response")]
+pub struct Stalled(Duration);
+
 /// The shared upstream client.
 #[derive(Clone, Debug)]
 pub struct Upstream {
@@ -49,6 +62,7 @@ impl Upstream {
         http.enforce_http(false);
         http.set_connect_timeout(Some(connect_timeout));
         http.set_nodelay(true);
+        http.set_keepalive(Some(TCP_KEEPALIVE));
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_webpki_roots()
             .https_or_http()
@@ -145,6 +159,10 @@ pub struct ResponseBody {
     started: Instant,
     completion: Option<Completion>,
     guard: Option<Box<dyn Send + Sync>>,
+    stall: Duration,
+    /// Runs while the body waits for its next frame from the upstream.
+    stall_timer: Option<Pin<Box<Sleep>>>,
+    waiting: bool,
 }
 
 impl std::fmt::Debug for ResponseBody {
@@ -159,13 +177,15 @@ impl std::fmt::Debug for ResponseBody {
 
 impl ResponseBody {
     /// Wraps `inner`. When `framing` allows it and the upstream did not fix
-    /// the length, a mid-stream failure becomes one in-band error frame.
+    /// the length, a mid-stream failure becomes one in-band error frame; so
+    /// does an upstream that sends nothing for `stall` between two frames.
     pub fn new(
         inner: Body,
         framing: Framing,
         host: std::sync::Arc<str>,
         guard: Option<Box<dyn Send + Sync>>,
         completion: Option<Completion>,
+        stall: Duration,
     ) -> Self {
         let framing = if inner.size_hint().exact().is_some() {
             Framing::Opaque
@@ -182,7 +202,26 @@ impl ResponseBody {
             started: Instant::now(),
             completion,
             guard,
+            stall,
+            stall_timer: None,
+            waiting: false,
         }
+    }
+
+    /// Polls the stall timer while the upstream has no frame ready: ready
+    /// once the upstream has been silent for the stall timeout. The wait
+    /// starts at the first poll that finds no frame (a client slow to read
+    /// is not the upstream's silence) and ends with the next frame.
+    fn poll_stalled(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let deadline = tokio::time::Instant::now() + self.stall;
+        let timer = self
+            .stall_timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.waiting {
+            self.waiting = true;
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut().poll(cx)
     }
 
     fn observe(&mut self, data: &Bytes) {
@@ -255,7 +294,15 @@ impl http_body::Body for ResponseBody {
         if this.done {
             return Poll::Ready(None);
         }
-        match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+        let polled = match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(polled) => polled,
+            Poll::Pending => {
+                ready!(this.poll_stalled(cx));
+                Some(Err(Box::new(Stalled(this.stall)) as BoxError))
+            }
+        };
+        this.waiting = false;
+        match polled {
             Some(Ok(frame)) => {
                 if let Some(data) = frame.data_ref() {
                     this.observe(data);

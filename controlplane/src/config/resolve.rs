@@ -200,8 +200,72 @@ pub(crate) fn proxy(raw: RawProxy, problems: &mut Problems) -> Option<ProxyConfi
                 "proxy.max_request_body_mb",
                 problems,
             ),
+            max_connections: at_least(
+                raw.max_connections,
+                defaults.max_connections,
+                1,
+                "proxy.max_connections",
+                problems,
+            ),
+            max_connections_per_ip: at_least(
+                raw.max_connections_per_ip,
+                defaults.max_connections_per_ip,
+                1,
+                "proxy.max_connections_per_ip",
+                problems,
+            ),
+            first_request_timeout: connection_timeout(
+                raw.first_request_timeout,
+                defaults.first_request_timeout,
+                "proxy.first_request_timeout",
+                problems,
+            ),
+            idle_timeout: connection_timeout(
+                raw.idle_timeout,
+                defaults.idle_timeout,
+                "proxy.idle_timeout",
+                problems,
+            ),
+            body_read_timeout: connection_timeout(
+                raw.body_read_timeout,
+                defaults.body_read_timeout,
+                "proxy.body_read_timeout",
+                problems,
+            ),
+            upstream_stall_timeout: connection_timeout(
+                raw.upstream_stall_timeout,
+                defaults.upstream_stall_timeout,
+                "proxy.upstream_stall_timeout",
+                problems,
+            ),
+            client_stall_timeout: connection_timeout(
+                raw.client_stall_timeout,
+                defaults.client_stall_timeout,
+                "proxy.client_stall_timeout",
+                problems,
+            ),
         }
     })
+}
+
+/// A connection or body timeout: above zero and at most a day (a longer one
+/// would leave a stuck connection open for good).
+fn connection_timeout(
+    value: Option<Seconds>,
+    default: Duration,
+    path: &str,
+    problems: &mut Problems,
+) -> Duration {
+    let duration = duration_at_least(value, default, Duration::from_millis(1), path, problems);
+    let most = Duration::from_secs(24 * 60 * 60);
+    if duration > most {
+        problems.error(format!(
+            "{path} must be <= 24h, got {}",
+            scalar::show(duration)
+        ));
+        return default;
+    }
+    duration
 }
 
 pub(crate) fn queue(raw: RawQueue, problems: &mut Problems) -> Option<QueueConfig> {

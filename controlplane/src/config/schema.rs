@@ -67,6 +67,13 @@ pub(crate) struct RawProxy {
     pub allow_model_management: Option<Flag>,
     pub drain_timeout: Option<Seconds>,
     pub max_request_body_mb: Option<Int>,
+    pub max_connections: Option<Int>,
+    pub max_connections_per_ip: Option<Int>,
+    pub first_request_timeout: Option<Seconds>,
+    pub idle_timeout: Option<Seconds>,
+    pub body_read_timeout: Option<Seconds>,
+    pub upstream_stall_timeout: Option<Seconds>,
+    pub client_stall_timeout: Option<Seconds>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -44,6 +44,13 @@ fn every_default() {
     assert_eq!(config.proxy.drain_timeout, Duration::from_secs(30));
     assert_eq!(config.proxy.max_request_body_mb, 50);
     assert_eq!(config.proxy.max_request_body_bytes(), 50 * 1024 * 1024);
+    assert_eq!(config.proxy.max_connections, 4096);
+    assert_eq!(config.proxy.max_connections_per_ip, 1024);
+    assert_eq!(config.proxy.first_request_timeout, Duration::from_secs(10));
+    assert_eq!(config.proxy.idle_timeout, Duration::from_secs(60));
+    assert_eq!(config.proxy.body_read_timeout, Duration::from_secs(30));
+    assert_eq!(config.proxy.upstream_stall_timeout, Duration::from_secs(60));
+    assert_eq!(config.proxy.client_stall_timeout, Duration::from_secs(60));
 
     assert_eq!(config.ollama.request_timeout, Duration::from_secs(300));
     let host = &config.ollama.hosts[0];
@@ -335,6 +342,41 @@ fn durations_take_seconds_or_humantime() {
         errors[0].starts_with("proxy.drain_timeout: \"soon\" is not a duration"),
         "{errors:?}"
     );
+}
+
+#[test]
+fn connection_limits_are_bounded_and_name_their_key() {
+    let config = load(&with_host(
+        "proxy: {max_connections: 10, max_connections_per_ip: 2, idle_timeout: 250ms, \
+         client_stall_timeout: 0.5}\n",
+    ))
+    .config;
+    assert_eq!(config.proxy.max_connections, 10);
+    assert_eq!(config.proxy.max_connections_per_ip, 2);
+    assert_eq!(config.proxy.idle_timeout, Duration::from_millis(250));
+    assert_eq!(
+        config.proxy.client_stall_timeout,
+        Duration::from_millis(500)
+    );
+
+    let errors = problems(
+        &with_host(
+            "proxy: {max_connections: 0, max_connections_per_ip: 0, first_request_timeout: 0, \
+             upstream_stall_timeout: 2d}\n",
+        ),
+        &[],
+    );
+    for key in [
+        "proxy.max_connections must be >= 1",
+        "proxy.max_connections_per_ip must be >= 1",
+        "proxy.first_request_timeout must be",
+        "proxy.upstream_stall_timeout must be <= 24h",
+    ] {
+        assert!(
+            errors.iter().any(|e| e.starts_with(key)),
+            "{key}: {errors:?}"
+        );
+    }
 }
 
 const KEY_SUFFIX: &str = "\n      client_id: alice\n";

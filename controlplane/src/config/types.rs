@@ -47,6 +47,20 @@ pub struct ProxyConfig {
     pub drain_timeout: Duration,
     /// Request body limit in MiB.
     pub max_request_body_mb: u64,
+    /// Most client connections open at once, all listeners together.
+    pub max_connections: u32,
+    /// Most client connections open at once from one address (IPv6: one /64).
+    pub max_connections_per_ip: u32,
+    /// Accept to the first request's complete head.
+    pub first_request_timeout: Duration,
+    /// A connection with no request in flight is closed after this long.
+    pub idle_timeout: Duration,
+    /// Time to receive a whole buffered request body (408 after).
+    pub body_read_timeout: Duration,
+    /// Longest upstream silence between two response body frames.
+    pub upstream_stall_timeout: Duration,
+    /// Longest time a client may accept no response byte.
+    pub client_stall_timeout: Duration,
 }
 
 /// `ollama`: the upstream hosts.
@@ -299,6 +313,13 @@ impl Default for ProxyConfig {
             allow_model_management: false,
             drain_timeout: Duration::from_secs(30),
             max_request_body_mb: 50,
+            max_connections: 4096,
+            max_connections_per_ip: 1024,
+            first_request_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(60),
+            body_read_timeout: Duration::from_secs(30),
+            upstream_stall_timeout: Duration::from_secs(60),
+            client_stall_timeout: Duration::from_secs(60),
         }
     }
 }

@@ -53,6 +53,35 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 Duration::from_secs(30),
                 "proxy.drain_timeout_ms",
             )?,
+            connections: ConnectionLimits {
+                max_connections: count(proxy.max_connections, 4096),
+                max_per_ip: count(proxy.max_connections_per_ip, 1024),
+                first_request_timeout: millis(
+                    proxy.first_request_timeout_ms,
+                    Duration::from_secs(10),
+                    "proxy.first_request_timeout_ms",
+                )?,
+                idle_timeout: millis(
+                    proxy.idle_timeout_ms,
+                    Duration::from_secs(60),
+                    "proxy.idle_timeout_ms",
+                )?,
+                client_stall_timeout: millis(
+                    proxy.client_stall_timeout_ms,
+                    Duration::from_secs(60),
+                    "proxy.client_stall_timeout_ms",
+                )?,
+            },
+            body_read_timeout: millis(
+                proxy.body_read_timeout_ms,
+                Duration::from_secs(30),
+                "proxy.body_read_timeout_ms",
+            )?,
+            upstream_stall_timeout: millis(
+                proxy.upstream_stall_timeout_ms,
+                Duration::from_secs(60),
+                "proxy.upstream_stall_timeout_ms",
+            )?,
         };
 
         let auth = snapshot.auth.unwrap_or_default();
@@ -423,6 +452,11 @@ fn bytes(value: u64, path: &str) -> Result<u64, PolicyError> {
         )));
     }
     Ok(value)
+}
+
+/// A connection cap: the default when unset (an older control plane).
+fn count(value: u32, default: u32) -> u32 {
+    if value == 0 { default } else { value }
 }
 
 fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {

@@ -33,6 +33,13 @@ pub enum Failure {
         /// Lines sent before the connection dies.
         after_lines: usize,
     },
+    /// Stream `after_lines` lines, then send nothing more while keeping the connection open
+    /// (an upstream that hangs mid-generation). A non-streamed request is never answered. The
+    /// request counts as cancelled when the client goes away.
+    StallMidStream {
+        /// Lines sent before the stream goes silent.
+        after_lines: usize,
+    },
     /// Reset the connection (TCP RST) right after reading the request.
     Reset,
     /// Stream `after_lines` lines, then the in-band `{"error": message}` line in place of the

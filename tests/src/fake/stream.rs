@@ -50,6 +50,8 @@ enum Cut {
     Die(usize),
     /// Send an in-band error after this many lines, then end the stream.
     Error(usize, String),
+    /// Go silent after this many lines, the connection left open.
+    Stall(usize),
 }
 
 /// The times behind Ollama's metrics.
@@ -100,6 +102,7 @@ pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Rep
             return Err(full(status(code), Some(content_type), body));
         }
         Some(Failure::DieMidStream { after_lines }) => cut = Some(Cut::Die(after_lines)),
+        Some(Failure::StallMidStream { after_lines }) => cut = Some(Cut::Stall(after_lines)),
         Some(Failure::ErrorMidStream {
             after_lines,
             message,
@@ -147,6 +150,7 @@ pub(crate) async fn serve(ctx: &mut Ctx, admitted: Admitted) -> Result<Clock, Re
     match admitted.cut {
         None => {}
         Some(Cut::Die(_)) => return Err(abort(ctx, false).await),
+        Some(Cut::Stall(_)) => return Err(pending::<Reply>().await),
         Some(Cut::Error(_, message)) => {
             return Err(match admitted.flavor {
                 Flavor::Native { .. } => gin_error(StatusCode::INTERNAL_SERVER_ERROR, &message),
@@ -271,6 +275,10 @@ async fn step<S: Script>(mut run: Run<S>) -> Option<(Result<Frame<Bytes>, Infall
                 tracker.disarm();
             }
             run.conn.abort(false);
+            pending::<()>().await;
+        }
+        // Silent for good; the slot stays held until the client goes away.
+        Some(Cut::Stall(after)) if run.next >= (*after).min(lines) => {
             pending::<()>().await;
         }
         // The error replaces the final line at the latest.

@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod bench_smoke;
+mod connections;
 mod embeddings;
 mod foundation;
 mod hosts;
@@ -19,5 +20,6 @@ mod reliability;
 mod routing;
 mod scheduling;
 mod snapshots;
+mod stalls;
 mod support;
 mod tenancy;

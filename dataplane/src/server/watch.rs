@@ -1,0 +1,253 @@
+//! What one client connection is doing, and the deadlines that follow from
+//! it: a first request within `first_request_timeout` of the accept
+//! (protocol detection and the first head included, HTTP/1 and HTTP/2
+//! alike), then never longer than `idle_timeout` with no request in flight
+//! (HTTP/1 between keep-alive requests, HTTP/2 with no open stream).
+//!
+//! A request is in flight from its complete head until hyper drops its
+//! response body, so a long stream keeps its connection open. Writes that
+//! make no progress for `client_stall_timeout` (a client that stopped
+//! reading) fail the connection, which drops the response body and with it
+//! the host slot.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::sync::Notify;
+use tokio::time::{Instant, Sleep};
+
+use crate::policy::ConnectionLimits;
+
+/// The requests of one connection.
+#[derive(Debug)]
+pub struct Activity {
+    opened: Instant,
+    in_flight: AtomicU32,
+    seen: AtomicBool,
+    /// When the last request ended, in nanoseconds after `opened`.
+    idle_since: AtomicU64,
+    changed: Notify,
+}
+
+/// One request in flight on its connection; dropping it ends the request.
+#[derive(Debug)]
+pub struct InFlight(Arc<Activity>);
+
+impl Activity {
+    /// A connection accepted now.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            opened: Instant::now(),
+            in_flight: AtomicU32::new(0),
+            seen: AtomicBool::new(false),
+            idle_since: AtomicU64::new(0),
+            changed: Notify::new(),
+        })
+    }
+
+    /// When the connection is to be closed unless a request arrives; `None`
+    /// while a request is in flight.
+    pub fn deadline(&self, limits: &ConnectionLimits) -> Option<Instant> {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            return None;
+        }
+        if !self.seen.load(Ordering::Acquire) {
+            return Some(self.opened + limits.first_request_timeout);
+        }
+        let idle_since = Duration::from_nanos(self.idle_since.load(Ordering::Acquire));
+        Some(self.opened + idle_since + limits.idle_timeout)
+    }
+
+    /// Resolves when a request starts or ends.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+}
+
+impl InFlight {
+    /// A request whose head has arrived on `activity`'s connection.
+    pub fn start(activity: &Arc<Activity>) -> Self {
+        activity.in_flight.fetch_add(1, Ordering::AcqRel);
+        activity.seen.store(true, Ordering::Release);
+        activity.changed.notify_one();
+        Self(activity.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let activity = &self.0;
+        let since = u64::try_from(activity.opened.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        activity.idle_since.store(since, Ordering::Release);
+        activity.in_flight.fetch_sub(1, Ordering::AcqRel);
+        activity.changed.notify_one();
+    }
+}
+
+/// A response body that keeps its request in flight until hyper drops it.
+#[derive(Debug)]
+pub struct Tracked<B> {
+    inner: B,
+    _in_flight: InFlight,
+}
+
+impl<B> Tracked<B> {
+    /// `inner`, holding `in_flight`.
+    pub fn new(inner: B, in_flight: InFlight) -> Self {
+        Self {
+            inner,
+            _in_flight: in_flight,
+        }
+    }
+}
+
+impl<B: http_body::Body<Data = Bytes> + Unpin> http_body::Body for Tracked<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A client socket whose writes fail once they make no progress for the
+/// stall timeout.
+#[derive(Debug)]
+pub struct StallGuarded<T> {
+    io: T,
+    timeout: Duration,
+    /// Armed while a write is blocked.
+    blocked: Option<Pin<Box<Sleep>>>,
+}
+
+impl<T> StallGuarded<T> {
+    /// `io`, whose blocked writes fail after `timeout`.
+    pub fn new(io: T, timeout: Duration) -> Self {
+        Self {
+            io,
+            timeout,
+            blocked: None,
+        }
+    }
+
+    fn track<R>(&mut self, cx: &mut Context<'_>, poll: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        if poll.is_ready() {
+            self.blocked = None;
+            return poll;
+        }
+        let timeout = self.timeout;
+        let blocked = self
+            .blocked
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        ready!(blocked.as_mut().poll(cx));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "the client accepted no response bytes within the stall timeout",
+        )))
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for StallGuarded<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuarded<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.io).poll_write(cx, buf);
+        this.track(cx, poll)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
+        this.track(cx, poll)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let poll = Pin::new(&mut this.io).poll_flush(cx);
+        // A finished flush says nothing about a write still blocked (a
+        // socket's flush is always ready): only a blocked flush is tracked.
+        if poll.is_pending() {
+            this.track(cx, poll)
+        } else {
+            poll
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections: 10,
+            max_per_ip: 10,
+            first_request_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(60),
+            client_stall_timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[tokio::test]
+    async fn first_request_then_idle_deadlines() {
+        let activity = Activity::new();
+        let opened = activity.opened;
+        assert_eq!(
+            activity.deadline(&limits()),
+            Some(opened + Duration::from_secs(5))
+        );
+        let request = InFlight::start(&activity);
+        assert_eq!(activity.deadline(&limits()), None, "none while in flight");
+        drop(request);
+        let ended = Instant::now();
+        let deadline = activity.deadline(&limits()).unwrap();
+        assert!(deadline <= ended + Duration::from_secs(60));
+        assert!(
+            deadline > ended + Duration::from_secs(59),
+            "idle from the end"
+        );
+    }
+}
