@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use http::HeaderMap;
 
@@ -31,6 +31,21 @@ pub enum Identity {
 }
 
 impl Identity {
+    /// The caller as the queue knows it: its id, and whether it was identified (a key or an
+    /// injection port) rather than claimed in `X-Client-ID` with auth off.
+    pub fn caller(&self) -> Caller {
+        match self {
+            Identity::Client(client) => Caller {
+                id: client.id.clone(),
+                verified: true,
+            },
+            Identity::Anonymous(id) => Caller {
+                id: id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS)),
+                verified: false,
+            },
+        }
+    }
+
     /// The client id used for stats, caps and the upstream `X-Client-ID`.
     pub fn client_id(&self) -> Option<&Arc<str>> {
         match self {
@@ -60,6 +75,19 @@ impl Identity {
     }
 }
 
+/// The client id of anonymous callers (auth off, no `X-Client-ID`).
+pub const ANONYMOUS: &str = "anonymous";
+
+/// Who a queued request is for.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The client id (for fairness, caps, stats and the cache).
+    pub id: Arc<str>,
+    /// Identified by a key or an injection port: refused while waiting once the client leaves
+    /// the snapshot or its key expires.
+    pub verified: bool,
+}
+
 /// The tier a request asks for, if its `X-Queue-Priority` names one.
 pub fn requested_tier(headers: &HeaderMap) -> Option<Tier> {
     let value = headers.get(headers::QUEUE_PRIORITY)?.to_str().ok()?.trim();
@@ -78,10 +106,11 @@ pub fn identify(
 ) -> Result<Identity, ProxyError> {
     if let ListenerKind::Injection(client_id) = listener {
         // The snapshot that opened the port named the client; a newer one
-        // may have removed it, in which case the port refuses.
+        // may have removed it, or its key expired since: then the port refuses.
         return policy
             .clients_by_id
             .get(client_id)
+            .filter(|client| !client.is_expired(SystemTime::now()))
             .cloned()
             .map(Identity::Client)
             .ok_or(ProxyError::UnknownKey);

@@ -379,6 +379,15 @@ impl Policy {
             .filter(|client| !client.is_expired(SystemTime::now()))
     }
 
+    /// Whether a client identified as `client_id` may still be served at `now`: it is in this
+    /// snapshot and its current key has not expired. Waiting requests of a client that no longer
+    /// is are refused (revocation and expiry reach the queue, not only new requests).
+    pub fn admits(&self, client_id: &str, now: SystemTime) -> bool {
+        self.clients_by_id
+            .get(client_id)
+            .is_some_and(|client| !client.is_expired(now))
+    }
+
     /// A host by name.
     pub fn host(&self, name: &str) -> Option<&Arc<Host>> {
         self.hosts.iter().find(|host| &*host.name == name)

@@ -455,6 +455,40 @@ impl<T> Scheduler<T> {
         flushed
     }
 
+    /// Removes every waiting ticket for which `revoked(client, payload)` holds (its client's key
+    /// was revoked or expired) and frees its bytes; counted as cancelled. Running requests are
+    /// untouched.
+    pub fn revoke(&mut self, revoked: impl Fn(&str, &T) -> bool) -> Vec<T> {
+        let Some(now) = self.clock else {
+            return Vec::new();
+        };
+        let ids: Vec<TicketId> = self
+            .waiting
+            .iter()
+            .filter(|(_, entry)| revoked(&entry.client, &entry.payload))
+            .map(|(&id, _)| id)
+            .collect();
+        let mut removed = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(entry) = self.take(id, now) {
+                self.tiers[entry.tier.index()].stat.cancelled += 1;
+                removed.push(entry.payload);
+            }
+        }
+        removed
+    }
+
+    /// Clients with configured limits that `keep` does not name go back to the defaults (their
+    /// key was revoked or expired, or they left the config): caps follow the snapshot.
+    pub fn unconfigure_others(&mut self, keep: impl Fn(&str) -> bool) {
+        for (client, state) in &mut self.clients {
+            if state.configured && !keep(client) {
+                state.limits = ClientLimits::default();
+                state.configured = false;
+            }
+        }
+    }
+
     /// Tickets waiting in `tier`.
     pub fn depth(&self, tier: Tier) -> u32 {
         u32::try_from(self.tiers[tier.index()].depth()).unwrap_or(u32::MAX)

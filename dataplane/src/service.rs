@@ -23,7 +23,7 @@ use tracing::Instrument;
 use bytes::Bytes;
 
 use crate::app::App;
-use crate::auth::{self, Identity};
+use crate::auth::{self, ANONYMOUS, Caller, Identity};
 use crate::body::{self, Body};
 use crate::dispatch::{self, Grant};
 use crate::embeddings;
@@ -39,9 +39,6 @@ use crate::rewrite;
 use crate::scheduler::Tier;
 use crate::server::ListenerKind;
 use crate::{dashboard, status};
-
-/// The client id of anonymous callers (auth off, no `X-Client-ID`).
-const ANONYMOUS: &str = "anonymous";
 
 /// Answers one request. Never fails: every error becomes its HTTP response
 /// here, and every response carries `X-Request-ID`.
@@ -202,7 +199,7 @@ async fn forward(
         };
         return Box::pin(metadata(app, policy, outbound, model.as_deref())).await;
     }
-    let client = client_id.unwrap_or_else(|| Arc::from(ANONYMOUS));
+    let client = identity.caller();
     let Endpoint::Inference(inference) = endpoint else {
         // Anything else is queued with its body streamed through.
         return queued(app, policy, client, tier, None, outbound).await;
@@ -232,7 +229,7 @@ async fn forward(
 pub async fn queued(
     app: &Arc<App>,
     policy: &Arc<Policy>,
-    client: Arc<str>,
+    client: Caller,
     tier: Tier,
     model: Option<String>,
     outbound: Outbound,
@@ -242,10 +239,11 @@ pub async fn queued(
         RequestBody::Streamed(_) => declared_length(&outbound.headers),
     };
     let pending = app.dispatcher.admit(dispatch::Request {
-        client,
+        client: client.id.clone(),
         tier,
         bytes,
         model: model.map(Arc::from),
+        verified: client.verified,
     })?;
     let position = pending.position;
     let immediate = pending.immediate;
@@ -255,6 +253,12 @@ pub async fn queued(
         outbound.detached()
     };
     let grant = pending.granted().await?;
+    // The key may have been revoked or have expired while the request waited
+    // (between snapshots, an expiry is only seen here): never send it then.
+    if client.verified && !app.store.load().admits(&client.id, std::time::SystemTime::now()) {
+        drop(grant);
+        return Err(ProxyError::KeyRevoked);
+    }
     Box::pin(send_granted(
         app, policy, grant, outbound, position, immediate,
     ))

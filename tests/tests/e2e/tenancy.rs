@@ -397,6 +397,38 @@ async fn injection_ports_carry_the_named_identity() {
 }
 
 #[tokio::test]
+async fn an_injection_port_bound_to_an_expired_key_refuses() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let port = free_port().await;
+    let extra = format!(
+        "    - key: \"sk-gone-0123456789\"\n      client_id: gone\n      expires: 2020-01-01T00:00:00Z\n\
+         client_injection:\n  listeners:\n    - listen_port: {port}\n      inject_as: gone\n"
+    );
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    assert!(
+        eventually(Duration::from_secs(5), || std::net::TcpStream::connect((
+            "127.0.0.1",
+            port
+        ))
+        .is_ok())
+        .await,
+        "the injection port opened"
+    );
+    let reply = HttpClient::new()
+        .send(
+            "POST".parse().unwrap(),
+            &format!("http://127.0.0.1:{port}/api/generate"),
+            &[("content-type", "application/json")],
+            GENERATE,
+        )
+        .await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert_eq!(reply.json()["error"], "invalid api key");
+    assert!(fake.handle().requests_to("/api/generate").is_empty());
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_public_injection_bind_needs_explicit_consent() {
     let fake = FakeOllama::builder().spawn().await;
     let port = free_port().await;
