@@ -5,6 +5,7 @@
 //! validate"): a snapshot that does not compile is rejected whole and the data
 //! plane keeps serving on its previous one (see [`crate::snapshot`]).
 
+mod cidr;
 mod convert;
 
 use std::collections::HashMap;
@@ -14,6 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::scheduler::Tier;
 
+pub use cidr::{Cidr, CidrError, canonical};
 pub use convert::PolicyError;
 
 /// One immutable policy snapshot, compiled for the request path.
@@ -127,6 +129,8 @@ pub struct AuthSettings {
     pub max_failures: u32,
     /// The failed-attempt window.
     pub window: Duration,
+    /// Proxies whose `X-Forwarded-For` names the client address (throttle and logs only).
+    pub trusted_proxies: Vec<Cidr>,
 }
 
 /// What a key may do; each level includes the ones below it.

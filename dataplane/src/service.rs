@@ -12,7 +12,7 @@
 //!          before the first byte) → respond, the slot held by the body
 //! ```
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -57,6 +57,7 @@ pub async fn handle(
         id = %request_id,
         client = tracing::field::Empty,
         tier = tracing::field::Empty,
+        peer = tracing::field::Empty,
     );
     // Boxed: hyper keeps room for this future in every connection, open or
     // idle, so what it holds inline is paid by every connection; the boxed
@@ -90,6 +91,10 @@ async fn route(
     peer: SocketAddr,
     request: Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
+    // The address the throttle counts and the logs show: behind a trusted
+    // reverse proxy, the client it names in X-Forwarded-For.
+    let peer = auth::client_addr(peer.ip(), request.headers(), &policy.auth.trusted_proxies);
+    tracing::Span::current().record("peer", tracing::field::display(peer));
     // Reserved routes exist on the main port only; on an injection port
     // every path is proxied, as the reference does. Other methods on these
     // paths fall through to the proxy, as the reference does too.
@@ -100,7 +105,7 @@ async fn route(
             }
             (&Method::POST, "/queue/pause" | "/queue/resume" | "/queue/drain" | "/queue/flush") => {
                 let identity =
-                    auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+                    auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
                 identity.require(Scope::Management)?;
                 return queue_control::handle(app, &request).await;
             }
@@ -110,7 +115,7 @@ async fn route(
             _ => {}
         }
     }
-    let identity = auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
     forward(app, policy, identity, request).await
 }
@@ -121,7 +126,7 @@ fn observe(
     app: &Arc<App>,
     policy: &Arc<Policy>,
     kind: &ListenerKind,
-    peer: SocketAddr,
+    peer: IpAddr,
     request: &Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
     let path = request.uri().path();
@@ -130,7 +135,7 @@ fn observe(
     if path == "/dashboard" && !policy.dashboard.enabled {
         return Err(ProxyError::NotFound);
     }
-    let identity = auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Read)?;
     Ok(match path {
         "/queue/status" => status::status_response(app, policy),

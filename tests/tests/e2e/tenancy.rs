@@ -246,6 +246,62 @@ async fn repeated_failures_are_throttled_per_address() {
 }
 
 #[tokio::test]
+async fn a_success_does_not_clear_failures_and_retry_after_is_enough() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/tags", stack.url());
+    let good = bearer("sk-chat-0123456789");
+    for _ in 0..2 {
+        let reply = http.get(&url, &[("authorization", "Bearer wrong")]).await;
+        assert_eq!(reply.status, 401);
+    }
+    // Holding one good key does not buy more guesses.
+    assert_eq!(http.get(&url, &[("authorization", &good)]).await.status, 200);
+    let third = http.get(&url, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(third.status, 401);
+    let throttled = http.get(&url, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(throttled.status, 429, "{}", throttled.text());
+    // Less than the whole window is left, rounded up: the full 60 s, never 59.
+    assert_eq!(throttled.header("retry-after").as_deref(), Some("60"));
+    stack.shutdown().await;
+}
+
+/// `n` failed attempts claiming to come from `forwarded_for`; the status of one more.
+async fn fail_from(http: &HttpClient, url: &str, forwarded_for: &str, n: usize) -> u16 {
+    let headers = [
+        ("authorization", "Bearer wrong"),
+        ("x-forwarded-for", forwarded_for),
+    ];
+    for _ in 0..n {
+        assert_eq!(http.get(url, &headers).await.status, 401);
+    }
+    http.get(url, &headers).await.status.as_u16()
+}
+
+#[tokio::test]
+async fn behind_a_trusted_proxy_each_forwarded_address_has_its_own_bucket() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let extra = "  trusted_proxies: [\"127.0.0.1/32\", \"::1\"]\n";
+    let stack = Stack::start(&config(&fake.url(), extra)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/tags", stack.url());
+    assert_eq!(fail_from(&http, &url, "198.51.100.1", 3).await, 429);
+    // Another client behind the same proxy is not refused for the first one's failures,
+    // whatever it puts in front of the chain.
+    assert_eq!(fail_from(&http, &url, "198.51.100.2", 0).await, 401);
+    assert_eq!(fail_from(&http, &url, "198.51.100.1, 198.51.100.3", 0).await, 401);
+    stack.shutdown().await;
+
+    // Without trusted_proxies the header is ignored: everyone shares the peer's bucket.
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    let url = format!("{}/api/tags", stack.url());
+    assert_eq!(fail_from(&http, &url, "198.51.100.1", 3).await, 429);
+    assert_eq!(fail_from(&http, &url, "198.51.100.2", 0).await, 429);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn identity_comes_from_the_key_not_from_headers() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
     let stack = Stack::start(&config(&fake.url(), "")).await;
