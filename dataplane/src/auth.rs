@@ -78,6 +78,22 @@ impl Identity {
     }
 }
 
+/// Longest claimed `X-Client-ID` (auth off) kept; longer ones are cut here, so
+/// that every list and label holding client ids stays small.
+pub const MAX_CLIENT_ID_BYTES: usize = 128;
+
+/// `text` cut to at most `max` bytes, on a character boundary.
+fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
 /// The client id of anonymous callers (auth off, no `X-Client-ID`).
 pub const ANONYMOUS: &str = "anonymous";
 
@@ -123,7 +139,7 @@ pub fn identify(
             .get(headers::CLIENT_ID)
             .and_then(|value| value.to_str().ok())
             .filter(|id| !id.is_empty())
-            .map(Arc::from);
+            .map(|id| Arc::from(truncate(id, MAX_CLIENT_ID_BYTES)));
         return Ok(Identity::Anonymous(claimed));
     }
     let window = policy.auth.window;
