@@ -265,7 +265,11 @@ mod tests {
             IpAddr::from([10, 0, 0, 9])
         );
         assert_eq!(
-            client_addr("::1".parse().unwrap(), &forwarded(&["[2001:db8::1]:443"]), &trusted),
+            client_addr(
+                "::1".parse().unwrap(),
+                &forwarded(&["[2001:db8::1]:443"]),
+                &trusted
+            ),
             "2001:db8::1".parse::<IpAddr>().unwrap()
         );
     }

@@ -488,7 +488,12 @@ impl Metrics {
             return Cow::Owned(label.to_string());
         }
         match self.hosted_labels.write() {
-            Ok(mut labels) => Cow::Owned(labels.entry(key).or_insert_with(|| model.into()).to_string()),
+            Ok(mut labels) => Cow::Owned(
+                labels
+                    .entry(key)
+                    .or_insert_with(|| model.into())
+                    .to_string(),
+            ),
             Err(_) => Cow::Borrowed(model),
         }
     }

@@ -260,7 +260,12 @@ pub async fn queued(
     let grant = pending.granted().await?;
     // The key may have been revoked or have expired while the request waited
     // (between snapshots, an expiry is only seen here): never send it then.
-    if client.verified && !app.store.load().admits(&client.id, std::time::SystemTime::now()) {
+    if client.verified
+        && !app
+            .store
+            .load()
+            .admits(&client.id, std::time::SystemTime::now())
+    {
         drop(grant);
         return Err(ProxyError::KeyRevoked);
     }

@@ -1004,8 +1004,12 @@ fn trusted_proxies_are_normalised_and_bad_entries_named() {
     );
     assert_eq!(errors.len(), 2, "{errors:?}");
     assert!(
-        errors[0].starts_with("auth.trusted_proxies[0]: '10.0.0.0/33' is not an IP address or CIDR"),
+        errors[0]
+            .starts_with("auth.trusted_proxies[0]: '10.0.0.0/33' is not an IP address or CIDR"),
         "{errors:?}"
     );
-    assert!(errors[1].starts_with("auth.trusted_proxies[1]: 'proxy.lan'"), "{errors:?}");
+    assert!(
+        errors[1].starts_with("auth.trusted_proxies[1]: 'proxy.lan'"),
+        "{errors:?}"
+    );
 }

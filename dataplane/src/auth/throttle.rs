@@ -48,7 +48,12 @@ impl Bucket {
 
 impl Throttle {
     /// Refuses an address with `max_failures` failures inside `window`.
-    pub fn check(&self, peer: IpAddr, max_failures: u32, window: Duration) -> Result<(), ProxyError> {
+    pub fn check(
+        &self,
+        peer: IpAddr,
+        max_failures: u32,
+        window: Duration,
+    ) -> Result<(), ProxyError> {
         self.check_at(peer, max_failures, window, Instant::now())
     }
 
@@ -165,7 +170,10 @@ mod tests {
         }
         // 59.5 s left of the window: 60, never 59 (a client obeying 59 is refused again).
         let now = t0 + Duration::from_millis(500);
-        assert_eq!(retry_after(throttle.check_at(v4(1), 3, WINDOW, now)), Some(60));
+        assert_eq!(
+            retry_after(throttle.check_at(v4(1), 3, WINDOW, now)),
+            Some(60)
+        );
         // Obeying it gets the client in.
         let obeyed = now + Duration::from_secs(60);
         assert!(throttle.check_at(v4(1), 3, WINDOW, obeyed).is_ok());
@@ -182,7 +190,10 @@ mod tests {
             throttle.fail_at(v4(1), WINDOW, t0 + Duration::from_secs(second));
         }
         let now = t0 + Duration::from_secs(41);
-        assert_eq!(retry_after(throttle.check_at(v4(1), 2, WINDOW, now)), Some(49));
+        assert_eq!(
+            retry_after(throttle.check_at(v4(1), 2, WINDOW, now)),
+            Some(49)
+        );
         assert!(
             throttle
                 .check_at(v4(1), 2, WINDOW, t0 + Duration::from_secs(90))

@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use super::{Failure, KeyId, KeyPool, Lease, PoolState};
 use crate::policy::normalize_model;
-use crate::router::strip_cloud_suffix;
 use crate::redact::redact_key;
+use crate::router::strip_cloud_suffix;
 
 /// The keys one call may still try. Borrowed from the pool for the call's duration; the pool's
 /// lock is taken only inside each method, never across the caller's `.await`s.

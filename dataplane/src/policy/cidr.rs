@@ -22,11 +22,15 @@ impl Cidr {
     pub fn contains(&self, address: IpAddr) -> bool {
         match (self.network, canonical(address)) {
             (IpAddr::V4(network), IpAddr::V4(address)) => {
-                let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix)).unwrap_or(0);
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
                 u32::from(address) & mask == u32::from(network)
             }
             (IpAddr::V6(network), IpAddr::V6(address)) => {
-                let mask = u128::MAX.checked_shl(128 - u32::from(self.prefix)).unwrap_or(0);
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
                 u128::from(address) & mask == u128::from(network)
             }
             _ => false,
@@ -108,7 +112,14 @@ mod tests {
         assert_eq!(cidr("192.168.1.10").to_string(), "192.168.1.10/32");
         assert_eq!(cidr("fd00::1/8").to_string(), "fd00::/8");
         assert_eq!(cidr("0.0.0.0/0").to_string(), "0.0.0.0/0");
-        for bad in ["", "10.0.0.0/33", "10.0.0.0/", "10.0.0.0/+8", "host/8", "::/129"] {
+        for bad in [
+            "",
+            "10.0.0.0/33",
+            "10.0.0.0/",
+            "10.0.0.0/+8",
+            "host/8",
+            "::/129",
+        ] {
             assert!(bad.parse::<Cidr>().is_err(), "{bad}");
         }
     }

@@ -57,10 +57,11 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                     "auth.trusted_proxies: at most {MAX_TRUSTED_PROXIES} entries"
                 )));
             } else {
-                auth.trusted_proxies.iter()
-                .map(|text| text.parse())
-                .collect::<Result<_, _>>()
-                .map_err(|e| PolicyError::new(format!("auth.trusted_proxies: {e}")))?
+                auth.trusted_proxies
+                    .iter()
+                    .map(|text| text.parse())
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| PolicyError::new(format!("auth.trusted_proxies: {e}")))?
             },
         };
 

@@ -718,12 +718,19 @@ fn the_client_map_is_bounded_by_forgetting_idle_unconfigured_clients() {
     let mut scheduler = Scheduler::new(Limits::default());
     scheduler.set_client("configured", ClientLimits::default());
     for i in 0..(MAX_CLIENTS as u32 + 100) {
-        admit(&mut scheduler, now, ticket(&format!("caller-{i}"), Tier::Normal, 0, i));
+        admit(
+            &mut scheduler,
+            now,
+            ticket(&format!("caller-{i}"), Tier::Normal, 0, i),
+        );
         let dispatch = scheduler.next(now, anywhere).unwrap();
         scheduler.complete(dispatch.id, secs(1), now);
     }
     let clients: Vec<ClientStat> = scheduler.client_stats().collect();
     assert!(clients.len() <= MAX_CLIENTS, "{}", clients.len());
     assert!(clients.iter().any(|c| &*c.client == "configured"));
-    assert!(clients.iter().any(|c| &*c.client == "caller-10099"), "the newest stays");
+    assert!(
+        clients.iter().any(|c| &*c.client == "caller-10099"),
+        "the newest stays"
+    );
 }

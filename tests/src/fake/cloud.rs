@@ -109,16 +109,14 @@ impl Cloud {
     pub fn authorize_model(&self, key: Option<&str>, model: &str) -> Result<(), Reply> {
         let subscriptions = lock(&self.subscriptions);
         match subscriptions.get(model) {
-            Some(subscribed) if !key.is_some_and(|key| subscribed.contains(key)) => {
-                Err(gin_error(
-                    StatusCode::FORBIDDEN,
-                    &format!(
-                        "this model requires a subscription, upgrade for access: \
+            Some(subscribed) if !key.is_some_and(|key| subscribed.contains(key)) => Err(gin_error(
+                StatusCode::FORBIDDEN,
+                &format!(
+                    "this model requires a subscription, upgrade for access: \
                          https://ollama.com/upgrade (ref: {})",
-                        reference_id()
-                    ),
-                ))
-            }
+                    reference_id()
+                ),
+            )),
             _ => Ok(()),
         }
     }

@@ -1072,8 +1072,14 @@ async fn eight_hundred_long_self_chosen_client_ids_keep_reports_and_status_worki
         "client ids are cut"
     );
     // The data plane's own status page stays small too.
-    let page = http.get(&format!("{}/queue/status", stack.url()), &[]).await;
+    let page = http
+        .get(&format!("{}/queue/status", stack.url()), &[])
+        .await;
     assert_eq!(page.status, 200);
-    assert!(page.text().len() < 256 * 1024, "{} bytes", page.text().len());
+    assert!(
+        page.text().len() < 256 * 1024,
+        "{} bytes",
+        page.text().len()
+    );
     stack.shutdown().await;
 }

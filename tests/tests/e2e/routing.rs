@@ -418,7 +418,10 @@ async fn a_model_needing_a_subscription_is_refused_as_is_and_every_key_keeps_ser
         .map(|r| r.bearer().unwrap())
         .collect();
     assert_eq!(tried.len(), 2, "{tried:?}");
-    assert!(tried.contains(&"b1-0000000000000003".to_owned()), "{tried:?}");
+    assert!(
+        tried.contains(&"b1-0000000000000003".to_owned()),
+        "{tried:?}"
+    );
     // Asked again, oqp answers from what it learnt, without asking the cloud.
     let again = cloud_chat(&http, &stack.url(), "kimi-k2:1t").await;
     assert_eq!(again.status, 403, "{}", again.text());
@@ -472,10 +475,18 @@ async fn a_key_refused_everywhere_is_still_cooled() {
         .map(|(label, _, error)| (label.as_str(), error.as_deref()))
         .collect();
     assert_eq!(cooled.len(), 2, "{pool:?}");
-    assert!(cooled.iter().all(|(_, error)| *error == Some("auth")), "{pool:?}");
+    assert!(
+        cooled.iter().all(|(_, error)| *error == Some("auth")),
+        "{pool:?}"
+    );
     // Only the good key is left: the next request goes straight to it.
     handle.clear_requests();
-    assert_eq!(cloud_chat(&http, &stack.url(), "qwen3-coder:480b").await.status, 200);
+    assert_eq!(
+        cloud_chat(&http, &stack.url(), "qwen3-coder:480b")
+            .await
+            .status,
+        200
+    );
     let asked: Vec<String> = handle
         .requests_to("/api/chat")
         .iter()

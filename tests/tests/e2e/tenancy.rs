@@ -257,7 +257,10 @@ async fn a_success_does_not_clear_failures_and_retry_after_is_enough() {
         assert_eq!(reply.status, 401);
     }
     // Holding one good key does not buy more guesses.
-    assert_eq!(http.get(&url, &[("authorization", &good)]).await.status, 200);
+    assert_eq!(
+        http.get(&url, &[("authorization", &good)]).await.status,
+        200
+    );
     let third = http.get(&url, &[("authorization", "Bearer wrong")]).await;
     assert_eq!(third.status, 401);
     let throttled = http.get(&url, &[("authorization", "Bearer wrong")]).await;
@@ -290,7 +293,10 @@ async fn behind_a_trusted_proxy_each_forwarded_address_has_its_own_bucket() {
     // Another client behind the same proxy is not refused for the first one's failures,
     // whatever it puts in front of the chain.
     assert_eq!(fail_from(&http, &url, "198.51.100.2", 0).await, 401);
-    assert_eq!(fail_from(&http, &url, "198.51.100.1, 198.51.100.3", 0).await, 401);
+    assert_eq!(
+        fail_from(&http, &url, "198.51.100.1, 198.51.100.3", 0).await,
+        401
+    );
     stack.shutdown().await;
 
     // Without trusted_proxies the header is ignored: everyone shares the peer's bucket.
