@@ -393,6 +393,7 @@ async fn a_model_needing_a_subscription_is_refused_as_is_and_every_key_keeps_ser
     let cloud = FakeOllama::builder()
         .model("gpt-oss:120b")
         .model("qwen3-coder:480b")
+        .model("deepseek-v3.1:671b")
         .model("kimi-k2:1t")
         .cloud(&[
             "a1-0000000000000001",
@@ -431,23 +432,26 @@ async fn a_model_needing_a_subscription_is_refused_as_is_and_every_key_keeps_ser
     let pool = cloud_pool(&http, &stack.url()).await;
     assert!(pool.iter().all(|(_, cooling, _)| !cooling), "{pool:?}");
     handle.clear_requests();
-    for model in ["gpt-oss:120b", "qwen3-coder:480b", "gpt-oss:120b"] {
+    for model in ["gpt-oss:120b", "qwen3-coder:480b", "deepseek-v3.1:671b"] {
         let reply = cloud_chat(&http, &stack.url(), model).await;
         assert_eq!(reply.status, 200, "{model}: {}", reply.text());
     }
-    for key in [
-        "a1-0000000000000001",
-        "a2-0000000000000002",
-        "b1-0000000000000003",
-    ] {
-        let probe = http
-            .get(
-                &format!("{}/api/usage", cloud.url()),
-                &[("authorization", &format!("Bearer {key}"))],
-            )
-            .await;
-        assert_eq!(probe.status, 200, "the fake still knows {key}");
-    }
+    // Three models, each warm on its own key: every key served one.
+    let served: std::collections::BTreeSet<String> = handle
+        .requests_to("/api/chat")
+        .iter()
+        .map(|r| r.bearer().unwrap())
+        .collect();
+    assert_eq!(
+        served,
+        [
+            "a1-0000000000000001",
+            "a2-0000000000000002",
+            "b1-0000000000000003"
+        ]
+        .map(String::from)
+        .into(),
+    );
     stack.shutdown().await;
 }
 
