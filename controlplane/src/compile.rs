@@ -137,6 +137,7 @@ pub fn snapshot(
             rate_limit_max_failures: config.auth.rate_limit.max_failures,
             rate_limit_window_seconds: u32::try_from(config.auth.rate_limit.window_seconds)
                 .unwrap_or(u32::MAX),
+            trusted_proxies: config.auth.trusted_proxies.clone(),
         }),
         clients,
         queue: Some(wire::QueueSettings {

@@ -52,6 +52,9 @@ pub struct App {
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
 }
 
+/// Most clients whose last request time is remembered.
+const MAX_LAST_USED: usize = 10_000;
+
 impl App {
     /// Shared state for a node serving `store`.
     pub fn new(
@@ -105,11 +108,7 @@ impl App {
     /// Notes that `client` made a request now.
     pub fn touch(&self, client: &Arc<str>) {
         if let Ok(mut last_used) = self.last_used.lock() {
-            // Anonymous callers (auth off) name themselves; bound the map.
-            if last_used.len() >= 10_000 && !last_used.contains_key(client) {
-                last_used.clear();
-            }
-            last_used.insert(client.clone(), SystemTime::now());
+            note_use(&mut last_used, client, SystemTime::now());
         }
     }
 
@@ -137,5 +136,45 @@ pub struct ActiveGuard(Arc<App>);
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
         self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Records that `client` made a request at `now`. Anonymous callers (auth off) name themselves,
+/// so the map is bounded: at [`MAX_LAST_USED`] the least recently seen tenth is forgotten, never
+/// everyone at once.
+fn note_use(last_used: &mut HashMap<Arc<str>, SystemTime>, client: &Arc<str>, now: SystemTime) {
+    if last_used.len() >= MAX_LAST_USED && !last_used.contains_key(client) {
+        let mut by_age: Vec<(SystemTime, Arc<str>)> = last_used
+            .iter()
+            .map(|(client, at)| (*at, client.clone()))
+            .collect();
+        by_age.sort_unstable();
+        for (_, old) in by_age.into_iter().take(MAX_LAST_USED / 10) {
+            last_used.remove(&old);
+        }
+    }
+    last_used.insert(client.clone(), now);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn last_used_is_bounded_and_forgets_the_oldest_first() {
+        let mut map = HashMap::new();
+        let t0 = SystemTime::UNIX_EPOCH;
+        let busy: Arc<str> = Arc::from("busy");
+        for i in 0..(MAX_LAST_USED as u64 + 500) {
+            let at = t0 + Duration::from_secs(i);
+            note_use(&mut map, &Arc::from(format!("caller-{i}")), at);
+            note_use(&mut map, &busy, at);
+        }
+        assert!(map.len() <= MAX_LAST_USED);
+        assert!(map.contains_key("busy"), "a client still calling is kept");
+        assert!(!map.contains_key("caller-0"), "the oldest went first");
+        assert!(map.contains_key(format!("caller-{}", MAX_LAST_USED + 499).as_str()));
     }
 }

@@ -5,18 +5,21 @@
 //! port names its client by configuration. Everything the proxy decides for
 //! a request (tier ceiling, scope, cap, identity in stats and upstream)
 //! follows from the [`Identity`] found here, never from what the client
-//! claims. Failed attempts are throttled per client IP.
+//! claims. Failed attempts are throttled per client address ([`Throttle`]);
+//! behind a trusted reverse proxy that address comes from `X-Forwarded-For`
+//! ([`client_addr`]).
 
-use std::collections::{HashMap, VecDeque};
+mod throttle;
+
 use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::SystemTime;
 
 use http::HeaderMap;
 
 use crate::error::ProxyError;
 use crate::headers;
-use crate::policy::{Client, Policy, Scope};
+use crate::policy::{Cidr, Client, Policy, Scope, canonical};
 use crate::scheduler::Tier;
 use crate::server::ListenerKind;
 
@@ -31,6 +34,21 @@ pub enum Identity {
 }
 
 impl Identity {
+    /// The caller as the queue knows it: its id, and whether it was identified (a key or an
+    /// injection port) rather than claimed in `X-Client-ID` with auth off.
+    pub fn caller(&self) -> Caller {
+        match self {
+            Identity::Client(client) => Caller {
+                id: client.id.clone(),
+                verified: true,
+            },
+            Identity::Anonymous(id) => Caller {
+                id: id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS)),
+                verified: false,
+            },
+        }
+    }
+
     /// The client id used for stats, caps and the upstream `X-Client-ID`.
     pub fn client_id(&self) -> Option<&Arc<str>> {
         match self {
@@ -60,6 +78,35 @@ impl Identity {
     }
 }
 
+/// Longest claimed `X-Client-ID` (auth off) kept; longer ones are cut here, so
+/// that every list and label holding client ids stays small.
+pub const MAX_CLIENT_ID_BYTES: usize = 128;
+
+/// `text` cut to at most `max` bytes, on a character boundary.
+fn truncate(text: &str, max: usize) -> &str {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+/// The client id of anonymous callers (auth off, no `X-Client-ID`).
+pub const ANONYMOUS: &str = "anonymous";
+
+/// Who a queued request is for.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The client id (for fairness, caps, stats and the cache).
+    pub id: Arc<str>,
+    /// Identified by a key or an injection port: refused while waiting once the client leaves
+    /// the snapshot or its key expires.
+    pub verified: bool,
+}
+
 /// The tier a request asks for, if its `X-Queue-Priority` names one.
 pub fn requested_tier(headers: &HeaderMap) -> Option<Tier> {
     let value = headers.get(headers::QUEUE_PRIORITY)?.to_str().ok()?.trim();
@@ -78,10 +125,11 @@ pub fn identify(
 ) -> Result<Identity, ProxyError> {
     if let ListenerKind::Injection(client_id) = listener {
         // The snapshot that opened the port named the client; a newer one
-        // may have removed it, in which case the port refuses.
+        // may have removed it, or its key expired since: then the port refuses.
         return policy
             .clients_by_id
             .get(client_id)
+            .filter(|client| !client.is_expired(SystemTime::now()))
             .cloned()
             .map(Identity::Client)
             .ok_or(ProxyError::UnknownKey);
@@ -91,7 +139,7 @@ pub fn identify(
             .get(headers::CLIENT_ID)
             .and_then(|value| value.to_str().ok())
             .filter(|id| !id.is_empty())
-            .map(Arc::from);
+            .map(|id| Arc::from(truncate(id, MAX_CLIENT_ID_BYTES)));
         return Ok(Identity::Anonymous(claimed));
     }
     let window = policy.auth.window;
@@ -100,16 +148,65 @@ pub fn identify(
         throttle.fail(peer, window);
         ProxyError::MissingCredentials
     })?;
+    // A success does not clear the address's failures: whoever holds one key
+    // must not be able to guess others without limit.
     match policy.client_by_key(key) {
-        Some(client) => {
-            throttle.succeed(peer);
-            Ok(Identity::Client(client.clone()))
-        }
+        Some(client) => Ok(Identity::Client(client.clone())),
         None => {
             throttle.fail(peer, window);
             Err(ProxyError::UnknownKey)
         }
     }
+}
+
+/// Most `X-Forwarded-For` entries read, from the right: a longer chain is
+/// cut there (its left part is what the client itself wrote anyway).
+const MAX_FORWARDED_HOPS: usize = 32;
+
+/// The client's address, for the throttle and logs: the connection's peer,
+/// unless that is a trusted proxy, in which case the right-most address of
+/// `X-Forwarded-For` that is not a trusted proxy (each proxy appends the
+/// address it saw, so everything left of the first untrusted hop may be
+/// forged). Never used for identity, which comes from the key alone.
+pub fn client_addr(peer: IpAddr, headers: &HeaderMap, trusted: &[Cidr]) -> IpAddr {
+    let peer = canonical(peer);
+    let is_trusted = |address: IpAddr| trusted.iter().any(|cidr| cidr.contains(address));
+    if trusted.is_empty() || !is_trusted(peer) {
+        return peer;
+    }
+    let mut hops: Vec<&str> = Vec::new();
+    for value in headers.get_all(headers::FORWARDED_FOR).iter().rev() {
+        let Ok(value) = value.to_str() else {
+            // An unreadable header: stop at the proxy that passed it on.
+            return peer;
+        };
+        hops.extend(value.rsplit(','));
+        if hops.len() >= MAX_FORWARDED_HOPS {
+            break;
+        }
+    }
+    let mut client = peer;
+    for hop in hops.into_iter().take(MAX_FORWARDED_HOPS) {
+        let Some(address) = parse_hop(hop.trim()) else {
+            // Garbage in the chain: the last good hop is as far as we trust.
+            return client;
+        };
+        client = canonical(address);
+        if !is_trusted(client) {
+            return client;
+        }
+    }
+    client
+}
+
+/// One `X-Forwarded-For` entry: an address, possibly `[v6]:port` or `v4:port`.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    if let Ok(address) = hop.parse() {
+        return Some(address);
+    }
+    hop.parse::<std::net::SocketAddr>()
+        .ok()
+        .map(|socket| socket.ip())
 }
 
 /// The key of an `Authorization: Bearer <key>` header; the scheme is
@@ -121,91 +218,61 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !key.is_empty()).then_some(key)
 }
 
-/// Failed-authentication throttle, per client IP, with bounded memory.
-#[derive(Debug, Default)]
-pub struct Throttle {
-    failures: Mutex<HashMap<IpAddr, VecDeque<Instant>>>,
-}
-
-/// Most addresses remembered; beyond it, addresses with only stale failures
-/// are forgotten first, then the map is cleared (a flood of fresh addresses
-/// must not exhaust memory).
-const MAX_TRACKED: usize = 10_000;
-
-impl Throttle {
-    /// Refuses an address with `max_failures` failures inside `window`.
-    pub fn check(
-        &self,
-        peer: IpAddr,
-        max_failures: u32,
-        window: Duration,
-    ) -> Result<(), ProxyError> {
-        let Ok(mut failures) = self.failures.lock() else {
-            return Ok(());
-        };
-        let Some(recent) = failures.get_mut(&peer) else {
-            return Ok(());
-        };
-        let now = Instant::now();
-        while recent
-            .front()
-            .is_some_and(|at| now.duration_since(*at) >= window)
-        {
-            recent.pop_front();
-        }
-        if recent.len() >= max_failures as usize {
-            let oldest = recent.front().copied().unwrap_or(now);
-            let wait = window.saturating_sub(now.duration_since(oldest));
-            return Err(ProxyError::TooManyAuthFailures {
-                retry_after: wait.as_secs().max(1),
-            });
-        }
-        if recent.is_empty() {
-            failures.remove(&peer);
-        }
-        Ok(())
-    }
-
-    /// Records a failure.
-    pub fn fail(&self, peer: IpAddr, window: Duration) {
-        let Ok(mut failures) = self.failures.lock() else {
-            return;
-        };
-        if failures.len() >= MAX_TRACKED && !failures.contains_key(&peer) {
-            let now = Instant::now();
-            failures.retain(|_, recent| {
-                recent
-                    .back()
-                    .is_some_and(|at| now.duration_since(*at) < window)
-            });
-            if failures.len() >= MAX_TRACKED {
-                failures.clear();
-            }
-        }
-        let recent = failures.entry(peer).or_default();
-        recent.push_back(Instant::now());
-        // Only the last `max_failures` matter; keep the deque short.
-        while recent.len() > 1024 {
-            recent.pop_front();
-        }
-    }
-
-    /// A success clears the address's history.
-    pub fn succeed(&self, peer: IpAddr) {
-        if let Ok(mut failures) = self.failures.lock() {
-            failures.remove(&peer);
-        }
-    }
-
-    /// Addresses currently remembered.
-    pub fn tracked(&self) -> usize {
-        self.failures.lock().map_or(0, |f| f.len())
-    }
-}
+pub use throttle::Throttle;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn forwarded(values: &[&str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append(headers::FORWARDED_FOR, value.parse().unwrap());
+        }
+        headers
+    }
+
+    #[test]
+    fn forwarded_for_is_believed_only_from_trusted_proxies() {
+        let trusted: Vec<Cidr> = vec!["10.0.0.0/8".parse().unwrap(), "::1".parse().unwrap()];
+        let proxy: IpAddr = [10, 0, 0, 2].into();
+        let stranger: IpAddr = [203, 0, 113, 9].into();
+        let chain = forwarded(&["198.51.100.7, 10.0.0.5"]);
+        // From a trusted proxy: the right-most untrusted hop.
+        assert_eq!(
+            client_addr(proxy, &chain, &trusted),
+            IpAddr::from([198, 51, 100, 7])
+        );
+        // A client that forges the left part still gets its real address.
+        let forged = forwarded(&["1.2.3.4, 198.51.100.7"]);
+        assert_eq!(
+            client_addr(proxy, &forged, &trusted),
+            IpAddr::from([198, 51, 100, 7])
+        );
+        // Several headers read as one list, in order.
+        let split = forwarded(&["1.2.3.4", "198.51.100.8"]);
+        assert_eq!(
+            client_addr(proxy, &split, &trusted),
+            IpAddr::from([198, 51, 100, 8])
+        );
+        // Not from a trusted proxy, or no list configured: the header is ignored.
+        assert_eq!(client_addr(stranger, &chain, &trusted), stranger);
+        assert_eq!(client_addr(proxy, &chain, &[]), proxy);
+        // Garbage stops at the last good hop; an all-trusted chain gives its left end.
+        assert_eq!(client_addr(proxy, &forwarded(&["junk"]), &trusted), proxy);
+        assert_eq!(
+            client_addr(proxy, &forwarded(&["10.0.0.9"]), &trusted),
+            IpAddr::from([10, 0, 0, 9])
+        );
+        assert_eq!(
+            client_addr(
+                "::1".parse().unwrap(),
+                &forwarded(&["[2001:db8::1]:443"]),
+                &trusted
+            ),
+            "2001:db8::1".parse::<IpAddr>().unwrap()
+        );
+    }
 
     #[test]
     fn bearer_scheme_is_case_insensitive() {
@@ -228,32 +295,5 @@ mod tests {
         assert_eq!(requested_tier(&headers), Some(Tier::High));
         headers.insert(headers::QUEUE_PRIORITY, "urgent".parse().unwrap());
         assert_eq!(requested_tier(&headers), None);
-    }
-
-    #[test]
-    fn throttle_refuses_after_max_failures_and_forgets_on_success() {
-        let throttle = Throttle::default();
-        let peer: IpAddr = [10, 0, 0, 1].into();
-        let window = Duration::from_secs(60);
-        for _ in 0..3 {
-            assert!(throttle.check(peer, 3, window).is_ok());
-            throttle.fail(peer, window);
-        }
-        let refused = throttle.check(peer, 3, window).unwrap_err();
-        assert!(
-            matches!(refused, ProxyError::TooManyAuthFailures { retry_after } if retry_after <= 60)
-        );
-        throttle.succeed(peer);
-        assert!(throttle.check(peer, 3, window).is_ok());
-    }
-
-    #[test]
-    fn throttle_memory_is_bounded() {
-        let throttle = Throttle::default();
-        let window = Duration::from_secs(60);
-        for i in 0..(MAX_TRACKED as u32 + 50) {
-            throttle.fail(IpAddr::from(i.to_be_bytes()), window);
-        }
-        assert!(throttle.tracked() <= MAX_TRACKED);
     }
 }

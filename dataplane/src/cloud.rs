@@ -95,7 +95,13 @@ struct PoolState {
     host_backoff_until: Option<Instant>,
     /// Lease tokens, so that a lease only ever frees its own reservation.
     next_token: u64,
+    /// (account id, normalised model) → refused until: a model-specific 403 (a model that
+    /// needs a subscription). Bounded by [`MAX_REFUSALS`]: models are named by clients.
+    refused: HashMap<(Arc<str>, Arc<str>), Instant>,
 }
+
+/// Most (account, model) refusals remembered per pool; beyond it the one ending first goes.
+const MAX_REFUSALS: usize = 1024;
 
 struct KeySlot {
     id: KeyId,
@@ -152,6 +158,7 @@ impl KeyPool {
                 cursor: None,
                 host_backoff_until: None,
                 next_token: 0,
+                refused: HashMap::new(),
             }),
             changed: Notify::new(),
         };
@@ -243,6 +250,18 @@ impl KeyPool {
             .map(|until| until.saturating_duration_since(now))
     }
 
+    /// Whether every key's account has refused `model` (a model-specific 403) and still does
+    /// at `now`: the request path answers 403 without asking Ollama Cloud again.
+    pub fn refuses_everywhere(&self, model: &str, now: Instant) -> bool {
+        let model = normalize_model(strip_cloud_suffix(model));
+        let state = self.lock();
+        !state.keys.is_empty()
+            && state
+                .keys
+                .iter()
+                .all(|slot| state.refuses(&slot.account, &model, now))
+    }
+
     /// Every key's status, for `/queue/status` and oqpctl.
     pub fn snapshot(&self) -> Vec<KeyStatus> {
         self.snapshot_at(Instant::now(), SystemTime::now())
@@ -302,6 +321,28 @@ impl PoolState {
 
     fn usable(&self, slot: &KeySlot, now: Instant) -> bool {
         self.unavailable_until(slot, now).is_none()
+    }
+
+    /// Whether `account` refused `model` (normalised) and the refusal still holds at `now`.
+    fn refuses(&self, account: &Arc<str>, model: &str, now: Instant) -> bool {
+        self.refused
+            .get(&(account.clone(), Arc::from(model)))
+            .is_some_and(|until| *until > now)
+    }
+
+    /// Remembers that `account` refused `model` until `until`, within [`MAX_REFUSALS`].
+    fn refuse(&mut self, account: Arc<str>, model: Arc<str>, until: Instant, now: Instant) {
+        self.refused.retain(|_, until| *until > now);
+        if self.refused.len() >= MAX_REFUSALS
+            && let Some(first) = self
+                .refused
+                .iter()
+                .min_by_key(|(_, until)| **until)
+                .map(|(pair, _)| pair.clone())
+        {
+            self.refused.remove(&first);
+        }
+        self.refused.insert((account, model), until);
     }
 
     fn position(&self, id: KeyId) -> Option<usize> {

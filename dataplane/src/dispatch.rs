@@ -34,8 +34,13 @@ use crate::scheduler::{
 
 use rate::DrainRate;
 
-/// What a waiting request is told.
-type Waiter = oneshot::Sender<Result<Grant, ProxyError>>;
+/// A waiting request: where its answer goes, and whether its client was identified (by key or
+/// by an injection port) rather than claimed, so that revocation can refuse it.
+#[derive(Debug)]
+struct Waiter {
+    sender: oneshot::Sender<Result<Grant, ProxyError>>,
+    verified: bool,
+}
 
 /// Most events kept for the next report.
 const MAX_EVENTS: usize = 256;
@@ -114,6 +119,10 @@ pub struct Request {
     pub bytes: u64,
     /// Its model, for placement.
     pub model: Option<Arc<str>>,
+    /// Whether `client` was identified by a key or an injection port (not claimed with auth
+    /// off): such a request is refused while waiting once its client leaves the snapshot or
+    /// its key expires.
+    pub verified: bool,
 }
 
 impl Dispatcher {
@@ -161,12 +170,21 @@ impl Dispatcher {
     }
 
     /// Applies a new snapshot: limits, clients, pauses, hosts; a higher flush
-    /// generation drops the tier's waiting requests.
+    /// generation drops the tier's waiting requests, and the waiting requests
+    /// of a client whose key was revoked or has expired are refused.
     pub fn apply(self: &Arc<Self>, policy: &Policy) {
         let mut flushed = Vec::new();
         let mut dropped = Vec::new();
+        let revoked;
         {
             let mut inner = self.lock();
+            let now = std::time::SystemTime::now();
+            revoked = inner
+                .scheduler
+                .revoke(|client, waiter| waiter.verified && !policy.admits(client, now));
+            inner
+                .scheduler
+                .unconfigure_others(|client| policy.admits(client, now));
             let queue = &policy.queue;
             let tiers = queue.tiers.each_ref().map(|t| TierLimits {
                 max_depth: t.max_depth.max(1),
@@ -207,7 +225,16 @@ impl Dispatcher {
         self.flushed
             .fetch_add(flushed.len() as u64, std::sync::atomic::Ordering::Relaxed);
         for waiter in flushed {
-            let _ = waiter.send(Err(ProxyError::Flushed));
+            let _ = waiter.sender.send(Err(ProxyError::Flushed));
+        }
+        if !revoked.is_empty() {
+            tracing::info!(
+                requests = revoked.len(),
+                "refused waiting requests of revoked or expired keys"
+            );
+        }
+        for waiter in revoked {
+            let _ = waiter.sender.send(Err(ProxyError::KeyRevoked));
         }
         drop(dropped);
         self.applied.send_if_modified(|applied| {
@@ -238,7 +265,10 @@ impl Dispatcher {
                 tier,
                 bytes: request.bytes,
                 model: request.model,
-                payload: sender,
+                payload: Waiter {
+                    sender,
+                    verified: request.verified,
+                },
             };
             match inner.scheduler.enqueue(now, ticket) {
                 Ok(admitted) => {
@@ -328,7 +358,7 @@ impl Dispatcher {
                 waited: dispatch.waited,
                 tier,
             };
-            if let Err(Ok(grant)) = dispatch.payload.send(Ok(grant)) {
+            if let Err(Ok(grant)) = dispatch.payload.sender.send(Ok(grant)) {
                 // The client left between admission and now.
                 orphans.push(grant);
             }
@@ -339,7 +369,7 @@ impl Dispatcher {
                     payload, client, ..
                 } => {
                     tracing::debug!(%client, "request expired in queue");
-                    let _ = payload.send(Err(ProxyError::Expired));
+                    let _ = payload.sender.send(Err(ProxyError::Expired));
                 }
                 Expiry::Promoted {
                     client, from, to, ..

@@ -22,6 +22,7 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body_util::BodyExt;
 
 use crate::app::App;
+use crate::auth::Caller;
 use crate::body::{self, Body};
 use crate::cache::{self, Namespace, ResolveError};
 use crate::endpoint::Inference;
@@ -52,7 +53,7 @@ enum Fetch {
 pub async fn handle(
     app: &Arc<App>,
     policy: &Arc<Policy>,
-    client: Arc<str>,
+    client: Caller,
     tier: Tier,
     inference: Inference,
     mut outbound: Outbound,
@@ -128,7 +129,7 @@ pub async fn handle(
             Ok(bytes)
         }
     };
-    let resolved = match cache.resolve(&plan, &client, &endpoint, fetch).await {
+    let resolved = match cache.resolve(&plan, &client.id, &endpoint, fetch).await {
         Ok(resolved) => resolved,
         Err(ResolveError::Upstream(Fetch::Refused(error))) => return Err(error),
         Err(ResolveError::Upstream(Fetch::Upstream(response))) => {
@@ -144,9 +145,9 @@ pub async fn handle(
     };
     let outcome = resolved.outcome;
     match outcome {
-        cache::Outcome::Hit => app.metrics.cache_hit(&client, &model, &endpoint),
-        cache::Outcome::Partial => app.metrics.cache_partial(&client, &model, &endpoint),
-        cache::Outcome::Miss => app.metrics.cache_miss(&client, &model, &endpoint),
+        cache::Outcome::Hit => app.metrics.cache_hit(&client.id, &model, &endpoint),
+        cache::Outcome::Partial => app.metrics.cache_partial(&client.id, &model, &endpoint),
+        cache::Outcome::Miss => app.metrics.cache_miss(&client.id, &model, &endpoint),
     }
     let mut response = Response::new(body::full(resolved.body));
     let map = response.headers_mut();

@@ -19,6 +19,9 @@ pub enum ProxyError {
     /// A bearer key that matches no client.
     #[error("invalid api key")]
     UnknownKey,
+    /// The request's key was revoked, or expired, while the request waited in the queue.
+    #[error("invalid api key (revoked or expired while the request was queued)")]
+    KeyRevoked,
     /// Too many failed attempts from this address.
     #[error("too many authentication failures")]
     TooManyAuthFailures {
@@ -104,7 +107,9 @@ impl ProxyError {
     /// The HTTP status of this error.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::MissingCredentials | Self::UnknownKey => StatusCode::UNAUTHORIZED,
+            Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked => {
+                StatusCode::UNAUTHORIZED
+            }
             Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ScopeRequired(_)
             | Self::ModelManagementDisabled
@@ -155,7 +160,10 @@ impl ProxyError {
         if let Ok(id) = HeaderValue::from_str(request_id) {
             headers.insert(headers::REQUEST_ID, id);
         }
-        if matches!(self, Self::MissingCredentials | Self::UnknownKey) {
+        if matches!(
+            self,
+            Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked
+        ) {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         if let Some(seconds) = self.retry_after() {

@@ -10,7 +10,11 @@
 //! - `404 model not found` → `(host, model)` leaves the routing table until
 //!   the next poll, and the request moves to another host that has it;
 //! - a cloud host → the pool's keys in order (account-aware rotation, warmth
-//!   binding), then the host's fallback models.
+//!   binding), then the host's fallback models. A `403` disables a key only
+//!   when a model-free request with that key (`GET /api/usage`) is refused
+//!   too; otherwise only that account is out of rotation for that model (a
+//!   model that needs a subscription), and when every account refused it the
+//!   client gets the cloud's `403` as it was.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -37,6 +41,8 @@ const PEEK_LIMIT: usize = 16 * 1024;
 /// small, and a host that sends its head but not its body must not hold the
 /// request (and its slot) for the request timeout.
 const PEEK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Longest wait for the model-free key check after a cloud `403`.
+const KEY_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// An upstream answer, plus what must live as long as its body and the
 /// headers it adds.
@@ -212,6 +218,8 @@ async fn send_cloud(
     };
     let mut last: Option<(Answer, Failure)> = None;
     let mut missing: Option<Answer> = None;
+    // A model every account had already refused: no key was asked again.
+    let mut refused_everywhere: Option<String> = None;
     for candidate in candidates {
         let lease = pool
             .acquire(&candidate, policy.routing.acquire_timeout)
@@ -221,7 +229,7 @@ async fn send_cloud(
         } else {
             with_model(&body, cloud::upstream_model(&candidate))
         };
-        let mut attempts = pool.attempts(&lease);
+        let mut attempts = pool.attempts(&lease).for_model(&candidate);
         let mut give_up_host = false;
         while let Some(attempt) = attempts.next_key(Instant::now()) {
             let mut headers = outbound.headers.clone();
@@ -258,7 +266,21 @@ async fn send_cloud(
                     missing = Some(answer);
                     break;
                 }
-                if let Some(failure) = Failure::classify(answer.response.status(), &bytes) {
+                let failure = match Failure::classify(answer.response.status(), &bytes) {
+                    Some(Failure::Forbidden) => {
+                        Some(if key_refused(app, policy, host, attempt.key()).await {
+                            Failure::Auth
+                        } else {
+                            Failure::ModelRefused
+                        })
+                    }
+                    other => other,
+                };
+                // A 403 for a request naming no model, with a good key: nothing to
+                // rotate for, so it is relayed as it is.
+                let failure =
+                    failure.filter(|f| !(*f == Failure::ModelRefused && candidate.is_empty()));
+                if let Some(failure) = failure {
                     tracing::info!(host = %host.name, failure = failure.as_str(), "cloud key failed; rotating");
                     attempts.fail(&attempt, failure, Instant::now());
                     give_up_host = matches!(failure, Failure::Connect | Failure::Overloaded);
@@ -282,12 +304,28 @@ async fn send_cloud(
                 headers: extra,
             }));
         }
+        if attempts.tried() == 0
+            && !candidate.is_empty()
+            && pool.refuses_everywhere(&candidate, Instant::now())
+        {
+            refused_everywhere = Some(candidate);
+        }
         if give_up_host {
             break;
         }
     }
     if let (None, Some(answer)) = (&last, missing) {
         return Ok(Sent::ModelMissing(answer));
+    }
+    if let (None, Some(model)) = (&last, refused_everywhere) {
+        let message = format!(
+            "Ollama Cloud refused model '{model}' for every account of this host (it may need a subscription)"
+        );
+        return Ok(Sent::Done(Forwarded {
+            answer: refusal(host, StatusCode::FORBIDDEN, &message, None),
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
     }
     match last {
         // Every key failed: the client sees a clean refusal, never a key's
@@ -313,6 +351,32 @@ async fn send_cloud(
             guards: Vec::new(),
             headers: Vec::new(),
         })),
+    }
+}
+
+/// Whether Ollama Cloud refuses `key` itself, not just one model: a request
+/// that names no model (`GET /api/usage`) with the same key is answered 401
+/// or 403. Anything else (success, 404, an error, no answer in time) keeps
+/// the key in service: a key is disabled only on evidence.
+async fn key_refused(app: &Arc<App>, policy: &Policy, host: &Arc<Host>, key: &str) -> bool {
+    let mut headers = http::HeaderMap::new();
+    set_bearer(&mut headers, key);
+    let Ok(request) = proxy::request_for(
+        host,
+        &http::Method::GET,
+        &http::uri::PathAndQuery::from_static("/api/usage"),
+        &headers,
+        body::empty(),
+    ) else {
+        return false;
+    };
+    let timeout = policy.proxy.request_timeout.min(KEY_CHECK_TIMEOUT);
+    match app.upstream.send(request, timeout).await {
+        Ok(response) => matches!(
+            response.status(),
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+        ),
+        Err(_) => false,
     }
 }
 

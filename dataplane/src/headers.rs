@@ -22,6 +22,8 @@ pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
 pub const MODEL_FALLBACK: HeaderName = HeaderName::from_static("x-model-fallback");
 /// `X-Request-ID`.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// The client address chain a reverse proxy appends to (believed only from `auth.trusted_proxies`).
+pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
 /// Headers that describe one connection and never cross a proxy (RFC 9110
 /// §7.6.1), plus the non-standard ones clients still send.

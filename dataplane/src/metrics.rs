@@ -15,8 +15,12 @@
 //! Label values are escaped by the `prometheus` encoder (a client id with
 //! `"`, `\` or a newline cannot forge a series), and every label whose values
 //! come from callers is bounded: configured clients plus at most
-//! [`MAX_OTHER_LABELS`] others, the rest counted under [`OTHER`].
+//! [`MAX_OTHER_LABELS`] others, the rest counted under [`OTHER`]. Models the
+//! hosts list (installed or loaded) always get their own label, so names
+//! made up by clients can fill the budget but never push a real model into
+//! [`OTHER`].
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -65,6 +69,11 @@ pub struct Metrics {
     scrape: Mutex<()>,
     /// Client ids of the current snapshot: always their own label value.
     configured: ArcSwap<HashSet<Arc<str>>>,
+    /// Models the hosts of the current snapshot list (normalised): always their own label.
+    hosted_models: ArcSwap<HashSet<String>>,
+    /// Normalised hosted model → the label it is counted under: the first spelling seen, so
+    /// that other spellings of one model share it.
+    hosted_labels: RwLock<std::collections::HashMap<String, Arc<str>>>,
     clients: Budget,
     models: Budget,
     endpoints: Budget,
@@ -322,6 +331,8 @@ impl Metrics {
             registry,
             scrape: Mutex::new(()),
             configured: ArcSwap::from_pointee(HashSet::new()),
+            hosted_models: ArcSwap::from_pointee(HashSet::new()),
+            hosted_labels: RwLock::default(),
             clients: Budget::default(),
             models: Budget::default(),
             endpoints: Budget::default(),
@@ -342,6 +353,16 @@ impl Metrics {
     pub fn apply(&self, policy: &Policy) {
         self.configured
             .store(Arc::new(policy.clients_by_id.keys().cloned().collect()));
+        let hosted = policy
+            .hosts
+            .iter()
+            .flat_map(|host| host.installed.iter().chain(&host.loaded))
+            .cloned()
+            .collect::<HashSet<String>>();
+        if let Ok(mut labels) = self.hosted_labels.write() {
+            labels.retain(|model, _| hosted.contains(model));
+        }
+        self.hosted_models.store(Arc::new(hosted));
     }
 
     /// A dispatched request waited `waited` in `tier`.
@@ -440,10 +461,40 @@ impl Metrics {
 
     fn cache_count(&self, vec: &IntCounterVec, client: &str, model: &str, endpoint: &str) {
         let client = self.client_label(client);
-        let model = self.models.admit(model);
+        let model = self.model_label(model);
         let endpoint = self.endpoints.admit(endpoint);
-        if let Ok(counter) = vec.get_metric_with_label_values(&[client, model, endpoint]) {
+        if let Ok(counter) = vec.get_metric_with_label_values(&[client, &model, endpoint]) {
             counter.inc();
+        }
+    }
+
+    /// A model the hosts list keeps its own label (one per model, whatever the spelling, so
+    /// they stay bounded by the inventory); any other name takes a place in the budget.
+    fn model_label<'a>(&self, model: &'a str) -> Cow<'a, str> {
+        let hosted = self.hosted_models.load();
+        let mut key = crate::policy::normalize_model(model);
+        if !hosted.contains(&key) {
+            key = crate::policy::normalize_model(crate::router::strip_cloud_suffix(model));
+            if !hosted.contains(&key) {
+                return Cow::Borrowed(self.models.admit(model));
+            }
+        }
+        if let Some(label) = self
+            .hosted_labels
+            .read()
+            .ok()
+            .and_then(|labels| labels.get(&key).cloned())
+        {
+            return Cow::Owned(label.to_string());
+        }
+        match self.hosted_labels.write() {
+            Ok(mut labels) => Cow::Owned(
+                labels
+                    .entry(key)
+                    .or_insert_with(|| model.into())
+                    .to_string(),
+            ),
+            Err(_) => Cow::Borrowed(model),
         }
     }
 
@@ -607,6 +658,44 @@ mod tests {
         }
         assert_eq!(budget.admit("one-too-many"), OTHER);
         assert_eq!(budget.admit("client-7"), "client-7", "known values stay");
+    }
+
+    #[test]
+    fn models_the_hosts_list_keep_their_label_when_the_budget_is_full() {
+        use oqp_proto::policy::v1 as wire;
+        let policy = Policy::try_from(wire::PolicySnapshot {
+            version: 1,
+            listener: Some(wire::Listener {
+                host: "127.0.0.1".into(),
+                port: 0,
+            }),
+            proxy: Some(wire::ProxySettings {
+                max_concurrent: 1,
+                ..Default::default()
+            }),
+            hosts: vec![wire::Host {
+                name: "gpu".into(),
+                url: "http://127.0.0.1:1".into(),
+                installed_models: vec!["nomic-embed-text:latest".into()],
+                loaded_models: vec!["llama3".into()],
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+        let metrics = Metrics::new(&policy);
+        for i in 0..MAX_OTHER_LABELS {
+            let junk = format!("made-up-{i}");
+            assert_eq!(metrics.model_label(&junk), junk.as_str());
+        }
+        assert_eq!(metrics.model_label("made-up-again"), OTHER);
+        assert_eq!(metrics.model_label("nomic-embed-text"), "nomic-embed-text");
+        // Another spelling of the same model shares its label.
+        assert_eq!(
+            metrics.model_label("Nomic-Embed-Text:latest"),
+            "nomic-embed-text"
+        );
+        assert_eq!(metrics.model_label("llama3:latest"), "llama3:latest");
     }
 
     #[test]

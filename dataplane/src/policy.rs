@@ -5,6 +5,7 @@
 //! validate"): a snapshot that does not compile is rejected whole and the data
 //! plane keeps serving on its previous one (see [`crate::snapshot`]).
 
+mod cidr;
 mod convert;
 
 use std::collections::HashMap;
@@ -14,6 +15,7 @@ use std::time::{Duration, SystemTime};
 
 use crate::scheduler::Tier;
 
+pub use cidr::{Cidr, CidrError, canonical};
 pub use convert::PolicyError;
 
 /// One immutable policy snapshot, compiled for the request path.
@@ -149,6 +151,8 @@ pub struct AuthSettings {
     pub max_failures: u32,
     /// The failed-attempt window.
     pub window: Duration,
+    /// Proxies whose `X-Forwarded-For` names the client address (throttle and logs only).
+    pub trusted_proxies: Vec<Cidr>,
 }
 
 /// What a key may do; each level includes the ones below it.
@@ -412,6 +416,15 @@ impl Policy {
         self.clients
             .get(&digest)
             .filter(|client| !client.is_expired(SystemTime::now()))
+    }
+
+    /// Whether a client identified as `client_id` may still be served at `now`: it is in this
+    /// snapshot and its current key has not expired. Waiting requests of a client that no longer
+    /// is are refused (revocation and expiry reach the queue, not only new requests).
+    pub fn admits(&self, client_id: &str, now: SystemTime) -> bool {
+        self.clients_by_id
+            .get(client_id)
+            .is_some_and(|client| !client.is_expired(now))
     }
 
     /// A host by name.

@@ -277,14 +277,19 @@ impl Router {
     }
 
     /// Removes `(host, model)` from the routing table after a 404 "model not found", until a
-    /// newer poll of the host arrives.
+    /// newer poll of the host arrives. Only a model the host lists is remembered (any other
+    /// already ranks as missing), so the set is bounded by the host's own inventory, whatever
+    /// names clients send.
     pub fn forget_model(&mut self, host: &str, model: &str) {
         if let Some(state) = self.state_mut(host) {
-            state.forgotten.insert(normalize_model(model));
+            let mut names = vec![normalize_model(model)];
             if state.host.kind == HostKind::Cloud {
-                state
-                    .forgotten
-                    .insert(normalize_model(strip_cloud_suffix(model)));
+                names.push(normalize_model(strip_cloud_suffix(model)));
+            }
+            for name in names {
+                if state.host.installed.contains(&name) || state.host.loaded.contains(&name) {
+                    state.forgotten.insert(name);
+                }
             }
         }
     }

@@ -253,10 +253,12 @@ fn report(app: &App) -> NodeReport {
             expired: stat.expired,
         })
         .collect();
-    let clients = queue
-        .clients
-        .iter()
-        .map(|client| wire::ClientReport {
+    // Bounded like status pages (configured clients + the busiest others):
+    // with auth off, callers name themselves, and an unbounded list once
+    // pushed a report past the gRPC message limit.
+    let clients = crate::status::bounded_clients(&policy, queue.clients)
+        .into_iter()
+        .map(|(_, client)| wire::ClientReport {
             client_id: client.client.to_string(),
             waiting: client.waiting,
             inflight: client.inflight,

@@ -242,6 +242,9 @@ pub enum Expiry<T> {
     },
 }
 
+/// Most clients the scheduler keeps state for; beyond it idle unconfigured ones are forgotten.
+pub const MAX_CLIENTS: usize = 10_000;
+
 /// The scheduler. See the module documentation.
 pub struct Scheduler<T> {
     limits: Limits,
@@ -372,6 +375,9 @@ impl<T> Scheduler<T> {
             return Err((Rejection::Paused, ticket.payload));
         }
         let depth = self.tiers[index].depth();
+        if !self.clients.contains_key(&ticket.client) && self.clients.len() >= MAX_CLIENTS {
+            self.forget_idle_clients();
+        }
         let client_queue_full = self.client_mut(&ticket.client, now).queue_full();
         let rejection = if depth >= limits.max_depth as usize {
             Some(Rejection::QueueFull)
@@ -455,6 +461,40 @@ impl<T> Scheduler<T> {
         flushed
     }
 
+    /// Removes every waiting ticket for which `revoked(client, payload)` holds (its client's key
+    /// was revoked or expired) and frees its bytes; counted as cancelled. Running requests are
+    /// untouched.
+    pub fn revoke(&mut self, revoked: impl Fn(&str, &T) -> bool) -> Vec<T> {
+        let Some(now) = self.clock else {
+            return Vec::new();
+        };
+        let ids: Vec<TicketId> = self
+            .waiting
+            .iter()
+            .filter(|(_, entry)| revoked(&entry.client, &entry.payload))
+            .map(|(&id, _)| id)
+            .collect();
+        let mut removed = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(entry) = self.take(id, now) {
+                self.tiers[entry.tier.index()].stat.cancelled += 1;
+                removed.push(entry.payload);
+            }
+        }
+        removed
+    }
+
+    /// Clients with configured limits that `keep` does not name go back to the defaults (their
+    /// key was revoked or expired, or they left the config): caps follow the snapshot.
+    pub fn unconfigure_others(&mut self, keep: impl Fn(&str) -> bool) {
+        for (client, state) in &mut self.clients {
+            if state.configured && !keep(client) {
+                state.limits = ClientLimits::default();
+                state.configured = false;
+            }
+        }
+    }
+
     /// Tickets waiting in `tier`.
     pub fn depth(&self, tier: Tier) -> u32 {
         u32::try_from(self.tiers[tier.index()].depth()).unwrap_or(u32::MAX)
@@ -501,6 +541,22 @@ impl<T> Scheduler<T> {
     /// One tier's depth and counters.
     pub fn tier_stats(&self, tier: Tier) -> TierStat {
         self.tiers[tier.index()].stat()
+    }
+
+    /// At [`MAX_CLIENTS`]: forgets the least recently active tenth of the unconfigured clients
+    /// with nothing waiting or running (self-named callers with auth off), so the map stays
+    /// bounded between sweeps. A returning client starts level with the others.
+    fn forget_idle_clients(&mut self) {
+        let mut idle: Vec<(Option<Instant>, Arc<str>)> = self
+            .clients
+            .iter()
+            .filter(|(_, client)| !client.configured && client.waiting == 0 && client.inflight == 0)
+            .map(|(name, client)| (client.last_active, name.clone()))
+            .collect();
+        idle.sort_unstable();
+        for (_, name) in idle.into_iter().take(MAX_CLIENTS / 10) {
+            self.clients.remove(&name);
+        }
     }
 
     fn observe(&mut self, now: Instant) {

@@ -13,7 +13,7 @@
 //!          before the first byte) → respond, the slot held by the body
 //! ```
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,7 @@ use tracing::Instrument;
 use bytes::Bytes;
 
 use crate::app::App;
-use crate::auth::{self, Identity};
+use crate::auth::{self, ANONYMOUS, Caller, Identity};
 use crate::body::{self, Body};
 use crate::dispatch::{self, Grant};
 use crate::embeddings;
@@ -40,9 +40,6 @@ use crate::rewrite;
 use crate::scheduler::Tier;
 use crate::server::ListenerKind;
 use crate::{dashboard, status};
-
-/// The client id of anonymous callers (auth off, no `X-Client-ID`).
-const ANONYMOUS: &str = "anonymous";
 
 /// Answers one request. Never fails: every error becomes its HTTP response
 /// here, and every response carries `X-Request-ID`.
@@ -61,6 +58,7 @@ pub async fn handle(
         id = %request_id,
         client = tracing::field::Empty,
         tier = tracing::field::Empty,
+        peer = tracing::field::Empty,
     );
     // Boxed: hyper keeps room for this future in every connection, open or
     // idle, so what it holds inline is paid by every connection; the boxed
@@ -94,6 +92,10 @@ async fn route(
     peer: SocketAddr,
     request: Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
+    // The address the throttle counts and the logs show: behind a trusted
+    // reverse proxy, the client it names in X-Forwarded-For.
+    let peer = auth::client_addr(peer.ip(), request.headers(), &policy.auth.trusted_proxies);
+    tracing::Span::current().record("peer", tracing::field::display(peer));
     // Reserved routes exist on the main port only; on an injection port
     // every path is proxied, as the reference does. Other methods on these
     // paths fall through to the proxy, as the reference does too.
@@ -116,7 +118,7 @@ async fn route(
                     });
                 queue_control::check_origin_and_body(request.headers(), authority)?;
                 let identity =
-                    auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+                    auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
                 identity.require(Scope::Management)?;
                 return queue_control::handle(app, &request).await;
             }
@@ -126,7 +128,7 @@ async fn route(
             _ => {}
         }
     }
-    let identity = auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
     forward(app, policy, identity, request).await
 }
@@ -137,7 +139,7 @@ fn observe(
     app: &Arc<App>,
     policy: &Arc<Policy>,
     kind: &ListenerKind,
-    peer: SocketAddr,
+    peer: IpAddr,
     request: &Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
     let path = request.uri().path();
@@ -146,7 +148,7 @@ fn observe(
     if path == "/dashboard" && !policy.dashboard.enabled {
         return Err(ProxyError::NotFound);
     }
-    let identity = auth::identify(policy, kind, peer.ip(), request.headers(), &app.throttle)?;
+    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Read)?;
     Ok(match path {
         "/queue/status" => status::status_response(app, policy),
@@ -235,7 +237,7 @@ async fn forward(
         };
         return Box::pin(metadata(app, policy, outbound, model.as_deref())).await;
     }
-    let client = client_id.unwrap_or_else(|| Arc::from(ANONYMOUS));
+    let client = identity.caller();
     let Endpoint::Inference(inference) = endpoint else {
         // Anything else is queued with its body streamed through.
         return queued(app, policy, client, tier, None, outbound).await;
@@ -265,7 +267,7 @@ async fn forward(
 pub async fn queued(
     app: &Arc<App>,
     policy: &Arc<Policy>,
-    client: Arc<str>,
+    client: Caller,
     tier: Tier,
     model: Option<String>,
     outbound: Outbound,
@@ -275,10 +277,11 @@ pub async fn queued(
         RequestBody::Streamed(_) => declared_length(&outbound.headers),
     };
     let pending = app.dispatcher.admit(dispatch::Request {
-        client,
+        client: client.id.clone(),
         tier,
         bytes,
         model: model.map(Arc::from),
+        verified: client.verified,
     })?;
     let position = pending.position;
     let immediate = pending.immediate;
@@ -288,6 +291,17 @@ pub async fn queued(
         outbound.detached()
     };
     let grant = pending.granted().await?;
+    // The key may have been revoked or have expired while the request waited
+    // (between snapshots, an expiry is only seen here): never send it then.
+    if client.verified
+        && !app
+            .store
+            .load()
+            .admits(&client.id, std::time::SystemTime::now())
+    {
+        drop(grant);
+        return Err(ProxyError::KeyRevoked);
+    }
     Box::pin(send_granted(
         app, policy, grant, outbound, position, immediate,
     ))

@@ -430,9 +430,11 @@ pub(crate) fn auth(
             );
         }
         let rate_limit = raw.rate_limit.unwrap_or_default();
+        let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default(), problems);
         AuthConfig {
             enabled,
             keys,
+            trusted_proxies,
             rate_limit: RateLimitConfig {
                 max_failures: at_least(
                     rate_limit.max_failures,
@@ -459,6 +461,62 @@ pub(crate) fn auth(
             },
         }
     })
+}
+
+/// Most entries in `auth.trusted_proxies`.
+const MAX_TRUSTED_PROXIES: usize = 64;
+
+/// `auth.trusted_proxies`: each entry an address or `address/prefix`, normalised to the
+/// network's first address (`10.1.2.3/8` → `10.0.0.0/8`; a bare address gets /32 or /128).
+fn trusted_proxies(raw: Vec<Text>, problems: &mut Problems) -> Vec<String> {
+    if raw.len() > MAX_TRUSTED_PROXIES {
+        problems.error(format!(
+            "auth.trusted_proxies: at most {MAX_TRUSTED_PROXIES} entries (got {})",
+            raw.len()
+        ));
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (index, entry) in raw.iter().enumerate() {
+        let text = entry.0.trim();
+        match parse_cidr(text) {
+            Some(cidr) if !out.contains(&cidr) => out.push(cidr),
+            Some(_) => {}
+            None => problems.error(format!(
+                "auth.trusted_proxies[{index}]: '{text}' is not an IP address or CIDR \
+                 (e.g. 10.0.0.0/8, 192.168.1.10, fd00::/8)"
+            )),
+        }
+    }
+    out
+}
+
+/// `address[/prefix]` → the normalised `network/prefix`, or `None`.
+fn parse_cidr(text: &str) -> Option<String> {
+    let (address, prefix) = match text.split_once('/') {
+        Some((address, prefix)) => (address, Some(prefix)),
+        None => (text, None),
+    };
+    let address: std::net::IpAddr = address.parse().ok()?;
+    let bits: u32 = if address.is_ipv4() { 32 } else { 128 };
+    let prefix: u32 = match prefix {
+        Some(prefix) if !prefix.is_empty() && prefix.bytes().all(|b| b.is_ascii_digit()) => {
+            prefix.parse().ok().filter(|p| *p <= bits)?
+        }
+        Some(_) => return None,
+        None => bits,
+    };
+    let network = match address {
+        std::net::IpAddr::V4(v4) => {
+            let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
+            std::net::IpAddr::from((u32::from(v4) & mask).to_be_bytes())
+        }
+        std::net::IpAddr::V6(v6) => {
+            let mask = u128::MAX.checked_shl(128 - prefix).unwrap_or(0);
+            std::net::IpAddr::from((u128::from(v6) & mask).to_be_bytes())
+        }
+    };
+    Some(format!("{network}/{prefix}"))
 }
 
 pub(crate) fn logging(raw: RawLogging, problems: &mut Problems) -> Option<LoggingConfig> {

@@ -157,6 +157,7 @@ pub(crate) struct RawAuth {
     /// Items are parsed one by one into [`RawConfig::keys`].
     pub keys: Option<Value>,
     pub rate_limit: Option<RawRateLimit>,
+    pub trusted_proxies: Option<Vec<Text>>,
 }
 
 #[derive(Debug, Default, Deserialize)]

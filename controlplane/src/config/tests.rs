@@ -1161,3 +1161,29 @@ fn every_duration_and_size_key_has_an_upper_bound_named_in_its_error() {
         }
     }
 }
+
+#[test]
+fn trusted_proxies_are_normalised_and_bad_entries_named() {
+    let loaded = load(&with_host(
+        "auth:\n  trusted_proxies: [\"10.1.2.3/8\", \"192.168.1.10\", \"fd00::1/8\", \"10.0.0.0/8\"]\n",
+    ));
+    assert_eq!(
+        loaded.config.auth.trusted_proxies,
+        ["10.0.0.0/8", "192.168.1.10/32", "fd00::/8"]
+    );
+    assert!(load(&with_host("")).config.auth.trusted_proxies.is_empty());
+    let errors = problems(
+        &with_host("auth:\n  trusted_proxies: [\"10.0.0.0/33\", \"proxy.lan\"]\n"),
+        &[],
+    );
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(
+        errors[0]
+            .starts_with("auth.trusted_proxies[0]: '10.0.0.0/33' is not an IP address or CIDR"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[1].starts_with("auth.trusted_proxies[1]: 'proxy.lan'"),
+        "{errors:?}"
+    );
+}

@@ -155,6 +155,9 @@ pub struct AuthConfig {
     /// Unique client ids and unique keys. May be non-empty with auth off (injection listeners).
     pub keys: Vec<KeyConfig>,
     pub rate_limit: RateLimitConfig,
+    /// `auth.trusted_proxies`: CIDRs (normalised, e.g. `10.0.0.0/8`) whose `X-Forwarded-For`
+    /// names the client address for the throttle and logs. Empty: the header is ignored.
+    pub trusted_proxies: Vec<String>,
 }
 
 /// `auth.rate_limit`: the failed-authentication throttle (per client IP).

@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Failure, KeyId, KeyPool, Lease, PoolState};
+use crate::policy::normalize_model;
 use crate::redact::redact_key;
+use crate::router::strip_cloud_suffix;
 
 /// The keys one call may still try. Borrowed from the pool for the call's duration; the pool's
 /// lock is taken only inside each method, never across the caller's `.await`s.
@@ -13,6 +15,8 @@ pub struct Attempts<'a> {
     pool: &'a KeyPool,
     /// The lease's key, tried first.
     preferred: Option<KeyId>,
+    /// The model asked for (normalised), when known: accounts that refused it are skipped.
+    model: Option<Arc<str>>,
     /// Keys handed out in this call (never handed out twice).
     tried: Vec<KeyId>,
     /// Accounts skipped for the rest of this call (at their concurrency limit).
@@ -37,6 +41,7 @@ impl KeyPool {
         Attempts {
             pool: self,
             preferred: lease.key_id(),
+            model: None,
             tried: Vec::new(),
             skipped_accounts: Vec::new(),
             stopped: false,
@@ -46,6 +51,16 @@ impl KeyPool {
 }
 
 impl Attempts<'_> {
+    /// The same attempts for a request for `model`: accounts that refused it (a model-specific
+    /// 403) are skipped, and a [`Failure::ModelRefused`] is remembered for it.
+    #[must_use]
+    pub fn for_model(mut self, model: &str) -> Self {
+        if !model.is_empty() {
+            self.model = Some(normalize_model(strip_cloud_suffix(model)).into());
+        }
+        self
+    }
+
     /// The next key to try at `now`, or `None` when no key is left for this call (every key
     /// tried, cooling or disabled, or the host backing off).
     pub fn next_key(&mut self, now: Instant) -> Option<Attempt> {
@@ -87,6 +102,20 @@ impl Attempts<'_> {
                 *entry = (*entry).max(until);
             }
             Failure::Auth => state.keys[index].disabled_until = Some(now + cooldowns.auth),
+            // Unconfirmed, a 403 never disables a key: at most the model is refused.
+            Failure::ModelRefused | Failure::Forbidden => {
+                if let Some(model) = self.model.clone() {
+                    let until = now + cooldowns.model_refused;
+                    state.refuse(account.clone(), model.clone(), until, now);
+                    // Other accounts' keys then bind to it; this one is free for other models.
+                    for slot in &mut state.keys {
+                        if slot.account == account && slot.bound.as_ref() == Some(&model) {
+                            slot.bound = None;
+                        }
+                    }
+                }
+                self.skipped_accounts.push(account);
+            }
             Failure::SlotTimeout | Failure::Timeout => self.skipped_accounts.push(account),
             Failure::Overloaded => {
                 state.host_backoff_until = Some(now + cooldowns.overloaded);
@@ -129,6 +158,10 @@ impl Attempts<'_> {
             !self.tried.contains(&slot.id)
                 && !self.skipped_accounts.contains(&slot.account)
                 && state.usable(slot, now)
+                && self
+                    .model
+                    .as_ref()
+                    .is_none_or(|model| !state.refuses(&slot.account, model, now))
         };
         if let Some(index) = self.preferred.and_then(|id| state.position(id))
             && allowed(index)

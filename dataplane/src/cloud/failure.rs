@@ -33,8 +33,16 @@ pub enum Failure {
     SlotTimeout,
     /// 503 "Server overloaded": the HOST backs off briefly; no key is to blame.
     Overloaded,
-    /// 401 or 403: this KEY (not its account) is disabled for a long time.
+    /// 401, or a 403 that a model-free check with the same key confirmed: this KEY (not its
+    /// account) is disabled for a long time.
     Auth,
+    /// 403 for one request: the key, or only the model (one that needs a subscription the
+    /// account lacks), is refused. The request path tells them apart with a model-free check
+    /// and reports [`Auth`](Failure::Auth) or [`ModelRefused`](Failure::ModelRefused) instead.
+    Forbidden,
+    /// A 403 for this model while the key itself is good: only the (account, model) pair is
+    /// out of rotation, for [`Cooldowns::model_refused`]; every key keeps serving other models.
+    ModelRefused,
     /// Another 5xx: the next key is tried; nothing cools down.
     Server,
     /// No response headers in time: probably the account's concurrency queue at ollama.com, so
@@ -60,8 +68,10 @@ pub struct Cooldowns {
     pub unknown_quota: Duration,
     /// The whole host after "Server overloaded".
     pub overloaded: Duration,
-    /// A key after 401/403.
+    /// A key after 401 (or a 403 confirmed by a model-free check).
     pub auth: Duration,
+    /// An (account, model) pair after a model-specific 403 (a model needing a subscription).
+    pub model_refused: Duration,
     /// How long a released key counts as warm for its bound model: an idle key bound to another
     /// model is rebound only after this (Ollama's default `keep_alive` is 5 minutes).
     pub warm_for: Duration,
@@ -79,6 +89,7 @@ impl Default for Cooldowns {
             unknown_quota: Duration::from_secs(60),
             overloaded: Duration::from_secs(15),
             auth: HOUR,
+            model_refused: Duration::from_secs(15 * 60),
             warm_for: Duration::from_secs(300),
         }
     }
@@ -110,7 +121,8 @@ impl Failure {
         }
         match status.as_u16() {
             402 | 429 => Some(Failure::Quota(window_of(&text))),
-            401 | 403 => Some(Failure::Auth),
+            401 => Some(Failure::Auth),
+            403 => Some(Failure::Forbidden),
             503 if text.contains("overloaded") => Some(Failure::Overloaded),
             500..=599 => Some(Failure::Server),
             _ => None,
@@ -124,6 +136,8 @@ impl Failure {
             Failure::SlotTimeout => "slot_timeout",
             Failure::Overloaded => "overloaded",
             Failure::Auth => "auth",
+            Failure::Forbidden => "forbidden",
+            Failure::ModelRefused => "model_refused",
             Failure::Server => "server",
             Failure::Timeout => "timeout",
             Failure::Connect => "connect",
@@ -199,7 +213,8 @@ mod tests {
             classify(401, r#"{"error":"unauthorized"}"#),
             Some(Failure::Auth)
         );
-        assert_eq!(classify(403, ""), Some(Failure::Auth));
+        // A 403 alone does not say whether the key or only the model is refused.
+        assert_eq!(classify(403, ""), Some(Failure::Forbidden));
         assert_eq!(classify(502, "bad gateway"), Some(Failure::Server));
         assert_eq!(classify(503, "busy"), Some(Failure::Server));
         let openai = r#"{"error":{"message":"Server overloaded","type":"api_error"}}"#;

@@ -117,8 +117,12 @@ fn choose(state: &PoolState, model: &Arc<str>, now: Instant, warm_for: Duration)
         // One key: binding could only make requests queue for it.
         return Step::Plain;
     }
+    // A key whose account refused the model is never bound to it.
     let usable: Vec<usize> = (0..state.keys.len())
-        .filter(|&index| state.usable(&state.keys[index], now))
+        .filter(|&index| {
+            let slot = &state.keys[index];
+            state.usable(slot, now) && !state.refuses(&slot.account, model, now)
+        })
         .collect();
     if usable.is_empty() {
         return Step::Plain;

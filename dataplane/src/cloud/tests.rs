@@ -429,3 +429,40 @@ fn candidates_are_the_model_then_its_fallbacks() {
     );
     assert_eq!(upstream_model("gpt-oss:120b-cloud"), "gpt-oss:120b");
 }
+
+#[test]
+fn a_model_refusal_skips_the_account_for_that_model_only() {
+    let pool = two_accounts();
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("kimi-k2:1t-cloud");
+    let (first, a1) = next(&mut attempts, t0).unwrap();
+    assert_eq!(first, "a1");
+    attempts.fail(&a1, Failure::ModelRefused, t0);
+    // alice's other key shares her subscription: bob's is next.
+    assert_eq!(next(&mut attempts, t0).unwrap().0, "b1");
+    assert!(!pool.refuses_everywhere("kimi-k2:1t", t0));
+    // No key is disabled: other models still rotate over all three.
+    let status = pool.snapshot_at(t0, SystemTime::UNIX_EPOCH);
+    assert!(status.iter().all(|key| key.cooldown_until.is_none()));
+    let mut others = order(&pool, &Lease::none(), t0);
+    others.sort_unstable();
+    assert_eq!(others, ["a1", "a2", "b1"]);
+    // The model itself skips alice until the refusal ends.
+    let mut again = pool.attempts(&Lease::none()).for_model("kimi-k2:1t");
+    assert_eq!(next(&mut again, t0).unwrap().0, "b1");
+    let later = t0 + Cooldowns::default().model_refused;
+    let mut after = pool.attempts(&Lease::none()).for_model("kimi-k2:1t");
+    assert_ne!(next(&mut after, later).unwrap().0, "b1");
+}
+
+#[test]
+fn model_refusals_are_bounded() {
+    let pool = Arc::new(KeyPool::new(&host(&[(A1, ""), (B1, "")], &[])));
+    let t0 = Instant::now();
+    for i in 0..(MAX_REFUSALS + 10) {
+        let mut attempts = pool.attempts(&Lease::none()).for_model(&format!("m{i}"));
+        let (_, attempt) = next(&mut attempts, t0).unwrap();
+        attempts.fail(&attempt, Failure::ModelRefused, t0);
+    }
+    assert!(pool.lock().refused.len() <= MAX_REFUSALS);
+}

@@ -16,6 +16,9 @@ use super::*;
 #[error("snapshot rejected: {0}")]
 pub struct PolicyError(String);
 
+/// Most `auth.trusted_proxies` entries (the control plane allows as many).
+const MAX_TRUSTED_PROXIES: usize = 64;
+
 impl PolicyError {
     fn new(message: impl Into<String>) -> Self {
         Self(message.into())
@@ -92,6 +95,17 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 u64::from(auth.rate_limit_window_seconds.max(1)),
                 "auth.rate_limit_window_seconds",
             )?,
+            trusted_proxies: if auth.trusted_proxies.len() > MAX_TRUSTED_PROXIES {
+                return Err(PolicyError::new(format!(
+                    "auth.trusted_proxies: at most {MAX_TRUSTED_PROXIES} entries"
+                )));
+            } else {
+                auth.trusted_proxies
+                    .iter()
+                    .map(|text| text.parse())
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| PolicyError::new(format!("auth.trusted_proxies: {e}")))?
+            },
         };
 
         let mut clients = HashMap::new();

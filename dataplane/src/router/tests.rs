@@ -417,3 +417,13 @@ fn routing_decision_cost() {
     println!("routing decision (4 hosts, model_aware, place+release): {per_decision:?}");
     assert_eq!(router.decisions().installed, u64::from(rounds));
 }
+
+#[test]
+fn only_models_a_host_lists_are_forgotten_so_the_set_is_bounded() {
+    let mut router = fleet(vec![spec("A").installed(&["llama3"]), spec("B")]);
+    for i in 0..10_000 {
+        router.forget_model("A", &format!("made-up-{i}"));
+    }
+    router.forget_model("A", "llama3");
+    assert_eq!(router.stats()[0].forgotten_models, 1);
+}

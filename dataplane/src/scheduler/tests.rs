@@ -680,3 +680,57 @@ fn an_over_estimated_start_gives_no_burst() {
         "40 dispatches after the start: {served:?}"
     );
 }
+
+#[test]
+fn revoke_removes_only_the_named_clients_waiting_tickets_and_frees_their_bytes() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    admit(&mut scheduler, now, ticket("gone", Tier::Normal, 100, 1));
+    admit(&mut scheduler, now, ticket("kept", Tier::Normal, 10, 2));
+    admit(&mut scheduler, now, ticket("gone", Tier::Low, 100, 3));
+    let mut revoked = scheduler.revoke(|client, _| client == "gone");
+    revoked.sort_unstable();
+    assert_eq!(revoked, vec![1, 3]);
+    assert_eq!(scheduler.total_depth(), 1);
+    assert_eq!(scheduler.queued_bytes(), 10);
+    assert_eq!(drain(&mut scheduler, now), vec![2]);
+}
+
+#[test]
+fn a_client_left_out_of_the_snapshot_loses_its_caps() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    let capped = ClientLimits {
+        max_concurrent: 1,
+        ..ClientLimits::default()
+    };
+    scheduler.set_client("a", capped);
+    admit(&mut scheduler, now, ticket("a", Tier::Normal, 0, 1));
+    admit(&mut scheduler, now, ticket("a", Tier::Normal, 0, 2));
+    assert_eq!(drain(&mut scheduler, now), vec![1], "capped at one");
+    scheduler.unconfigure_others(|client| client != "a");
+    assert_eq!(drain(&mut scheduler, now), vec![2], "the cap went with it");
+}
+
+#[test]
+fn the_client_map_is_bounded_by_forgetting_idle_unconfigured_clients() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    scheduler.set_client("configured", ClientLimits::default());
+    for i in 0..(MAX_CLIENTS as u32 + 100) {
+        admit(
+            &mut scheduler,
+            now,
+            ticket(&format!("caller-{i}"), Tier::Normal, 0, i),
+        );
+        let dispatch = scheduler.next(now, anywhere).unwrap();
+        scheduler.complete(dispatch.id, secs(1), now);
+    }
+    let clients: Vec<ClientStat> = scheduler.client_stats().collect();
+    assert!(clients.len() <= MAX_CLIENTS, "{}", clients.len());
+    assert!(clients.iter().any(|c| &*c.client == "configured"));
+    assert!(
+        clients.iter().any(|c| &*c.client == "caller-10099"),
+        "the newest stays"
+    );
+}

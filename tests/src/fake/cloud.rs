@@ -1,7 +1,9 @@
 //! The fake's ollama.com mode (reference §A.9, §B.7 item 12): a Bearer key is required, and each
 //! key can be scripted to answer its next inference requests with the cloud's rate-limit (429,
 //! no Retry-After), overload or slot-timeout errors. `GET /api/usage` reports per-key session and
-//! weekly fractions.
+//! weekly fractions. A model can need a subscription: a key without one gets a 403 for that model
+//! only, while every other model and `GET /api/usage` still work with it; a suspended key gets
+//! a 403 for everything, `/api/usage` included.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
@@ -39,6 +41,10 @@ pub(crate) struct Cloud {
     scripts: Mutex<HashMap<String, VecDeque<CloudReply>>>,
     defaults: Mutex<HashMap<String, CloudReply>>,
     usage: Mutex<HashMap<String, (f64, f64)>>,
+    /// Model → the keys subscribed to it; models not listed need no subscription.
+    subscriptions: Mutex<HashMap<String, HashSet<String>>>,
+    /// Keys refused with a 403 on every authenticated route.
+    suspended: Mutex<HashSet<String>>,
 }
 
 impl CloudReply {
@@ -81,15 +87,51 @@ impl Cloud {
             scripts: Mutex::default(),
             defaults: Mutex::default(),
             usage: Mutex::default(),
+            subscriptions: Mutex::default(),
+            suspended: Mutex::default(),
         }
     }
 
-    /// Checks the Bearer key a request presented; `Err` is the 401 to send.
+    /// Checks the Bearer key a request presented; `Err` is the 401 to send (or the 403 of a
+    /// suspended key).
     pub fn authenticate(&self, key: Option<&str>) -> Result<(), Reply> {
         match key {
+            Some(key) if lock(&self.suspended).contains(key) => Err(gin_error(
+                StatusCode::FORBIDDEN,
+                &format!("this account is suspended (ref: {})", reference_id()),
+            )),
             Some(key) if self.keys.contains(key) => Ok(()),
             _ => Err(gin_error(StatusCode::UNAUTHORIZED, "unauthorized")),
         }
+    }
+
+    /// Checks that `key` may use `model`; `Err` is the model-specific 403 to send.
+    pub fn authorize_model(&self, key: Option<&str>, model: &str) -> Result<(), Reply> {
+        let subscriptions = lock(&self.subscriptions);
+        match subscriptions.get(model) {
+            Some(subscribed) if !key.is_some_and(|key| subscribed.contains(key)) => Err(gin_error(
+                StatusCode::FORBIDDEN,
+                &format!(
+                    "this model requires a subscription, upgrade for access: \
+                         https://ollama.com/upgrade (ref: {})",
+                    reference_id()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Makes `model` need a subscription that only `subscribed` keys have.
+    pub fn require_subscription(&self, model: &str, subscribed: &[&str]) {
+        lock(&self.subscriptions).insert(
+            model.to_owned(),
+            subscribed.iter().map(|key| (*key).to_owned()).collect(),
+        );
+    }
+
+    /// Refuses `key` with a 403 on every authenticated route.
+    pub fn suspend(&self, key: &str) {
+        lock(&self.suspended).insert(key.to_owned());
     }
 
     /// Queues a one-shot reply for the next inference request presenting `key`.

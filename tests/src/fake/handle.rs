@@ -248,6 +248,21 @@ impl FakeHandle {
         }
     }
 
+    /// Cloud mode: `model` needs a subscription that only the `subscribed` keys have; other
+    /// keys get a 403 for it (and only for it).
+    pub fn require_cloud_subscription(&self, model: &str, subscribed: &[&str]) {
+        if let Some(cloud) = self.cloud() {
+            cloud.require_subscription(model, subscribed);
+        }
+    }
+
+    /// Cloud mode: `key` gets a 403 on every authenticated route, `/api/usage` included.
+    pub fn suspend_cloud_key(&self, key: &str) {
+        if let Some(cloud) = self.cloud() {
+            cloud.suspend(key);
+        }
+    }
+
     fn cloud(&self) -> Option<&Cloud> {
         self.shared.cloud.as_ref()
     }

@@ -106,6 +106,15 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
     {
         return reply;
     }
+    if let Some(cloud) = &ctx.shared.cloud
+        && names_a_model(&endpoint)
+        && let Some(model) = serde_json::from_slice::<serde_json::Value>(body)
+            .ok()
+            .and_then(|value| value.get("model")?.as_str().map(str::to_owned))
+        && let Err(reply) = cloud.authorize_model(ctx.key.as_deref(), &model)
+    {
+        return reply;
+    }
     let outcome = match endpoint {
         Endpoint::Root => Ok(admin::root()),
         Endpoint::Version => Ok(admin::version(ctx)),
@@ -137,6 +146,21 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
         Endpoint::Model(id) => Ok(openai::model(ctx, &id)),
     };
     outcome.unwrap_or_else(|reply| reply)
+}
+
+/// Endpoints whose body names the model they use.
+fn names_a_model(endpoint: &Endpoint) -> bool {
+    matches!(
+        endpoint,
+        Endpoint::Show
+            | Endpoint::Generate
+            | Endpoint::Chat
+            | Endpoint::Embed
+            | Endpoint::Embeddings
+            | Endpoint::ChatCompletions
+            | Endpoint::Completions
+            | Endpoint::OpenAiEmbeddings
+    )
 }
 
 fn endpoint(path: &str, cloud: bool) -> Option<Endpoint> {

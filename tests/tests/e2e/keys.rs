@@ -316,6 +316,76 @@ async fn a_revoked_key_is_refused_at_two_data_planes_within_one_second() {
     stack.shutdown().await;
 }
 
+/// A generate call through `base` with `key`, answered in full.
+async fn generate_reply(base: String, key: String) -> oqp_tests::client::Reply {
+    HttpClient::new()
+        .send(
+            http::Method::POST,
+            &format!("{base}/api/generate"),
+            &[
+                ("authorization", format!("Bearer {key}").as_str()),
+                ("content-type", "application/json"),
+            ],
+            GENERATE,
+        )
+        .await
+}
+
+#[tokio::test]
+async fn a_revoked_keys_waiting_requests_are_refused_and_never_reach_ollama() {
+    let Setup {
+        stack,
+        fake,
+        state: _state,
+    } = setup().await;
+    // `batch` may run one request at a time: the others wait in oqp's queue.
+    let key = add(&stack, add_request("batch")).await.key;
+    let handle = fake.handle();
+    handle.hold();
+    let running = tokio::spawn(generate_reply(stack.url(), key.clone()));
+    handle.wait_in_flight(1).await;
+    let waiting: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(generate_reply(stack.url(), key.clone())))
+        .collect();
+    let dispatcher = local(&stack).app().dispatcher.clone();
+    assert!(
+        oqp_tests::client::eventually(Duration::from_secs(5), || dispatcher.total_depth() == 2)
+            .await
+    );
+
+    let revoked = admin(&stack)
+        .await
+        .revoke_key(authed(
+            ADMIN,
+            api::RevokeKeyRequest {
+                client_id: "batch".to_owned(),
+            },
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    stack.wait_for_version(revoked.snapshot_version).await;
+    for task in waiting {
+        // Bounded, so that a request still waiting fails the test instead of hanging it.
+        let reply = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("a waiting request of the revoked key was answered")
+            .unwrap();
+        assert_eq!(reply.status, 401, "{}", reply.text());
+        assert_eq!(
+            reply.json()["error"],
+            "invalid api key (revoked or expired while the request was queued)"
+        );
+        assert_eq!(reply.header("www-authenticate").as_deref(), Some("Bearer"));
+    }
+    assert_eq!(dispatcher.total_depth(), 0);
+    // What already ran finishes; the refused requests never reached Ollama.
+    handle.release_all();
+    assert_eq!(running.await.unwrap().status, 200);
+    assert_eq!(handle.requests_to("/api/generate").len(), 1);
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_expiring_key_vanishes_at_its_expiry() {
     let Setup {

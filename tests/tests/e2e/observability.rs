@@ -1038,3 +1038,80 @@ async fn a_redis_password_crosses_the_snapshot_but_shows_nowhere() {
     assert!(!printed.contains("hunter2-secret"), "{printed}");
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn eight_hundred_long_self_chosen_client_ids_keep_reports_and_status_working() {
+    use oqp_proto::admin::v1::{GetStatusRequest, admin_service_client::AdminServiceClient};
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder().model("llama3").slots(8).spawn().await;
+    let stack = Stack::start(&oqp_tests::harness::basic_config(&fake.url())).await;
+    let http = HttpClient::new();
+    const CALLERS: usize = 800;
+    // 800 × 6 kB of names: far past gRPC's 4 MB message limit if reported whole.
+    let id = |i: usize| format!("{i:04}-{}", "x".repeat(6000));
+    let url = format!("{}/api/generate", stack.url());
+    for chunk in (0..CALLERS).collect::<Vec<_>>().chunks(16) {
+        let calls = chunk.iter().map(|&i| {
+            let (http, url, id) = (&http, &url, id(i));
+            async move {
+                http.post_json(
+                    url,
+                    &[("x-client-id", id.as_str())],
+                    &json!({"model": "llama3", "prompt": "hi", "stream": false}),
+                )
+                .await
+                .status
+            }
+        });
+        for status in futures_util::future::join_all(calls).await {
+            assert_eq!(status, 200);
+        }
+    }
+
+    // A report that counts all 800 reaches the control plane, and Status answers with it.
+    let mut admin = AdminServiceClient::connect(stack.control_url())
+        .await
+        .expect("admin connection");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let report = loop {
+        let status = admin
+            .get_status(GetStatusRequest::default())
+            .await
+            .expect("GetStatus answers")
+            .into_inner();
+        let report = status.nodes.into_iter().find_map(|node| node.report);
+        if let Some(report) = report
+            && report.tiers.iter().map(|t| t.processed).sum::<u64>() >= CALLERS as u64
+        {
+            break report;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no report counting every request reached the control plane"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        report.clients.len() <= oqp_dataplane::status::MAX_OTHER_CLIENTS,
+        "{} clients reported",
+        report.clients.len()
+    );
+    assert!(
+        report
+            .clients
+            .iter()
+            .all(|c| c.client_id.len() <= oqp_dataplane::auth::MAX_CLIENT_ID_BYTES),
+        "client ids are cut"
+    );
+    // The data plane's own status page stays small too.
+    let page = http
+        .get(&format!("{}/queue/status", stack.url()), &[])
+        .await;
+    assert_eq!(page.status, 200);
+    assert!(
+        page.text().len() < 256 * 1024,
+        "{} bytes",
+        page.text().len()
+    );
+    stack.shutdown().await;
+}

@@ -356,3 +356,146 @@ async fn a_missing_cloud_model_falls_back_to_the_next_candidate() {
     );
     stack.shutdown().await;
 }
+
+async fn cloud_chat(http: &HttpClient, base: &str, model: &str) -> oqp_tests::client::Reply {
+    http.post_json(
+        &format!("{base}/api/chat"),
+        &[("authorization", "Bearer sk-consumer-0123456789")],
+        &json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": false}),
+    )
+    .await
+}
+
+/// The cloud pool as `/queue/status` shows it: (label, cooling, last error) per key.
+async fn cloud_pool(http: &HttpClient, base: &str) -> Vec<(String, bool, Option<String>)> {
+    let status = http
+        .get(
+            &format!("{base}/queue/status"),
+            &[("authorization", "Bearer sk-consumer-0123456789")],
+        )
+        .await;
+    status.json()["hosts"][0]["cloud_pool"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|key| {
+            (
+                key["label"].as_str().unwrap().to_owned(),
+                !key["cooldown_until"].is_null(),
+                key["last_error"].as_str().map(str::to_owned),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_model_needing_a_subscription_is_refused_as_is_and_every_key_keeps_serving_others() {
+    let cloud = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .model("qwen3-coder:480b")
+        .model("deepseek-v3.1:671b")
+        .model("kimi-k2:1t")
+        .cloud(&[
+            "a1-0000000000000001",
+            "a2-0000000000000002",
+            "b1-0000000000000003",
+        ])
+        .spawn()
+        .await;
+    let handle = cloud.handle();
+    handle.require_cloud_subscription("kimi-k2:1t", &[]);
+    let stack = Stack::start(&cloud_config(&cloud.url(), "")).await;
+    let http = HttpClient::new();
+
+    let refused = cloud_chat(&http, &stack.url(), "kimi-k2:1t").await;
+    assert_eq!(refused.status, 403, "{}", refused.text());
+    let message = refused.json()["error"].as_str().unwrap().to_owned();
+    assert!(message.contains("requires a subscription"), "{message}");
+    assert!(message.contains("(ref: "), "the cloud's answer, as it was");
+    // One try per account: alice's two keys share her subscription.
+    let tried: Vec<String> = handle
+        .requests_to("/api/chat")
+        .iter()
+        .map(|r| r.bearer().unwrap())
+        .collect();
+    assert_eq!(tried.len(), 2, "{tried:?}");
+    assert!(
+        tried.contains(&"b1-0000000000000003".to_owned()),
+        "{tried:?}"
+    );
+    // Asked again, oqp answers from what it learnt, without asking the cloud.
+    let again = cloud_chat(&http, &stack.url(), "kimi-k2:1t").await;
+    assert_eq!(again.status, 403, "{}", again.text());
+    assert_eq!(handle.requests_to("/api/chat").len(), 2);
+
+    // No key is out of rotation, and every key still serves other models.
+    let pool = cloud_pool(&http, &stack.url()).await;
+    assert!(pool.iter().all(|(_, cooling, _)| !cooling), "{pool:?}");
+    handle.clear_requests();
+    for model in ["gpt-oss:120b", "qwen3-coder:480b", "deepseek-v3.1:671b"] {
+        let reply = cloud_chat(&http, &stack.url(), model).await;
+        assert_eq!(reply.status, 200, "{model}: {}", reply.text());
+    }
+    // Three models, each warm on its own key: every key served one.
+    let served: std::collections::BTreeSet<String> = handle
+        .requests_to("/api/chat")
+        .iter()
+        .map(|r| r.bearer().unwrap())
+        .collect();
+    assert_eq!(
+        served,
+        [
+            "a1-0000000000000001",
+            "a2-0000000000000002",
+            "b1-0000000000000003"
+        ]
+        .map(String::from)
+        .into(),
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_key_refused_everywhere_is_still_cooled() {
+    // a1 is unknown to the cloud (401); b1 is suspended (403 even without a model).
+    let cloud = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .model("qwen3-coder:480b")
+        .cloud(&["a2-0000000000000002", "b1-0000000000000003"])
+        .spawn()
+        .await;
+    let handle = cloud.handle();
+    handle.suspend_cloud_key("b1-0000000000000003");
+    let stack = Stack::start(&cloud_config(&cloud.url(), "")).await;
+    let http = HttpClient::new();
+    for model in ["gpt-oss:120b", "qwen3-coder:480b", "gpt-oss:120b"] {
+        let reply = cloud_chat(&http, &stack.url(), model).await;
+        assert_eq!(reply.status, 200, "{model}: {}", reply.text());
+    }
+    let pool = cloud_pool(&http, &stack.url()).await;
+    let cooled: Vec<(&str, Option<&str>)> = pool
+        .iter()
+        .filter(|(_, cooling, _)| *cooling)
+        .map(|(label, _, error)| (label.as_str(), error.as_deref()))
+        .collect();
+    assert_eq!(cooled.len(), 2, "{pool:?}");
+    assert!(
+        cooled.iter().all(|(_, error)| *error == Some("auth")),
+        "{pool:?}"
+    );
+    // Only the good key is left: the next request goes straight to it.
+    handle.clear_requests();
+    assert_eq!(
+        cloud_chat(&http, &stack.url(), "qwen3-coder:480b")
+            .await
+            .status,
+        200
+    );
+    let asked: Vec<String> = handle
+        .requests_to("/api/chat")
+        .iter()
+        .map(|r| r.bearer().unwrap())
+        .collect();
+    assert_eq!(asked, ["a2-0000000000000002"]);
+    stack.shutdown().await;
+}

@@ -246,6 +246,76 @@ async fn repeated_failures_are_throttled_per_address() {
 }
 
 #[tokio::test]
+async fn a_success_does_not_clear_failures_and_retry_after_is_enough() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/tags", stack.url());
+    let good = bearer("sk-chat-0123456789");
+    let first_failure = std::time::Instant::now();
+    for _ in 0..2 {
+        let reply = http.get(&url, &[("authorization", "Bearer wrong")]).await;
+        assert_eq!(reply.status, 401);
+    }
+    // Holding one good key does not buy more guesses.
+    assert_eq!(
+        http.get(&url, &[("authorization", &good)]).await.status,
+        200
+    );
+    let third = http.get(&url, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(third.status, 401);
+    let throttled = http.get(&url, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(throttled.status, 429, "{}", throttled.text());
+    // Waiting Retry-After seconds is enough: the first failure leaves the
+    // 60 s window by then (rounded up, not down).
+    let retry_after: f64 = throttled.header("retry-after").unwrap().parse().unwrap();
+    let elapsed = first_failure.elapsed().as_secs_f64();
+    assert!(retry_after <= 60.0, "{retry_after}");
+    assert!(
+        retry_after + elapsed >= 60.0,
+        "Retry-After {retry_after} s, {elapsed} s after the first failure"
+    );
+    stack.shutdown().await;
+}
+
+/// `n` failed attempts claiming to come from `forwarded_for`; the status of one more.
+async fn fail_from(http: &HttpClient, url: &str, forwarded_for: &str, n: usize) -> u16 {
+    let headers = [
+        ("authorization", "Bearer wrong"),
+        ("x-forwarded-for", forwarded_for),
+    ];
+    for _ in 0..n {
+        assert_eq!(http.get(url, &headers).await.status, 401);
+    }
+    http.get(url, &headers).await.status.as_u16()
+}
+
+#[tokio::test]
+async fn behind_a_trusted_proxy_each_forwarded_address_has_its_own_bucket() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let extra = "  trusted_proxies: [\"127.0.0.1/32\", \"::1\"]\n";
+    let stack = Stack::start(&config(&fake.url(), extra)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/tags", stack.url());
+    assert_eq!(fail_from(&http, &url, "198.51.100.1", 3).await, 429);
+    // Another client behind the same proxy is not refused for the first one's failures,
+    // whatever it puts in front of the chain.
+    assert_eq!(fail_from(&http, &url, "198.51.100.2", 0).await, 401);
+    assert_eq!(
+        fail_from(&http, &url, "198.51.100.1, 198.51.100.3", 0).await,
+        401
+    );
+    stack.shutdown().await;
+
+    // Without trusted_proxies the header is ignored: everyone shares the peer's bucket.
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    let url = format!("{}/api/tags", stack.url());
+    assert_eq!(fail_from(&http, &url, "198.51.100.1", 3).await, 429);
+    assert_eq!(fail_from(&http, &url, "198.51.100.2", 0).await, 429);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn identity_comes_from_the_key_not_from_headers() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
     let stack = Stack::start(&config(&fake.url(), "")).await;
@@ -393,6 +463,38 @@ async fn injection_ports_carry_the_named_identity() {
     assert_eq!(refused.status, 403);
     assert_eq!(refused.json()["error"], "inference permission required");
     // Injection ports are loopback by default: nothing listens elsewhere.
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_injection_port_bound_to_an_expired_key_refuses() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let port = free_port().await;
+    let extra = format!(
+        "    - key: \"sk-gone-0123456789\"\n      client_id: gone\n      expires: 2020-01-01T00:00:00Z\n\
+         client_injection:\n  listeners:\n    - listen_port: {port}\n      inject_as: gone\n"
+    );
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    assert!(
+        eventually(Duration::from_secs(5), || std::net::TcpStream::connect((
+            "127.0.0.1",
+            port
+        ))
+        .is_ok())
+        .await,
+        "the injection port opened"
+    );
+    let reply = HttpClient::new()
+        .send(
+            "POST".parse().unwrap(),
+            &format!("http://127.0.0.1:{port}/api/generate"),
+            &[("content-type", "application/json")],
+            GENERATE,
+        )
+        .await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert_eq!(reply.json()["error"], "invalid api key");
+    assert!(fake.handle().requests_to("/api/generate").is_empty());
     stack.shutdown().await;
 }
 

@@ -130,3 +130,42 @@ async fn usage_reports_fractions_per_key() {
         StatusCode::NOT_FOUND
     );
 }
+
+#[tokio::test]
+async fn a_subscription_model_is_refused_per_key_and_a_suspended_key_everywhere() {
+    let fake = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .cloud(&["k1", "k2", "k3"])
+        .spawn()
+        .await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.require_cloud_subscription("gpt-oss:120b", &["k2"]);
+    handle.suspend_cloud_key("k3");
+    let usage = |key: &'static str| {
+        let bearer = format!("Bearer {key}");
+        async move {
+            call_with(
+                addr,
+                Method::GET,
+                "/api/usage",
+                "",
+                &[("authorization", &bearer)],
+            )
+            .await
+            .status
+        }
+    };
+    // k1 lacks the subscription: 403 for the model only; its key still works elsewhere.
+    let refused = chat(addr, Some("k1")).await;
+    assert_eq!(refused.status, StatusCode::FORBIDDEN);
+    assert!(
+        refused.text().contains("requires a subscription"),
+        "{}",
+        refused.text()
+    );
+    assert_eq!(usage("k1").await, StatusCode::OK);
+    assert_eq!(chat(addr, Some("k2")).await.status, StatusCode::OK);
+    // A suspended key is refused on every authenticated route, the model-free ones included.
+    assert_eq!(chat(addr, Some("k3")).await.status, StatusCode::FORBIDDEN);
+    assert_eq!(usage("k3").await, StatusCode::FORBIDDEN);
+}
