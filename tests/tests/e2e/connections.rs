@@ -104,17 +104,20 @@ async fn an_http2_connection_with_no_stream_is_closed_at_the_idle_timeout() {
     let request = http::Request::get(format!("{}/health", stack.url()))
         .body(Empty::<Bytes>::new())
         .unwrap();
+    // The server's idle clock starts when it has sent the answer, which is
+    // after the request left here and before the answer is read here: only
+    // the send time is a lower bound for the close.
+    let sent = Instant::now();
     let response = sender.send_request(request).await.unwrap();
     assert_eq!(response.status(), 200);
     response.into_body().collect().await.unwrap();
-    let idle = Instant::now();
     // The connection task ends when the server closes the connection.
     let closed = tokio::time::timeout(PATIENCE, connection).await;
     assert!(closed.is_ok(), "an idle HTTP/2 connection stayed open");
     assert!(
-        idle.elapsed() >= Duration::from_millis(300),
-        "closed after {:?}, before the idle timeout",
-        idle.elapsed()
+        sent.elapsed() >= Duration::from_millis(300),
+        "closed {:?} after the request, before the idle timeout",
+        sent.elapsed()
     );
     stack.shutdown().await;
 }
@@ -123,6 +126,9 @@ async fn an_http2_connection_with_no_stream_is_closed_at_the_idle_timeout() {
 async fn an_idle_http1_keep_alive_is_closed_at_the_idle_timeout() {
     let (_fake, stack) = stack("  first_request_timeout: 10\n  idle_timeout: 0.3\n", "").await;
     let mut stream = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    // The server's idle clock starts once it has answered: after this send,
+    // perhaps before the answer is read here.
+    let sent = Instant::now();
     stream
         .write_all(b"GET /health HTTP/1.1\r\nHost: oqp\r\n\r\n")
         .await
@@ -134,8 +140,7 @@ async fn an_idle_http1_keep_alive_is_closed_at_the_idle_timeout() {
         assert!(n > 0, "closed before the answer");
         answer.extend_from_slice(&buffer[..n]);
     }
-    let idle = Instant::now();
-    let after = closed_within(&mut stream, idle).await;
+    let after = closed_within(&mut stream, sent).await;
     assert!(
         after.is_some_and(|after| after >= Duration::from_millis(300)),
         "an idle keep-alive: closed after {after:?}"
