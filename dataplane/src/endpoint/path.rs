@@ -36,11 +36,10 @@ pub fn canonical(path: &str) -> Result<&str, NotCanonical> {
     if path.contains('%') {
         return Err(NotCanonical::Escaped);
     }
-    let segments: Vec<&str> = rest.split('/').collect();
-    let last = segments.len() - 1;
-    for (index, segment) in segments.iter().enumerate() {
-        match *segment {
-            "" if index != last => return Err(NotCanonical::EmptySegment),
+    let mut segments = rest.split('/').peekable();
+    while let Some(segment) = segments.next() {
+        match segment {
+            "" if segments.peek().is_some() => return Err(NotCanonical::EmptySegment),
             "." | ".." => return Err(NotCanonical::DotSegment),
             _ => {}
         }
