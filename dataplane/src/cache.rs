@@ -51,7 +51,9 @@ use crate::policy::{CacheBackend, CacheSettings};
 
 pub use flight::{Flights, Follow, Join, Lead};
 pub use key::{Namespace, Params};
-pub use plan::{Assembled, Fetch, Fetched, Plan, PlanError, Timing, plan};
+pub use plan::{
+    Assembled, Fetch, Fetched, Plan, PlanError, Timing, TooManyInputs, plan, plan_within,
+};
 pub use resolve::{Items, Outcome, ResolveError, Resolved};
 pub use stats::{CacheStats, LabelCounts, Labels};
 

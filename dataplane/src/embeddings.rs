@@ -75,7 +75,9 @@ pub async fn handle(
     let cache = app.cache();
     let plan = match (&cache, namespace) {
         (Some(_), Some(namespace)) if policy.embedding_cache.enabled => {
-            cache::plan(namespace, &body)
+            let limit = policy.embedding_cache.max_inputs;
+            cache::plan_within(namespace, &body, limit)
+                .map_err(|_| ProxyError::TooManyInputs { limit })?
         }
         _ => None,
     };

@@ -79,6 +79,14 @@ pub enum ProxyError {
     /// The path is not served (disabled dashboard).
     #[error("Not Found")]
     NotFound,
+    /// An embed request with more inputs than `embedding_cache.max_inputs`.
+    #[error(
+        "too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)"
+    )]
+    TooManyInputs {
+        /// The limit.
+        limit: usize,
+    },
 }
 
 impl ProxyError {
@@ -89,7 +97,7 @@ impl ProxyError {
             Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ScopeRequired(_) | Self::ModelManagementDisabled => StatusCode::FORBIDDEN,
             Self::InvalidTier(_) | Self::BodyUnreadable => StatusCode::BAD_REQUEST,
-            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTooLarge | Self::TooManyInputs { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::TierPaused(_)

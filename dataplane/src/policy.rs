@@ -330,6 +330,14 @@ pub enum CacheBackend {
     Redis(String),
 }
 
+/// `embedding_cache.max_inputs` when the snapshot leaves it unset (OpenAI's
+/// own limit).
+pub const DEFAULT_MAX_EMBED_INPUTS: usize = 2048;
+
+/// The largest `embedding_cache.max_inputs` the data plane accepts (a larger
+/// value is clamped to it).
+pub const MAX_EMBED_INPUTS: usize = 100_000;
+
 /// Embedding cache settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheSettings {
@@ -349,6 +357,8 @@ pub struct CacheSettings {
     pub max_memory_bytes: u64,
     /// Entries private to each client.
     pub per_client: bool,
+    /// Most inputs one cached embed request may carry (413 above).
+    pub max_inputs: usize,
 }
 
 /// Dashboard settings.

@@ -26,6 +26,7 @@ fn settings(backend: CacheBackend) -> CacheSettings {
         connect_timeout: Duration::from_secs(2),
         max_memory_bytes: 64 << 20,
         per_client: false,
+        max_inputs: 2048,
     }
 }
 

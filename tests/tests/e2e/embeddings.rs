@@ -304,3 +304,32 @@ async fn an_unreachable_redis_at_start_is_a_clear_error() {
         "the password is never shown: {message}"
     );
 }
+
+#[tokio::test]
+async fn more_inputs_than_max_inputs_is_a_413_naming_the_limit() {
+    let fake = FakeOllama::builder()
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let extra = format!("{MEMORY_CACHE}  max_inputs: 3\n");
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    let http = HttpClient::new();
+    let four = r#"{"model":"all-minilm","input":["a","b","c","d"]}"#;
+    for path in ["/api/embed", "/v1/embeddings"] {
+        let reply = post(&http, &format!("{}{path}", stack.url()), four).await;
+        assert_eq!(reply.status, 413, "{path}");
+        let error = reply.json()["error"].as_str().unwrap().to_owned();
+        assert!(error.contains("at most 3"), "{path}: {error}");
+        assert!(error.contains("embedding_cache.max_inputs"), "{path}: {error}");
+    }
+    assert!(fake.handle().requests_to("/api/embed").is_empty());
+    // At the limit, the request is served (and cached) as before.
+    let three = r#"{"model":"all-minilm","input":["a","b","a","c"]}"#;
+    let reply = post(&http, &format!("{}/api/embed", stack.url()), three).await;
+    assert_eq!(reply.status, 413, "four inputs, even with a repeat");
+    let three = r#"{"model":"all-minilm","input":["a","b","c"]}"#;
+    let reply = post(&http, &format!("{}/api/embed", stack.url()), three).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.json()["embeddings"].as_array().unwrap().len(), 3);
+    stack.shutdown().await;
+}
