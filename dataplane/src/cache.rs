@@ -245,6 +245,15 @@ impl Cache {
         }
     }
 
+    /// Lets the in-process store finish its pending evictions, so that what
+    /// it holds is within `max_memory_mb` (it settles lazily otherwise).
+    /// A no-op for Redis.
+    pub async fn settle(&self) {
+        if let Backend::Memory(memory) = &self.inner.backend {
+            memory.settle().await;
+        }
+    }
+
     /// Joins the flight of each key (see [`flight`]): lead the ones nobody
     /// is fetching, follow the others.
     pub fn join(&self, keys: &[String]) -> Vec<Join> {

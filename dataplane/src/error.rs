@@ -80,9 +80,7 @@ pub enum ProxyError {
     #[error("Not Found")]
     NotFound,
     /// An embed request with more inputs than `embedding_cache.max_inputs`.
-    #[error(
-        "too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)"
-    )]
+    #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
     TooManyInputs {
         /// The limit.
         limit: usize,

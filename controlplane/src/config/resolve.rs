@@ -428,7 +428,11 @@ pub(crate) fn embedding_cache(
             defaults.max_inputs,
             1..=MAX_EMBED_INPUTS,
             problems,
-            |n| format!("embedding_cache.max_inputs must be between 1 and {MAX_EMBED_INPUTS}, got {n}"),
+            |n| {
+                format!(
+                    "embedding_cache.max_inputs must be between 1 and {MAX_EMBED_INPUTS}, got {n}"
+                )
+            },
         ),
     })
 }

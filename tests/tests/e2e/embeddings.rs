@@ -320,7 +320,10 @@ async fn more_inputs_than_max_inputs_is_a_413_naming_the_limit() {
         assert_eq!(reply.status, 413, "{path}");
         let error = reply.json()["error"].as_str().unwrap().to_owned();
         assert!(error.contains("at most 3"), "{path}: {error}");
-        assert!(error.contains("embedding_cache.max_inputs"), "{path}: {error}");
+        assert!(
+            error.contains("embedding_cache.max_inputs"),
+            "{path}: {error}"
+        );
     }
     assert!(fake.handle().requests_to("/api/embed").is_empty());
     // At the limit, the request is served (and cached) as before.
