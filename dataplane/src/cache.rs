@@ -17,8 +17,9 @@
 //!
 //! ```text
 //! let plan = cache::plan(namespace, &body)?;        // None: not cacheable, forward as is
-//! let resolved = cache.resolve(&plan, client_id, "/api/embed", |body| async {
-//!     /* queue, send `body` upstream; Ok(200 body) or Err(the response to relay) */
+//! let resolved = cache.resolve(&plan, client_id, "/api/embed", tier, |body, dispatch| async {
+//!     /* queue, dispatch.dispatched() once it has a slot, send `body`
+//!        upstream; Ok(200 body) or Err(the response to relay) */
 //! }).await;
 //! // Ok: answer resolved.body (application/json; charset=utf-8) with
 //! //     X-Cache: resolved.outcome.as_str()
@@ -48,8 +49,9 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::policy::{CacheBackend, CacheSettings};
+use crate::scheduler::Tier;
 
-pub use flight::{Flights, Follow, Join, Lead};
+pub use flight::{Dispatch, Flights, Follow, Join, Lead};
 pub use key::{Namespace, Params};
 pub use plan::{
     Assembled, Fetch, Fetched, Plan, PlanError, Timing, TooManyInputs, plan, plan_within,
@@ -254,11 +256,12 @@ impl Cache {
         }
     }
 
-    /// Joins the flight of each key (see [`flight`]): lead the ones nobody
-    /// is fetching, follow the others.
-    pub fn join(&self, keys: &[String]) -> Vec<Join> {
+    /// Joins the flight of each key for a request of `tier` (see
+    /// [`flight`]): lead the ones nobody is fetching, follow the others
+    /// unless their leader is queued in a less urgent tier.
+    pub fn join(&self, keys: &[String], tier: Tier) -> Vec<Join> {
         keys.iter()
-            .map(|key| self.inner.flights.join(key))
+            .map(|key| self.inner.flights.join(key, tier))
             .collect()
     }
 

@@ -99,7 +99,7 @@ pub async fn handle(
     let model = plan.model().to_owned();
     // The last fetch's response headers (queue wait, host), for the answer.
     let fetched_headers: Arc<Mutex<Option<HeaderMap>>> = Arc::default();
-    let fetch = |miss_body: Bytes| {
+    let fetch = |miss_body: Bytes, dispatch: cache::Dispatch| {
         let app = app.clone();
         let policy = policy.clone();
         let client = client.clone();
@@ -112,9 +112,11 @@ pub async fn handle(
         };
         let model = Some(model.clone());
         async move {
-            let response = service::queued(&app, &policy, client, tier, model, outbound)
-                .await
-                .map_err(Fetch::Refused)?;
+            let granted = move || dispatch.dispatched();
+            let response =
+                service::queued_then(&app, &policy, client, tier, model, outbound, granted)
+                    .await
+                    .map_err(Fetch::Refused)?;
             let (parts, body) = response.into_parts();
             if parts.status != StatusCode::OK {
                 return Err(Fetch::Upstream(Response::from_parts(parts, body)));
@@ -130,7 +132,7 @@ pub async fn handle(
             Ok(bytes)
         }
     };
-    let resolved = match cache.resolve(&plan, &client, &endpoint, fetch).await {
+    let resolved = match cache.resolve(&plan, &client, &endpoint, tier, fetch).await {
         Ok(resolved) => resolved,
         Err(ResolveError::Upstream(Fetch::Refused(error))) => return Err(error),
         Err(ResolveError::Upstream(Fetch::Upstream(response))) => {

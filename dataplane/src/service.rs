@@ -237,6 +237,20 @@ pub async fn queued(
     model: Option<String>,
     outbound: Outbound,
 ) -> Result<Response<Body>, ProxyError> {
+    queued_then(app, policy, client, tier, model, outbound, || {}).await
+}
+
+/// [`queued`], calling `on_granted` as soon as the request has its slot
+/// (before it is sent).
+pub async fn queued_then(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    client: Arc<str>,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
+) -> Result<Response<Body>, ProxyError> {
     let bytes = match &outbound.body {
         RequestBody::Buffered(bytes) => bytes.len() as u64,
         RequestBody::Streamed(_) => declared_length(&outbound.headers),
@@ -255,6 +269,7 @@ pub async fn queued(
         outbound.detached()
     };
     let grant = pending.granted().await?;
+    on_granted();
     Box::pin(send_granted(
         app, policy, grant, outbound, position, immediate,
     ))

@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use oqp_dataplane::cache::{self, Namespace};
 use oqp_dataplane::policy::{CacheBackend, CacheSettings};
+use oqp_dataplane::scheduler::Tier;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, Stats, StatsAlloc};
 
 #[global_allocator]
@@ -114,7 +115,7 @@ async fn a_max_size_embed_request_works_in_bounded_memory() {
             .unwrap()
             .unwrap();
         let resolved = cache
-            .resolve(&plan, "client", "/api/embed", |_| {
+            .resolve(&plan, "client", "/api/embed", Tier::Normal, |_, _| {
                 let answer = answer.clone();
                 async move { Ok::<_, ()>(answer) }
             })

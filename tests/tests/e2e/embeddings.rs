@@ -336,3 +336,107 @@ async fn more_inputs_than_max_inputs_is_a_413_naming_the_limit() {
     assert_eq!(reply.json()["embeddings"].as_array().unwrap().len(), 3);
     stack.shutdown().await;
 }
+
+/// One `POST` with a key and a tier, in the background.
+fn spawn_post(
+    http: &HttpClient,
+    url: String,
+    key: &str,
+    tier: &str,
+    body: &'static str,
+) -> tokio::task::JoinHandle<oqp_tests::client::Reply> {
+    let http = http.clone();
+    let auth = format!("Bearer {key}");
+    let tier = tier.to_owned();
+    tokio::spawn(async move {
+        http.send(
+            "POST".parse().unwrap(),
+            &url,
+            &[
+                ("authorization", &auth),
+                ("x-queue-priority", &tier),
+                ("content-type", "application/json"),
+            ],
+            body.to_owned(),
+        )
+        .await
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_high_tier_embed_does_not_wait_behind_a_low_tier_fetch_of_the_same_text() {
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .embedding_model("all-minilm")
+        .slots(1)
+        .spawn()
+        .await;
+    let auth = "auth:\n  enabled: true\n  keys:\n    - key: \"sk-chat-0123456789\"\n      client_id: chat\n      max_priority: high\n    - key: \"sk-batch-0123456789\"\n      client_id: batch\n      max_priority: low\n";
+    let extra = format!("{MEMORY_CACHE}{auth}");
+    let yaml = config(&fake.url(), &extra).replace("max_concurrent: 4\n{", "max_concurrent: 1\n{");
+    let yaml = yaml.replacen("      max_concurrent: 4", "      max_concurrent: 1", 1);
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let depth = |n: u32| {
+        let dispatcher = dispatcher.clone();
+        async move {
+            assert!(
+                oqp_tests::client::eventually(Duration::from_secs(5), || {
+                    dispatcher.total_depth() == n
+                })
+                .await,
+                "queue depth never reached {n} (is {})",
+                dispatcher.total_depth()
+            );
+        }
+    };
+    let http = HttpClient::new();
+    let handle = fake.handle();
+    handle.hold();
+    // The low tier holds the only slot, and a low embed of X waits behind it.
+    let flood = spawn_post(
+        &http,
+        format!("{}/api/generate", stack.url()),
+        "sk-batch-0123456789",
+        "low",
+        r#"{"model":"llama3","prompt":"hi","stream":false}"#,
+    );
+    handle.wait_in_flight(1).await;
+    const X: &str = r#"{"model":"all-minilm","input":"the text X"}"#;
+    let url = format!("{}/api/embed", stack.url());
+    let low = spawn_post(&http, url.clone(), "sk-batch-0123456789", "low", X);
+    depth(1).await;
+    // The high embed of X queues in its own tier rather than waiting on the
+    // low request's flight.
+    let high = spawn_post(&http, url, "sk-chat-0123456789", "high", X);
+    depth(2).await;
+    handle.release(1);
+    assert_eq!(flood.await.unwrap().status, 200);
+    // The freed slot goes to the high embed: the fake sees it first.
+    assert!(
+        oqp_tests::client::eventually(Duration::from_secs(5), || {
+            !handle.requests_to("/api/embed").is_empty()
+        })
+        .await
+    );
+    let embeds = handle.requests_to("/api/embed");
+    assert_eq!(embeds.len(), 1);
+    assert_eq!(
+        embeds[0]
+            .headers
+            .get("x-client-id")
+            .map(|v| v.to_str().unwrap()),
+        Some("chat")
+    );
+    handle.release(1);
+    let high = high.await.unwrap();
+    assert_eq!(high.status, 200);
+    assert_eq!(high.header("x-cache").as_deref(), Some("MISS"));
+    // The low embed still runs (or finds the vector stored by then).
+    handle.release_all();
+    let low = low.await.unwrap();
+    assert_eq!(low.status, 200);
+    assert_eq!(low.json()["embeddings"], high.json()["embeddings"]);
+    stack.shutdown().await;
+}
