@@ -887,3 +887,53 @@ async fn hit_latency_memory_vs_redis() {
         );
     }
 }
+
+/// A 4096-dimension vector as Ollama prints float32s (`0.012345679`,
+/// `-1e-7`, …), about 45 kB of text.
+fn large_vector() -> Bytes {
+    let numbers: Vec<String> = (0..4096u32)
+        .map(|i| {
+            let x = ((i.wrapping_mul(2_654_435_761) >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 0.1
+                / (1 + i % 7).pow(3) as f32;
+            let mut out = Vec::new();
+            super::vector::tests_support::go_format(x, &mut out);
+            String::from_utf8(out).unwrap()
+        })
+        .collect();
+    Bytes::from(format!("[{}]", numbers.join(",")))
+}
+
+#[tokio::test]
+async fn a_4096_dimension_vector_is_cached_compactly_and_comes_back_byte_identical() {
+    let server = RedisServer::start(RedisServer::free_port());
+    let vector = large_vector();
+    assert!(vector.len() > 32_768, "{} bytes of text", vector.len());
+    let redis = redis_cache(&server).await;
+    for (cache, key) in [
+        (memory().await, "oqp:embed:m"),
+        (redis.clone(), "oqp:embed:r"),
+    ] {
+        let key = key.to_owned();
+        cache.store(vec![(key.clone(), vector.clone())]).await;
+        assert_eq!(cache.stats().oversized, 0, "{}", cache.backend_name());
+        let found = cache.lookup(std::slice::from_ref(&key)).await;
+        assert_eq!(found[0].as_ref(), Some(&vector), "{}", cache.backend_name());
+    }
+    // In Redis it takes 4 bytes a number.
+    let mut connection = server.connection().await;
+    let stored: Vec<u8> = ::redis::cmd("GET")
+        .arg("oqp:embed:r")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 4 + 4096 * 4);
+    // An entry written as text (before compact vectors) is still a hit.
+    let _: () = ::redis::cmd("SET")
+        .arg("oqp:embed:old")
+        .arg("[0.5,-1e-7]")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let found = redis.lookup(&["oqp:embed:old".to_owned()]).await;
+    assert_eq!(found[0].as_deref(), Some(&b"[0.5,-1e-7]"[..]));
+}

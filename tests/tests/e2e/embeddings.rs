@@ -440,3 +440,52 @@ async fn a_high_tier_embed_does_not_wait_behind_a_low_tier_fetch_of_the_same_tex
     assert_eq!(low.json()["embeddings"], high.json()["embeddings"]);
     stack.shutdown().await;
 }
+
+/// The raw text of the `embeddings` value of an `/api/embed` answer.
+fn raw_embeddings(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let start = text.find(r#""embeddings":"#).expect("embeddings") + r#""embeddings":"#.len();
+    let end = text[start..].find("]]").expect("end of embeddings") + start + 2;
+    text[start..end].to_owned()
+}
+
+#[tokio::test]
+async fn a_4096_dimension_embedding_is_cached_by_default_and_comes_back_byte_identical() {
+    let fake = FakeOllama::builder()
+        .embedding_model("qwen3-embedding")
+        .embedding_dimension(4096)
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), MEMORY_CACHE)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/embed", stack.url());
+    let first = post(
+        &http,
+        &url,
+        r#"{"model":"qwen3-embedding","input":["a","b"]}"#,
+    )
+    .await;
+    assert_eq!(first.header("x-cache").as_deref(), Some("MISS"));
+    let uncached = raw_embeddings(&first.body);
+    assert!(uncached.len() > 2 * 32_768, "{} bytes", uncached.len());
+    let again = post(
+        &http,
+        &url,
+        r#"{"model":"qwen3-embedding","input":["a","b"]}"#,
+    )
+    .await;
+    assert_eq!(again.header("x-cache").as_deref(), Some("HIT"));
+    assert_eq!(raw_embeddings(&again.body), uncached);
+    // One of them, with a new text: the cached numbers are Ollama's, byte for byte.
+    let partial = post(
+        &http,
+        &url,
+        r#"{"model":"qwen3-embedding","input":["b","c"]}"#,
+    )
+    .await;
+    assert_eq!(partial.header("x-cache").as_deref(), Some("PARTIAL"));
+    let b = &uncached[uncached.find("],[").unwrap() + 2..uncached.len() - 1];
+    assert!(raw_embeddings(&partial.body).starts_with(&format!("[{b},")));
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 2);
+    stack.shutdown().await;
+}
