@@ -84,12 +84,14 @@ async fn the_memory_cache_holds_no_more_than_max_memory() {
     );
 }
 
-/// An Ollama `/api/embed` answer with one `dims`-long vector per input.
+/// An Ollama `/api/embed` answer with one `dims`-long float32 vector per
+/// input.
 fn answer(inputs: usize, dims: usize) -> Bytes {
     let vector = format!(
         "[{}]",
         (0..dims)
-            .map(|i| format!("0.0{}", 1234567 + i))
+            // Shortest float32 digits, as Ollama prints them.
+            .map(|i| format!("{}", 0.012_345_67_f32 + i as f32 * 1e-5))
             .collect::<Vec<_>>()
             .join(",")
     );

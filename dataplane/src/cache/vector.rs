@@ -23,8 +23,6 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 
-use crate::rewrite::scan;
-
 /// The first bytes of a compact vector, before the float width.
 const MAGIC: [u8; 3] = [0x00, b'v', 0x01];
 
@@ -106,24 +104,20 @@ impl Float for f64 {
 }
 
 fn compact<F: Float>(text: &[u8]) -> Option<Bytes> {
-    let spans = scan::array_elements(text, 0..text.len())?;
-    // Go prints `[]` for an empty vector; a compact one could not tell
-    // `[]` from `[ ]`, and is no smaller.
-    if spans.is_empty() || text.first() != Some(&b'[') {
+    // Exactly `[n,n,…]`, as Go writes it: no spaces, at least one number
+    // (a compact `[]` could not tell `[]` from `[ ]`, and is no smaller).
+    let inner = text.strip_prefix(b"[")?.strip_suffix(b"]")?;
+    if inner.is_empty() {
         return None;
     }
-    let mut out = BytesMut::with_capacity(MAGIC.len() + 1 + spans.len() * F::WIDTH);
+    let count = inner.iter().filter(|&&b| b == b',').count() + 1;
+    let mut out = BytesMut::with_capacity(MAGIC.len() + 1 + count * F::WIDTH);
     out.extend_from_slice(&MAGIC);
     out.put_u8(F::WIDTH as u8);
     let mut printed = Vec::with_capacity(32);
-    let mut expected_start = 1;
-    for span in spans {
-        // Nothing but commas between the numbers, as Go writes them.
-        if span.start != expected_start {
-            return None;
-        }
-        expected_start = span.end + 1;
-        let number = &text[span];
+    // A number never holds a comma; printing back to the same bytes proves
+    // each piece is one JSON number, written as Go writes it.
+    for number in inner.split(|&b| b == b',') {
         let value: F = std::str::from_utf8(number).ok()?.parse().ok()?;
         printed.clear();
         go_format(value, &mut printed);
@@ -132,7 +126,7 @@ fn compact<F: Float>(text: &[u8]) -> Option<Bytes> {
         }
         value.to_le(&mut out);
     }
-    (expected_start == text.len()).then(|| out.freeze())
+    Some(out.freeze())
 }
 
 fn render<F: Float>(floats: &[u8]) -> Option<Bytes> {
