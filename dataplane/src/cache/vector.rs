@@ -130,7 +130,7 @@ fn compact<F: Float>(text: &[u8]) -> Option<Bytes> {
 }
 
 fn render<F: Float>(floats: &[u8]) -> Option<Bytes> {
-    if floats.is_empty() || floats.len() % F::WIDTH != 0 {
+    if floats.is_empty() || !floats.len().is_multiple_of(F::WIDTH) {
         return None;
     }
     let mut out = Vec::with_capacity(floats.len() / F::WIDTH * 12 + 2);
