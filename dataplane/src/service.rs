@@ -27,7 +27,7 @@ use crate::auth::{self, Identity};
 use crate::body::{self, Body};
 use crate::dispatch::{self, Grant};
 use crate::embeddings;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, Inference};
 use crate::error::ProxyError;
 use crate::headers;
 use crate::metrics;
@@ -212,7 +212,10 @@ async fn forward(
     else {
         return queued(app, policy, client, tier, None, outbound).await;
     };
-    if inference.is_embedding() {
+    // A native embed with the cache off is an ordinary inference request:
+    // it skips the embedding handler's (large) future.
+    let cached = policy.embedding_cache.enabled && app.embedding_cache.load().is_some();
+    if inference.is_embedding() && (cached || inference == Inference::OpenAiEmbeddings) {
         return Box::pin(embeddings::handle(
             app, policy, client, tier, inference, outbound, body,
         ))
