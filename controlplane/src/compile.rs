@@ -178,6 +178,7 @@ pub fn snapshot(
                 .max_memory_mb
                 .saturating_mul(1024 * 1024),
             per_client: config.embedding_cache.per_client,
+            max_inputs: config.embedding_cache.max_inputs,
         }),
         dashboard: Some(wire::DashboardSettings {
             enabled: config.dashboard.enabled,

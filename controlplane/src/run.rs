@@ -375,6 +375,7 @@ async fn check_shared_cache(config: &config::Config) -> Result<(), StartError> {
         connect_timeout: cache.connect_timeout,
         max_memory_bytes: cache.max_memory_mb.saturating_mul(1024 * 1024),
         per_client: cache.per_client,
+        max_inputs: usize::try_from(cache.max_inputs).unwrap_or(usize::MAX),
     };
     oqp_dataplane::cache::connect(&settings)
         .await

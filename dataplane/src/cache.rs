@@ -4,8 +4,9 @@
 //! A request is split into items ([`mod@plan`]); each item has its own key
 //! ([`key`], format documented there), so a list that shares texts with an
 //! earlier one only asks upstream for the new texts. Vectors are stored as
-//! the raw JSON array text upstream sent, so cached answers carry Ollama's
-//! exact numbers.
+//! little-endian floats when they print back to the exact JSON text upstream
+//! sent, as that text otherwise ([`vector`]), so cached answers carry
+//! Ollama's exact numbers, byte for byte.
 //!
 //! One [`Cache`] fronts either backend: in-process (`moka`, bounded in bytes)
 //! or a shared Valkey/Redis/Dragonfly. A backend error never fails a request:
@@ -17,8 +18,9 @@
 //!
 //! ```text
 //! let plan = cache::plan(namespace, &body)?;        // None: not cacheable, forward as is
-//! let resolved = cache.resolve(&plan, client_id, "/api/embed", |body| async {
-//!     /* queue, send `body` upstream; Ok(200 body) or Err(the response to relay) */
+//! let resolved = cache.resolve(&plan, client_id, "/api/embed", tier, |body, dispatch| async {
+//!     /* queue, dispatch.dispatched() once it has a slot, send `body`
+//!        upstream; Ok(200 body) or Err(the response to relay) */
 //! }).await;
 //! // Ok: answer resolved.body (application/json; charset=utf-8) with
 //! //     X-Cache: resolved.outcome.as_str()
@@ -34,6 +36,7 @@
 pub mod flight;
 pub mod key;
 pub mod plan;
+pub mod vector;
 
 mod memory;
 mod redis;
@@ -48,10 +51,13 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use crate::policy::{CacheBackend, CacheSettings};
+use crate::scheduler::Tier;
 
-pub use flight::{Flights, Follow, Join, Lead};
+pub use flight::{Dispatch, Flights, Follow, Join, Lead};
 pub use key::{Namespace, Params};
-pub use plan::{Assembled, Fetch, Fetched, Plan, PlanError, Timing, plan};
+pub use plan::{
+    Assembled, Fetch, Fetched, Plan, PlanError, Timing, TooManyInputs, plan, plan_within,
+};
 pub use resolve::{Items, Outcome, ResolveError, Resolved};
 pub use stats::{CacheStats, LabelCounts, Labels};
 
@@ -186,18 +192,23 @@ impl Cache {
         )
     }
 
-    /// The cached vector of each key, in order. Never fails: a backend error
-    /// or an invalid stored value is a miss.
+    /// The cached vector (JSON text) of each key, in order. Never fails: a
+    /// backend error or an invalid stored value is a miss.
     pub async fn lookup(&self, keys: &[String]) -> Vec<Option<Bytes>> {
         if keys.is_empty() {
             return Vec::new();
         }
         match &self.inner.backend {
-            Backend::Memory(memory) => memory.get_many(keys).await,
+            Backend::Memory(memory) => memory
+                .get_many(keys)
+                .await
+                .into_iter()
+                .map(|value| value.and_then(|stored| self.decode(&stored)))
+                .collect(),
             Backend::Redis(redis) => match redis.get_many(keys).await {
                 Ok(values) if values.len() == keys.len() => values
                     .into_iter()
-                    .map(|value| value.filter(|vector| self.valid(vector)))
+                    .map(|value| value.and_then(|stored| self.decode(&stored)))
                     .collect(),
                 Ok(_) => {
                     self.failed("lookup", "MGET answered the wrong number of values");
@@ -211,14 +222,17 @@ impl Cache {
         }
     }
 
-    /// Stores `(key, vector)` pairs, skipping vectors over `max_entry_bytes`
-    /// (0 = no limit). Never fails: a backend error is counted and logged.
+    /// Stores `(key, vector JSON text)` pairs in their compact form
+    /// ([`vector::encode`]), skipping those whose stored form is over
+    /// `max_entry_bytes` (0 = no limit). Never fails: a backend error is
+    /// counted and logged.
     pub async fn store(&self, entries: Vec<(String, Bytes)>) {
         let limit = self.inner.settings.max_entry_bytes;
         let counters = &self.inner.counters;
         let (entries, oversized): (Vec<_>, Vec<_>) = entries
             .into_iter()
-            .partition(|(_, vector)| limit == 0 || vector.len() as u64 <= limit);
+            .map(|(key, vector)| (key, vector::encode(&vector)))
+            .partition(|(_, stored)| limit == 0 || stored.len() as u64 <= limit);
         counters
             .oversized
             .fetch_add(oversized.len() as u64, Ordering::Relaxed);
@@ -244,11 +258,21 @@ impl Cache {
         }
     }
 
-    /// Joins the flight of each key (see [`flight`]): lead the ones nobody
-    /// is fetching, follow the others.
-    pub fn join(&self, keys: &[String]) -> Vec<Join> {
+    /// Lets the in-process store finish its pending evictions, so that what
+    /// it holds is within `max_memory_mb` (it settles lazily otherwise).
+    /// A no-op for Redis.
+    pub async fn settle(&self) {
+        if let Backend::Memory(memory) = &self.inner.backend {
+            memory.settle().await;
+        }
+    }
+
+    /// Joins the flight of each key for a request of `tier` (see
+    /// [`flight`]): lead the ones nobody is fetching, follow the others
+    /// unless their leader is queued in a less urgent tier.
+    pub fn join(&self, keys: &[String], tier: Tier) -> Vec<Join> {
         keys.iter()
-            .map(|key| self.inner.flights.join(key))
+            .map(|key| self.inner.flights.join(key, tier))
             .collect()
     }
 
@@ -265,14 +289,14 @@ impl Cache {
         }
     }
 
-    /// Whether a value read from a shared store is a vector; a corrupt one
-    /// counts as an error and a miss.
-    fn valid(&self, vector: &Bytes) -> bool {
-        let valid = plan::is_vector(vector);
-        if !valid {
+    /// The JSON text of a stored value; a corrupt one counts as an error and
+    /// a miss.
+    fn decode(&self, stored: &Bytes) -> Option<Bytes> {
+        let text = vector::decode(stored);
+        if text.is_none() {
             self.failed("lookup", "a stored value is not a vector");
         }
-        valid
+        text
     }
 
     fn backend_error(&self, operation: &str, error: &BackendError) {

@@ -150,11 +150,12 @@ impl Dispatcher {
             let weak = Arc::downgrade(&dispatcher);
             let mut inner = dispatcher.lock();
             inner.flush_generation = policy.queue.tiers.each_ref().map(|t| t.flush_generation);
-            // A freed slot wakes the timer task, which dispatches; the hook
-            // must not take the lock (a guard may drop while it is held).
+            // A freed slot wakes the failovers waiting for one; the hook must
+            // not take the lock (a guard may drop while it is held). The
+            // timer is not woken: a freed slot moves no deadline earlier, and
+            // waking it cost a thread wake-up per request.
             inner.router.set_release_hook(Arc::new(move || {
                 if let Some(dispatcher) = weak.upgrade() {
-                    dispatcher.timer.notify_one();
                     dispatcher.slot_freed.notify_waiters();
                 }
             }));
@@ -318,7 +319,12 @@ impl Dispatcher {
             let mut inner = self.lock();
             return Err(inner.refusal(Rejection::QueueFull, tier, &client));
         }
-        self.timer.notify_one();
+        if !immediate {
+            // Its deadlines may come before the timer's next wake-up. One
+            // dispatched at once adds none: waking the timer for it would
+            // cost a thread wake-up per request.
+            self.timer.notify_one();
+        }
         Ok(Pending {
             dispatcher: self.clone(),
             id: admitted.id,

@@ -76,7 +76,9 @@ pub async fn handle(
     let cache = app.cache();
     let plan = match (&cache, namespace) {
         (Some(_), Some(namespace)) if policy.embedding_cache.enabled => {
-            cache::plan(namespace, &body)
+            let limit = policy.embedding_cache.max_inputs;
+            cache::plan_within(namespace, &body, limit)
+                .map_err(|_| ProxyError::TooManyInputs { limit })?
         }
         _ => None,
     };
@@ -98,7 +100,7 @@ pub async fn handle(
     let model = plan.model().to_owned();
     // The last fetch's response headers (queue wait, host), for the answer.
     let fetched_headers: Arc<Mutex<Option<HeaderMap>>> = Arc::default();
-    let fetch = |miss_body: Bytes| {
+    let fetch = |miss_body: Bytes, dispatch: cache::Dispatch| {
         let app = app.clone();
         let policy = policy.clone();
         let client = client.clone();
@@ -111,9 +113,11 @@ pub async fn handle(
         };
         let model = Some(model.clone());
         async move {
-            let response = service::queued(&app, &policy, client, tier, model, outbound)
-                .await
-                .map_err(Fetch::Refused)?;
+            let granted = move || dispatch.dispatched();
+            let response =
+                service::queued_then(&app, &policy, client, tier, model, outbound, granted)
+                    .await
+                    .map_err(Fetch::Refused)?;
             let (parts, body) = response.into_parts();
             if parts.status != StatusCode::OK {
                 return Err(Fetch::Upstream(Response::from_parts(parts, body)));
@@ -129,7 +133,7 @@ pub async fn handle(
             Ok(bytes)
         }
     };
-    let resolved = match cache.resolve(&plan, &client.id, &endpoint, fetch).await {
+    let resolved = match cache.resolve(&plan, &client.id, &endpoint, tier, fetch).await {
         Ok(resolved) => resolved,
         Err(ResolveError::Upstream(Fetch::Refused(error))) => return Err(error),
         Err(ResolveError::Upstream(Fetch::Upstream(response))) => {

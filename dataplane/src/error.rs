@@ -101,6 +101,12 @@ pub enum ProxyError {
     /// The whole request body did not arrive within `proxy.body_read_timeout`.
     #[error("request body not received within the body read timeout")]
     BodyTimeout,
+    /// An embed request with more inputs than `embedding_cache.max_inputs`.
+    #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
+    TooManyInputs {
+        /// The limit.
+        limit: usize,
+    },
 }
 
 impl ProxyError {
@@ -119,7 +125,7 @@ impl ProxyError {
             Self::InvalidTier(_) | Self::BodyUnreadable | Self::PathNotCanonical => {
                 StatusCode::BAD_REQUEST
             }
-            Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTooLarge | Self::TooManyInputs { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,

@@ -12,6 +12,12 @@
 //!   as they happen: a read-locked lookup of the series, then an atomic add.
 //!   A scrape never holds up a request longer than reading a series.
 //!
+//! Every family is on `/metrics` from the first scrape: series whose labels
+//! are known at start (per tier, per host, the cache's `backend` errors)
+//! start at zero, and a family with no series yet (its labels come from
+//! requests: clients, models) is still declared with its `# HELP` and
+//! `# TYPE` lines, so that dashboards and alerts find it.
+//!
 //! Label values are escaped by the `prometheus` encoder (a client id with
 //! `"`, `\` or a newline cannot forge a series), and every label whose values
 //! come from callers is bounded: configured clients plus at most
@@ -61,10 +67,20 @@ const TTFB_BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
+/// A registered family, for declaring it before it has a series.
+#[derive(Debug, Clone)]
+struct Family {
+    name: String,
+    help: String,
+    kind: &'static str,
+}
+
 /// The data plane's metrics, in a private registry.
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
+    /// Every family registered, in registration order.
+    families: Vec<Family>,
     /// Serialises scrapes: mirrors are refreshed and encoded as one step.
     scrape: Mutex<()>,
     /// Client ids of the current snapshot: always their own label value.
@@ -147,35 +163,43 @@ impl Metrics {
     #[allow(clippy::expect_used)]
     pub fn new(policy: &Policy) -> Self {
         let registry = Registry::new();
-        let add = |collector: Box<dyn Collector>| {
+        let families = std::cell::RefCell::new(Vec::new());
+        let add = |collector: Box<dyn Collector>, kind: &'static str| {
+            families
+                .borrow_mut()
+                .extend(collector.desc().into_iter().map(|desc| Family {
+                    name: desc.fq_name.clone(),
+                    help: desc.help.clone(),
+                    kind,
+                }));
             registry
                 .register(collector)
                 .expect("metric names are unique and valid");
         };
         let int_gauge = |name: &str, help: &str| {
             let gauge = IntGauge::new(name, help).expect("valid metric");
-            add(Box::new(gauge.clone()));
+            add(Box::new(gauge.clone()), "gauge");
             gauge
         };
         let int_gauges = |name: &str, help: &str, labels: &[&str]| {
             let vec = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            add(Box::new(vec.clone()));
+            add(Box::new(vec.clone()), "gauge");
             vec
         };
         let counter = |name: &str, help: &str| {
             let counter = IntCounter::new(name, help).expect("valid metric");
-            add(Box::new(counter.clone()));
+            add(Box::new(counter.clone()), "counter");
             counter
         };
         let counters = |name: &str, help: &str, labels: &[&str]| {
             let vec = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            add(Box::new(vec.clone()));
+            add(Box::new(vec.clone()), "counter");
             vec
         };
         let histograms = |name: &str, help: &str, buckets: &[f64]| {
             let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
             let vec = HistogramVec::new(opts, &["tier"]).expect("valid metric");
-            add(Box::new(vec.clone()));
+            add(Box::new(vec.clone()), "histogram");
             vec
         };
         let recent_share = GaugeVec::new(
@@ -186,7 +210,7 @@ impl Metrics {
             &["client_id"],
         )
         .expect("valid metric");
-        add(Box::new(recent_share.clone()));
+        add(Box::new(recent_share.clone()), "gauge");
 
         let metrics = Self {
             queue_depth: int_gauges(
@@ -328,6 +352,7 @@ impl Metrics {
                 "Policy snapshots rejected because they did not compile",
             ),
             uptime: int_gauge("oqp_uptime_seconds", "Seconds since the data plane started"),
+            families: families.take(),
             registry,
             scrape: Mutex::new(()),
             configured: ArcSwap::from_pointee(HashSet::new()),
@@ -339,12 +364,23 @@ impl Metrics {
             kinds: Budget::default(),
             reasons: Budget::default(),
         };
+        // Known values start at zero, so that rate() sees the first one.
         for reason in ["model_match", "round_robin", "fallback"] {
-            // Known values start at zero, so that rate() sees the first one.
             let _ = metrics
                 .routing_decisions
                 .get_metric_with_label_values(&[reason]);
         }
+        for tier in Tier::ALL {
+            let _ = metrics
+                .queue_wait
+                .get_metric_with_label_values(&[tier.as_str()]);
+            let _ = metrics
+                .upstream_ttfb
+                .get_metric_with_label_values(&[tier.as_str()]);
+        }
+        let _ = metrics
+            .cache_errors
+            .get_metric_with_label_values(&["backend"]);
         metrics.apply(policy);
         metrics
     }
@@ -590,11 +626,28 @@ impl Metrics {
         self.uptime
             .set(i64::try_from(app.started.elapsed().as_secs()).unwrap_or(i64::MAX));
 
+        let gathered = self.registry.gather();
         let mut text = String::new();
-        if let Err(error) = TextEncoder::new().encode_utf8(&self.registry.gather(), &mut text) {
+        if let Err(error) = TextEncoder::new().encode_utf8(&gathered, &mut text) {
             tracing::warn!(%error, "metrics could not be encoded");
         }
+        // The registry leaves out families without series: declare them.
+        for family in &self.families {
+            if !gathered.iter().any(|mf| mf.name() == family.name) {
+                let help = family.help.replace('\\', "\\\\").replace('\n', "\\n");
+                text.push_str(&format!(
+                    "# HELP {} {help}\n# TYPE {} {}\n",
+                    family.name, family.name, family.kind
+                ));
+            }
+        }
         text
+    }
+
+    /// The name of every registered family (each is on `/metrics` from the
+    /// first scrape).
+    pub fn families(&self) -> impl Iterator<Item = &str> {
+        self.families.iter().map(|family| family.name.as_str())
     }
 
     fn mirror_tier(&self, tier: Tier, stat: &TierStat) {

@@ -368,6 +368,13 @@ impl std::fmt::Debug for CacheBackend {
         }
     }
 }
+/// `embedding_cache.max_inputs` when the snapshot leaves it unset (OpenAI's
+/// own limit).
+pub const DEFAULT_MAX_EMBED_INPUTS: usize = 2048;
+
+/// The largest `embedding_cache.max_inputs` the data plane accepts (a larger
+/// value is clamped to it).
+pub const MAX_EMBED_INPUTS: usize = 100_000;
 
 /// Embedding cache settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -388,6 +395,8 @@ pub struct CacheSettings {
     pub max_memory_bytes: u64,
     /// Entries private to each client.
     pub per_client: bool,
+    /// Most inputs one cached embed request may carry (413 above).
+    pub max_inputs: usize,
 }
 
 /// Dashboard settings.
@@ -489,6 +498,7 @@ mod tests {
             connect_timeout: Duration::from_secs(1),
             max_memory_bytes: 1,
             per_client: false,
+            max_inputs: 1,
         };
         let printed = format!("{settings:?}");
         assert!(!printed.contains("hunter2"), "{printed}");

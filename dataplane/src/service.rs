@@ -28,7 +28,7 @@ use crate::auth::{self, ANONYMOUS, Caller, Identity};
 use crate::body::{self, Body};
 use crate::dispatch::{self, Grant};
 use crate::embeddings;
-use crate::endpoint::{self, Access, Endpoint};
+use crate::endpoint::{self, Access, Endpoint, Inference};
 use crate::error::ProxyError;
 use crate::headers;
 use crate::metrics;
@@ -247,7 +247,10 @@ async fn forward(
     else {
         return queued(app, policy, client, tier, None, outbound).await;
     };
-    if inference.is_embedding() {
+    // A native embed with the cache off is an ordinary inference request:
+    // it skips the embedding handler's (large) future.
+    let cached = policy.embedding_cache.enabled && app.embedding_cache.load().is_some();
+    if inference.is_embedding() && (cached || inference == Inference::OpenAiEmbeddings) {
         return Box::pin(embeddings::handle(
             app, policy, client, tier, inference, outbound, body,
         ))
@@ -271,6 +274,20 @@ pub async fn queued(
     tier: Tier,
     model: Option<String>,
     outbound: Outbound,
+) -> Result<Response<Body>, ProxyError> {
+    queued_then(app, policy, client, tier, model, outbound, || {}).await
+}
+
+/// [`queued`], calling `on_granted` as soon as the request has its slot
+/// (before it is sent).
+pub async fn queued_then(
+    app: &Arc<App>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     let bytes = match &outbound.body {
         RequestBody::Buffered(bytes) => bytes.len() as u64,
@@ -302,6 +319,7 @@ pub async fn queued(
         drop(grant);
         return Err(ProxyError::KeyRevoked);
     }
+    on_granted();
     Box::pin(send_granted(
         app, policy, grant, outbound, position, immediate,
     ))

@@ -631,8 +631,23 @@ pub(crate) fn embedding_cache(
             problems,
         ),
         per_client: flag(raw.per_client, defaults.per_client),
+        max_inputs: ranged(
+            raw.max_inputs,
+            defaults.max_inputs,
+            1..=MAX_EMBED_INPUTS,
+            problems,
+            |n| {
+                format!(
+                    "embedding_cache.max_inputs must be between 1 and {MAX_EMBED_INPUTS}, got {n}"
+                )
+            },
+        ),
     })
 }
+
+/// The largest `embedding_cache.max_inputs`: past it one request's plan,
+/// keys and flights alone take hundreds of megabytes.
+const MAX_EMBED_INPUTS: i64 = 100_000;
 
 fn cache_backend(backend: &str, problems: &mut Problems) -> CacheBackend {
     if backend.eq_ignore_ascii_case("memory") {

@@ -242,6 +242,7 @@ pub(crate) struct RawCache {
     pub connect_timeout: Option<Seconds>,
     pub max_memory_mb: Option<Int>,
     pub per_client: Option<Flag>,
+    pub max_inputs: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -112,6 +112,7 @@ fn every_default() {
     assert_eq!(cache.connect_timeout, Duration::from_secs(2));
     assert_eq!(cache.max_memory_mb, 256);
     assert!(!cache.per_client);
+    assert_eq!(cache.max_inputs, 2048);
 
     assert_eq!(config.keep_alive.default_json, "\"5m\"");
     assert!(!config.keep_alive.override_client);
@@ -1186,4 +1187,22 @@ fn trusted_proxies_are_normalised_and_bad_entries_named() {
         errors[1].starts_with("auth.trusted_proxies[1]: 'proxy.lan'"),
         "{errors:?}"
     );
+}
+
+#[test]
+fn embedding_cache_max_inputs_is_bounded() {
+    let config = load(&with_host("embedding_cache: {max_inputs: 16}\n")).config;
+    assert_eq!(config.embedding_cache.max_inputs, 16);
+    for bad in ["0", "100001", "-1"] {
+        let errors = problems(
+            &with_host(&format!("embedding_cache: {{max_inputs: {bad}}}\n")),
+            &[],
+        );
+        assert_eq!(
+            errors,
+            [format!(
+                "embedding_cache.max_inputs must be between 1 and 100000, got {bad}"
+            )]
+        );
+    }
 }

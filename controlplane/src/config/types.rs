@@ -246,6 +246,8 @@ pub struct EmbeddingCacheConfig {
     pub max_memory_mb: u64,
     /// Partition the cache by client id instead of sharing it across tenants.
     pub per_client: bool,
+    /// Most inputs one cached embed request may carry (413 above).
+    pub max_inputs: u64,
 }
 
 /// Where cached embeddings live.
@@ -461,6 +463,7 @@ impl Default for EmbeddingCacheConfig {
             connect_timeout: Duration::from_secs(2),
             max_memory_mb: 256,
             per_client: false,
+            max_inputs: 2048,
         }
     }
 }

@@ -17,14 +17,23 @@
 //! before it waits on anything it follows; leading never waits on following,
 //! so two requests that each lead what the other follows cannot deadlock.
 //!
+//! Following never inverts priorities: a caller follows only a leader that
+//! is already dispatched upstream ([`Lead::dispatched`]) or that waits in a
+//! tier at least as urgent as the caller's own. Otherwise (a high-tier
+//! request for a text a queued low-tier request leads) it gets
+//! [`Join::Alone`] and fetches the key itself, outside the flight.
+//!
 //! The map is a `std::sync::Mutex` held only for map operations, never
 //! across an `.await`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use tokio::sync::watch;
+
+use crate::scheduler::Tier;
 
 /// The state of one flight, as followers see it.
 #[derive(Debug, Clone)]
@@ -37,7 +46,21 @@ enum Slot {
     Abandoned,
 }
 
-type Map = HashMap<String, watch::Sender<Slot>>;
+/// A flight in the map: its channel and who leads it.
+#[derive(Debug)]
+struct Flight {
+    sender: watch::Sender<Slot>,
+    leader: Arc<Leader>,
+}
+
+/// What followers need to know of a leader to decide whether to wait.
+#[derive(Debug)]
+struct Leader {
+    tier: Tier,
+    dispatched: AtomicBool,
+}
+
+type Map = HashMap<String, Flight>;
 
 /// The keys in flight.
 #[derive(Debug, Clone, Default)]
@@ -52,6 +75,9 @@ pub enum Join {
     Lead(Lead),
     /// Someone is: wait for them.
     Follow(Follow),
+    /// Someone is, but still queued in a less urgent tier: fetch the key
+    /// yourself, without a flight.
+    Alone,
 }
 
 /// The duty to fetch one key. Dropping it without [`Lead::publish`] tells
@@ -60,7 +86,31 @@ pub enum Join {
 pub struct Lead {
     key: String,
     sender: watch::Sender<Slot>,
+    leader: Arc<Leader>,
     map: Arc<Mutex<Map>>,
+}
+
+/// Marks a set of leads as dispatched (their fetch has a slot upstream), so
+/// that callers of any tier may follow them from then on. Cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct Dispatch {
+    leaders: Arc<[Arc<Leader>]>,
+}
+
+impl Dispatch {
+    /// The handle for `leads`.
+    pub fn of<'a>(leads: impl IntoIterator<Item = &'a Lead>) -> Self {
+        Self {
+            leaders: leads.into_iter().map(|lead| lead.leader.clone()).collect(),
+        }
+    }
+
+    /// The fetch got its upstream slot.
+    pub fn dispatched(&self) {
+        for leader in self.leaders.iter() {
+            leader.dispatched.store(true, Ordering::Release);
+        }
+    }
 }
 
 /// A wait for another request's fetch of one key.
@@ -75,19 +125,37 @@ impl Flights {
         Self::default()
     }
 
-    /// Joins the flight of `key`, starting it if there is none.
-    pub fn join(&self, key: &str) -> Join {
+    /// Joins the flight of `key` for a request of `tier`, starting it if
+    /// there is none.
+    pub fn join(&self, key: &str, tier: Tier) -> Join {
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(sender) = map.get(key) {
-            return Join::Follow(Follow {
-                receiver: sender.subscribe(),
-            });
+        if let Some(flight) = map.get(key) {
+            let leader = &flight.leader;
+            // `High < Normal < Low`: a leader at least as urgent is served
+            // no later than this caller would be.
+            if leader.tier <= tier || leader.dispatched.load(Ordering::Acquire) {
+                return Join::Follow(Follow {
+                    receiver: flight.sender.subscribe(),
+                });
+            }
+            return Join::Alone;
         }
         let (sender, _) = watch::channel(Slot::Pending);
-        map.insert(key.to_owned(), sender.clone());
+        let leader = Arc::new(Leader {
+            tier,
+            dispatched: AtomicBool::new(false),
+        });
+        map.insert(
+            key.to_owned(),
+            Flight {
+                sender: sender.clone(),
+                leader: leader.clone(),
+            },
+        );
         Join::Lead(Lead {
             key: key.to_owned(),
             sender,
+            leader,
             map: Arc::clone(&self.map),
         })
     }
@@ -114,7 +182,7 @@ impl Flights {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(key)
-            .map_or(0, watch::Sender::receiver_count)
+            .map_or(0, |flight| flight.sender.receiver_count())
     }
 }
 
@@ -136,7 +204,7 @@ impl Drop for Lead {
         let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
         if map
             .get(&self.key)
-            .is_some_and(|sender| sender.same_channel(&self.sender))
+            .is_some_and(|flight| flight.sender.same_channel(&self.sender))
         {
             map.remove(&self.key);
         }
@@ -176,18 +244,18 @@ mod tests {
     #[tokio::test]
     async fn one_leader_many_followers() {
         let flights = Flights::new();
-        let Join::Lead(lead) = flights.join("k") else {
+        let Join::Lead(lead) = flights.join("k", Tier::Normal) else {
             panic!("the first caller leads");
         };
         let followers: Vec<_> = (0..5)
-            .map(|_| match flights.join("k") {
+            .map(|_| match flights.join("k", Tier::Normal) {
                 Join::Follow(follow) => tokio::spawn(follow.wait()),
-                Join::Lead(_) => panic!("a second leader"),
+                Join::Lead(_) | Join::Alone => panic!("a second leader"),
             })
             .collect();
         lead.publish(Bytes::from_static(b"[1]"));
         // Published but not finished: a latecomer still gets the value.
-        let Join::Follow(late) = flights.join("k") else {
+        let Join::Follow(late) = flights.join("k", Tier::Normal) else {
             panic!("the flight is still open");
         };
         drop(lead);
@@ -201,18 +269,45 @@ mod tests {
     #[tokio::test]
     async fn an_abandoned_flight_lets_a_follower_lead() {
         let flights = Flights::new();
-        let Join::Lead(lead) = flights.join("k") else {
+        let Join::Lead(lead) = flights.join("k", Tier::Normal) else {
             panic!("the first caller leads");
         };
-        let Join::Follow(follow) = flights.join("k") else {
+        let Join::Follow(follow) = flights.join("k", Tier::Normal) else {
             panic!("the second caller follows");
         };
         let waiting = tokio::spawn(follow.wait());
         drop(lead);
         assert_eq!(waiting.await.unwrap(), None);
-        assert!(matches!(flights.join("k"), Join::Lead(_)));
+        assert!(matches!(flights.join("k", Tier::Normal), Join::Lead(_)));
         // Keys are independent.
-        let _a = flights.join("a");
-        assert!(matches!(flights.join("b"), Join::Lead(_)));
+        let _a = flights.join("a", Tier::Normal);
+        assert!(matches!(flights.join("b", Tier::Normal), Join::Lead(_)));
+    }
+
+    #[test]
+    fn a_caller_never_waits_on_a_queued_leader_of_a_lower_tier() {
+        let flights = Flights::new();
+        let Join::Lead(low) = flights.join("k", Tier::Low) else {
+            panic!("the first caller leads");
+        };
+        // Queued in Low: a High or Normal caller fetches on its own, a Low
+        // one follows.
+        assert!(matches!(flights.join("k", Tier::High), Join::Alone));
+        assert!(matches!(flights.join("k", Tier::Normal), Join::Alone));
+        assert!(matches!(flights.join("k", Tier::Low), Join::Follow(_)));
+        // Once dispatched, its fetch is upstream: everyone may wait.
+        Dispatch::of([&low]).dispatched();
+        assert!(matches!(flights.join("k", Tier::High), Join::Follow(_)));
+        drop(low);
+        // A High leader is followed by every tier, dispatched or not.
+        let Join::Lead(_high) = flights.join("k", Tier::High) else {
+            panic!("the flight ended");
+        };
+        for tier in Tier::ALL {
+            assert!(
+                matches!(flights.join("k", tier), Join::Follow(_)),
+                "{tier:?}"
+            );
+        }
     }
 }

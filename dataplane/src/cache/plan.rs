@@ -126,13 +126,73 @@ pub enum PlanError {
     Incomplete(usize),
 }
 
+/// A request with more inputs than `embedding_cache.max_inputs` (a 413).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
+pub struct TooManyInputs {
+    /// The limit.
+    pub limit: usize,
+}
+
 /// Splits an embedding request body. `None` when it is not cacheable: not a
 /// JSON object, no `model`, an input Ollama refuses or answers without
 /// vectors (`""`, `[]`, non-strings), or field types Ollama refuses. Such a
 /// request is forwarded as it is.
 pub fn plan(namespace: Namespace, body: &Bytes) -> Option<Plan> {
+    plan_within(namespace, body, usize::MAX).ok().flatten()
+}
+
+/// [`plan`], refusing a request whose `input` list has more than
+/// `max_inputs` elements. The elements are counted before anything is built
+/// for them, so a refused request costs no memory per input.
+pub fn plan_within(
+    namespace: Namespace,
+    body: &Bytes,
+    max_inputs: usize,
+) -> Result<Option<Plan>, TooManyInputs> {
+    let Some(object) = scan::top_object(body) else {
+        return Ok(None);
+    };
+    if namespace == Namespace::Embed
+        && let Some(member) = object.get(body, "input")
+        && count_elements(body, member.value.clone(), max_inputs).is_none()
+    {
+        return Err(TooManyInputs { limit: max_inputs });
+    }
+    Ok(build(namespace, body, &object))
+}
+
+/// The number of elements of the array at `span` (0 for a non-array), or
+/// `None` as soon as there are more than `max`.
+fn count_elements(bytes: &[u8], span: Range<usize>, max: usize) -> Option<usize> {
+    let bytes = bytes.get(..span.end)?;
+    if bytes.get(span.start) != Some(&b'[') {
+        return Some(0);
+    }
+    let mut count = 0;
+    let mut at = scan::skip_ws(bytes, span.start + 1);
+    if bytes.get(at) == Some(&b']') {
+        return Some(0);
+    }
+    loop {
+        count += 1;
+        if count > max {
+            return None;
+        }
+        // A malformed array is not cacheable: planning refuses it later.
+        let Some(end) = scan::value_end(bytes, at) else {
+            return Some(count);
+        };
+        at = scan::skip_ws(bytes, end);
+        match bytes.get(at) {
+            Some(b',') => at = scan::skip_ws(bytes, at + 1),
+            _ => return Some(count),
+        }
+    }
+}
+
+fn build(namespace: Namespace, body: &Bytes, object: &scan::Object) -> Option<Plan> {
     serde_json::from_slice::<IgnoredAny>(body).ok()?;
-    let object = scan::top_object(body)?;
     let value_of = |field: &str| -> Option<Option<Value>> {
         match object.get(body, field) {
             None => Some(None),

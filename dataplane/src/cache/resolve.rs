@@ -4,14 +4,17 @@
 //! Per round: join the flight of every missing item; look the led ones up
 //! again (a flight may have ended between the first lookup and the join);
 //! fetch the rest in one upstream request; publish, store, end the flights;
-//! then wait for the followed items. An item whose leader gave up is missing
+//! then wait for the followed items. An item whose leader is queued in a less
+//! urgent tier is fetched with the led ones, outside the flight (see
+//! [`super::flight`]). An item whose leader gave up is missing
 //! again in the next round. After [`FLIGHT_ROUNDS`] rounds whatever is still
 //! missing is fetched without a flight, so a chain of failing leaders cannot
 //! keep a request waiting.
 
 use bytes::Bytes;
 
-use super::{Cache, Follow, Join, Lead, Plan, PlanError, Timing};
+use super::{Cache, Dispatch, Follow, Join, Lead, Plan, PlanError, Timing};
+use crate::scheduler::Tier;
 
 /// How many times a request joins flights before fetching what it still
 /// lacks on its own (each retry follows a leader that failed).
@@ -84,8 +87,11 @@ impl Cache {
     /// Answers an embedding request from the cache, fetching only what is
     /// missing and not already being fetched by another request.
     ///
-    /// `fetch` sends a body to the request's upstream endpoint and returns
-    /// the body of a 200 answer, or an error the caller relays. Fetched
+    /// `fetch` sends a body to the request's upstream endpoint in `tier`,
+    /// calls [`Dispatch::dispatched`] once it has an upstream slot (from
+    /// then on requests of any tier wait for it rather than fetch the same
+    /// items), and returns the body of a 200 answer, or an error the caller
+    /// relays. Fetched
     /// vectors are stored and handed to concurrent requests waiting for
     /// them. On success the outcome is recorded under
     /// `(client_id, model, endpoint)`.
@@ -94,10 +100,11 @@ impl Cache {
         plan: &Plan,
         client_id: &str,
         endpoint: &str,
+        tier: Tier,
         mut fetch: F,
     ) -> Result<Resolved, ResolveError<E>>
     where
-        F: FnMut(Bytes) -> Fut,
+        F: FnMut(Bytes, Dispatch) -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
         let keys = self.keys(plan, client_id);
@@ -120,9 +127,10 @@ impl Cache {
             let mut follows: Vec<(usize, Follow)> = Vec::new();
             if round < FLIGHT_ROUNDS {
                 for item in missing {
-                    match self.inner.flights.join(&keys[item]) {
+                    match self.inner.flights.join(&keys[item], tier) {
                         Join::Lead(lead) => leads.push((item, Some(lead))),
                         Join::Follow(follow) => follows.push((item, follow)),
+                        Join::Alone => leads.push((item, None)),
                     }
                 }
                 // A flight that ended between our lookup and our join has
@@ -147,8 +155,9 @@ impl Cache {
             if !leads.is_empty() {
                 let wanted: Vec<usize> = leads.iter().map(|(item, _)| *item).collect();
                 let request = plan.fetch(&wanted);
+                let dispatch = Dispatch::of(leads.iter().filter_map(|(_, lead)| lead.as_ref()));
                 // On an error the leads drop here: followers retry.
-                let answer = fetch(request.body.clone())
+                let answer = fetch(request.body.clone(), dispatch)
                     .await
                     .map_err(ResolveError::Upstream)?;
                 let got = match plan.vectors(&request, &answer) {

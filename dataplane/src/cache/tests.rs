@@ -26,6 +26,7 @@ fn settings(backend: CacheBackend) -> CacheSettings {
         connect_timeout: Duration::from_secs(2),
         max_memory_bytes: 64 << 20,
         per_client: false,
+        max_inputs: 2048,
     }
 }
 
@@ -88,14 +89,20 @@ impl Upstream {
         let split = plan(namespace, &body).expect("cacheable");
         let sent = Arc::clone(&self.sent);
         cache
-            .resolve(&split, client, "/api/embed", |body: Bytes| {
-                let sent = Arc::clone(&sent);
-                async move {
-                    let reply = answer(&body);
-                    sent.lock().unwrap().push(body);
-                    Ok::<_, ()>(reply)
-                }
-            })
+            .resolve(
+                &split,
+                client,
+                "/api/embed",
+                Tier::Normal,
+                |body: Bytes, _| {
+                    let sent = Arc::clone(&sent);
+                    async move {
+                        let reply = answer(&body);
+                        sent.lock().unwrap().push(body);
+                        Ok::<_, ()>(reply)
+                    }
+                },
+            )
             .await
             .unwrap()
     }
@@ -321,7 +328,7 @@ async fn upstream_errors_store_nothing_and_are_relayed() {
     let body = Bytes::from_static(br#"{"model":"m","input":["a"]}"#);
     let split = plan(Namespace::Embed, &body).unwrap();
     let result = cache
-        .resolve(&split, "alice", "/api/embed", |_| async {
+        .resolve(&split, "alice", "/api/embed", Tier::Normal, |_, _| async {
             Err::<Bytes, _>("404 model not found")
         })
         .await;
@@ -341,7 +348,7 @@ async fn upstream_errors_store_nothing_and_are_relayed() {
     let body = Bytes::from_static(br#"{"model":"m","input":["a","b"]}"#);
     let split = plan(Namespace::Embed, &body).unwrap();
     let result = cache
-        .resolve(&split, "alice", "/api/embed", |_| async {
+        .resolve(&split, "alice", "/api/embed", Tier::Normal, |_, _| async {
             Ok::<_, ()>(Bytes::from_static(br#"{"embeddings":[[1],[2]]}"#))
         })
         .await;
@@ -357,7 +364,9 @@ async fn upstream_errors_store_nothing_and_are_relayed() {
 async fn fifty_concurrent_joins_have_one_leader() {
     let cache = memory().await;
     let key = vec!["k".to_owned()];
-    let joins: Vec<Join> = (0..50).flat_map(|_| cache.join(&key)).collect();
+    let joins: Vec<Join> = (0..50)
+        .flat_map(|_| cache.join(&key, Tier::Normal))
+        .collect();
     let leaders = joins.iter().filter(|j| matches!(j, Join::Lead(_))).count();
     assert_eq!(leaders, 1);
     assert_eq!(cache.flights().followers("k"), 49);
@@ -380,16 +389,22 @@ async fn fifty_concurrent_misses_make_one_upstream_request() {
             tokio::spawn(async move {
                 let split = plan(Namespace::Embed, &body).unwrap();
                 cache
-                    .resolve(&split, "alice", "/api/embed", |sent: Bytes| {
-                        calls.fetch_add(1, Ordering::SeqCst);
-                        let reply = answer(&sent);
-                        let released = released.clone();
-                        async move {
-                            let mut released = released;
-                            released.wait_for(|go| *go).await.map_err(|_| ())?;
-                            Ok::<_, ()>(reply)
-                        }
-                    })
+                    .resolve(
+                        &split,
+                        "alice",
+                        "/api/embed",
+                        Tier::Normal,
+                        |sent: Bytes, _| {
+                            calls.fetch_add(1, Ordering::SeqCst);
+                            let reply = answer(&sent);
+                            let released = released.clone();
+                            async move {
+                                let mut released = released;
+                                released.wait_for(|go| *go).await.map_err(|_| ())?;
+                                Ok::<_, ()>(reply)
+                            }
+                        },
+                    )
                     .await
                     .map_err(|_| "resolve failed")
             })
@@ -428,7 +443,7 @@ async fn followers_retry_when_the_leader_fails() {
     let split = plan(Namespace::Embed, &body).unwrap();
     let keys = cache.keys(&split, "alice");
     // Someone else leads, and gives up while we wait.
-    let Join::Lead(lead) = cache.join(&keys).remove(0) else {
+    let Join::Lead(lead) = cache.join(&keys, Tier::Normal).remove(0) else {
         panic!("lead");
     };
     let upstream = Upstream::default();
@@ -452,6 +467,122 @@ async fn followers_retry_when_the_leader_fails() {
     let resolved = waiting.await.unwrap();
     assert_eq!(resolved.outcome, Outcome::Miss);
     assert_eq!(upstream.sent().len(), 1);
+}
+
+#[tokio::test]
+async fn a_high_tier_request_does_not_wait_on_a_queued_low_tier_leader() {
+    let cache = memory().await;
+    let body = Bytes::from_static(br#"{"model":"m","input":["x","y"]}"#);
+    let split = plan(Namespace::Embed, &body).unwrap();
+    // A low-tier request leads both texts and is still queued: its fetch
+    // never ends during this test.
+    let low = {
+        let cache = cache.clone();
+        let split = split.clone();
+        tokio::spawn(async move {
+            cache
+                .resolve(&split, "bob", "/api/embed", Tier::Low, |_, _| {
+                    std::future::pending::<Result<Bytes, ()>>()
+                })
+                .await
+        })
+    };
+    let keys = cache.keys(&split, "bob");
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while cache.flights().len() < 2 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the low request leads");
+    // A high-tier request for one of its texts fetches it itself.
+    let upstream = Upstream::default();
+    let body = Bytes::from_static(br#"{"model":"m","input":"x"}"#);
+    let single = plan(Namespace::Embed, &body).unwrap();
+    let sent = Arc::clone(&upstream.sent);
+    let resolved = tokio::time::timeout(
+        Duration::from_secs(10),
+        cache.resolve(&single, "alice", "/api/embed", Tier::High, |body, _| {
+            let sent = Arc::clone(&sent);
+            async move {
+                let reply = answer(&body);
+                sent.lock().unwrap().push(body);
+                Ok::<_, ()>(reply)
+            }
+        }),
+    )
+    .await
+    .expect("the high request never waits on the low one")
+    .unwrap();
+    assert_eq!(resolved.outcome, Outcome::Miss);
+    assert_eq!(upstream.sent().len(), 1);
+    // The low request's flights are untouched.
+    assert_eq!(cache.flights().followers(&keys[0]), 0);
+    assert_eq!(cache.flights().len(), 2);
+    low.abort();
+}
+
+#[tokio::test]
+async fn once_dispatched_a_low_tier_leader_is_followed_by_any_tier() {
+    let cache = memory().await;
+    let body = Bytes::from_static(br#"{"model":"m","input":["x"]}"#);
+    let split = plan(Namespace::Embed, &body).unwrap();
+    let keys = cache.keys(&split, "bob");
+    let release = Arc::new(tokio::sync::Notify::new());
+    let low = {
+        let cache = cache.clone();
+        let split = split.clone();
+        let release = Arc::clone(&release);
+        tokio::spawn(async move {
+            cache
+                .resolve(&split, "bob", "/api/embed", Tier::Low, |body, dispatch| {
+                    dispatch.dispatched();
+                    let release = Arc::clone(&release);
+                    async move {
+                        release.notified().await;
+                        Ok::<_, ()>(answer(&body))
+                    }
+                })
+                .await
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while cache.flights().is_empty() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the low request leads");
+    let upstream = Upstream::default();
+    let high = {
+        let cache = cache.clone();
+        let upstream = upstream.clone();
+        tokio::spawn(async move {
+            let body = Bytes::from_static(br#"{"model":"m","input":["x"]}"#);
+            let split = plan(Namespace::Embed, &body).unwrap();
+            let sent = Arc::clone(&upstream.sent);
+            cache
+                .resolve(&split, "alice", "/api/embed", Tier::High, |body, _| {
+                    let sent = Arc::clone(&sent);
+                    async move {
+                        sent.lock().unwrap().push(body.clone());
+                        Ok::<_, ()>(answer(&body))
+                    }
+                })
+                .await
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while cache.flights().followers(&keys[0]) < 1 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the high request follows the dispatched leader");
+    release.notify_one();
+    assert_eq!(high.await.unwrap().unwrap().outcome, Outcome::Hit);
+    assert!(upstream.sent().is_empty());
+    low.await.unwrap().unwrap();
 }
 
 // ---------------------------------------------------------- key property
@@ -736,7 +867,7 @@ async fn hit_latency_memory_vs_redis() {
             assert!(found[0].is_some());
             let start = std::time::Instant::now();
             let resolved = cache
-                .resolve(&split, "alice", "/api/embed", |_| async {
+                .resolve(&split, "alice", "/api/embed", Tier::Normal, |_, _| async {
                     Err::<Bytes, ()>(())
                 })
                 .await
@@ -755,4 +886,54 @@ async fn hit_latency_memory_vs_redis() {
             vector.len()
         );
     }
+}
+
+/// A 4096-dimension vector as Ollama prints float32s (`0.012345679`,
+/// `-1e-7`, …), about 45 kB of text.
+fn large_vector() -> Bytes {
+    let numbers: Vec<String> = (0..4096u32)
+        .map(|i| {
+            let x = ((i.wrapping_mul(2_654_435_761) >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 0.1
+                / (1 + i % 7).pow(3) as f32;
+            let mut out = Vec::new();
+            super::vector::tests_support::go_format(x, &mut out);
+            String::from_utf8(out).unwrap()
+        })
+        .collect();
+    Bytes::from(format!("[{}]", numbers.join(",")))
+}
+
+#[tokio::test]
+async fn a_4096_dimension_vector_is_cached_compactly_and_comes_back_byte_identical() {
+    let server = RedisServer::start(RedisServer::free_port());
+    let vector = large_vector();
+    assert!(vector.len() > 32_768, "{} bytes of text", vector.len());
+    let redis = redis_cache(&server).await;
+    for (cache, key) in [
+        (memory().await, "oqp:embed:m"),
+        (redis.clone(), "oqp:embed:r"),
+    ] {
+        let key = key.to_owned();
+        cache.store(vec![(key.clone(), vector.clone())]).await;
+        assert_eq!(cache.stats().oversized, 0, "{}", cache.backend_name());
+        let found = cache.lookup(std::slice::from_ref(&key)).await;
+        assert_eq!(found[0].as_ref(), Some(&vector), "{}", cache.backend_name());
+    }
+    // In Redis it takes 4 bytes a number.
+    let mut connection = server.connection().await;
+    let stored: Vec<u8> = ::redis::cmd("GET")
+        .arg("oqp:embed:r")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 4 + 4096 * 4);
+    // An entry written as text (before compact vectors) is still a hit.
+    let _: () = ::redis::cmd("SET")
+        .arg("oqp:embed:old")
+        .arg("[0.5,-1e-7]")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let found = redis.lookup(&["oqp:embed:old".to_owned()]).await;
+    assert_eq!(found[0].as_deref(), Some(&b"[0.5,-1e-7]"[..]));
 }

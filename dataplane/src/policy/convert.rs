@@ -195,6 +195,10 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             )?,
             max_memory_bytes: bytes(cache.max_memory_bytes, "embedding_cache.max_memory_bytes")?,
             per_client: cache.per_client,
+            max_inputs: match cache.max_inputs {
+                0 => DEFAULT_MAX_EMBED_INPUTS,
+                n => usize::try_from(n).map_or(MAX_EMBED_INPUTS, |n| n.min(MAX_EMBED_INPUTS)),
+            },
         };
 
         let dashboard = snapshot.dashboard.unwrap_or_default();

@@ -6,12 +6,12 @@
 use http::StatusCode;
 use serde_json::{Value, json};
 
-use super::gojson::{GoType, Shape};
+use super::gojson::{self, GoType, Shape};
 use super::native::{Handled, bad_request, find, parse, text};
 use super::record::lock;
 use super::state::Ctx;
 use super::stream::{Flavor, admit, metrics, serve};
-use super::wire::{gin_error, gin_json, hash64, splitmix, token_count};
+use super::wire::{GIN_JSON, full, gin_error, gin_json, hash64, splitmix, token_count};
 
 const EMBED: Shape = Shape {
     name: "api.EmbedRequest",
@@ -58,27 +58,27 @@ pub(crate) async fn embed(ctx: &mut Ctx, body: &[u8]) -> Handled {
         .and_then(Value::as_u64)
         .map(|n| n as usize);
     let size = ctx.shared.embedding_dimension;
-    let embeddings: Vec<Value> = inputs
+    // Written by hand: the vectors' numbers as Go prints a float32.
+    let embeddings: Vec<String> = inputs
         .iter()
         .map(|input| {
-            Value::from(
-                embedding(input, size, dimensions)
-                    .into_iter()
-                    .map(f32_value)
-                    .collect::<Vec<_>>(),
-            )
+            let numbers: Vec<String> = embedding(input, size, dimensions)
+                .into_iter()
+                .map(gojson::float32)
+                .collect();
+            format!("[{}]", numbers.join(","))
         })
         .collect();
     let prompt_tokens: usize = inputs.iter().map(|input| token_count(input)).sum();
     let all = metrics(&clock, prompt_tokens, 0);
-    let body = json!({
-        "model": model,
-        "embeddings": embeddings,
-        "total_duration": all["total_duration"],
-        "load_duration": all["load_duration"],
-        "prompt_eval_count": prompt_tokens,
-    });
-    Ok(gin_json(StatusCode::OK, &body))
+    let body = format!(
+        r#"{{"model":{},"embeddings":[{}],"total_duration":{},"load_duration":{},"prompt_eval_count":{prompt_tokens}}}"#,
+        Value::from(model),
+        embeddings.join(","),
+        all["total_duration"],
+        all["load_duration"],
+    );
+    Ok(full(StatusCode::OK, Some(GIN_JSON), body))
 }
 
 /// `POST /api/embeddings` (legacy).

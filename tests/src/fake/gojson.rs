@@ -203,6 +203,43 @@ fn type_message(found: &str, shape: &str, field: &str, go_type: GoType) -> Strin
     format!("json: cannot unmarshal {found} into Go struct field {short}.{field} of type {go_name}")
 }
 
+/// A `float32` as Go's `encoding/json` prints it: the shortest digits that read back as the
+/// same `float32`, in plain decimal for magnitudes in [1e-6, 1e21) and as `d.ddde±x` outside
+/// (`1e-7`, `3.4028235e+38`), as Ollama writes embedding vectors.
+pub(crate) fn float32(x: f32) -> String {
+    if x == 0.0 {
+        return if x.is_sign_negative() { "-0" } else { "0" }.to_owned();
+    }
+    // `{:e}` has the shortest round-trip digits: `-1.2345679e-2`.
+    let scientific = format!("{:e}", x.abs());
+    let (mantissa, exponent) = scientific.split_once('e').unwrap_or((&scientific, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let sign = if x < 0.0 { "-" } else { "" };
+    let abs = x.abs();
+    if !(1e-6..1e21).contains(&abs) {
+        let (first, rest) = digits.split_at(1);
+        let fraction = if rest.is_empty() {
+            String::new()
+        } else {
+            format!(".{rest}")
+        };
+        let exponent_sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{sign}{first}{fraction}e{exponent_sign}{}", exponent.abs());
+    }
+    // Plain decimal: the point sits after `exponent + 1` digits.
+    let point = exponent + 1;
+    let body = if point <= 0 {
+        format!("0.{}{digits}", "0".repeat(point.unsigned_abs() as usize))
+    } else if point as usize >= digits.len() {
+        format!("{digits}{}", "0".repeat(point as usize - digits.len()))
+    } else {
+        let (whole, fraction) = digits.split_at(point as usize);
+        format!("{whole}.{fraction}")
+    };
+    format!("{sign}{body}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +257,25 @@ mod tests {
         match decode(body.as_bytes(), &SHAPE) {
             Err(DecodeError::Invalid(message)) => message,
             other => panic!("expected an error for {body:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn float32_prints_as_go_does() {
+        for (x, go) in [
+            (0.1f32, "0.1"),
+            (1.0, "1"),
+            (-2.5, "-2.5"),
+            (123_456_789.0, "123456790"),
+            (0.000001, "0.000001"),
+            (1e-7, "1e-7"),
+            (-1.5e-10, "-1.5e-10"),
+            (1e21, "1e+21"),
+            (1e20, "100000000000000000000"),
+            (0.000_012_345, "0.000012345"),
+            (-0.0, "-0"),
+        ] {
+            assert_eq!(float32(x), go, "{x:e}");
         }
     }
 

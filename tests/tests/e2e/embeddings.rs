@@ -304,3 +304,188 @@ async fn an_unreachable_redis_at_start_is_a_clear_error() {
         "the password is never shown: {message}"
     );
 }
+
+#[tokio::test]
+async fn more_inputs_than_max_inputs_is_a_413_naming_the_limit() {
+    let fake = FakeOllama::builder()
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let extra = format!("{MEMORY_CACHE}  max_inputs: 3\n");
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    let http = HttpClient::new();
+    let four = r#"{"model":"all-minilm","input":["a","b","c","d"]}"#;
+    for path in ["/api/embed", "/v1/embeddings"] {
+        let reply = post(&http, &format!("{}{path}", stack.url()), four).await;
+        assert_eq!(reply.status, 413, "{path}");
+        let error = reply.json()["error"].as_str().unwrap().to_owned();
+        assert!(error.contains("at most 3"), "{path}: {error}");
+        assert!(
+            error.contains("embedding_cache.max_inputs"),
+            "{path}: {error}"
+        );
+    }
+    assert!(fake.handle().requests_to("/api/embed").is_empty());
+    // At the limit, the request is served (and cached) as before.
+    let three = r#"{"model":"all-minilm","input":["a","b","a","c"]}"#;
+    let reply = post(&http, &format!("{}/api/embed", stack.url()), three).await;
+    assert_eq!(reply.status, 413, "four inputs, even with a repeat");
+    let three = r#"{"model":"all-minilm","input":["a","b","c"]}"#;
+    let reply = post(&http, &format!("{}/api/embed", stack.url()), three).await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.json()["embeddings"].as_array().unwrap().len(), 3);
+    stack.shutdown().await;
+}
+
+/// One `POST` with a key and a tier, in the background.
+fn spawn_post(
+    http: &HttpClient,
+    url: String,
+    key: &str,
+    tier: &str,
+    body: &'static str,
+) -> tokio::task::JoinHandle<oqp_tests::client::Reply> {
+    let http = http.clone();
+    let auth = format!("Bearer {key}");
+    let tier = tier.to_owned();
+    tokio::spawn(async move {
+        http.send(
+            "POST".parse().unwrap(),
+            &url,
+            &[
+                ("authorization", &auth),
+                ("x-queue-priority", &tier),
+                ("content-type", "application/json"),
+            ],
+            body.to_owned(),
+        )
+        .await
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_high_tier_embed_does_not_wait_behind_a_low_tier_fetch_of_the_same_text() {
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .embedding_model("all-minilm")
+        .slots(1)
+        .spawn()
+        .await;
+    let auth = "auth:\n  enabled: true\n  keys:\n    - key: \"sk-chat-0123456789\"\n      client_id: chat\n      max_priority: high\n    - key: \"sk-batch-0123456789\"\n      client_id: batch\n      max_priority: low\n";
+    let extra = format!("{MEMORY_CACHE}{auth}");
+    let yaml = config(&fake.url(), &extra).replace("max_concurrent: 4\n{", "max_concurrent: 1\n{");
+    let yaml = yaml.replacen("      max_concurrent: 4", "      max_concurrent: 1", 1);
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let depth = |n: u32| {
+        let dispatcher = dispatcher.clone();
+        async move {
+            assert!(
+                oqp_tests::client::eventually(Duration::from_secs(5), || {
+                    dispatcher.total_depth() == n
+                })
+                .await,
+                "queue depth never reached {n} (is {})",
+                dispatcher.total_depth()
+            );
+        }
+    };
+    let http = HttpClient::new();
+    let handle = fake.handle();
+    handle.hold();
+    // The low tier holds the only slot, and a low embed of X waits behind it.
+    let flood = spawn_post(
+        &http,
+        format!("{}/api/generate", stack.url()),
+        "sk-batch-0123456789",
+        "low",
+        r#"{"model":"llama3","prompt":"hi","stream":false}"#,
+    );
+    handle.wait_in_flight(1).await;
+    const X: &str = r#"{"model":"all-minilm","input":"the text X"}"#;
+    let url = format!("{}/api/embed", stack.url());
+    let low = spawn_post(&http, url.clone(), "sk-batch-0123456789", "low", X);
+    depth(1).await;
+    // The high embed of X queues in its own tier rather than waiting on the
+    // low request's flight.
+    let high = spawn_post(&http, url, "sk-chat-0123456789", "high", X);
+    depth(2).await;
+    handle.release(1);
+    assert_eq!(flood.await.unwrap().status, 200);
+    // The freed slot goes to the high embed: the fake sees it first.
+    assert!(
+        oqp_tests::client::eventually(Duration::from_secs(5), || {
+            !handle.requests_to("/api/embed").is_empty()
+        })
+        .await
+    );
+    let embeds = handle.requests_to("/api/embed");
+    assert_eq!(embeds.len(), 1);
+    assert_eq!(
+        embeds[0]
+            .headers
+            .get("x-client-id")
+            .map(|v| v.to_str().unwrap()),
+        Some("chat")
+    );
+    handle.release(1);
+    let high = high.await.unwrap();
+    assert_eq!(high.status, 200);
+    assert_eq!(high.header("x-cache").as_deref(), Some("MISS"));
+    // The low embed still runs (or finds the vector stored by then).
+    handle.release_all();
+    let low = low.await.unwrap();
+    assert_eq!(low.status, 200);
+    assert_eq!(low.json()["embeddings"], high.json()["embeddings"]);
+    stack.shutdown().await;
+}
+
+/// The raw text of the `embeddings` value of an `/api/embed` answer.
+fn raw_embeddings(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let start = text.find(r#""embeddings":"#).expect("embeddings") + r#""embeddings":"#.len();
+    let end = text[start..].find("]]").expect("end of embeddings") + start + 2;
+    text[start..end].to_owned()
+}
+
+#[tokio::test]
+async fn a_4096_dimension_embedding_is_cached_by_default_and_comes_back_byte_identical() {
+    let fake = FakeOllama::builder()
+        .embedding_model("qwen3-embedding")
+        .embedding_dimension(4096)
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), MEMORY_CACHE)).await;
+    let http = HttpClient::new();
+    let url = format!("{}/api/embed", stack.url());
+    let first = post(
+        &http,
+        &url,
+        r#"{"model":"qwen3-embedding","input":["a","b"]}"#,
+    )
+    .await;
+    assert_eq!(first.header("x-cache").as_deref(), Some("MISS"));
+    let uncached = raw_embeddings(&first.body);
+    assert!(uncached.len() > 2 * 32_768, "{} bytes", uncached.len());
+    let again = post(
+        &http,
+        &url,
+        r#"{"model":"qwen3-embedding","input":["a","b"]}"#,
+    )
+    .await;
+    assert_eq!(again.header("x-cache").as_deref(), Some("HIT"));
+    assert_eq!(raw_embeddings(&again.body), uncached);
+    // One of them, with a new text: the cached numbers are Ollama's, byte for byte.
+    let partial = post(
+        &http,
+        &url,
+        r#"{"model":"qwen3-embedding","input":["b","c"]}"#,
+    )
+    .await;
+    assert_eq!(partial.header("x-cache").as_deref(), Some("PARTIAL"));
+    let b = &uncached[uncached.find("],[").unwrap() + 2..uncached.len() - 1];
+    assert!(raw_embeddings(&partial.body).starts_with(&format!("[{b},")));
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 2);
+    stack.shutdown().await;
+}

@@ -414,6 +414,44 @@ async fn metrics_expose_every_family_and_pass_promtool() {
 }
 
 #[tokio::test]
+async fn every_family_is_on_metrics_from_the_first_scrape() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let cache = "embedding_cache:\n  enabled: true\n  backend: memory\n";
+    let stack = Stack::start(&config(&fake.url(), 2, cache)).await;
+    let app = stack.control.dataplane().unwrap().app().clone();
+    let text = HttpClient::new()
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    // Before any request: every family the code registers, and the known list.
+    let registered: Vec<String> = app.metrics.families().map(str::to_owned).collect();
+    assert!(registered.len() >= metrics_names().len());
+    for name in registered
+        .iter()
+        .map(String::as_str)
+        .chain(metrics_names().iter().map(|(name, _, _)| *name))
+    {
+        assert!(
+            text.contains(&format!("# TYPE {name} ")),
+            "{name} missing at start:\n{text}"
+        );
+        assert!(text.contains(&format!("# HELP {name} ")), "{name} has help");
+    }
+    // Series whose labels are known at start are there, at zero.
+    for line in [
+        "oqp_embedding_cache_errors_total{kind=\"backend\"} 0",
+        "oqp_queue_wait_seconds_count{tier=\"high\"} 0",
+        "oqp_upstream_ttfb_seconds_count{tier=\"low\"} 0",
+        "oqp_host_failures_total{name=\"primary\"} 0",
+        "oqp_queue_rejected_total{tier=\"normal\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing `{line}`:\n{text}");
+    }
+    promtool_accepts(&text).await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_failover_shows_in_metrics_and_status() {
     let first = FakeOllama::builder().model("llama3").spawn().await;
     let second = FakeOllama::builder().model("llama3").spawn().await;
