@@ -133,7 +133,10 @@ pub async fn handle(
             Ok(bytes)
         }
     };
-    let resolved = match cache.resolve(&plan, &client.id, &endpoint, tier, fetch).await {
+    let resolved = match cache
+        .resolve(&plan, &client.id, &endpoint, tier, fetch)
+        .await
+    {
         Ok(resolved) => resolved,
         Err(ResolveError::Upstream(Fetch::Refused(error))) => return Err(error),
         Err(ResolveError::Upstream(Fetch::Upstream(response))) => {
