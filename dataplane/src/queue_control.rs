@@ -99,6 +99,12 @@ pub async fn handle(app: &App, request: &Request<Incoming>) -> Result<Response<B
 /// port are not `authority`, the `Host` the request was sent to) and one
 /// with a body that is not `application/json`: no `Content-Type` is fine
 /// only without a body.
+///
+/// A page that rebinds its own DNS name to the proxy's address is of the
+/// proxy's origin as far as the browser knows (`Origin` and `Host` both name
+/// it), so a browser's call (one with an `Origin`) is accepted only when
+/// that authority is one no DNS answer can change: an IP address or
+/// `localhost`.
 pub fn check_origin_and_body(
     headers: &http::HeaderMap,
     authority: Option<&str>,
@@ -109,7 +115,9 @@ pub fn check_origin_and_body(
             .ok()
             .and_then(|origin| origin.split_once("://"))
             .is_some_and(|(_, host)| {
-                authority.is_some_and(|authority| host.eq_ignore_ascii_case(authority))
+                authority.is_some_and(|authority| {
+                    host.eq_ignore_ascii_case(authority) && not_rebindable(authority)
+                })
             });
         if !own {
             return Err(ProxyError::ForeignOrigin);
@@ -140,6 +148,22 @@ pub fn check_origin_and_body(
         }
     }
     Ok(())
+}
+
+/// Whether the host of `authority` (`host[:port]`) is an IP literal or
+/// `localhost`, which a DNS rebinding cannot point elsewhere.
+fn not_rebindable(authority: &str) -> bool {
+    let host = match authority.strip_prefix('[') {
+        Some(bracketed) => {
+            return bracketed
+                .split_once(']')
+                .is_some_and(|(ip, _)| ip.parse::<std::net::Ipv6Addr>().is_ok());
+        }
+        None => authority
+            .rsplit_once(':')
+            .map_or(authority, |(host, _)| host),
+    };
+    host.parse::<std::net::Ipv4Addr>().is_ok() || host.eq_ignore_ascii_case("localhost")
 }
 
 /// An admin call carrying the caller's `Authorization`.
@@ -200,15 +224,15 @@ mod tests {
         for (name, value) in pairs {
             headers.insert(*name, http::HeaderValue::from_static(value));
         }
-        check_origin_and_body(&headers, Some("proxy.lan:11434"))
+        check_origin_and_body(&headers, Some("192.168.1.5:11434"))
     }
 
     #[test]
     fn cross_site_shapes_are_refused() {
         assert_eq!(check(&[]), Ok(()));
         assert_eq!(check(&[("content-length", "0")]), Ok(()));
-        assert_eq!(check(&[("origin", "http://proxy.lan:11434")]), Ok(()));
-        assert_eq!(check(&[("origin", "https://PROXY.lan:11434")]), Ok(()));
+        assert_eq!(check(&[("origin", "http://192.168.1.5:11434")]), Ok(()));
+        assert_eq!(check(&[("origin", "https://192.168.1.5:11434")]), Ok(()));
         assert_eq!(
             check(&[("content-type", "application/json; charset=utf-8")]),
             Ok(())
@@ -216,22 +240,46 @@ mod tests {
         for origin in [
             "http://evil.example",
             "null",
-            "http://proxy.lan:8080",
-            "proxy.lan:11434",
+            "http://192.168.1.5:8080",
+            "192.168.1.5:11434",
         ] {
             let mut headers = http::HeaderMap::new();
             headers.insert("origin", origin.parse().unwrap());
             assert_eq!(
-                check_origin_and_body(&headers, Some("proxy.lan:11434")),
+                check_origin_and_body(&headers, Some("192.168.1.5:11434")),
                 Err(ProxyError::ForeignOrigin),
                 "{origin}"
             );
         }
         let mut headers = http::HeaderMap::new();
-        headers.insert("origin", "http://proxy.lan:11434".parse().unwrap());
+        headers.insert("origin", "http://192.168.1.5:11434".parse().unwrap());
         assert_eq!(
             check_origin_and_body(&headers, None),
             Err(ProxyError::ForeignOrigin)
+        );
+        // DNS rebinding: a page at a name that now resolves to the proxy is
+        // same-origin to the browser, Origin and Host alike.
+        for (origin, authority, allowed) in [
+            ("http://evil.example:11434", "evil.example:11434", false),
+            ("http://proxy.lan:11434", "proxy.lan:11434", false),
+            ("http://localhost:11434", "localhost:11434", true),
+            ("http://127.0.0.1:11434", "127.0.0.1:11434", true),
+            ("http://[::1]:11434", "[::1]:11434", true),
+            ("http://[fd00::5]", "[fd00::5]", true),
+        ] {
+            let mut headers = http::HeaderMap::new();
+            headers.insert("origin", origin.parse().unwrap());
+            let result = check_origin_and_body(&headers, Some(authority));
+            assert_eq!(
+                result.is_ok(),
+                allowed,
+                "{origin} to {authority}: {result:?}"
+            );
+        }
+        // Without an Origin (curl, oqpctl, scripts) the Host is not judged.
+        assert_eq!(
+            check_origin_and_body(&http::HeaderMap::new(), Some("proxy.lan:11434")),
+            Ok(())
         );
         for content_type in [
             "text/plain",
@@ -242,7 +290,7 @@ mod tests {
             let mut headers = http::HeaderMap::new();
             headers.insert("content-type", content_type.parse().unwrap());
             assert_eq!(
-                check_origin_and_body(&headers, Some("proxy.lan:11434")),
+                check_origin_and_body(&headers, Some("192.168.1.5:11434")),
                 Err(ProxyError::UnsupportedMediaType),
                 "{content_type}"
             );

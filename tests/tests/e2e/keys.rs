@@ -727,6 +727,15 @@ async fn with_auth_off_keys_are_not_minted_and_queue_control_refuses_cross_site_
     for (headers, body, status) in [
         (vec![("origin", "http://evil.example")], "", 403),
         (vec![("origin", "null")], "", 403),
+        // DNS rebinding: a page whose name now resolves to the proxy.
+        (
+            vec![
+                ("host", "rebound.example:11435"),
+                ("origin", "http://rebound.example:11435"),
+            ],
+            "",
+            403,
+        ),
         (vec![("content-type", "text/plain")], "{}", 415),
         (
             vec![("content-type", "application/x-www-form-urlencoded")],
