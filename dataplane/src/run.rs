@@ -128,6 +128,7 @@ impl DataPlane {
             options.log_level,
             shutdown.clone(),
         ));
+        tasks.spawn(follow_cache(app.clone(), shutdown.clone()));
         tasks.spawn(crate::listeners::run(app.clone(), shutdown.clone()));
         let drain_app = app.clone();
         tasks.spawn(server::serve(
@@ -167,8 +168,8 @@ impl DataPlane {
 
 /// Applies every new snapshot to the parts that keep state across
 /// snapshots (the dispatcher, the cloud pools, the metrics' client labels,
-/// the cache, the log level), each under its own guard ([`supervise`]),
-/// until `shutdown`.
+/// the log level), each under its own guard ([`supervise`]), until
+/// `shutdown`. The cache follows in [`follow_cache`].
 async fn follow_policy(
     app: Arc<App>,
     log_level: Option<LogLevelHook>,
@@ -207,10 +208,24 @@ async fn follow_policy(
             app.cloud.update(&policy);
         });
         supervise::apply(store, "metrics", version, || app.metrics.apply(&policy));
+    }
+}
+
+/// Follows the snapshot's cache settings, in a task of its own: connecting
+/// to a new backend can take `connect_timeout`, and the next snapshot (a
+/// pause, a revocation) must not wait for it.
+async fn follow_cache(app: Arc<App>, shutdown: CancellationToken) {
+    let mut changes = app.store.subscribe();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+        let policy = app.store.load();
         supervise::apply_async(
-            store,
+            &app.store,
             "embedding cache",
-            version,
+            policy.version,
             reconnect_cache(&app, &policy),
         )
         .await;

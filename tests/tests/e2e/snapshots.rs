@@ -476,3 +476,27 @@ async fn a_cache_backend_that_cannot_be_reached_on_reload_is_reported() {
     assert!(store.failures().iter().all(|f| !f.contains("hunter2")));
     stack.shutdown().await;
 }
+
+/// A cache backend that takes its whole `connect_timeout` to fail (here: a
+/// socket that accepts and never answers) does not hold back the snapshots
+/// after it: a pause published meanwhile is applied at once.
+#[tokio::test]
+async fn a_cache_backend_that_hangs_on_connect_does_not_delay_a_later_pause() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "")).await;
+    // The kernel completes the handshake; nobody ever reads or answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let cache = format!(
+        "embedding_cache:\n  enabled: true\n  backend: \"redis://127.0.0.1:{port}/0\"\n  connect_timeout: 1h\n"
+    );
+    let version = stack
+        .rewrite_and_reload(&config(&fake.url(), &cache))
+        .unwrap();
+    stack.wait_for_version(version).await;
+    let paused = pause_low(&stack.url()).await;
+    assert_eq!(paused.status, 200, "{}", paused.text());
+    assert_paused(&low_generate(&stack.url()).await);
+    drop(silent);
+    stack.shutdown().await;
+}
