@@ -20,6 +20,9 @@
 //!   part caught and reported;
 //! - [`status`], [`metrics`] and [`dashboard`]: what the data plane shows of
 //!   itself (`/queue/status`, `/queue/summary`, `/metrics`, `/dashboard`).
+//!
+//! The modules import each other top-down (ARCHITECTURE.md, "Module
+//! layers"); `tests/module_graph.rs` fails on a cycle.
 
 pub mod app;
 pub mod auth;
