@@ -1,9 +1,14 @@
 //! The data plane's shared state: everything a request may need, behind one
 //! `Arc`. Nothing here blocks on the control plane.
+//!
+//! The pieces below it never see `App`: each takes the parts it reads, as
+//! references or as a small struct of them built here
+//! ([`App::queue_parts`], [`App::embedding_parts`], [`App::status_sources`],
+//! [`App::metric_sources`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Instant, SystemTime};
 
@@ -13,6 +18,7 @@ use crate::cloud::CloudPools;
 use crate::control::{AdminClient, ControlLink};
 use crate::dispatch::Dispatcher;
 use crate::metrics::Metrics;
+use crate::proxy::{Active, ActiveGuard};
 use crate::snapshot::PolicyStore;
 use crate::upstream::Upstream;
 
@@ -46,9 +52,9 @@ pub struct App {
     /// Buffered request bodies, counted against `queue.max_queued_mb`.
     pub body_budget: crate::budget::BodyBudget,
     /// Open client connections, counted against the caps by every listener.
-    pub connections: Arc<crate::server::limits::Connections>,
+    pub connections: Arc<crate::connections::Connections>,
     shutting_down: AtomicBool,
-    active: AtomicU32,
+    active: Active,
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
 }
 
@@ -85,7 +91,7 @@ impl App {
             control,
             listen_addr: OnceLock::new(),
             shutting_down: AtomicBool::new(false),
-            active: AtomicU32::new(0),
+            active: Active::default(),
             last_used: Mutex::new(HashMap::new()),
         }
     }
@@ -119,23 +125,55 @@ impl App {
 
     /// Requests in flight upstream.
     pub fn active(&self) -> u32 {
-        self.active.load(Ordering::Relaxed)
+        self.active.count()
     }
 
     /// Counts one request in flight until the guard drops.
-    pub fn track_active(self: &Arc<Self>) -> ActiveGuard {
-        self.active.fetch_add(1, Ordering::Relaxed);
-        ActiveGuard(self.clone())
+    pub fn track_active(&self) -> ActiveGuard {
+        self.active.track()
     }
-}
 
-/// One request in flight upstream; released when dropped.
-#[derive(Debug)]
-pub struct ActiveGuard(Arc<App>);
+    /// What a `/metrics` scrape mirrors.
+    pub fn metric_sources(&self) -> crate::metrics::Sources<'_> {
+        crate::metrics::Sources {
+            store: &self.store,
+            dispatcher: &self.dispatcher,
+            cache: self.cache(),
+            cloud: &self.cloud,
+            started: self.started,
+        }
+    }
 
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    /// What `/queue/status` and `/queue/summary` read.
+    pub fn status_sources(&self) -> crate::status::Sources<'_> {
+        crate::status::Sources {
+            dispatcher: &self.dispatcher,
+            metrics: &self.metrics,
+            cloud: &self.cloud,
+            control: &self.control,
+            store: &self.store,
+            started: self.started,
+        }
+    }
+
+    /// What an embedding request reads.
+    pub fn embedding_parts(&self) -> crate::embeddings::Parts<'_> {
+        crate::embeddings::Parts {
+            queue: self.queue_parts(),
+            cache: self.cache(),
+        }
+    }
+
+    /// What the queued path reads.
+    pub fn queue_parts(&self) -> crate::queued::Parts<'_> {
+        crate::queued::Parts {
+            store: &self.store,
+            dispatcher: &self.dispatcher,
+            metrics: &self.metrics,
+            cloud: &self.cloud,
+            upstream: &self.upstream,
+            active: &self.active,
+        }
     }
 }
 

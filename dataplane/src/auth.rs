@@ -21,7 +21,6 @@ use crate::error::ProxyError;
 use crate::headers;
 use crate::policy::{Cidr, Client, Policy, Scope, canonical};
 use crate::scheduler::Tier;
-use crate::server::ListenerKind;
 
 /// The caller of one request.
 #[derive(Debug, Clone)]
@@ -113,6 +112,15 @@ pub fn requested_tier(headers: &HeaderMap) -> Option<Tier> {
     Tier::ALL
         .into_iter()
         .find(|tier| value.eq_ignore_ascii_case(tier.as_str()))
+}
+
+/// What a listener is for.
+#[derive(Debug, Clone)]
+pub enum ListenerKind {
+    /// The main port: authentication by bearer key, every route.
+    Main,
+    /// An injection port: every request carries this client's identity.
+    Injection(Arc<str>),
 }
 
 /// Identifies the caller of a request on `listener`.

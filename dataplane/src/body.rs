@@ -1,7 +1,9 @@
 //! Response bodies: one boxed type for everything the data plane answers,
-//! and small constructors for the bodies it writes itself.
+//! and small constructors for the bodies (and JSON responses) it writes
+//! itself.
 
 use bytes::Bytes;
+use http::{HeaderValue, Response, header};
 use http_body_util::{BodyExt, Empty, Full, combinators::BoxBody};
 
 /// The error type carried by streamed bodies.
@@ -25,4 +27,14 @@ pub fn empty() -> Body {
 /// A JSON body from a value. Serialising a `serde_json::Value` cannot fail.
 pub fn json(value: &serde_json::Value) -> Body {
     full(value.to_string())
+}
+
+/// A JSON response with status 200.
+pub fn json_response(value: serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(json(&value));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
 }

@@ -61,7 +61,6 @@ pub use plan::{
 pub use resolve::{Items, Outcome, ResolveError, Resolved};
 pub use stats::{CacheStats, LabelCounts, Labels};
 
-pub(crate) use self::redis::redact_url;
 use self::redis::{BackendError, Redis};
 use memory::Memory;
 use stats::{Counters, ErrorLog};

@@ -21,18 +21,26 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body_util::BodyExt;
 
-use crate::app::App;
 use crate::auth::Caller;
 use crate::body::{self, Body};
-use crate::cache::{self, Namespace, ResolveError};
+use crate::cache::{self, Cache, Namespace, ResolveError};
 use crate::endpoint::Inference;
 use crate::error::ProxyError;
 use crate::headers;
 use crate::policy::Policy;
 use crate::proxy::{Outbound, RequestBody};
+use crate::queued;
 use crate::rewrite::{self, EncodingFormat};
 use crate::scheduler::Tier;
-use crate::service;
+
+/// What an embedding request reads of the data plane.
+#[derive(Debug)]
+pub struct Parts<'a> {
+    /// The queued path, for the items the cache does not have.
+    pub queue: queued::Parts<'a>,
+    /// The embedding cache, if one is running.
+    pub cache: Option<Arc<Cache>>,
+}
 
 /// What an OpenAI request asked for, to shape the answer.
 struct OpenAi {
@@ -51,7 +59,7 @@ enum Fetch {
 /// Answers an embedding request (body already read, keep_alive not yet
 /// applied).
 pub async fn handle(
-    app: &Arc<App>,
+    parts: Parts<'_>,
     policy: &Arc<Policy>,
     client: Caller,
     tier: Tier,
@@ -73,7 +81,7 @@ pub async fn handle(
     };
     let body = rewrite::insert_keep_alive(&body, &policy.keep_alive).unwrap_or(body);
     let namespace = Namespace::of(inference);
-    let cache = app.cache();
+    let Parts { queue, cache } = parts;
     let plan = match (&cache, namespace) {
         (Some(_), Some(namespace)) if policy.embedding_cache.enabled => {
             let limit = policy.embedding_cache.max_inputs;
@@ -89,7 +97,7 @@ pub async fn handle(
             RequestBody::Buffered(bytes) => bytes,
             RequestBody::Streamed(_) => &[],
         });
-        let response = service::queued(app, policy, client, tier, model, outbound).await?;
+        let response = queued::send(queue, policy, client, tier, model, outbound).await?;
         return match openai {
             Some(openai) => wrap_openai(response, &openai).await,
             None => Ok(response),
@@ -101,7 +109,6 @@ pub async fn handle(
     // The last fetch's response headers (queue wait, host), for the answer.
     let fetched_headers: Arc<Mutex<Option<HeaderMap>>> = Arc::default();
     let fetch = |miss_body: Bytes, dispatch: cache::Dispatch| {
-        let app = app.clone();
         let policy = policy.clone();
         let client = client.clone();
         let fetched_headers = fetched_headers.clone();
@@ -115,7 +122,7 @@ pub async fn handle(
         async move {
             let granted = move || dispatch.dispatched();
             let response =
-                service::queued_then(&app, &policy, client, tier, model, outbound, granted)
+                queued::send_then(queue, &policy, client, tier, model, outbound, granted)
                     .await
                     .map_err(Fetch::Refused)?;
             let (parts, body) = response.into_parts();
@@ -152,9 +159,9 @@ pub async fn handle(
     };
     let outcome = resolved.outcome;
     match outcome {
-        cache::Outcome::Hit => app.metrics.cache_hit(&client.id, &model, &endpoint),
-        cache::Outcome::Partial => app.metrics.cache_partial(&client.id, &model, &endpoint),
-        cache::Outcome::Miss => app.metrics.cache_miss(&client.id, &model, &endpoint),
+        cache::Outcome::Hit => queue.metrics.cache_hit(&client.id, &model, &endpoint),
+        cache::Outcome::Partial => queue.metrics.cache_partial(&client.id, &model, &endpoint),
+        cache::Outcome::Miss => queue.metrics.cache_miss(&client.id, &model, &endpoint),
     }
     let mut response = Response::new(body::full(resolved.body));
     let map = response.headers_mut();

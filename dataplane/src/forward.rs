@@ -23,16 +23,16 @@ use bytes::Bytes;
 use http::{HeaderName, HeaderValue, Response, StatusCode, header};
 use http_body_util::BodyExt;
 
-use crate::app::App;
 use crate::body::{self, Body};
-use crate::cloud::{self, Failure};
-use crate::dispatch::Lease;
+use crate::cloud::{self, CloudPools, Failure};
+use crate::dispatch::{Dispatcher, Lease};
 use crate::error::ProxyError;
 use crate::headers;
+use crate::metrics::Metrics;
 use crate::policy::{Host, HostKind, Policy};
 use crate::proxy::{self, Answer, Outbound, RequestBody};
 use crate::router::is_model_not_found;
-use crate::upstream::UpstreamError;
+use crate::upstream::{Upstream, UpstreamError};
 
 /// Bytes of an error body read to classify it.
 const PEEK_LIMIT: usize = 16 * 1024;
@@ -43,6 +43,19 @@ const PEEK_LIMIT: usize = 16 * 1024;
 const PEEK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// Longest wait for the model-free key check after a cloud `403`.
 const KEY_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// What sending upstream reads of the data plane.
+#[derive(Debug, Clone, Copy)]
+pub struct Parts<'a> {
+    /// Slots and the routing table: failover, "model not found".
+    pub dispatcher: &'a Dispatcher,
+    /// Host failures and failovers.
+    pub metrics: &'a Metrics,
+    /// Ollama Cloud key pools.
+    pub cloud: &'a CloudPools,
+    /// The upstream HTTP client.
+    pub upstream: &'a Upstream,
+}
 
 /// An upstream answer, plus what must live as long as its body and the
 /// headers it adds.
@@ -68,7 +81,7 @@ impl std::fmt::Debug for Forwarded {
 /// Sends `outbound` to `lease`'s host, moving the lease to other hosts as
 /// the failures above require.
 pub async fn send(
-    app: &Arc<App>,
+    parts: Parts<'_>,
     policy: Arc<Policy>,
     lease: &mut Lease,
     model: Option<&str>,
@@ -90,8 +103,8 @@ pub async fn send(
         outbound = replay;
         tried.push(host.name.clone());
         let result = match host.kind {
-            HostKind::Cloud => send_cloud(app, policy, &host, model, this_attempt).await,
-            HostKind::Ollama => send_local(app, policy, &host, this_attempt).await,
+            HostKind::Cloud => send_cloud(parts, policy, &host, model, this_attempt).await,
+            HostKind::Ollama => send_local(parts, policy, &host, this_attempt).await,
         };
         let down = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),
@@ -101,26 +114,26 @@ pub async fn send(
             }
             Ok(Sent::ModelMissing(answer)) => {
                 if let Some(model) = model {
-                    app.dispatcher.forget_model(&host.name, model);
+                    parts.dispatcher.forget_model(&host.name, model);
                 }
                 last_refusal = Some(answer);
                 false
             }
             Err(error) => {
-                app.metrics.host_failure(&host.name);
+                parts.metrics.host_failure(&host.name);
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
                 true
             }
         };
         if !can_retry
-            || !app
+            || !parts
                 .dispatcher
                 .fail_over_wait(lease, &tried, down, policy.proxy.request_timeout)
                 .await
         {
             break;
         }
-        app.metrics.failover();
+        parts.metrics.failover();
     }
     // Nothing better came: a refusal Ollama gave is passed on as it was.
     match last_refusal {
@@ -144,7 +157,7 @@ enum Sent {
 }
 
 async fn send_local(
-    app: &Arc<App>,
+    parts: Parts<'_>,
     policy: &Policy,
     host: &Arc<Host>,
     outbound: Outbound,
@@ -157,7 +170,7 @@ async fn send_local(
         body_of(outbound.body),
     )
     .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-    let response = app
+    let response = parts
         .upstream
         .send(request, policy.proxy.request_timeout)
         .await?;
@@ -181,14 +194,14 @@ async fn send_local(
 
 /// Ollama Cloud: the pool's keys in rotation, then the fallback models.
 async fn send_cloud(
-    app: &Arc<App>,
+    parts: Parts<'_>,
     policy: &Policy,
     host: &Arc<Host>,
     model: Option<&str>,
     outbound: Outbound,
 ) -> Result<Sent, UpstreamError> {
-    let Some(pool) = app.cloud.get(&host.name) else {
-        return send_local(app, policy, host, outbound).await;
+    let Some(pool) = parts.cloud.get(&host.name) else {
+        return send_local(parts, policy, host, outbound).await;
     };
     if pool.host_backoff_until(Instant::now()).is_some() {
         return Err(UpstreamError::Connect(
@@ -208,7 +221,7 @@ async fn send_cloud(
             headers,
             ..outbound
         };
-        return send_local(app, policy, host, outbound).await;
+        return send_local(parts, policy, host, outbound).await;
     };
     let requested = model.unwrap_or_default();
     let candidates = if requested.is_empty() {
@@ -242,7 +255,7 @@ async fn send_cloud(
                 body::full(body.clone()),
             )
             .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-            let response = match app
+            let response = match parts
                 .upstream
                 .send(request, policy.proxy.request_timeout)
                 .await
@@ -268,7 +281,7 @@ async fn send_cloud(
                 }
                 let failure = match Failure::classify(answer.response.status(), &bytes) {
                     Some(Failure::Forbidden) => {
-                        Some(if key_refused(app, policy, host, attempt.key()).await {
+                        Some(if key_refused(parts, policy, host, attempt.key()).await {
                             Failure::Auth
                         } else {
                             Failure::ModelRefused
@@ -358,7 +371,7 @@ async fn send_cloud(
 /// that names no model (`GET /api/usage`) with the same key is answered 401
 /// or 403. Anything else (success, 404, an error, no answer in time) keeps
 /// the key in service: a key is disabled only on evidence.
-async fn key_refused(app: &Arc<App>, policy: &Policy, host: &Arc<Host>, key: &str) -> bool {
+async fn key_refused(parts: Parts<'_>, policy: &Policy, host: &Arc<Host>, key: &str) -> bool {
     let mut headers = http::HeaderMap::new();
     set_bearer(&mut headers, key);
     let Ok(request) = proxy::request_for(
@@ -371,7 +384,7 @@ async fn key_refused(app: &Arc<App>, policy: &Policy, host: &Arc<Host>, key: &st
         return false;
     };
     let timeout = policy.proxy.request_timeout.min(KEY_CHECK_TIMEOUT);
-    match app.upstream.send(request, timeout).await {
+    match parts.upstream.send(request, timeout).await {
         Ok(response) => matches!(
             response.status(),
             StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN

@@ -4,12 +4,15 @@
 //! It dials the control plane, waits for the first policy snapshot, then
 //! serves HTTP. Components, in the order a request meets them:
 //!
-//! - [`server`]: listeners (main port and injection ports), graceful shutdown;
+//! - [`server`]: listeners (main port and injection ports), graceful
+//!   shutdown; [`connections`]: the connection caps every listener shares;
 //! - [`service`]: the request path, phase by phase, and the one place errors
 //!   become HTTP ([`error`]);
 //! - [`endpoint`]: which paths are metadata, inference or management;
-//! - [`proxy`] and [`upstream`]: sending to a host, failover before the first
-//!   byte, streaming the answer back with its resources held to the end;
+//! - [`queued`]: admission, the wait for a slot, and the send;
+//! - [`proxy`], [`forward`] and [`upstream`]: sending to a host, failover
+//!   before the first byte, streaming the answer back with its resources
+//!   held to the end;
 //! - [`scheduler`]: tiers, fair share, caps, expiry (pure, no I/O);
 //! - [`snapshot`] and [`policy`]: the one immutable policy behind an `ArcSwap`;
 //! - [`control`]: the watch of the policy stream and the status reports;
@@ -17,6 +20,9 @@
 //!   part caught and reported;
 //! - [`status`], [`metrics`] and [`dashboard`]: what the data plane shows of
 //!   itself (`/queue/status`, `/queue/summary`, `/metrics`, `/dashboard`).
+//!
+//! The modules import each other top-down (ARCHITECTURE.md, "Module
+//! layers"); `tests/module_graph.rs` fails on a cycle.
 
 pub mod app;
 pub mod auth;
@@ -24,6 +30,7 @@ pub mod body;
 pub mod budget;
 pub mod cache;
 pub mod cloud;
+pub mod connections;
 pub mod control;
 pub mod dashboard;
 pub mod dispatch;
@@ -37,6 +44,7 @@ pub mod metrics;
 pub mod policy;
 pub mod proxy;
 pub mod queue_control;
+pub mod queued;
 pub mod redact;
 pub mod request_id;
 pub mod rewrite;

@@ -11,9 +11,10 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
+use crate::auth::ListenerKind;
 use crate::control::Backoff;
 use crate::policy::InjectionListener;
-use crate::server::{self, ListenerKind};
+use crate::server;
 use crate::supervise;
 
 /// Keeps the open injection listeners equal to the current snapshot's, until

@@ -27,7 +27,7 @@
 //! [`OTHER`].
 
 use std::borrow::Cow;
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -39,10 +39,13 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-use crate::app::App;
 use crate::body::{self, Body};
-use crate::policy::Policy;
-use crate::scheduler::{Tier, TierStat};
+use crate::cache::Cache;
+use crate::cloud::CloudPools;
+use crate::dispatch::{Dispatcher, QueueReport};
+use crate::policy::{Client, Host, Policy};
+use crate::scheduler::{ClientStat, Tier, TierStat};
+use crate::snapshot::PolicyStore;
 
 /// Most label values seen per caller-supplied dimension (unconfigured
 /// clients, models, error kinds, reasons, endpoints) before the rest are
@@ -66,6 +69,21 @@ const WAIT_BUCKETS: [f64; 16] = [
 const TTFB_BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
+
+/// What a scrape mirrors: the state other parts own, read at scrape time.
+#[derive(Debug)]
+pub struct Sources<'a> {
+    /// The current policy, and the count of snapshots refused.
+    pub store: &'a PolicyStore,
+    /// Queue, slot and client figures.
+    pub dispatcher: &'a Dispatcher,
+    /// The embedding cache, if one is running.
+    pub cache: Option<Arc<Cache>>,
+    /// The Ollama Cloud key pools.
+    pub cloud: &'a CloudPools,
+    /// When the data plane started.
+    pub started: std::time::Instant,
+}
 
 /// A registered family, for declaring it before it has a series.
 #[derive(Debug, Clone)]
@@ -542,11 +560,11 @@ impl Metrics {
         }
     }
 
-    /// Refreshes the mirrors from `app` and encodes every metric.
-    pub fn scrape(&self, app: &App) -> String {
+    /// Refreshes the mirrors from `sources` and encodes every metric.
+    pub fn scrape(&self, sources: &Sources<'_>) -> String {
         let _serial = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
-        let policy = app.store.load();
-        let stats = app.dispatcher.stats();
+        let policy = sources.store.load();
+        let stats = sources.dispatcher.stats();
 
         for (tier, stat) in Tier::ALL.iter().zip(stats.tiers.iter()) {
             self.mirror_tier(*tier, stat);
@@ -555,7 +573,7 @@ impl Metrics {
             .set(i64::try_from(stats.queued_bytes).unwrap_or(i64::MAX));
         let active: u32 = stats.slots.values().map(|stat| stat.slots_in_use).sum();
         self.concurrency_active.set(i64::from(active));
-        if let Some(cache) = app.cache() {
+        if let Some(cache) = &sources.cache {
             let cache = cache.stats();
             self.cache_bytes
                 .set(i64::try_from(cache.bytes_stored).unwrap_or(i64::MAX));
@@ -571,7 +589,7 @@ impl Metrics {
         }
         self.cloud_keys_cooling.reset();
         for host in &policy.hosts {
-            if let Some(pool) = app.cloud.get(&host.name) {
+            if let Some(pool) = sources.cloud.get(&host.name) {
                 let cooling = pool
                     .snapshot()
                     .iter()
@@ -591,7 +609,7 @@ impl Metrics {
         }
         for host in &policy.hosts {
             let name: &str = &host.name;
-            let healthy = crate::status::is_healthy(host, &stats);
+            let healthy = is_healthy(host, &stats);
             set(&self.host_healthy, name, i64::from(healthy));
             let slots = stats
                 .slots
@@ -611,7 +629,7 @@ impl Metrics {
         self.client_inflight.reset();
         self.client_cap_waiting.reset();
         self.client_recent_share.reset();
-        for (_, stat) in crate::status::bounded_clients(&policy, stats.clients) {
+        for (_, stat) in bounded_clients(&policy, stats.clients) {
             let id: &str = &stat.client;
             set(&self.client_inflight, id, i64::from(stat.inflight));
             set(&self.client_cap_waiting, id, i64::from(stat.waiting));
@@ -622,9 +640,9 @@ impl Metrics {
 
         self.snapshot_version
             .set(i64::try_from(policy.version).unwrap_or(i64::MAX));
-        catch_up(&self.snapshot_rejected, app.store.rejected_total());
+        catch_up(&self.snapshot_rejected, sources.store.rejected_total());
         self.uptime
-            .set(i64::try_from(app.started.elapsed().as_secs()).unwrap_or(i64::MAX));
+            .set(i64::try_from(sources.started.elapsed().as_secs()).unwrap_or(i64::MAX));
 
         let gathered = self.registry.gather();
         let mut text = String::new();
@@ -671,12 +689,66 @@ impl Metrics {
 }
 
 /// The `/metrics` response.
-pub fn response(app: &App) -> Response<Body> {
-    let mut response = Response::new(body::full(app.metrics.scrape(app)));
+pub fn response(metrics: &Metrics, sources: &Sources<'_>) -> Response<Body> {
+    let mut response = Response::new(body::full(metrics.scrape(sources)));
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
     response
+}
+
+/// The clients status and metrics show: every configured client (with its
+/// figures, zero if it never called), then at most [`MAX_OTHER_LABELS`]
+/// unconfigured ones, busiest first. A client id never repeats.
+pub(crate) fn bounded_clients(
+    policy: &Policy,
+    stats: Vec<ClientStat>,
+) -> Vec<(Option<Arc<Client>>, ClientStat)> {
+    let mut configured: BTreeMap<&str, (Arc<Client>, Option<ClientStat>)> = policy
+        .clients_by_id
+        .iter()
+        .map(|(id, client)| (&**id, (client.clone(), None)))
+        .collect();
+    let mut others = Vec::new();
+    for stat in stats {
+        match configured.get_mut(&*stat.client) {
+            Some((_, slot)) => *slot = Some(stat),
+            None => others.push(stat),
+        }
+    }
+    others.sort_by(|a, b| {
+        (b.waiting + b.inflight)
+            .cmp(&(a.waiting + a.inflight))
+            .then(b.processed.cmp(&a.processed))
+            .then(a.client.cmp(&b.client))
+    });
+    others.truncate(MAX_OTHER_LABELS);
+    let mut clients: Vec<(Option<Arc<Client>>, ClientStat)> = configured
+        .into_values()
+        .map(|(client, stat)| {
+            let stat = stat.unwrap_or_else(|| ClientStat {
+                client: client.id.clone(),
+                weight: client.weight,
+                waiting: 0,
+                inflight: 0,
+                processed: 0,
+                rejected: 0,
+                recent_share: 0.0,
+            });
+            (Some(client), stat)
+        })
+        .collect();
+    clients.extend(others.into_iter().map(|stat| (None, stat)));
+    clients
+}
+
+/// Whether `host` answered its last poll and no request found it down since.
+pub(crate) fn is_healthy(host: &Host, stats: &QueueReport) -> bool {
+    host.healthy
+        && !stats
+            .slots
+            .get(&host.name)
+            .is_some_and(|stat| stat.marked_down)
 }
 
 /// Advances a mirrored counter to `value` (the source only grows; scrapes

@@ -363,7 +363,7 @@ impl std::fmt::Debug for CacheBackend {
             Self::Memory => f.write_str("Memory"),
             Self::Redis(url) => f
                 .debug_tuple("Redis")
-                .field(&crate::cache::redact_url(url))
+                .field(&crate::redact::redact_url(url))
                 .finish(),
         }
     }

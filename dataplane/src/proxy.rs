@@ -3,6 +3,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -311,4 +312,30 @@ pub fn request_for(
     *request.uri_mut() = uri;
     *request.headers_mut() = headers.clone();
     Ok(request)
+}
+/// Requests in flight upstream, each counted while its guard lives.
+#[derive(Debug, Default)]
+pub struct Active(Arc<AtomicU32>);
+
+impl Active {
+    /// Requests in flight now.
+    pub fn count(&self) -> u32 {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Counts one request in flight until the guard drops.
+    pub fn track(&self) -> ActiveGuard {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        ActiveGuard(self.0.clone())
+    }
+}
+
+/// One request in flight upstream; released when dropped.
+#[derive(Debug)]
+pub struct ActiveGuard(Arc<AtomicU32>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }

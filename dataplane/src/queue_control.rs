@@ -19,20 +19,26 @@ use hyper::body::Incoming;
 use oqp_proto::admin::v1 as api;
 use oqp_proto::policy::v1 as wire;
 
-use crate::app::App;
-use crate::body::Body;
+use crate::body::{Body, json_response};
+use crate::control::AdminClient;
+use crate::dispatch::Dispatcher;
 use crate::error::ProxyError;
 use crate::policy::Scope;
 use crate::scheduler::Tier;
-use crate::service::json_response;
 
 /// Longest wait for the control plane to answer a tier operation.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest wait for this node to apply the snapshot that carries a flush.
 const APPLY_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// Handles one queue-control request; the caller's scope was checked.
-pub async fn handle(app: &App, request: &Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+/// Handles one queue-control request through the control plane's `admin`
+/// API; the caller's scope was checked. A flush waits for this node's
+/// `dispatcher` to apply the snapshot that carries it.
+pub async fn handle(
+    admin: &AdminClient,
+    dispatcher: &Dispatcher,
+    request: &Request<Incoming>,
+) -> Result<Response<Body>, ProxyError> {
     let action = request
         .uri()
         .path()
@@ -47,7 +53,7 @@ pub async fn handle(app: &App, request: &Request<Incoming>) -> Result<Response<B
     let wire_tier = tier.map_or(wire::Tier::Unspecified, crate::policy::tier_to_wire) as i32;
     let authorization = request.headers().get(http::header::AUTHORIZATION);
     let call = |message| with_key(message, authorization, Some(CALL_TIMEOUT));
-    let mut admin = app.admin.clone();
+    let mut admin = admin.clone();
     let body = match action.as_str() {
         "pause" | "resume" => {
             let request = call(api::TierRequest { tier: wire_tier });
@@ -60,14 +66,14 @@ pub async fn handle(app: &App, request: &Request<Incoming>) -> Result<Response<B
             serde_json::json!({ "status": response.status, "tier": tier_name })
         }
         "flush" => {
-            let before = app.dispatcher.flushed_total();
+            let before = dispatcher.flushed_total();
             let response = admin
                 .flush_tier(call(api::TierRequest { tier: wire_tier }))
                 .await
                 .map_err(refusal)?
                 .into_inner();
-            wait_for_version(app, response.snapshot_version).await;
-            let dropped = app.dispatcher.flushed_total().saturating_sub(before);
+            wait_for_version(dispatcher, response.snapshot_version).await;
+            let dropped = dispatcher.flushed_total().saturating_sub(before);
             serde_json::json!({ "status": "flushed", "tier": tier_name, "dropped": dropped })
         }
         _ => {
@@ -211,8 +217,8 @@ fn refusal(status: tonic::Status) -> ProxyError {
 }
 
 /// Waits until this node's queues obey `version`, at most [`APPLY_TIMEOUT`].
-async fn wait_for_version(app: &App, version: u64) {
-    let _ = tokio::time::timeout(APPLY_TIMEOUT, app.dispatcher.applied(version)).await;
+async fn wait_for_version(dispatcher: &Dispatcher, version: u64) {
+    let _ = tokio::time::timeout(APPLY_TIMEOUT, dispatcher.applied(version)).await;
 }
 
 #[cfg(test)]

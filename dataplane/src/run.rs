@@ -11,10 +11,11 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
+use crate::auth::ListenerKind;
 use crate::control::{self, ControlError, ControlLink, ControlOptions, Watcher};
 use crate::policy::{LogLevel, Policy};
 use crate::scheduler::Tier;
-use crate::server::{self, ListenerKind};
+use crate::server;
 use crate::snapshot::PolicyStore;
 use crate::supervise;
 
@@ -94,7 +95,7 @@ impl DataPlane {
             version = policy.version,
             "received the first policy snapshot"
         );
-        server::limits::raise_open_file_limit(policy.proxy.connections.max_connections);
+        crate::connections::raise_open_file_limit(policy.proxy.connections.max_connections);
         let listener = match options.listener {
             Some(listener) => listener,
             None => server::bind(policy.listen).await?,
@@ -271,7 +272,7 @@ fn report(app: &App) -> NodeReport {
     // Bounded like status pages (configured clients + the busiest others):
     // with auth off, callers name themselves, and an unbounded list once
     // pushed a report past the gRPC message limit.
-    let clients = crate::status::bounded_clients(&policy, queue.clients)
+    let clients = crate::metrics::bounded_clients(&policy, queue.clients)
         .into_iter()
         .map(|(_, client)| wire::ClientReport {
             client_id: client.client.to_string(),

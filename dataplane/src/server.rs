@@ -3,10 +3,9 @@
 //! drain timeout).
 //!
 //! Every listener (main and injection) counts its connections against the
-//! same caps ([`limits`]) and closes connections that send no request in
+//! same caps ([`crate::connections`]) and closes connections that send no request in
 //! time, sit idle, or stop reading ([`watch`]).
 
-pub mod limits;
 pub mod watch;
 
 use std::convert::Infallible;
@@ -21,6 +20,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
+use crate::auth::ListenerKind;
 use crate::policy::ConnectionLimits;
 use crate::service;
 
@@ -43,15 +43,6 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long to back off after a failed `accept` (out of file descriptors
 /// and the like), so that the loop neither spins nor stops.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
-
-/// What a listener is for.
-#[derive(Debug, Clone)]
-pub enum ListenerKind {
-    /// The main port: authentication by bearer key, every route.
-    Main,
-    /// An injection port: every request carries this client's identity.
-    Injection(Arc<str>),
-}
 
 /// Serves `listener` until `shutdown` is cancelled, then waits for open
 /// connections to finish, at most `drain` long.

@@ -11,11 +11,13 @@
 //!        → metadata: straight to a host (fast path)
 //!        → everything else: admit → wait for a slot → send (fail over
 //!          before the first byte) → respond, the slot held by the body
+//!          ([`queued`]; embeddings through their cache first)
 //! ```
+//!
+//! The phases hand each piece only the parts of [`App`] it reads.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use http::{HeaderValue, Method, Request, Response, header};
 use hyper::body::Incoming;
@@ -24,9 +26,8 @@ use tracing::Instrument;
 use bytes::Bytes;
 
 use crate::app::App;
-use crate::auth::{self, ANONYMOUS, Caller, Identity};
+use crate::auth::{self, ANONYMOUS, Identity, ListenerKind};
 use crate::body::{self, Body};
-use crate::dispatch::{self, Grant};
 use crate::embeddings;
 use crate::endpoint::{self, Access, Endpoint, Inference};
 use crate::error::ProxyError;
@@ -35,10 +36,9 @@ use crate::metrics;
 use crate::policy::{Host, Policy, Scope};
 use crate::proxy::{self, Outbound, RequestBody};
 use crate::queue_control;
+use crate::queued;
 use crate::request_id;
 use crate::rewrite;
-use crate::scheduler::Tier;
-use crate::server::ListenerKind;
 use crate::{dashboard, status};
 
 /// Answers one request. Never fails: every error becomes its HTTP response
@@ -102,7 +102,7 @@ async fn route(
     if let ListenerKind::Main = kind {
         match (request.method(), request.uri().path()) {
             (&Method::GET, "/health") => {
-                return Ok(json_response(serde_json::json!({ "status": "ok" })));
+                return Ok(body::json_response(serde_json::json!({ "status": "ok" })));
             }
             (&Method::POST, "/queue/pause" | "/queue/resume" | "/queue/drain" | "/queue/flush") => {
                 // HTTP/2 names the host in the URI, HTTP/1 in `Host`.
@@ -120,7 +120,7 @@ async fn route(
                 let identity =
                     auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
                 identity.require(Scope::Management)?;
-                return queue_control::handle(app, &request).await;
+                return queue_control::handle(&app.admin, &app.dispatcher, &request).await;
             }
             (&Method::GET, "/queue/status" | "/queue/summary" | "/metrics" | "/dashboard") => {
                 return observe(app, policy, kind, peer, &request);
@@ -151,9 +151,9 @@ fn observe(
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Read)?;
     Ok(match path {
-        "/queue/status" => status::status_response(app, policy),
-        "/queue/summary" => status::summary_response(app, policy),
-        "/metrics" => metrics::response(app),
+        "/queue/status" => status::status_response(app.status_sources(), policy),
+        "/queue/summary" => status::summary_response(app.status_sources(), policy),
+        "/metrics" => metrics::response(&app.metrics, &app.metric_sources()),
         _ => dashboard::response(policy),
     })
 }
@@ -240,19 +240,25 @@ async fn forward(
     let client = identity.caller();
     let Endpoint::Inference(inference) = endpoint else {
         // Anything else is queued with its body streamed through.
-        return queued(app, policy, client, tier, None, outbound).await;
+        return queued::send(app.queue_parts(), policy, client, tier, None, outbound).await;
     };
     let RequestBody::Buffered(body) =
         std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
     else {
-        return queued(app, policy, client, tier, None, outbound).await;
+        return queued::send(app.queue_parts(), policy, client, tier, None, outbound).await;
     };
     // A native embed with the cache off is an ordinary inference request:
     // it skips the embedding handler's (large) future.
     let cached = policy.embedding_cache.enabled && app.embedding_cache.load().is_some();
     if inference.is_embedding() && (cached || inference == Inference::OpenAiEmbeddings) {
         return Box::pin(embeddings::handle(
-            app, policy, client, tier, inference, outbound, body,
+            app.embedding_parts(),
+            policy,
+            client,
+            tier,
+            inference,
+            outbound,
+            body,
         ))
         .await;
     }
@@ -263,134 +269,7 @@ async fn forward(
     };
     let model = rewrite::model_of(&body);
     outbound.body = RequestBody::Buffered(body);
-    queued(app, policy, client, tier, model, outbound).await
-}
-
-/// Admits a request to the queue, waits for its grant and sends it.
-pub async fn queued(
-    app: &Arc<App>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    outbound: Outbound,
-) -> Result<Response<Body>, ProxyError> {
-    queued_then(app, policy, client, tier, model, outbound, || {}).await
-}
-
-/// [`queued`], calling `on_granted` as soon as the request has its slot
-/// (before it is sent).
-pub async fn queued_then(
-    app: &Arc<App>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    outbound: Outbound,
-    on_granted: impl FnOnce(),
-) -> Result<Response<Body>, ProxyError> {
-    let bytes = match &outbound.body {
-        RequestBody::Buffered(bytes) => bytes.len() as u64,
-        RequestBody::Streamed(_) => declared_length(&outbound.headers),
-    };
-    let pending = app.dispatcher.admit(dispatch::Request {
-        client: client.id.clone(),
-        tier,
-        bytes,
-        model: model.map(Arc::from),
-        verified: client.verified,
-    })?;
-    let position = pending.position;
-    let immediate = pending.immediate;
-    let outbound = if immediate {
-        outbound
-    } else {
-        outbound.detached()
-    };
-    let grant = pending.granted().await?;
-    // The key may have been revoked or have expired while the request waited
-    // (between snapshots, an expiry is only seen here): never send it then.
-    if client.verified
-        && !app
-            .store
-            .load()
-            .admits(&client.id, std::time::SystemTime::now())
-    {
-        drop(grant);
-        return Err(ProxyError::KeyRevoked);
-    }
-    on_granted();
-    Box::pin(send_granted(
-        app, policy, grant, outbound, position, immediate,
-    ))
-    .await
-}
-
-/// Sends a dispatched request, failing over to another free host before the
-/// first byte, and returns the response with the slot held by its body.
-async fn send_granted(
-    app: &Arc<App>,
-    policy: &Arc<Policy>,
-    grant: Grant,
-    outbound: Outbound,
-    position: u32,
-    immediate: bool,
-) -> Result<Response<Body>, ProxyError> {
-    let Grant {
-        mut lease,
-        waited,
-        tier,
-    } = grant;
-    app.metrics.observe_wait(tier, waited);
-    if let Some(reason) = lease.reason() {
-        app.metrics.routing_decision(reason.metric_label());
-    }
-    let wait_header = queue_headers(waited, position, immediate);
-    let sent = Instant::now();
-    let active = app.track_active();
-    let model = lease.model().map(|m| m.to_string());
-    let forwarded =
-        crate::forward::send(app, policy.clone(), &mut lease, model.as_deref(), outbound).await?;
-    let crate::forward::Forwarded {
-        answer,
-        guards,
-        headers: extra_headers,
-    } = forwarded;
-    app.metrics.host_request(&answer.host.name);
-    app.metrics.observe_ttfb(tier, sent.elapsed());
-    let completion: crate::upstream::Completion = Box::new(move |outcome| {
-        let mut lease = lease;
-        lease.set_cost(outcome.total_duration);
-        drop(lease);
-    });
-    let guard: Box<dyn Send + Sync> = Box::new((active, guards));
-    let mut response = proxy::respond(
-        answer,
-        Some(guard),
-        Some(completion),
-        policy.proxy.upstream_stall_timeout,
-    );
-    for (name, value) in wait_header.into_iter().chain(extra_headers) {
-        response.headers_mut().insert(name, value);
-    }
-    Ok(response)
-}
-
-/// `X-Queue-Wait-Time` (ms from admission to dispatch) and, when the request
-/// had to wait, `X-Queue-Position` (its position at admission).
-fn queue_headers(
-    waited: Duration,
-    position: u32,
-    immediate: bool,
-) -> Vec<(http::HeaderName, HeaderValue)> {
-    let mut headers = vec![(
-        headers::QUEUE_WAIT_TIME,
-        HeaderValue::from(u64::try_from(waited.as_millis()).unwrap_or(u64::MAX)),
-    )];
-    if !immediate {
-        headers.push((headers::QUEUE_POSITION, HeaderValue::from(position)));
-    }
-    headers
+    queued::send(app.queue_parts(), policy, client, tier, model, outbound).await
 }
 
 /// A metadata read: `/api/tags` and `/api/ps` answer the union over the
@@ -512,22 +391,4 @@ fn metadata_hosts(policy: &Policy, model: Option<&str>) -> Vec<Arc<Host>> {
         hosts.sort_by_key(|host| !host.installed.contains(&model));
     }
     hosts
-}
-
-fn declared_length(headers: &http::HeaderMap) -> u64 {
-    headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse().ok())
-        .unwrap_or(0)
-}
-
-/// A JSON response with status 200.
-pub fn json_response(value: serde_json::Value) -> Response<Body> {
-    let mut response = Response::new(body::json(&value));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    response
 }

@@ -22,20 +22,39 @@
 //! number of those slots in use.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::SystemTime;
 
 use http::Response;
 use serde::Serialize;
 
-use crate::app::App;
 use crate::body::Body;
-use crate::dispatch::QueueReport;
+use crate::cloud::CloudPools;
+use crate::control::ControlLink;
+use crate::dispatch::{Dispatcher, QueueReport};
+use crate::metrics::{self, Metrics, bounded_clients, is_healthy};
 use crate::policy::{Client, Host, Policy};
 use crate::scheduler::{ClientStat, Tier, TierStat};
+use crate::snapshot::PolicyStore;
 
 /// Most unconfigured clients listed in status and metrics.
-pub const MAX_OTHER_CLIENTS: usize = crate::metrics::MAX_OTHER_LABELS;
+pub const MAX_OTHER_CLIENTS: usize = metrics::MAX_OTHER_LABELS;
+
+/// What status and summary read of the data plane.
+#[derive(Debug, Clone, Copy)]
+pub struct Sources<'a> {
+    /// Queue, slot and client figures.
+    pub dispatcher: &'a Dispatcher,
+    /// Wait totals and per-host answers, which only the request path sees.
+    pub metrics: &'a Metrics,
+    /// The Ollama Cloud key pools.
+    pub cloud: &'a CloudPools,
+    /// The state of the link to the control plane.
+    pub control: &'a ControlLink,
+    /// The parts of the current snapshot that could not be applied.
+    pub store: &'a PolicyStore,
+    /// When the data plane started.
+    pub started: std::time::Instant,
+}
 
 /// The `/queue/status` document.
 #[derive(Debug, Serialize)]
@@ -160,21 +179,21 @@ pub struct Summary {
 }
 
 /// The `/queue/status` response.
-pub fn status_response(app: &App, policy: &Policy) -> Response<Body> {
-    json(&status(app, policy))
+pub fn status_response(sources: Sources<'_>, policy: &Policy) -> Response<Body> {
+    json(&status(sources, policy))
 }
 
 /// The `/queue/summary` response.
-pub fn summary_response(app: &App, policy: &Policy) -> Response<Body> {
-    json(&summary(app, policy))
+pub fn summary_response(sources: Sources<'_>, policy: &Policy) -> Response<Body> {
+    json(&summary(sources, policy))
 }
 
 /// The status document of this moment.
-pub fn status(app: &App, policy: &Policy) -> Status {
-    let stats = app.dispatcher.stats();
+pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
+    let stats = sources.dispatcher.stats();
     let tier = |tier: Tier| {
         let stat = &stats.tiers[tier.index()];
-        let (count, sum_seconds) = app.metrics.wait_totals(tier);
+        let (count, sum_seconds) = sources.metrics.wait_totals(tier);
         TierStatus {
             depth: stat.depth,
             max_depth: policy.queue.tier(tier).max_depth,
@@ -196,7 +215,7 @@ pub fn status(app: &App, policy: &Policy) -> Status {
     let hosts = policy
         .hosts
         .iter()
-        .map(|host| host_status(app, host, &stats))
+        .map(|host| host_status(sources, host, &stats))
         .collect();
     let now = SystemTime::now();
     let concurrency = Concurrency {
@@ -215,7 +234,7 @@ pub fn status(app: &App, policy: &Policy) -> Status {
         .collect();
     Status {
         status: "ok",
-        uptime_seconds: app.started.elapsed().as_secs(),
+        uptime_seconds: sources.started.elapsed().as_secs(),
         queue,
         concurrency,
         hosts,
@@ -231,17 +250,17 @@ pub fn status(app: &App, policy: &Policy) -> Status {
         },
         snapshot: SnapshotStatus {
             version: policy.version,
-            control_plane_connected: app.control.is_connected(),
-            last_error: app.control.last_error(),
-            stale_version: Some(app.control.stale_version()).filter(|v| *v != 0),
-            apply_errors: app.store.failures(),
+            control_plane_connected: sources.control.is_connected(),
+            last_error: sources.control.last_error(),
+            stale_version: Some(sources.control.stale_version()).filter(|v| *v != 0),
+            apply_errors: sources.store.failures(),
         },
     }
 }
 
 /// The summary of this moment.
-pub fn summary(app: &App, policy: &Policy) -> Summary {
-    let stats = app.dispatcher.stats();
+pub fn summary(sources: Sources<'_>, policy: &Policy) -> Summary {
+    let stats = sources.dispatcher.stats();
     let total = |field: fn(&TierStat) -> u64| stats.tiers.iter().map(field).sum::<u64>();
     Summary {
         status: "ok",
@@ -257,53 +276,8 @@ pub fn summary(app: &App, policy: &Policy) -> Summary {
         processed: total(|t| t.processed),
         rejected: total(|t| t.rejected),
         expired: total(|t| t.expired),
-        uptime_seconds: app.started.elapsed().as_secs(),
+        uptime_seconds: sources.started.elapsed().as_secs(),
     }
-}
-
-/// The clients status and metrics show: every configured client (with its
-/// figures, zero if it never called), then at most [`MAX_OTHER_CLIENTS`]
-/// unconfigured ones, busiest first. A client id never repeats.
-pub(crate) fn bounded_clients(
-    policy: &Policy,
-    stats: Vec<ClientStat>,
-) -> Vec<(Option<Arc<Client>>, ClientStat)> {
-    let mut configured: BTreeMap<&str, (Arc<Client>, Option<ClientStat>)> = policy
-        .clients_by_id
-        .iter()
-        .map(|(id, client)| (&**id, (client.clone(), None)))
-        .collect();
-    let mut others = Vec::new();
-    for stat in stats {
-        match configured.get_mut(&*stat.client) {
-            Some((_, slot)) => *slot = Some(stat),
-            None => others.push(stat),
-        }
-    }
-    others.sort_by(|a, b| {
-        (b.waiting + b.inflight)
-            .cmp(&(a.waiting + a.inflight))
-            .then(b.processed.cmp(&a.processed))
-            .then(a.client.cmp(&b.client))
-    });
-    others.truncate(MAX_OTHER_CLIENTS);
-    let mut clients: Vec<(Option<Arc<Client>>, ClientStat)> = configured
-        .into_values()
-        .map(|(client, stat)| {
-            let stat = stat.unwrap_or_else(|| ClientStat {
-                client: client.id.clone(),
-                weight: client.weight,
-                waiting: 0,
-                inflight: 0,
-                processed: 0,
-                rejected: 0,
-                recent_share: 0.0,
-            });
-            (Some(client), stat)
-        })
-        .collect();
-    clients.extend(others.into_iter().map(|stat| (None, stat)));
-    clients
 }
 
 fn client_status(client: Option<&Client>, stat: &ClientStat) -> ClientStatus {
@@ -323,8 +297,8 @@ fn client_status(client: Option<&Client>, stat: &ClientStat) -> ClientStatus {
     }
 }
 
-fn host_status(app: &App, host: &Host, stats: &QueueReport) -> HostStatus {
-    let (requests_handled, failures) = app.metrics.host_counts(&host.name);
+fn host_status(sources: Sources<'_>, host: &Host, stats: &QueueReport) -> HostStatus {
+    let (requests_handled, failures) = sources.metrics.host_counts(&host.name);
     HostStatus {
         name: host.name.to_string(),
         url: without_userinfo(&host.url),
@@ -339,7 +313,7 @@ fn host_status(app: &App, host: &Host, stats: &QueueReport) -> HostStatus {
             .get(&host.name)
             .map_or(0, |stat| stat.slots_in_use),
         max_concurrent: host.max_concurrent,
-        cloud_pool: app.cloud.get(&host.name).map(|pool| {
+        cloud_pool: sources.cloud.get(&host.name).map(|pool| {
             pool.snapshot()
                 .into_iter()
                 .map(|key| CloudKeyStatus {
@@ -352,15 +326,6 @@ fn host_status(app: &App, host: &Host, stats: &QueueReport) -> HostStatus {
                 .collect()
         }),
     }
-}
-
-/// Whether `host` answered its last poll and no request found it down since.
-pub(crate) fn is_healthy(host: &Host, stats: &QueueReport) -> bool {
-    host.healthy
-        && !stats
-            .slots
-            .get(&host.name)
-            .is_some_and(|stat| stat.marked_down)
 }
 
 fn active(stats: &QueueReport) -> u32 {
@@ -403,11 +368,13 @@ fn without_userinfo(url: &str) -> String {
 }
 
 fn json(value: &impl Serialize) -> Response<Body> {
-    crate::service::json_response(serde_json::to_value(value).unwrap_or_default())
+    crate::body::json_response(serde_json::to_value(value).unwrap_or_default())
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     #[test]

@@ -1,0 +1,196 @@
+//! The queued path: admit a request to its tier's queue, wait for a slot,
+//! send it (failing over before the first byte, see [`forward`]) and answer
+//! with the slot held by the response body.
+//!
+//! Everything the proxy queues comes through here: inference requests from
+//! the request path ([`crate::service`]) and the cache misses of an embedding
+//! request ([`crate::embeddings`]).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{HeaderValue, Response, header};
+
+use crate::auth::Caller;
+use crate::body::Body;
+use crate::cloud::CloudPools;
+use crate::dispatch::{self, Dispatcher, Grant};
+use crate::error::ProxyError;
+use crate::forward;
+use crate::headers;
+use crate::metrics::Metrics;
+use crate::policy::Policy;
+use crate::proxy::{self, Active, Outbound, RequestBody};
+use crate::scheduler::Tier;
+use crate::snapshot::PolicyStore;
+use crate::upstream::{Completion, Upstream};
+
+/// What the queued path reads of the data plane.
+#[derive(Debug, Clone, Copy)]
+pub struct Parts<'a> {
+    /// The current policy: a key revoked while its request waited is refused.
+    pub store: &'a PolicyStore,
+    /// Queues and upstream slots.
+    pub dispatcher: &'a Arc<Dispatcher>,
+    /// Queue wait, time to first byte and host answers.
+    pub metrics: &'a Metrics,
+    /// Ollama Cloud key pools.
+    pub cloud: &'a CloudPools,
+    /// The upstream HTTP client.
+    pub upstream: &'a Upstream,
+    /// Requests in flight upstream.
+    pub active: &'a Active,
+}
+
+impl<'a> Parts<'a> {
+    /// The parts sending upstream reads.
+    fn forward(self) -> forward::Parts<'a> {
+        forward::Parts {
+            dispatcher: self.dispatcher,
+            metrics: self.metrics,
+            cloud: self.cloud,
+            upstream: self.upstream,
+        }
+    }
+}
+
+/// Admits a request to the queue, waits for its grant and sends it.
+pub async fn send(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+) -> Result<Response<Body>, ProxyError> {
+    send_then(parts, policy, client, tier, model, outbound, || {}).await
+}
+
+/// [`send`], calling `on_granted` as soon as the request has its slot
+/// (before it is sent).
+pub async fn send_then(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
+) -> Result<Response<Body>, ProxyError> {
+    let bytes = match &outbound.body {
+        RequestBody::Buffered(bytes) => bytes.len() as u64,
+        RequestBody::Streamed(_) => declared_length(&outbound.headers),
+    };
+    let pending = parts.dispatcher.admit(dispatch::Request {
+        client: client.id.clone(),
+        tier,
+        bytes,
+        model: model.map(Arc::from),
+        verified: client.verified,
+    })?;
+    let position = pending.position;
+    let immediate = pending.immediate;
+    let outbound = if immediate {
+        outbound
+    } else {
+        outbound.detached()
+    };
+    let grant = pending.granted().await?;
+    // The key may have been revoked or have expired while the request waited
+    // (between snapshots, an expiry is only seen here): never send it then.
+    if client.verified
+        && !parts
+            .store
+            .load()
+            .admits(&client.id, std::time::SystemTime::now())
+    {
+        drop(grant);
+        return Err(ProxyError::KeyRevoked);
+    }
+    on_granted();
+    Box::pin(send_granted(
+        parts, policy, grant, outbound, position, immediate,
+    ))
+    .await
+}
+
+/// Sends a dispatched request, failing over to another free host before the
+/// first byte, and returns the response with the slot held by its body.
+async fn send_granted(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    grant: Grant,
+    outbound: Outbound,
+    position: u32,
+    immediate: bool,
+) -> Result<Response<Body>, ProxyError> {
+    let Grant {
+        mut lease,
+        waited,
+        tier,
+    } = grant;
+    parts.metrics.observe_wait(tier, waited);
+    if let Some(reason) = lease.reason() {
+        parts.metrics.routing_decision(reason.metric_label());
+    }
+    let wait_header = queue_headers(waited, position, immediate);
+    let sent = Instant::now();
+    let active = parts.active.track();
+    let model = lease.model().map(|m| m.to_string());
+    let forwarded = forward::send(
+        parts.forward(),
+        policy.clone(),
+        &mut lease,
+        model.as_deref(),
+        outbound,
+    )
+    .await?;
+    let forward::Forwarded {
+        answer,
+        guards,
+        headers: extra_headers,
+    } = forwarded;
+    parts.metrics.host_request(&answer.host.name);
+    parts.metrics.observe_ttfb(tier, sent.elapsed());
+    let completion: Completion = Box::new(move |outcome| {
+        let mut lease = lease;
+        lease.set_cost(outcome.total_duration);
+        drop(lease);
+    });
+    let guard: Box<dyn Send + Sync> = Box::new((active, guards));
+    let mut response = proxy::respond(
+        answer,
+        Some(guard),
+        Some(completion),
+        policy.proxy.upstream_stall_timeout,
+    );
+    for (name, value) in wait_header.into_iter().chain(extra_headers) {
+        response.headers_mut().insert(name, value);
+    }
+    Ok(response)
+}
+
+/// `X-Queue-Wait-Time` (ms from admission to dispatch) and, when the request
+/// had to wait, `X-Queue-Position` (its position at admission).
+fn queue_headers(
+    waited: Duration,
+    position: u32,
+    immediate: bool,
+) -> Vec<(http::HeaderName, HeaderValue)> {
+    let mut headers = vec![(
+        headers::QUEUE_WAIT_TIME,
+        HeaderValue::from(u64::try_from(waited.as_millis()).unwrap_or(u64::MAX)),
+    )];
+    if !immediate {
+        headers.push((headers::QUEUE_POSITION, HeaderValue::from(position)));
+    }
+    headers
+}
+
+fn declared_length(headers: &http::HeaderMap) -> u64 {
+    headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0)
+}
