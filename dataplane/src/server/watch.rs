@@ -325,7 +325,76 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for StallGuarded<T> {
 
 #[cfg(test)]
 mod tests {
+    use http_body::Body as _;
+    use tokio::sync::mpsc;
+
     use super::*;
+    use crate::body::BoxError;
+
+    /// A body fed by a channel, whose sender sees it dropped.
+    struct Fed(mpsc::Receiver<Bytes>);
+
+    impl http_body::Body for Fed {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0
+                .poll_recv(cx)
+                .map(|bytes| bytes.map(|bytes| Ok(Frame::data(bytes))))
+        }
+    }
+
+    fn poll_once(body: &mut Tracked<Fed>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        Pin::new(body).poll_frame(&mut cx)
+    }
+
+    fn watched(activity: &Arc<Activity>) -> (mpsc::Sender<Bytes>, Tracked<Fed>) {
+        let (sender, receiver) = mpsc::channel(1);
+        let body = Tracked::new(
+            Fed(receiver),
+            InFlight::start(activity),
+            Some(Duration::from_millis(50)),
+        );
+        (sender, body)
+    }
+
+    #[tokio::test]
+    async fn an_http2_body_is_given_up_only_while_hyper_owes_it_a_poll() {
+        const PATIENCE: Duration = Duration::from_secs(10);
+        let activity = Activity::new();
+        // Waiting for its upstream: not the client's stall.
+        let (upstream, mut waiting) = watched(&activity);
+        assert!(poll_once(&mut waiting).is_pending());
+        // Handed a frame, then never polled again.
+        let (owed_upstream, mut owed) = watched(&activity);
+        owed_upstream.send(Bytes::from_static(b"x")).await.unwrap();
+        assert!(matches!(poll_once(&mut owed), Poll::Ready(Some(Ok(_)))));
+        tokio::time::timeout(PATIENCE, owed_upstream.closed())
+            .await
+            .expect("a body owed a poll was never given up");
+        // Never polled at all (a stream window of 0 from the start).
+        let (never_upstream, _never) = watched(&activity);
+        tokio::time::timeout(PATIENCE, never_upstream.closed())
+            .await
+            .expect("a body never polled was never given up");
+        // By now `waiting` has waited more than twice the stall timeout.
+        assert!(
+            !upstream.is_closed(),
+            "a body waiting upstream was given up"
+        );
+        assert!(matches!(poll_once(&mut owed), Poll::Ready(Some(Err(_)))));
+        upstream.send(Bytes::from_static(b"y")).await.unwrap();
+        assert!(matches!(poll_once(&mut waiting), Poll::Ready(Some(Ok(_)))));
+        // The bodies given up no longer count as in flight.
+        assert_eq!(activity.deadline(&limits()), None);
+        drop(waiting);
+        assert!(activity.deadline(&limits()).is_some());
+    }
 
     fn limits() -> ConnectionLimits {
         ConnectionLimits {
