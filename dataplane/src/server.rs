@@ -138,9 +138,13 @@ async fn serve_connection(
         let app = app.clone();
         let kind = kind.clone();
         let in_flight = InFlight::start(&tracker);
+        // An HTTP/2 stream can stall while its socket flows: its body is
+        // watched instead (see `Tracked`).
+        let stall =
+            (request.version() == http::Version::HTTP_2).then_some(limits.client_stall_timeout);
         async move {
             let response = service::handle(app, &kind, peer, request).await;
-            Ok::<_, Infallible>(response.map(|body| Tracked::new(body, in_flight)))
+            Ok::<_, Infallible>(response.map(|body| Tracked::new(body, in_flight, stall)))
         }
     });
     let io = TokioIo::new(StallGuarded::new(stream, limits.client_stall_timeout));

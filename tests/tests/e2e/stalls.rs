@@ -1,11 +1,15 @@
 //! Stalls: an upstream that goes silent mid-stream, a client that stops
-//! reading, a body that stops half-way, bodies that together exceed the
-//! queue's byte budget, and a host that fails while the others are busy.
+//! reading (on HTTP/1, or on HTTP/2 by opening no stream window), a body
+//! that stops half-way, bodies that together exceed the queue's byte
+//! budget, and a host that fails while the others are busy.
 //! Each ends cleanly and gives its host slot back, so the next request is
 //! served.
 
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use oqp_tests::client::{HttpClient, eventually};
 use oqp_tests::fake::{Failure, FakeOllama};
 use oqp_tests::harness::Stack;
@@ -115,6 +119,47 @@ async fn a_client_that_stops_reading_frees_the_slot() {
     fake.handle().set_tokens(3);
     assert_slot_free(&stack, &http).await;
     drop(stalled);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_http2_client_that_opens_no_stream_window_frees_the_slot() {
+    // A generation far longer than the test.
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .tokens(100_000)
+        .token_interval(Duration::from_millis(10))
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), "  client_stall_timeout: 0.3\n", "")).await;
+    let stream = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    // A stream window of 0, never opened: the proxy may send the head but
+    // no byte of the body, and its socket writes never block (the
+    // connection's window and pings go on working).
+    let (mut sender, connection) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .initial_stream_window_size(0)
+        .handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post(format!("{}/api/generate", stack.url()))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(generate(true).to_string())))
+        .unwrap();
+    let response = tokio::time::timeout(PATIENCE, sender.send_request(request))
+        .await
+        .expect("no response head")
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // The body is never read.
+    tokio::time::timeout(PATIENCE, fake.handle().wait_cancelled(1))
+        .await
+        .expect("the stream to a client that opened no window was never abandoned");
+    let http = HttpClient::new();
+    fake.handle().set_tokens(3);
+    fake.handle().set_token_interval(Duration::ZERO);
+    assert_slot_free(&stack, &http).await;
+    drop(response);
     stack.shutdown().await;
 }
 
