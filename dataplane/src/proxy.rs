@@ -35,8 +35,7 @@ pub struct BodyRead<'a, 'b> {
     pub limit: u64,
     /// Time for the whole body to arrive (408 after).
     pub timeout: Duration,
-    /// The body's share of the byte budget, grown as bytes arrive (or at
-    /// once by the declared length).
+    /// The body's share of the byte budget, grown as bytes arrive.
     pub reservation: &'a mut Reservation<'b>,
 }
 
@@ -54,11 +53,9 @@ pub async fn read_body(
     if declared.is_some_and(|length| length > read.limit) {
         return Err(ProxyError::BodyTooLarge);
     }
-    if let Some(length) = declared
-        && read.reservation.grow_to(length).is_err()
-    {
-        return Err(over_budget());
-    }
+    // The budget grows only by bytes received (in `Metered`): a declared
+    // length costs nothing until its bytes arrive, so requests that only
+    // announce large bodies cannot fill the budget for free.
     let limit = usize::try_from(read.limit).unwrap_or(usize::MAX);
     let metered = Metered {
         inner: Limited::new(body, limit),

@@ -143,24 +143,18 @@ async fn a_half_sent_body_gets_408() {
 async fn a_body_being_read_counts_against_max_queued_mb() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
     let stack = Stack::start(&config(&fake.url(), "", "queue:\n  max_queued_mb: 1\n")).await;
-    // 700 KB announced; the proxy starts reading it (100 Continue) and
-    // holds its share while the rest does not come.
-    let mut slow = TcpStream::connect(stack.proxy_addr()).await.unwrap();
-    slow.write_all(
-        b"POST /api/generate HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 700000\r\nExpect: 100-continue\r\n\r\n",
-    )
-    .await
-    .unwrap();
-    let mut answer = Vec::new();
-    let mut buffer = [0u8; 256];
-    while !answer.windows(12).any(|w| w == b"100 Continue") {
-        let n = tokio::time::timeout(PATIENCE, slow.read(&mut buffer))
-            .await
-            .expect("no 100 Continue")
-            .unwrap();
-        assert!(n > 0, "closed before 100 Continue");
-        answer.extend_from_slice(&buffer[..n]);
-    }
+    // 700 KB announced and 650 KB of it sent; the proxy holds what it has
+    // received while the rest does not come.
+    let mut slow = announce(&stack, 700_000).await;
+    let mut sent = b"{\"model\":\"llama3\",\"prompt\":\"".to_vec();
+    sent.resize(650_000, b'x');
+    slow.write_all(&sent).await.unwrap();
+    let app = stack.control.dataplane().unwrap().app().clone();
+    assert!(
+        eventually(PATIENCE, || app.body_budget.used() >= 650_000).await,
+        "the received bytes were never counted: {}",
+        app.body_budget.used()
+    );
     let http = HttpClient::new();
     let big = json!({"model": "llama3", "prompt": "x".repeat(500_000), "stream": false});
     let url = format!("{}/api/generate", stack.url());
@@ -169,7 +163,6 @@ async fn a_body_being_read_counts_against_max_queued_mb() {
     assert_eq!(refused.json()["error"], "queue over capacity (bytes)");
     // The half-read body gives its share back when its client goes.
     drop(slow);
-    let app = stack.control.dataplane().unwrap().app().clone();
     assert!(
         eventually(PATIENCE, || app.body_budget.used() == 0).await,
         "the abandoned body's bytes were never given back"
@@ -177,6 +170,48 @@ async fn a_body_being_read_counts_against_max_queued_mb() {
     let served = http.post_json(&url, &[], &big).await;
     assert_eq!(served.status, 200, "{}", served.text());
     stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn bodies_that_only_declare_a_large_length_do_not_refuse_others() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "", "queue:\n  max_queued_mb: 1\n")).await;
+    // Together they announce more than the budget, and send nothing.
+    let idle = [
+        announce(&stack, 700_000).await,
+        announce(&stack, 700_000).await,
+    ];
+    let app = stack.control.dataplane().unwrap().app().clone();
+    assert_eq!(app.body_budget.used(), 0, "a declared length was reserved");
+    let http = HttpClient::new();
+    let big = json!({"model": "llama3", "prompt": "x".repeat(500_000), "stream": false});
+    let served = http
+        .post_json(&format!("{}/api/generate", stack.url()), &[], &big)
+        .await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    drop(idle);
+    stack.shutdown().await;
+}
+
+/// Opens a request announcing a body of `length` bytes and waits until the
+/// proxy starts reading it (its 100 Continue).
+async fn announce(stack: &Stack, length: usize) -> TcpStream {
+    let mut socket = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    let head = format!(
+        "POST /api/generate HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: {length}\r\nExpect: 100-continue\r\n\r\n"
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 256];
+    while !answer.windows(12).any(|w| w == b"100 Continue") {
+        let n = tokio::time::timeout(PATIENCE, socket.read(&mut buffer))
+            .await
+            .expect("no 100 Continue")
+            .unwrap();
+        assert!(n > 0, "closed before 100 Continue");
+        answer.extend_from_slice(&buffer[..n]);
+    }
+    socket
 }
 
 #[tokio::test]
