@@ -271,3 +271,63 @@ async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
     assert_eq!(moved.header("x-failover-host").as_deref(), Some("b"));
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_slot_freed_by_a_failover_goes_to_a_request_already_queued() {
+    let a = FakeOllama::builder()
+        .model("both")
+        .model("onlya")
+        .spawn()
+        .await;
+    let b = FakeOllama::builder()
+        .model("both")
+        .model("onlyb")
+        .spawn()
+        .await;
+    let yaml = format!(
+        "proxy:\n  max_concurrent: 1\nollama:\n  hosts:\n    - url: \"{}\"\n      name: a\n      max_concurrent: 1\n    - url: \"{}\"\n      name: b\n      max_concurrent: 1\nrouting:\n  strategy: model_aware\n",
+        a.url(),
+        b.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let url = format!("{}/api/generate", stack.url());
+    let ask = |model: &str| {
+        let url = url.clone();
+        let body = json!({"model": model, "prompt": "hi", "stream": false});
+        tokio::spawn(async move { HttpClient::new().post_json(&url, &[], &body).await })
+    };
+    // Both hosts are taken and held.
+    a.handle().hold();
+    b.handle().hold();
+    let on_a = ask("onlya");
+    a.handle().wait_in_flight(1).await;
+    let on_b = ask("onlyb");
+    b.handle().wait_in_flight(1).await;
+    // Two requests queue: one that a will refuse, then one only a can serve.
+    a.handle().fail_next(Failure::Status(
+        503,
+        r#"{"error":"server busy, please try again.  maximum pending requests exceeded"}"#.into(),
+    ));
+    let failing = ask("both");
+    assert!(eventually(PATIENCE, || dispatcher.total_depth() == 1).await);
+    let queued = ask("onlya");
+    assert!(eventually(PATIENCE, || dispatcher.total_depth() == 2).await);
+    // a's slot frees: the first goes there, is refused and waits for b,
+    // leaving a's slot to the request queued behind it.
+    a.handle().release(2);
+    let reply = tokio::time::timeout(PATIENCE, queued)
+        .await
+        .expect("a's freed slot was never given to the queued request")
+        .unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-failover-host").as_deref(), Some("a"));
+    assert!(!failing.is_finished(), "still waiting for b");
+    b.handle().release_all();
+    assert_eq!(on_a.await.unwrap().status, 200);
+    assert_eq!(on_b.await.unwrap().status, 200);
+    let moved = failing.await.unwrap();
+    assert_eq!(moved.status, 200, "{}", moved.text());
+    assert_eq!(moved.header("x-failover-host").as_deref(), Some("b"));
+    stack.shutdown().await;
+}
