@@ -331,3 +331,46 @@ async fn a_slot_freed_by_a_failover_goes_to_a_request_already_queued() {
     assert_eq!(moved.header("x-failover-host").as_deref(), Some("b"));
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_streamed_body_that_stops_half_way_frees_the_slot() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "  body_read_timeout: 0.3\n", "")).await;
+    // A streamed path (not read whole by the proxy): a slot is granted, then
+    // the body stops after a few bytes.
+    let mut trickle = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    trickle
+        .write_all(
+            b"POST /v1/messages HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
+        )
+        .await
+        .unwrap();
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    assert!(
+        eventually(PATIENCE, || dispatcher.routing().1[0].slots_in_use == 1).await,
+        "the streamed request never took the slot"
+    );
+    // The stalled body fails its upstream request and the client is answered.
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 1024];
+    loop {
+        let n = tokio::time::timeout(PATIENCE, trickle.read(&mut buffer))
+            .await
+            .expect("the stalled upload was never ended")
+            .unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buffer[..n]);
+        if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    let head = String::from_utf8_lossy(&answer);
+    // (Answered as an upstream failure: the upstream request is what failed.)
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    let http = HttpClient::new();
+    assert_slot_free(&stack, &http).await;
+    drop(trickle);
+    stack.shutdown().await;
+}
