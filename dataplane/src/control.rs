@@ -294,11 +294,7 @@ impl Watcher {
         self.link.stale.store(offered, Ordering::Relaxed);
         if !self.warned_stale {
             self.warned_stale = true;
-            tracing::error!(
-                offered,
-                held,
-                "{STALE_SNAPSHOTS}"
-            );
+            tracing::error!(offered, held, "{STALE_SNAPSHOTS}");
         } else {
             tracing::debug!(offered, held, "ignored a stale snapshot");
         }

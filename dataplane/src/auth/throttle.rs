@@ -248,8 +248,16 @@ mod tests {
         throttle.fail_at(address(next), WINDOW, at(next));
         assert_eq!(throttle.tracked(), AFTER_EVICTION + 1);
         let tenth = (MAX_TRACKED / 10) as u32;
-        assert!(throttle.check_at(address(tenth - 1), 1, WINDOW, at(next)).is_ok());
-        assert!(throttle.check_at(address(tenth), 1, WINDOW, at(next)).is_err());
+        assert!(
+            throttle
+                .check_at(address(tenth - 1), 1, WINDOW, at(next))
+                .is_ok()
+        );
+        assert!(
+            throttle
+                .check_at(address(tenth), 1, WINDOW, at(next))
+                .is_err()
+        );
         // ...so the next ones fit without another sweep until the table is full again.
         while throttle.tracked() < MAX_TRACKED {
             next += 1;
