@@ -294,11 +294,7 @@ impl Watcher {
         self.link.stale.store(offered, Ordering::Relaxed);
         if !self.warned_stale {
             self.warned_stale = true;
-            tracing::error!(
-                offered,
-                held,
-                "the control plane sends snapshot versions below the one this node holds, so                  they are all ignored (did its clock go back?); restart this data plane or                  upgrade the control plane"
-            );
+            tracing::error!(offered, held, "{STALE_SNAPSHOTS}");
         } else {
             tracing::debug!(offered, held, "ignored a stale snapshot");
         }
@@ -363,9 +359,20 @@ impl Backoff {
     }
 }
 
+/// Logged once when the control plane keeps offering older snapshots.
+const STALE_SNAPSHOTS: &str = "the control plane sends snapshot versions below the one this node \
+     holds, so they are all ignored (did its clock go back?); restart this data plane or upgrade \
+     the control plane";
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stale_snapshot_message_reads_as_one_sentence() {
+        assert!(!STALE_SNAPSHOTS.contains("  "), "{STALE_SNAPSHOTS}");
+        assert!(STALE_SNAPSHOTS.contains("node holds, so they are all ignored"));
+    }
 
     #[test]
     fn backoff_grows_jittered_and_caps() {

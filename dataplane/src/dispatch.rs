@@ -453,9 +453,20 @@ impl Dispatcher {
                 None => return false,
             }
         };
-        // The old slot frees outside the lock.
+        // The old slot frees outside the lock, then goes to whoever waits.
         drop(old);
+        lease.dispatcher.dispatch_freed();
         true
+    }
+
+    /// Gives a slot freed outside the usual paths (a lease moving to
+    /// another host) to the requests already waiting.
+    fn dispatch_freed(self: &Arc<Self>) {
+        let dropped = {
+            let mut inner = self.lock();
+            self.pump(&mut inner, Instant::now())
+        };
+        drop(dropped);
     }
 
     /// Like [`fail_over`](Self::fail_over), but when the other hosts are
@@ -486,7 +497,9 @@ impl Dispatcher {
             // The failed host's slot is free for others at once, not when
             // this request ends: waiting here for another host must not
             // keep a host it has left.
-            drop(lease.placement.take());
+            if lease.placement.take().is_some() {
+                lease.dispatcher.dispatch_freed();
+            }
             let candidate_left = self
                 .lock()
                 .router

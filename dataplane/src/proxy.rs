@@ -1,6 +1,7 @@
 //! The proxied request: read (or stream) the body, pick hosts, send, fail
 //! over before the first byte, and stream the answer back.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -36,8 +37,7 @@ pub struct BodyRead<'a, 'b> {
     pub limit: u64,
     /// Time for the whole body to arrive (408 after).
     pub timeout: Duration,
-    /// The body's share of the byte budget, grown as bytes arrive (or at
-    /// once by the declared length).
+    /// The body's share of the byte budget, grown as bytes arrive.
     pub reservation: &'a mut Reservation<'b>,
 }
 
@@ -55,11 +55,9 @@ pub async fn read_body(
     if declared.is_some_and(|length| length > read.limit) {
         return Err(ProxyError::BodyTooLarge);
     }
-    if let Some(length) = declared
-        && read.reservation.grow_to(length).is_err()
-    {
-        return Err(over_budget());
-    }
+    // The budget grows only by bytes received (in `Metered`): a declared
+    // length costs nothing until its bytes arrive, so requests that only
+    // announce large bodies cannot fill the budget for free.
     let limit = usize::try_from(read.limit).unwrap_or(usize::MAX);
     let metered = Metered {
         inner: Limited::new(body, limit),
@@ -120,17 +118,84 @@ where
     }
 }
 
-/// Streams a request body through, failing it mid-way once it passes `limit`.
+/// Streams a request body through, failing it mid-way once it passes
+/// `limit`, or once the client sends nothing for `gap` while the upstream
+/// waits for more: the upstream request then fails and its slot frees,
+/// instead of a trickling client holding it until the request timeout.
 pub fn stream_body(
     body: Incoming,
     headers: &http::HeaderMap,
     limit: u64,
+    gap: Duration,
 ) -> Result<Body, ProxyError> {
     if declared_length(headers).is_some_and(|length| length > limit) {
         return Err(ProxyError::BodyTooLarge);
     }
     let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-    Ok(Limited::new(body, limit).boxed())
+    Ok(Paced {
+        inner: Limited::new(body, limit),
+        gap,
+        timer: None,
+        armed: false,
+    }
+    .boxed())
+}
+
+/// The client sent no body data for this long while it was awaited.
+#[derive(Debug, thiserror::Error)]
+#[error("no request body data from the client for {0:?}")]
+pub struct BodyStalled(Duration);
+
+/// A streamed body that fails when the client pauses longer than `gap`.
+/// The clock runs only while the body is awaited (not while the request
+/// waits in the queue, or while the upstream is slow to take a frame).
+struct Paced<B> {
+    inner: B,
+    gap: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
+}
+
+impl<B> http_body::Body for Paced<B>
+where
+    B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            this.armed = false;
+            return Poll::Ready(frame);
+        }
+        let deadline = tokio::time::Instant::now() + this.gap;
+        let timer = match &mut this.timer {
+            Some(timer) => {
+                if !this.armed {
+                    timer.as_mut().reset(deadline);
+                }
+                timer
+            }
+            None => this
+                .timer
+                .insert(Box::pin(tokio::time::sleep_until(deadline))),
+        };
+        this.armed = true;
+        ready!(timer.as_mut().poll(cx));
+        Poll::Ready(Some(Err(Box::new(BodyStalled(this.gap)))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 fn declared_length(headers: &http::HeaderMap) -> Option<u64> {

@@ -205,7 +205,12 @@ async fn forward(
         };
         RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
     } else {
-        RequestBody::Streamed(proxy::stream_body(incoming, &parts.headers, limit)?)
+        RequestBody::Streamed(proxy::stream_body(
+            incoming,
+            &parts.headers,
+            limit,
+            policy.proxy.body_read_timeout,
+        )?)
     };
     let mut upstream_headers = parts.headers;
     headers::for_upstream(&mut upstream_headers, client_id.as_deref());

@@ -101,19 +101,7 @@ impl Throttle {
         let mut failures = self.lock();
         let bucket = Bucket::of(peer);
         if failures.len() >= MAX_TRACKED && !failures.contains_key(&bucket) {
-            failures.retain(|_, recent| {
-                recent
-                    .back()
-                    .is_some_and(|at| now.saturating_duration_since(*at) < window)
-            });
-            if failures.len() >= MAX_TRACKED
-                && let Some(oldest) = failures
-                    .iter()
-                    .min_by_key(|(_, recent)| recent.back().copied())
-                    .map(|(bucket, _)| *bucket)
-            {
-                failures.remove(&oldest);
-            }
+            evict(&mut failures, window, now);
         }
         let recent = failures.entry(bucket).or_default();
         recent.push_back(now);
@@ -130,6 +118,32 @@ impl Throttle {
     fn lock(&self) -> MutexGuard<'_, HashMap<Bucket, VecDeque<Instant>>> {
         // Every step leaves the map consistent, so a panic elsewhere does not poison it.
         self.failures.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Addresses left after an eviction sweep: a full table is swept once per
+/// [`MAX_TRACKED`]` / 10` new addresses, not on every one.
+const AFTER_EVICTION: usize = MAX_TRACKED - MAX_TRACKED / 10;
+
+/// Forgets the addresses whose failures are all outside `window`, then, if
+/// more than [`AFTER_EVICTION`] remain, those whose last failure is the oldest.
+fn evict(failures: &mut HashMap<Bucket, VecDeque<Instant>>, window: Duration, now: Instant) {
+    failures.retain(|_, recent| {
+        recent
+            .back()
+            .is_some_and(|at| now.saturating_duration_since(*at) < window)
+    });
+    let excess = failures.len().saturating_sub(AFTER_EVICTION);
+    if excess == 0 {
+        return;
+    }
+    let mut by_age: Vec<(Option<Instant>, Bucket)> = failures
+        .iter()
+        .map(|(bucket, recent)| (recent.back().copied(), *bucket))
+        .collect();
+    by_age.select_nth_unstable_by_key(excess - 1, |(last, _)| *last);
+    for (_, old) in by_age.into_iter().take(excess) {
+        failures.remove(&old);
     }
 }
 
@@ -217,6 +231,39 @@ mod tests {
         throttle.fail_at(v4(1), WINDOW, t0);
         assert!(throttle.check_at(v4(1), 2, WINDOW, t0).is_err());
         assert_eq!(throttle.tracked(), 2);
+    }
+
+    #[test]
+    fn a_full_table_evicts_the_oldest_tenth_in_one_sweep() {
+        let throttle = Throttle::default();
+        let t0 = Instant::now();
+        let address = |i: u32| IpAddr::from(i.to_be_bytes());
+        let at = |i: u32| t0 + Duration::from_millis(u64::from(i));
+        for i in 0..MAX_TRACKED as u32 {
+            throttle.fail_at(address(i), WINDOW, at(i));
+        }
+        assert_eq!(throttle.tracked(), MAX_TRACKED);
+        // One new address sweeps out the oldest tenth at once...
+        let mut next = MAX_TRACKED as u32;
+        throttle.fail_at(address(next), WINDOW, at(next));
+        assert_eq!(throttle.tracked(), AFTER_EVICTION + 1);
+        let tenth = (MAX_TRACKED / 10) as u32;
+        assert!(
+            throttle
+                .check_at(address(tenth - 1), 1, WINDOW, at(next))
+                .is_ok()
+        );
+        assert!(
+            throttle
+                .check_at(address(tenth), 1, WINDOW, at(next))
+                .is_err()
+        );
+        // ...so the next ones fit without another sweep until the table is full again.
+        while throttle.tracked() < MAX_TRACKED {
+            next += 1;
+            throttle.fail_at(address(next), WINDOW, at(next));
+        }
+        assert_eq!(next, MAX_TRACKED as u32 + tenth - 1);
     }
 
     #[test]

@@ -69,8 +69,8 @@ async fn a_partial_or_streamless_http2_preface_is_closed_at_the_first_request_de
     let (_fake, stack) = stack("  first_request_timeout: 0.3\n", "").await;
     let addr = stack.proxy_addr();
     // Part of the preface: protocol detection never completes.
-    let mut partial = TcpStream::connect(addr).await.unwrap();
     let opened = Instant::now();
+    let mut partial = TcpStream::connect(addr).await.unwrap();
     partial.write_all(b"PRI * HTTP/2.0\r\n\r\nS").await.unwrap();
     let after = closed_within(&mut partial, opened).await;
     assert!(
@@ -78,8 +78,8 @@ async fn a_partial_or_streamless_http2_preface_is_closed_at_the_first_request_de
         "a partial HTTP/2 preface: closed after {after:?}"
     );
     // The whole preface and SETTINGS, then no stream.
-    let mut streamless = TcpStream::connect(addr).await.unwrap();
     let opened = Instant::now();
+    let mut streamless = TcpStream::connect(addr).await.unwrap();
     streamless
         .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
         .await

@@ -188,24 +188,18 @@ async fn a_half_sent_body_gets_408() {
 async fn a_body_being_read_counts_against_max_queued_mb() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
     let stack = Stack::start(&config(&fake.url(), "", "queue:\n  max_queued_mb: 1\n")).await;
-    // 700 KB announced; the proxy starts reading it (100 Continue) and
-    // holds its share while the rest does not come.
-    let mut slow = TcpStream::connect(stack.proxy_addr()).await.unwrap();
-    slow.write_all(
-        b"POST /api/generate HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 700000\r\nExpect: 100-continue\r\n\r\n",
-    )
-    .await
-    .unwrap();
-    let mut answer = Vec::new();
-    let mut buffer = [0u8; 256];
-    while !answer.windows(12).any(|w| w == b"100 Continue") {
-        let n = tokio::time::timeout(PATIENCE, slow.read(&mut buffer))
-            .await
-            .expect("no 100 Continue")
-            .unwrap();
-        assert!(n > 0, "closed before 100 Continue");
-        answer.extend_from_slice(&buffer[..n]);
-    }
+    // 700 KB announced and 650 KB of it sent; the proxy holds what it has
+    // received while the rest does not come.
+    let mut slow = announce(&stack, 700_000).await;
+    let mut sent = b"{\"model\":\"llama3\",\"prompt\":\"".to_vec();
+    sent.resize(650_000, b'x');
+    slow.write_all(&sent).await.unwrap();
+    let app = stack.control.dataplane().unwrap().app().clone();
+    assert!(
+        eventually(PATIENCE, || app.body_budget.used() >= 650_000).await,
+        "the received bytes were never counted: {}",
+        app.body_budget.used()
+    );
     let http = HttpClient::new();
     let big = json!({"model": "llama3", "prompt": "x".repeat(500_000), "stream": false});
     let url = format!("{}/api/generate", stack.url());
@@ -214,7 +208,6 @@ async fn a_body_being_read_counts_against_max_queued_mb() {
     assert_eq!(refused.json()["error"], "queue over capacity (bytes)");
     // The half-read body gives its share back when its client goes.
     drop(slow);
-    let app = stack.control.dataplane().unwrap().app().clone();
     assert!(
         eventually(PATIENCE, || app.body_budget.used() == 0).await,
         "the abandoned body's bytes were never given back"
@@ -222,6 +215,48 @@ async fn a_body_being_read_counts_against_max_queued_mb() {
     let served = http.post_json(&url, &[], &big).await;
     assert_eq!(served.status, 200, "{}", served.text());
     stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn bodies_that_only_declare_a_large_length_do_not_refuse_others() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "", "queue:\n  max_queued_mb: 1\n")).await;
+    // Together they announce more than the budget, and send nothing.
+    let idle = [
+        announce(&stack, 700_000).await,
+        announce(&stack, 700_000).await,
+    ];
+    let app = stack.control.dataplane().unwrap().app().clone();
+    assert_eq!(app.body_budget.used(), 0, "a declared length was reserved");
+    let http = HttpClient::new();
+    let big = json!({"model": "llama3", "prompt": "x".repeat(500_000), "stream": false});
+    let served = http
+        .post_json(&format!("{}/api/generate", stack.url()), &[], &big)
+        .await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    drop(idle);
+    stack.shutdown().await;
+}
+
+/// Opens a request announcing a body of `length` bytes and waits until the
+/// proxy starts reading it (its 100 Continue).
+async fn announce(stack: &Stack, length: usize) -> TcpStream {
+    let mut socket = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    let head = format!(
+        "POST /api/generate HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: {length}\r\nExpect: 100-continue\r\n\r\n"
+    );
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 256];
+    while !answer.windows(12).any(|w| w == b"100 Continue") {
+        let n = tokio::time::timeout(PATIENCE, socket.read(&mut buffer))
+            .await
+            .expect("no 100 Continue")
+            .unwrap();
+        assert!(n > 0, "closed before 100 Continue");
+        answer.extend_from_slice(&buffer[..n]);
+    }
+    socket
 }
 
 #[tokio::test]
@@ -279,5 +314,108 @@ async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
     let moved = failed_over.await.unwrap();
     assert_eq!(moved.status, 200, "{}", moved.text());
     assert_eq!(moved.header("x-failover-host").as_deref(), Some("b"));
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_slot_freed_by_a_failover_goes_to_a_request_already_queued() {
+    let a = FakeOllama::builder()
+        .model("both")
+        .model("onlya")
+        .spawn()
+        .await;
+    let b = FakeOllama::builder()
+        .model("both")
+        .model("onlyb")
+        .spawn()
+        .await;
+    let yaml = format!(
+        "proxy:\n  max_concurrent: 1\nollama:\n  hosts:\n    - url: \"{}\"\n      name: a\n      max_concurrent: 1\n    - url: \"{}\"\n      name: b\n      max_concurrent: 1\nrouting:\n  strategy: model_aware\n",
+        a.url(),
+        b.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let url = format!("{}/api/generate", stack.url());
+    let ask = |model: &str| {
+        let url = url.clone();
+        let body = json!({"model": model, "prompt": "hi", "stream": false});
+        tokio::spawn(async move { HttpClient::new().post_json(&url, &[], &body).await })
+    };
+    // Both hosts are taken and held.
+    a.handle().hold();
+    b.handle().hold();
+    let on_a = ask("onlya");
+    a.handle().wait_in_flight(1).await;
+    let on_b = ask("onlyb");
+    b.handle().wait_in_flight(1).await;
+    // Two requests queue: one that a will refuse, then one only a can serve.
+    a.handle().fail_next(Failure::Status(
+        503,
+        r#"{"error":"server busy, please try again.  maximum pending requests exceeded"}"#.into(),
+    ));
+    let failing = ask("both");
+    assert!(eventually(PATIENCE, || dispatcher.total_depth() == 1).await);
+    let queued = ask("onlya");
+    assert!(eventually(PATIENCE, || dispatcher.total_depth() == 2).await);
+    // a's slot frees: the first goes there, is refused and waits for b,
+    // leaving a's slot to the request queued behind it.
+    a.handle().release(2);
+    let reply = tokio::time::timeout(PATIENCE, queued)
+        .await
+        .expect("a's freed slot was never given to the queued request")
+        .unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.header("x-failover-host").as_deref(), Some("a"));
+    assert!(!failing.is_finished(), "still waiting for b");
+    b.handle().release_all();
+    assert_eq!(on_a.await.unwrap().status, 200);
+    assert_eq!(on_b.await.unwrap().status, 200);
+    let moved = failing.await.unwrap();
+    assert_eq!(moved.status, 200, "{}", moved.text());
+    assert_eq!(moved.header("x-failover-host").as_deref(), Some("b"));
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_streamed_body_that_stops_half_way_frees_the_slot() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&config(&fake.url(), "  body_read_timeout: 0.3\n", "")).await;
+    // A streamed path (not read whole by the proxy): a slot is granted, then
+    // the body stops after a few bytes.
+    let mut trickle = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    trickle
+        .write_all(
+            b"POST /v1/messages HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
+        )
+        .await
+        .unwrap();
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    assert!(
+        eventually(PATIENCE, || dispatcher.routing().1[0].slots_in_use == 1).await,
+        "the streamed request never took the slot"
+    );
+    // The stalled body fails its upstream request and the client is answered.
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 1024];
+    loop {
+        let n = tokio::time::timeout(PATIENCE, trickle.read(&mut buffer))
+            .await
+            .expect("the stalled upload was never ended")
+            .unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        answer.extend_from_slice(&buffer[..n]);
+        if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    let head = String::from_utf8_lossy(&answer);
+    // (Answered as an upstream failure: the upstream request is what failed.)
+    assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+    let http = HttpClient::new();
+    assert_slot_free(&stack, &http).await;
+    drop(trickle);
     stack.shutdown().await;
 }
