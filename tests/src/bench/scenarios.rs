@@ -137,6 +137,12 @@ impl OqpConfig {
   port: {{PROXY_PORT}}
   max_concurrent: {slots}
   max_request_body_mb: 64
+  # The memory scenarios hold 10,000 connections from this one address, for
+  # longer than a connection may wait for its first request by default.
+  max_connections: 30000
+  max_connections_per_ip: 30000
+  first_request_timeout: 900
+  idle_timeout: 900
 ollama:
   hosts:
     - url: "{upstream}"
