@@ -259,8 +259,9 @@ async fn announce(stack: &Stack, length: usize) -> TcpStream {
     socket
 }
 
-#[tokio::test]
-async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
+/// Hosts `a` (models `both`, `onlya`) and `b` (`both`, `onlyb`), one slot
+/// each, routed by model, behind one stack.
+async fn two_hosts() -> (FakeOllama, FakeOllama, Stack) {
     let a = FakeOllama::builder()
         .model("both")
         .model("onlya")
@@ -277,6 +278,12 @@ async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
         b.url()
     );
     let stack = Stack::start(&yaml).await;
+    (a, b, stack)
+}
+
+#[tokio::test]
+async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
+    let (a, b, stack) = two_hosts().await;
     let url = format!("{}/api/generate", stack.url());
     let ask = |model: &str| {
         let url = url.clone();
@@ -319,22 +326,7 @@ async fn a_failing_host_frees_its_slot_while_its_request_waits_for_another() {
 
 #[tokio::test]
 async fn a_slot_freed_by_a_failover_goes_to_a_request_already_queued() {
-    let a = FakeOllama::builder()
-        .model("both")
-        .model("onlya")
-        .spawn()
-        .await;
-    let b = FakeOllama::builder()
-        .model("both")
-        .model("onlyb")
-        .spawn()
-        .await;
-    let yaml = format!(
-        "proxy:\n  max_concurrent: 1\nollama:\n  hosts:\n    - url: \"{}\"\n      name: a\n      max_concurrent: 1\n    - url: \"{}\"\n      name: b\n      max_concurrent: 1\nrouting:\n  strategy: model_aware\n",
-        a.url(),
-        b.url()
-    );
-    let stack = Stack::start(&yaml).await;
+    let (a, b, stack) = two_hosts().await;
     let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
     let url = format!("{}/api/generate", stack.url());
     let ask = |model: &str| {
