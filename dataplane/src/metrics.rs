@@ -787,27 +787,10 @@ mod tests {
 
     #[test]
     fn models_the_hosts_list_keep_their_label_when_the_budget_is_full() {
-        use oqp_proto::policy::v1 as wire;
-        let policy = Policy::try_from(wire::PolicySnapshot {
-            version: 1,
-            listener: Some(wire::Listener {
-                host: "127.0.0.1".into(),
-                port: 0,
-            }),
-            proxy: Some(wire::ProxySettings {
-                max_concurrent: 1,
-                ..Default::default()
-            }),
-            hosts: vec![wire::Host {
-                name: "gpu".into(),
-                url: "http://127.0.0.1:1".into(),
-                installed_models: vec!["nomic-embed-text:latest".into()],
-                loaded_models: vec!["llama3".into()],
-                ..Default::default()
-            }],
-            ..Default::default()
-        })
-        .unwrap();
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.hosts[0].installed_models = vec!["nomic-embed-text:latest".into()];
+        snapshot.hosts[0].loaded_models = vec!["llama3".into()];
+        let policy = Policy::try_from(snapshot).unwrap();
         let metrics = Metrics::new(&policy);
         for i in 0..MAX_OTHER_LABELS {
             let junk = format!("made-up-{i}");

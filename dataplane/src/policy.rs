@@ -472,6 +472,30 @@ pub fn normalize_model(name: &str) -> String {
     }
 }
 
+/// The smallest wire snapshot that compiles: one listener on port 0, one
+/// host. Tests edit what they need.
+#[cfg(test)]
+pub(crate) fn minimal_wire() -> oqp_proto::policy::v1::PolicySnapshot {
+    use oqp_proto::policy::v1 as wire;
+    wire::PolicySnapshot {
+        version: 1,
+        listener: Some(wire::Listener {
+            host: "127.0.0.1".into(),
+            port: 0,
+        }),
+        proxy: Some(wire::ProxySettings {
+            max_concurrent: 1,
+            ..Default::default()
+        }),
+        hosts: vec![wire::Host {
+            name: "gpu".into(),
+            url: "http://127.0.0.1:1".into(),
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -89,24 +89,7 @@ mod tests {
     use super::*;
 
     fn store() -> PolicyStore {
-        use oqp_proto::policy::v1 as wire;
-        let snapshot = wire::PolicySnapshot {
-            version: 1,
-            listener: Some(wire::Listener {
-                host: "127.0.0.1".into(),
-                port: 0,
-            }),
-            proxy: Some(wire::ProxySettings {
-                max_concurrent: 1,
-                ..Default::default()
-            }),
-            hosts: vec![wire::Host {
-                name: "gpu".into(),
-                url: "http://127.0.0.1:1".into(),
-                ..Default::default()
-            }],
-            ..Default::default()
-        };
+        let snapshot = crate::policy::minimal_wire();
         PolicyStore::new(crate::policy::Policy::try_from(snapshot).unwrap())
     }
 

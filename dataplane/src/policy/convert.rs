@@ -495,26 +495,6 @@ fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {
 mod tests {
     use super::*;
 
-    fn minimal() -> wire::PolicySnapshot {
-        wire::PolicySnapshot {
-            version: 1,
-            listener: Some(wire::Listener {
-                host: "127.0.0.1".into(),
-                port: 0,
-            }),
-            proxy: Some(wire::ProxySettings {
-                max_concurrent: 1,
-                ..Default::default()
-            }),
-            hosts: vec![wire::Host {
-                name: "gpu".into(),
-                url: "http://127.0.0.1:1".into(),
-                ..Default::default()
-            }],
-            ..Default::default()
-        }
-    }
-
     type Edit = fn(&mut wire::PolicySnapshot, u64);
 
     /// Every duration and size field, with the path its rejection names.
@@ -573,14 +553,14 @@ mod tests {
     #[test]
     fn out_of_range_durations_and_sizes_are_rejected_by_name() {
         for (path, edit) in FIELDS {
-            let mut snapshot = minimal();
+            let mut snapshot = crate::policy::minimal_wire();
             edit(&mut snapshot, u64::MAX);
             let error = Policy::try_from(snapshot).expect_err(path).to_string();
             assert!(error.contains(path), "{path}: {error}");
             assert!(error.contains("above the limit"), "{path}: {error}");
         }
         // The value that once panicked the data plane's cache.
-        let mut snapshot = minimal();
+        let mut snapshot = crate::policy::minimal_wire();
         snapshot.embedding_cache = Some(wire::EmbeddingCacheSettings {
             enabled: true,
             ttl_seconds: 40_000_000_000,
@@ -591,7 +571,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_largest_accepted_values_build_every_part_without_panicking() {
-        let mut snapshot = minimal();
+        let mut snapshot = crate::policy::minimal_wire();
         for (_, edit) in FIELDS {
             edit(&mut snapshot, 1);
         }
