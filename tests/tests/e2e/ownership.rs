@@ -115,3 +115,103 @@ async fn a_forged_hop_gains_nothing() {
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+/// A TLS terminator on `127.0.0.1:0` in front of `backend`, with a certificate for
+/// 127.0.0.1 issued by a fresh CA; returns its port and the CA's PEM.
+async fn tls_front(backend: std::net::SocketAddr) -> (u16, String) {
+    use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![leaf.der().clone()], key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = oqp_tests::harness::loopback().await;
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                if let Ok(mut plain) = tokio::net::TcpStream::connect(backend).await {
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                }
+            });
+        }
+    });
+    (port, ca.pem())
+}
+
+#[tokio::test]
+async fn a_peer_at_https_is_reached_with_the_ca_given_by_ca() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    // b's own listener is plain; its peers reach it through the terminator.
+    let b_listener = oqp_tests::harness::loopback().await;
+    let (port, ca_pem) = tls_front(b_listener.local_addr().unwrap()).await;
+    let yaml = format!(
+        "control_plane: {{node_token: {TOKEN}}}\n\
+         nodes: {{local: {{port: 0}}, e: {{port: 0}}, b: {{url: \"https://127.0.0.1:{port}\"}}}}\n\
+         ollama:\n  hosts:\n    - {{url: \"{}\", name: gpu, node: b}}\n",
+        fake.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    let start = |node: &str, listener, ca_file| {
+        oqp_dataplane::DataPlane::start(oqp_dataplane::Options {
+            control: oqp_dataplane::control::ControlOptions {
+                url: stack.control_url(),
+                node: node.to_owned(),
+                token: Some(TOKEN.to_owned()),
+                ca_file,
+            },
+            listener: Some(listener),
+            report_interval: Duration::from_millis(200),
+            log_level: None,
+        })
+    };
+    let b = start("b", b_listener, None).await.expect("b starts");
+    let ca_path = stack.dir().join("ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let e = start("e", oqp_tests::harness::loopback().await, Some(ca_path))
+        .await
+        .expect("e starts");
+    let http = HttpClient::new();
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let through_e = http
+        .post_json(
+            &format!("http://{}/api/generate", e.local_addr()),
+            &[],
+            &request,
+        )
+        .await;
+    assert_eq!(through_e.status, 200, "{}", through_e.text());
+    assert_eq!(through_e.header("x-failover-host").as_deref(), Some("gpu"));
+    // The single-box plane has no --ca: it cannot verify b's certificate, so b counts as
+    // unreachable from there and nothing is sent in clear.
+    let through_local = http
+        .post_json(&format!("{}/api/generate", stack.url()), &[], &request)
+        .await;
+    assert_eq!(through_local.status, 503, "{}", through_local.text());
+    assert_eq!(
+        through_local.header("x-failover-exhausted").as_deref(),
+        Some("true")
+    );
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    e.shutdown().await;
+    b.shutdown().await;
+    stack.shutdown().await;
+}
