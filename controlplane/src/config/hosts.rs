@@ -176,6 +176,7 @@ fn host(
             kind,
             api_keys,
             fallback_models,
+            node: None,
         }
     })
 }

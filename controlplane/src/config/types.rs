@@ -91,6 +91,8 @@ pub struct HostConfig {
     pub api_keys: Vec<CloudKey>,
     /// Models to try, in order, when the requested one fails unrecoverably on this host.
     pub fallback_models: Vec<String>,
+    /// The node that owns this host (`ollama.hosts[].node`); `None` = every data plane.
+    pub node: Option<String>,
 }
 
 /// A key of a cloud host's pool.
