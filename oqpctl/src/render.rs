@@ -361,7 +361,11 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     client.rejected.to_string(),
                 ]);
             }
-            if response.clients.iter().any(|client| client.max_concurrent > 0) {
+            if response
+                .clients
+                .iter()
+                .any(|client| client.max_concurrent > 0)
+            {
                 format!("{clients}\n{PER_BOX}")
             } else {
                 clients.to_string()
@@ -636,7 +640,11 @@ mod tests {
     #[test]
     fn hosts_show_their_owner_node() {
         let response = api::ListHostsResponse {
-            hosts: vec![host("gpu1", "box1"), host("gpu2", "box2"), host("spare", "")],
+            hosts: vec![
+                host("gpu1", "box1"),
+                host("gpu2", "box2"),
+                host("spare", ""),
+            ],
         };
         let text = hosts(&response, Output::Table, Style { color: false });
         let header = text.lines().find(|line| line.contains("host")).unwrap();
@@ -689,7 +697,10 @@ mod tests {
             }],
         };
         let text = clients(&clients_response, Output::Table, Style { color: false });
-        assert!(text.contains("cap / box") && text.contains("Caps are per GPU box"), "{text}");
+        assert!(
+            text.contains("cap / box") && text.contains("Caps are per GPU box"),
+            "{text}"
+        );
     }
 
     #[test]

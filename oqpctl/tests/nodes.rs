@@ -99,9 +99,12 @@ fn stdout(output: &Output) -> String {
 async fn status_once_local_reported(control: &ControlPlane) -> Value {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let status: Value =
-            serde_json::from_slice(&oqpctl(control, &["status", "--output", "json"]).await.stdout)
-                .unwrap();
+        let status: Value = serde_json::from_slice(
+            &oqpctl(control, &["status", "--output", "json"])
+                .await
+                .stdout,
+        )
+        .unwrap();
         let local = status["nodes"]
             .as_array()
             .unwrap()
@@ -117,7 +120,7 @@ async fn status_once_local_reported(control: &ControlPlane) -> Value {
 
 fn row(text: &str, name: &str) -> String {
     text.lines()
-        .find(|line| line.contains(&format!(" {name} ")))
+        .find(|line| line.starts_with(&format!("| {name} ")))
         .unwrap_or_else(|| panic!("no row for {name}:\n{text}"))
         .to_owned()
 }
@@ -135,19 +138,22 @@ async fn status_lists_a_listed_node_that_never_connected() {
     assert_eq!(box2["link"], "never connected", "{status}");
     assert_eq!(box2["configured"], true);
     assert_eq!(box2["last_report_age_ms"], Value::Null);
+    assert_eq!(box2["url"], "http://127.0.0.1:7");
     assert_eq!(nodes[1]["configured"], true);
     assert_eq!(nodes[1]["waiting"]["low"], 0);
 
     let table = stdout(&oqpctl(&control, &["status"]).await);
     assert!(row(&table, "box2").contains("never connected"), "{table}");
     let local = row(&table, "local");
-    assert!(local.contains("connected") && local.contains("0/0/0"), "{table}");
+    assert!(
+        local.contains("connected") && local.contains("0/0/0"),
+        "{table}"
+    );
 
     control.shutdown().await;
 }
 
 #[tokio::test]
-#[ignore = "needs the config loader to read ollama.hosts[].node (the integrator's Nodes: core)"]
 async fn hosts_and_status_show_what_each_node_owns() {
     let dir = Scratch::new("nodes-owners");
     let control = two_boxes(&dir).await;
@@ -155,9 +161,12 @@ async fn hosts_and_status_show_what_each_node_owns() {
     let table = stdout(&oqpctl(&control, &["hosts"]).await);
     assert!(row(&table, "here").contains(" local "), "{table}");
     assert!(row(&table, "there").contains(" box2 "), "{table}");
-    let hosts: Value =
-        serde_json::from_slice(&oqpctl(&control, &["hosts", "--output", "json"]).await.stdout)
-            .unwrap();
+    let hosts: Value = serde_json::from_slice(
+        &oqpctl(&control, &["hosts", "--output", "json"])
+            .await
+            .stdout,
+    )
+    .unwrap();
     let owners: Vec<&str> = hosts
         .as_array()
         .unwrap()
@@ -171,7 +180,10 @@ async fn hosts_and_status_show_what_each_node_owns() {
     assert_eq!(status["nodes"][1]["owns"], serde_json::json!(["here"]));
     let table = stdout(&oqpctl(&control, &["status"]).await);
     let box2 = row(&table, "box2");
-    assert!(box2.contains(" there ") && !box2.contains("here"), "{table}");
+    assert!(
+        box2.contains(" there ") && !box2.contains(" here"),
+        "{table}"
+    );
 
     control.shutdown().await;
 }

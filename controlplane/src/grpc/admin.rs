@@ -189,7 +189,15 @@ impl AdminService for AdminApi {
         let config = self.hub.config();
         let inventory = self.hub.inventory();
         let runtime = self.hub.runtime();
-        let nodes = nodes::statuses(&config, self.hub.nodes());
+        // Every node's peer URL, as the data planes are told it (no node is
+        // named "", so none is left out).
+        let urls = self
+            .hub
+            .loads_for("")
+            .into_iter()
+            .map(|load| (load.node, load.url))
+            .collect();
+        let nodes = nodes::statuses(&config, self.hub.nodes(), &urls);
         let hosts_healthy = config
             .ollama
             .hosts

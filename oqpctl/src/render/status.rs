@@ -1,6 +1,7 @@
 //! `oqpctl status`: the control plane, then one row per node: its link to
-//! the control plane, the hosts it dispatches to, and its queue as its last
-//! report gave it.
+//! the control plane, how its peers reach it, the hosts it dispatches to,
+//! its queue and what it forwarded to each peer, as its last report gave
+//! them.
 
 use std::time::Duration;
 
@@ -65,12 +66,13 @@ fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::
             "node",
             "link",
             "last report",
-            "address",
+            "url",
             "snapshot",
             "in sync",
             "owns",
             "waiting high/normal/low",
             "in flight",
+            "forwarded",
         ],
     );
     for node in &response.nodes {
@@ -79,10 +81,11 @@ fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::
                 node.node.clone(),
                 link(node).to_owned(),
                 "-".to_owned(),
-                "-".to_owned(),
+                or_dash(&node.url),
                 "-".to_owned(),
                 "-".to_owned(),
                 list(&node.owned_hosts),
+                "-".to_owned(),
                 "-".to_owned(),
                 "-".to_owned(),
             ]);
@@ -93,19 +96,39 @@ fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::
             node.node.clone(),
             link(node).to_owned(),
             age(millis_age(node.last_report_age_ms)),
-            if node.listen_address.is_empty() {
-                "-".to_owned()
+            if node.url.is_empty() {
+                or_dash(&node.listen_address)
             } else {
-                node.listen_address.clone()
+                node.url.clone()
             },
             node.applied_version.to_string(),
             yes_no(node.applied_version == response.snapshot_version).to_owned(),
             list(&node.owned_hosts),
             format!("{high}/{normal}/{low}"),
             report.active.to_string(),
+            forwarded(report),
         ]);
     }
     nodes
+}
+
+/// Requests forwarded to each peer, e.g. `box2 12, box3 1`.
+fn forwarded(report: &oqp_proto::policy::v1::NodeReport) -> String {
+    let peers: Vec<String> = report
+        .forwarded
+        .iter()
+        .filter(|peer| peer.forwarded > 0)
+        .map(|peer| format!("{} {}", peer.node, peer.forwarded))
+        .collect();
+    list(&peers)
+}
+
+fn or_dash(text: &str) -> String {
+    if text.is_empty() {
+        "-".to_owned()
+    } else {
+        text.to_owned()
+    }
 }
 
 fn node_json(node: &api::NodeStatus, snapshot_version: u64) -> Value {
@@ -117,6 +140,7 @@ fn node_json(node: &api::NodeStatus, snapshot_version: u64) -> Value {
         "configured": node.configured,
         "owns": node.owned_hosts,
         "address": node.listen_address,
+        "url": (!node.url.is_empty()).then_some(&node.url),
         "applied_version": node.applied_version,
         "in_sync": seen(node) && node.applied_version == snapshot_version,
         "last_report_age_ms": (node.last_report_age_ms != u64::MAX).then_some(node.last_report_age_ms),
@@ -124,6 +148,11 @@ fn node_json(node: &api::NodeStatus, snapshot_version: u64) -> Value {
         "active": report.active,
         "queued": high + normal + low,
         "waiting": {"high": high, "normal": normal, "low": low},
+        "forwarded": report
+            .forwarded
+            .iter()
+            .map(|peer| (peer.node.clone(), json!(peer.forwarded)))
+            .collect::<serde_json::Map<_, _>>(),
         "uptime_seconds": report.uptime_seconds,
         "rejected_version": (report.rejected_version != 0).then_some(report.rejected_version),
         "rejected_reason": (!report.rejected_reason.is_empty()).then_some(report.rejected_reason),
@@ -187,6 +216,7 @@ mod tests {
                 configured: false,
                 seen: true,
                 owned_hosts: vec!["local".into()],
+                url: String::new(),
             }],
             hosts_total: 2,
             hosts_healthy: 1,
@@ -214,17 +244,29 @@ mod tests {
             report: Some(wire::NodeReport {
                 active: 5,
                 tiers,
+                forwarded: vec![
+                    wire::PeerForwarded {
+                        node: "box2".into(),
+                        forwarded: 12,
+                    },
+                    wire::PeerForwarded {
+                        node: "box3".into(),
+                        forwarded: 0,
+                    },
+                ],
                 ..Default::default()
             }),
             configured: true,
             seen: true,
             owned_hosts: vec!["gpu1".into()],
+            url: "http://192.168.1.11:11434".into(),
         };
         let box2 = api::NodeStatus {
             node: "box2".into(),
             last_report_age_ms: u64::MAX,
             configured: true,
             owned_hosts: vec!["gpu2".into(), "gpu3".into()],
+            url: "http://192.168.1.12:11434".into(),
             ..Default::default()
         };
         let laptop = api::NodeStatus {
@@ -244,7 +286,7 @@ mod tests {
 
     fn row(text: &str, node: &str) -> String {
         text.lines()
-            .find(|line| line.contains(&format!(" {node} ")))
+            .find(|line| line.starts_with(&format!("| {node} ")))
             .unwrap_or_else(|| panic!("no row for {node}:\n{text}"))
             .to_owned()
     }
@@ -265,15 +307,29 @@ mod tests {
         let text = status(&two_boxes(), Output::Table, PLAIN);
         assert!(text.contains("waiting high/normal/low"), "{text}");
         let box1 = row(&text, "box1");
-        for cell in ["connected", "0s", "gpu1", "1/4/9", " 5 ", "yes"] {
+        for cell in [
+            "connected",
+            "0s",
+            "http://192.168.1.11:11434",
+            "gpu1",
+            "1/4/9",
+            " 5 ",
+            "yes",
+            "box2 12",
+        ] {
             assert!(box1.contains(cell), "{cell} in {box1}");
         }
         let box2 = row(&text, "box2");
         assert!(box2.contains("never connected"), "{box2}");
         assert!(box2.contains("gpu2, gpu3"), "{box2}");
         assert!(!box2.contains("0/0/0"), "{box2}");
+        assert!(box2.contains("http://192.168.1.12:11434"), "{box2}");
+        assert!(!box1.contains("box3"), "{box1}");
         let laptop = row(&text, "laptop");
-        assert!(laptop.contains("disconnected") && laptop.contains("2m 5s"), "{laptop}");
+        assert!(
+            laptop.contains("disconnected") && laptop.contains("2m 5s"),
+            "{laptop}"
+        );
         assert!(laptop.contains(" no "), "{laptop}");
     }
 
@@ -311,11 +367,14 @@ mod tests {
         assert_eq!(box1["waiting"], json!({"high": 1, "normal": 4, "low": 9}));
         assert_eq!(box1["queued"], 14);
         assert_eq!(box1["active"], 5);
+        assert_eq!(box1["url"], "http://192.168.1.11:11434");
+        assert_eq!(box1["forwarded"], json!({"box2": 12, "box3": 0}));
         let box2 = &value["nodes"][1];
         assert_eq!(box2["link"], "never connected");
         assert_eq!(box2["owns"], json!(["gpu2", "gpu3"]));
         assert_eq!(box2["last_report_age_ms"], Value::Null);
         assert_eq!(box2["in_sync"], false);
+        assert_eq!(box2["forwarded"], json!({}));
         assert_eq!(value["nodes"][2]["link"], "disconnected");
         assert_eq!(value["nodes"][2]["configured"], false);
     }

@@ -15,9 +15,14 @@ use crate::config::Config;
 use crate::hub::Node;
 
 /// One row per node the config lists or the control plane has seen, by
-/// name. A listed node that never connected has only its name, its hosts
-/// and `seen: false`.
-pub(super) fn statuses(config: &Config, seen: BTreeMap<String, Node>) -> Vec<api::NodeStatus> {
+/// name, with how peers reach it (`urls`: node name → URL). A listed node
+/// that never connected has only its name, its hosts, its URL if the config
+/// gives one, and `seen: false`.
+pub(super) fn statuses(
+    config: &Config,
+    seen: BTreeMap<String, Node>,
+    urls: &BTreeMap<String, String>,
+) -> Vec<api::NodeStatus> {
     let mut rows: BTreeMap<String, api::NodeStatus> = seen
         .into_iter()
         .map(|(name, node)| {
@@ -31,6 +36,7 @@ pub(super) fn statuses(config: &Config, seen: BTreeMap<String, Node>) -> Vec<api
                 configured: false,
                 seen: true,
                 owned_hosts: Vec::new(),
+                url: String::new(),
             };
             (name, status)
         })
@@ -47,6 +53,7 @@ pub(super) fn statuses(config: &Config, seen: BTreeMap<String, Node>) -> Vec<api
     rows.into_values()
         .map(|mut row| {
             row.owned_hosts = owned_hosts(config, &row.node);
+            row.url = urls.get(&row.node).cloned().unwrap_or_default();
             row
         })
         .collect()
@@ -86,14 +93,8 @@ mod tests {
     use crate::config::{Env, load_str};
     use oqp_proto::policy::v1::NodeReport;
 
-    /// Loads `yaml`, then sets the owners as the file names them (written
-    /// in the file too, for a loader that reads `node`).
-    fn with_owners(yaml: &str, owners: &[(usize, &str)]) -> Config {
-        let mut config = load_str(yaml, &Env::empty()).unwrap().config;
-        for (index, node) in owners {
-            config.ollama.hosts[*index].node = Some((*node).to_owned());
-        }
-        config
+    fn load(yaml: &str) -> Config {
+        load_str(yaml, &Env::empty()).unwrap().config
     }
 
     /// Two listed boxes owning one host each.
@@ -105,7 +106,7 @@ mod tests {
                     nodes:\n\
                     \x20 box1: {host: 10.0.0.1, url: 'http://10.0.0.1:11435'}\n\
                     \x20 box2: {host: 10.0.0.2, url: 'http://10.0.0.2:11435'}\n";
-        with_owners(yaml, &[(0, "box1"), (1, "box2")])
+        load(yaml)
     }
 
     /// One listed box owning one host, and a host with no owner.
@@ -114,7 +115,7 @@ mod tests {
                     \x20   - {url: 'http://10.0.0.1:11434', name: gpu1, node: box1}\n\
                     \x20   - {url: 'http://10.0.0.3:11434', name: shared}\n\
                     nodes:\n  box1: {host: 10.0.0.1, url: 'http://10.0.0.1:11435'}\n";
-        with_owners(yaml, &[(0, "box1")])
+        load(yaml)
     }
 
     fn connected(name: &str) -> Node {
@@ -133,7 +134,12 @@ mod tests {
     #[test]
     fn a_listed_node_that_never_connected_has_a_row_with_its_hosts() {
         let config = two_boxes();
-        let rows = statuses(&config, BTreeMap::from([("box1".into(), connected("box1"))]));
+        let urls = BTreeMap::from([("box2".into(), "http://10.0.0.2:11435".into())]);
+        let rows = statuses(
+            &config,
+            BTreeMap::from([("box1".into(), connected("box1"))]),
+            &urls,
+        );
         let names: Vec<&str> = rows.iter().map(|row| row.node.as_str()).collect();
         assert_eq!(names, ["box1", "box2"]);
         let (box1, box2) = (&rows[0], &rows[1]);
@@ -144,6 +150,8 @@ mod tests {
         assert_eq!(box2.last_report_age_ms, u64::MAX);
         assert!(box2.report.is_none());
         assert_eq!(box2.owned_hosts, ["gpu2"]);
+        assert_eq!(box2.url, "http://10.0.0.2:11435");
+        assert_eq!(box1.url, "");
     }
 
     #[test]
@@ -151,7 +159,11 @@ mod tests {
         let config = one_box_and_a_shared_host();
         let mut gone = connected("laptop");
         gone.watches = 0;
-        let rows = statuses(&config, BTreeMap::from([("laptop".into(), gone)]));
+        let rows = statuses(
+            &config,
+            BTreeMap::from([("laptop".into(), gone)]),
+            &BTreeMap::new(),
+        );
         let names: Vec<&str> = rows.iter().map(|row| row.node.as_str()).collect();
         assert_eq!(names, ["box1", "laptop"]);
         assert_eq!(rows[0].owned_hosts, ["gpu1", "shared"]);
@@ -164,8 +176,12 @@ mod tests {
     fn without_owners_every_node_dispatches_to_every_host() {
         let yaml = "ollama:\n  hosts:\n    - {url: 'http://127.0.0.1:9', name: a}\n\
                     \x20   - {url: 'http://127.0.0.1:8', name: b}\n";
-        let config = load_str(yaml, &Env::empty()).unwrap().config;
-        let rows = statuses(&config, BTreeMap::from([("local".into(), connected("local"))]));
+        let config = load(yaml);
+        let rows = statuses(
+            &config,
+            BTreeMap::from([("local".into(), connected("local"))]),
+            &BTreeMap::new(),
+        );
         assert_eq!(rows[0].owned_hosts, ["a", "b"]);
         assert_eq!(owner_of(&config, "a"), "");
         let config = one_box_and_a_shared_host();
