@@ -53,7 +53,10 @@ fn read(path: &str) -> String {
 fn readme_block(marker: &str) -> String {
     let readme = read("README.md");
     let after = &readme[readme.find(marker).expect("the README marks the block")..];
-    let start = after.find("```yaml\n").expect("a yaml block follows the marker") + 8;
+    let start = after
+        .find("```yaml\n")
+        .expect("a yaml block follows the marker")
+        + 8;
     let end = after[start..].find("```").unwrap();
     after[start..start + end].to_owned()
 }
