@@ -1,7 +1,7 @@
 //! `oqpctl hosts` and `oqpctl status` with several GPU boxes, end to end:
 //! the real binary against a real control plane whose config lists two
-//! nodes, `local` (the in-process data plane, which connects) and `box2`
-//! (which never does), each owning one host.
+//! nodes, `local` (the in-process data plane) and `box2` (started, or not,
+//! by the test), each owning one host.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -14,6 +14,7 @@ use oqp_controlplane::{ControlPlane, Options};
 use serde_json::Value;
 
 const READER: &str = "sk-read-0123456789";
+const NODE_TOKEN: &str = "sk-node-0123456789";
 
 /// A scratch directory removed on drop (this crate has no `tempfile`).
 struct Scratch(PathBuf);
@@ -51,7 +52,7 @@ async fn two_boxes(dir: &Scratch) -> ControlPlane {
              \x20   - {{url: 'http://127.0.0.1:8', name: there, node: box2}}\n\
              auth:\n  enabled: true\n  keys:\n\
              \x20   - {{key: {READER}, client_id: widget, scope: read}}\n\
-             control_plane:\n  node_token: sk-node-0123456789\n  state_dir: '{}'\n\
+             control_plane:\n  node_token: {NODE_TOKEN}\n  state_dir: '{}'\n\
              nodes:\n\
              \x20 local: {{host: 127.0.0.1, url: '{local_url}'}}\n\
              \x20 box2: {{host: 127.0.0.1, url: 'http://127.0.0.1:7'}}\n",
@@ -94,28 +95,52 @@ fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-/// `oqpctl status --output json` once the in-process data plane has
-/// reported: it connects at start and reports about once a second.
-async fn status_once_local_reported(control: &ControlPlane) -> Value {
+/// `oqpctl status --output json` once `node`'s row satisfies `ready`
+/// (a node reports about once a second).
+async fn status_when(control: &ControlPlane, node: &str, ready: impl Fn(&Value) -> bool) -> Value {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let status: Value = serde_json::from_slice(
-            &oqpctl(control, &["status", "--output", "json"])
-                .await
-                .stdout,
-        )
-        .unwrap();
-        let local = status["nodes"]
+        let output = oqpctl(control, &["status", "--output", "json"]).await;
+        let status: Value = serde_json::from_slice(&output.stdout).unwrap();
+        let row = status["nodes"]
             .as_array()
             .unwrap()
             .iter()
-            .find(|node| node["node"] == "local");
-        if local.is_some_and(|node| node["link"] == "connected" && node["in_sync"] == true) {
+            .find(|row| row["node"] == node);
+        if row.is_some_and(&ready) {
             return status;
         }
-        assert!(Instant::now() < deadline, "local never reported: {status}");
+        assert!(
+            Instant::now() < deadline,
+            "{node} never got there: {status}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The status once the in-process data plane serves the current snapshot.
+async fn status_once_local_reported(control: &ControlPlane) -> Value {
+    status_when(control, "local", |row| {
+        row["link"] == "connected" && row["in_sync"] == true
+    })
+    .await
+}
+
+/// A data plane named `box2` following `control`, on a port of its own.
+async fn start_box2(control: &ControlPlane) -> oqp_dataplane::DataPlane {
+    oqp_dataplane::DataPlane::start(oqp_dataplane::Options {
+        control: oqp_dataplane::control::ControlOptions {
+            url: format!("http://{}", control.local_addr()),
+            node: "box2".to_owned(),
+            token: Some(NODE_TOKEN.to_owned()),
+            ca_file: None,
+        },
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        report_interval: Duration::from_millis(200),
+        log_level: None,
+    })
+    .await
+    .unwrap()
 }
 
 fn row(text: &str, name: &str) -> String {
@@ -126,7 +151,7 @@ fn row(text: &str, name: &str) -> String {
 }
 
 #[tokio::test]
-async fn status_lists_a_listed_node_that_never_connected() {
+async fn status_lists_a_listed_node_that_never_connected_then_follows_its_link() {
     let dir = Scratch::new("nodes-status");
     let control = two_boxes(&dir).await;
 
@@ -149,6 +174,23 @@ async fn status_lists_a_listed_node_that_never_connected() {
         local.contains("connected") && local.contains("0/0/0"),
         "{table}"
     );
+
+    // box2 starts: connected, reporting; it stops: disconnected, still listed.
+    let box2 = start_box2(&control).await;
+    let status = status_when(&control, "box2", |row| {
+        row["link"] == "connected" && row["last_report_age_ms"].is_u64()
+    })
+    .await;
+    assert_eq!(status["nodes"][0]["waiting"]["high"], 0, "{status}");
+    let table = stdout(&oqpctl(&control, &["status"]).await);
+    let row2 = row(&table, "box2");
+    assert!(
+        row2.contains(" connected ") && row2.contains("0/0/0"),
+        "{table}"
+    );
+    box2.shutdown().await;
+    let status = status_when(&control, "box2", |row| row["link"] == "disconnected").await;
+    assert_eq!(status["nodes"][0]["configured"], true);
 
     control.shutdown().await;
 }
