@@ -167,7 +167,17 @@ async fn status_lists_a_listed_node_that_never_connected_then_follows_its_link()
     assert_eq!(nodes[1]["configured"], true);
     assert_eq!(nodes[1]["waiting"]["low"], 0);
 
+    let warned = "node box2 has never connected to the control plane: only it sends to there";
+    assert!(
+        status["control_plane"]["warnings"]
+            .as_array()
+            .unwrap()
+            .contains(&Value::from(warned)),
+        "{status}"
+    );
+
     let table = stdout(&oqpctl(&control, &["status"]).await);
+    assert!(table.contains(&format!("warning: {warned}")), "{table}");
     assert!(row(&table, "box2").contains("never connected"), "{table}");
     let local = row(&table, "local");
     assert!(
@@ -182,6 +192,13 @@ async fn status_lists_a_listed_node_that_never_connected_then_follows_its_link()
     })
     .await;
     assert_eq!(status["nodes"][0]["waiting"]["high"], 0, "{status}");
+    let warnings = status["control_plane"]["warnings"].as_array().unwrap();
+    assert!(
+        !warnings
+            .iter()
+            .any(|w| w.as_str().unwrap().starts_with("node box2")),
+        "{status}"
+    );
     let table = stdout(&oqpctl(&control, &["status"]).await);
     let row2 = row(&table, "box2");
     assert!(

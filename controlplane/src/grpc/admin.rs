@@ -210,6 +210,7 @@ impl AdminService for AdminApi {
         }
         warnings.extend(self.keys.warnings(&config));
         warnings.extend(node_warnings(&self.hub));
+        warnings.extend(nodes::warnings(&config, &nodes));
         Ok(Response::new(api::GetStatusResponse {
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime_seconds: self.hub.started().elapsed().as_secs(),

@@ -59,6 +59,37 @@ pub(super) fn statuses(
         .collect()
 }
 
+/// A warning per owner that is not connected: the hosts only it sends to
+/// are out of reach of every other data plane, and the control plane cannot
+/// tell whether it still serves them on its last snapshot.
+pub(super) fn warnings(config: &Config, rows: &[api::NodeStatus]) -> Vec<String> {
+    rows.iter()
+        .filter(|row| !row.connected)
+        .filter_map(|row| {
+            let hosts: Vec<&str> = config
+                .ollama
+                .hosts
+                .iter()
+                .filter(|host| host.node.as_deref() == Some(row.node.as_str()))
+                .map(|host| host.name.as_str())
+                .collect();
+            if hosts.is_empty() {
+                return None;
+            }
+            let link = if row.seen {
+                "is not connected to the control plane"
+            } else {
+                "has never connected to the control plane"
+            };
+            Some(format!(
+                "node {} {link}: only it sends to {}",
+                row.node,
+                hosts.join(", ")
+            ))
+        })
+        .collect()
+}
+
 /// The hosts `node` dispatches to, in config order: those naming it as
 /// owner and those naming none.
 pub(super) fn owned_hosts(config: &Config, node: &str) -> Vec<String> {
@@ -152,6 +183,48 @@ mod tests {
         assert_eq!(box2.owned_hosts, ["gpu2"]);
         assert_eq!(box2.url, "http://10.0.0.2:11435");
         assert_eq!(box1.url, "");
+    }
+
+    #[test]
+    fn an_owner_that_is_not_connected_is_a_warning() {
+        let config = two_boxes();
+        let mut gone = connected("box1");
+        gone.watches = 0;
+        let rows = statuses(
+            &config,
+            BTreeMap::from([("box1".into(), gone)]),
+            &BTreeMap::new(),
+        );
+        assert_eq!(
+            warnings(&config, &rows),
+            [
+                "node box1 is not connected to the control plane: only it sends to gpu1",
+                "node box2 has never connected to the control plane: only it sends to gpu2",
+            ]
+        );
+        let rows = statuses(
+            &config,
+            BTreeMap::from([
+                ("box1".into(), connected("box1")),
+                ("box2".into(), connected("box2")),
+            ]),
+            &BTreeMap::new(),
+        );
+        assert!(warnings(&config, &rows).is_empty());
+        // A node that owns nothing of its own (an edge, or every data plane
+        // of a single box) is nobody's only way to a host.
+        let config = one_box_and_a_shared_host();
+        let mut laptop = connected("laptop");
+        laptop.watches = 0;
+        let rows = statuses(
+            &config,
+            BTreeMap::from([
+                ("box1".into(), connected("box1")),
+                ("laptop".into(), laptop),
+            ]),
+            &BTreeMap::new(),
+        );
+        assert!(warnings(&config, &rows).is_empty());
     }
 
     #[test]
