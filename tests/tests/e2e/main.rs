@@ -15,6 +15,7 @@ mod foundation;
 mod hosts;
 mod keys;
 mod observability;
+mod ownership;
 mod paths;
 mod reliability;
 mod routing;
