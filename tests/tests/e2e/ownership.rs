@@ -215,3 +215,53 @@ async fn a_peer_at_https_is_reached_with_the_ca_given_by_ca() {
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_peers_hops_are_served_while_its_address_is_throttled_and_keep_the_callers_tier() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let yaml = owned_by_b(&fake.url())
+        + "auth:\n  enabled: true\n  rate_limit: {max_failures: 2, window_seconds: 60}\n  keys:\n    \
+           - {key: sk-batch-0123456789, client_id: batch, max_priority: low}\n";
+    let stack = Stack::start(&yaml).await;
+    let b = stack
+        .start_dataplane("b", Some(TOKEN))
+        .await
+        .expect("node b starts");
+    let edge = stack.control.dataplane().expect("local data plane");
+    let (peers, policy) = (edge.app().peers.clone(), edge.app().store.load());
+    assert!(
+        eventually(Duration::from_secs(10), || peers
+            .url(&policy, "b")
+            .is_some())
+        .await
+    );
+    let http = HttpClient::new();
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    // Everything here comes from 127.0.0.1: wrong keys straight at b throttle that address.
+    let at_b = format!("http://{}/api/generate", b.local_addr());
+    let wrong = [("authorization", "Bearer sk-wrong-0123456789")];
+    for _ in 0..3 {
+        http.post_json(&at_b, &wrong, &request).await;
+    }
+    assert_eq!(http.post_json(&at_b, &wrong, &request).await.status, 429);
+    let key = [
+        ("authorization", "Bearer sk-batch-0123456789"),
+        ("x-queue-priority", "high"),
+    ];
+    let reply = http
+        .post_json(&format!("{}/api/generate", stack.url()), &key, &request)
+        .await;
+    assert_eq!(
+        reply.status,
+        200,
+        "a verified hop is not throttled: {}",
+        reply.text()
+    );
+    // (Its status page is throttled for this address too: read the owner's queues directly.)
+    let stats = b.app().dispatcher.stats();
+    let processed: Vec<u64> = stats.tiers.iter().map(|tier| tier.processed).collect();
+    assert_eq!(processed, [0, 0, 1], "queued at the client's ceiling, low");
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    b.shutdown().await;
+    stack.shutdown().await;
+}
