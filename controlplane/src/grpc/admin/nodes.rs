@@ -145,6 +145,7 @@ mod tests {
         let yaml = "ollama:\n  hosts:\n\
                     \x20   - {url: 'http://10.0.0.1:11434', name: gpu1, node: box1}\n\
                     \x20   - {url: 'http://10.0.0.3:11434', name: shared}\n\
+                    control_plane:\n  node_token: sk-node-0123456789\n\
                     nodes:\n  box1: {host: 10.0.0.1, url: 'http://10.0.0.1:11435'}\n";
         load(yaml)
     }
