@@ -108,6 +108,7 @@ pub fn snapshot(
                 fallback_models: host.fallback_models.clone(),
                 model_sync_interval_seconds: u32::try_from(host.model_sync_interval.as_secs())
                     .unwrap_or(u32::MAX),
+                node: host.node.clone().unwrap_or_default(),
             }
         })
         .collect();
@@ -199,16 +200,55 @@ pub fn snapshot(
             format: config.logging.format.as_str().to_owned(),
         }),
         created_unix_ms: unix_ms(SystemTime::now()),
+        node: String::new(),
+        nodes: config
+            .nodes
+            .keys()
+            .map(|name| wire::NodeInfo {
+                name: name.clone(),
+                url: configured_url(config, name).unwrap_or_default(),
+            })
+            .collect(),
     }
 }
 
-/// The snapshot as one node sees it: its listener override applied.
+/// How peers reach `node` by configuration: `nodes.NAME.url`, else `http://HOST:PORT` of its
+/// listener; `None` when it binds any free port (port 0: what it reports is used instead).
+pub fn configured_url(config: &Config, node: &str) -> Option<String> {
+    let node_override = config.nodes.get(node);
+    if let Some(url) = node_override.and_then(|n| n.url.clone()) {
+        return Some(url);
+    }
+    let host = node_override
+        .and_then(|n| n.host.as_deref())
+        .unwrap_or(&config.proxy.host);
+    let port = node_override
+        .and_then(|n| n.port)
+        .unwrap_or(config.proxy.port);
+    if port == 0 {
+        return None;
+    }
+    Some(match host.parse::<std::net::Ipv6Addr>() {
+        Ok(ip) => format!("http://[{ip}]:{port}"),
+        Err(_) => format!("http://{host}:{port}"),
+    })
+}
+
+/// The snapshot as one node sees it: its name, its listener override applied, and the keys of
+/// cloud hosts only where it owns them (a key is a secret a node that never sends to the host
+/// has no use for).
 pub fn for_node(
     snapshot: &wire::PolicySnapshot,
     config: &Config,
     node: &str,
 ) -> wire::PolicySnapshot {
     let mut snapshot = snapshot.clone();
+    snapshot.node = node.to_owned();
+    for host in &mut snapshot.hosts {
+        if !host.node.is_empty() && host.node != node {
+            host.cloud_keys.clear();
+        }
+    }
     if let (Some(node_override), Some(listener)) =
         (config.nodes.get(node), snapshot.listener.as_mut())
     {

@@ -180,6 +180,11 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
         .control_plane
         .and_then(|control_plane| cluster::control_plane(control_plane, env, problems));
     let nodes = raw.nodes.and_then(|nodes| cluster::nodes(nodes, problems));
+    if let (Some(ollama), Some(nodes), Some(proxy), Some(control_plane)) =
+        (&ollama, &nodes, &proxy, &control_plane)
+    {
+        cluster::ownership(&ollama.hosts, nodes, proxy, control_plane, problems);
+    }
     Some(Config {
         proxy: proxy?,
         ollama: ollama?,

@@ -334,6 +334,62 @@ impl Hub {
     pub fn nodes(&self) -> BTreeMap<String, Node> {
         self.lock().nodes.clone()
     }
+
+    /// Every node but `asking`, listed in the config or seen, with the load it last reported
+    /// and how to reach it: what `asking` ranks other nodes' hosts by.
+    pub fn loads_for(&self, asking: &str) -> Vec<wire::NodeLoad> {
+        let state = self.lock();
+        let names: std::collections::BTreeSet<&String> = state
+            .config
+            .nodes
+            .keys()
+            .chain(state.nodes.keys())
+            .collect();
+        names
+            .into_iter()
+            .filter(|name| name.as_str() != asking)
+            .map(|name| {
+                let seen = state.nodes.get(name);
+                let report = seen.map(|node| &node.report);
+                let url = state
+                    .config
+                    .nodes
+                    .get(name)
+                    .and_then(|node| node.url.clone())
+                    .or_else(|| report.and_then(|r| reported_url(&r.listen_address)))
+                    .or_else(|| compile::configured_url(&state.config, name))
+                    .unwrap_or_default();
+                wire::NodeLoad {
+                    node: name.clone(),
+                    url,
+                    connected: seen.is_some_and(|node| node.watches > 0),
+                    report_age_ms: seen.and_then(|node| node.reported_at).map_or(0, |at| {
+                        u64::try_from(at.elapsed().as_millis())
+                            .unwrap_or(u64::MAX)
+                            .max(1)
+                    }),
+                    waiting: report.map_or(0, |r| r.tiers.iter().map(|t| t.depth).sum()),
+                    hosts: report
+                        .map(|r| {
+                            r.hosts
+                                .iter()
+                                .map(|host| wire::HostLoad {
+                                    name: host.name.clone(),
+                                    slots_in_use: host.slots_in_use,
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// `http://ADDR` for a reported listen address, unless it is a wildcard (not reachable as such).
+fn reported_url(listen_address: &str) -> Option<String> {
+    let addr: std::net::SocketAddr = listen_address.parse().ok()?;
+    (!addr.ip().is_unspecified()).then(|| format!("http://{addr}"))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -352,5 +352,6 @@ fn report(app: &App) -> NodeReport {
         active: app.active(),
         apply_errors: app.store.failures(),
         stale_version: app.control.stale_version(),
+        forwarded: Vec::new(),
     }
 }

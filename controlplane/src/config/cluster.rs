@@ -1,5 +1,5 @@
-//! The `control_plane` and `nodes` sections: where data planes connect, with which token, and
-//! per-node listener overrides.
+//! The `control_plane` and `nodes` sections: where data planes connect and with which token;
+//! each node's listener overrides, how its peers reach it, and which hosts it owns.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -11,7 +11,7 @@ use super::net;
 use super::resolve::{checked, ranged, text};
 use super::scalar::Text;
 use super::schema::{RawControlPlane, RawNode};
-use super::types::{ControlPlaneConfig, NodeOverride, TlsConfig};
+use super::types::{ControlPlaneConfig, HostConfig, NodeOverride, ProxyConfig, TlsConfig};
 
 pub(crate) fn control_plane(
     raw: RawControlPlane,
@@ -62,6 +62,96 @@ pub(crate) fn control_plane(
     })
 }
 
+/// `nodes.NAME.url`: an `http`/`https` base URL without credentials, query or fragment.
+fn peer_url(text: &str, path: &str, problems: &mut Problems) -> Option<String> {
+    match net::parse_http_url(text) {
+        Ok(url) if url.has_userinfo || url.has_query_or_fragment => {
+            problems.error(format!(
+                "{path}.url must not contain credentials, a query or a fragment"
+            ));
+            None
+        }
+        Ok(url) => Some(url.normalized),
+        Err(_) => {
+            problems.error(format!(
+                "{path}.url must be an http:// or https:// URL, e.g. http://10.0.0.2:11435"
+            ));
+            None
+        }
+    }
+}
+
+/// Ownership: with two or more nodes listed, every host names the node beside it, that node
+/// is listed, peers can reach every node, and the node token that keys the hop is set. A host
+/// naming an unlisted node is an error however many nodes there are.
+pub(crate) fn ownership(
+    hosts: &[HostConfig],
+    nodes: &BTreeMap<String, NodeOverride>,
+    proxy: &ProxyConfig,
+    control_plane: &ControlPlaneConfig,
+    problems: &mut Problems,
+) {
+    let several = nodes.len() >= 2;
+    for (index, host) in hosts.iter().enumerate() {
+        let path = format!("ollama.hosts[{index}].node");
+        match host.node.as_deref() {
+            Some("") => problems.error(format!(
+                "{path} must name a node listed under nodes (listed: {})",
+                listed(nodes)
+            )),
+            Some(node) if !nodes.contains_key(node) => {
+                problems.error(format!(
+                    "{path}: node '{node}' is not listed under nodes (listed: {})",
+                    listed(nodes)
+                ));
+            }
+            None if several => problems.error(format!(
+                "{path} is required when nodes lists two or more nodes: name the data plane \
+                 beside host '{}' (one of {})",
+                host.name,
+                listed(nodes)
+            )),
+            _ => {}
+        }
+    }
+    if !several {
+        return;
+    }
+    for (name, node) in nodes {
+        let host = node.host.as_deref().unwrap_or(&proxy.host);
+        if node.url.is_none() && is_wildcard(host) {
+            problems.error(format!(
+                "nodes.{name}.url is required: node '{name}' listens on the wildcard address \
+                 '{host}', so its peers cannot tell where to reach it"
+            ));
+        }
+    }
+    if control_plane.node_token.is_none() {
+        problems.error(
+            "control_plane.node_token is required when nodes lists two or more nodes: it \
+             authenticates data planes and keys the identity they assert to each other",
+        );
+    }
+}
+
+fn listed(nodes: &BTreeMap<String, NodeOverride>) -> String {
+    if nodes.is_empty() {
+        return "none".to_owned();
+    }
+    nodes
+        .keys()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `0.0.0.0`, `::` and their spellings: an address to bind, not one to reach.
+fn is_wildcard(host: &str) -> bool {
+    host.trim_matches(['[', ']'])
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+}
+
 pub(crate) fn nodes(
     raw: BTreeMap<String, RawNode>,
     problems: &mut Problems,
@@ -82,11 +172,14 @@ pub(crate) fn nodes(
                     ));
                 }
                 let port = node.port.map(|port| {
-                    ranged(Some(port), 0, 1..=65535, problems, |n| {
-                        format!("{path}.port: invalid port {n} (must be 1-65535)")
+                    ranged(Some(port), 0, 0..=65535, problems, |n| {
+                        format!(
+                            "{path}.port: invalid port {n} (must be 0-65535; 0 = any free port)"
+                        )
                     })
                 });
-                (name, NodeOverride { host, port })
+                let url = node.url.and_then(|url| peer_url(&url.0, &path, problems));
+                (name, NodeOverride { host, port, url })
             })
             .collect()
     })

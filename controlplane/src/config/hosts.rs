@@ -148,6 +148,8 @@ fn host(
                 "{path}.fallback_models must not contain empty names"
             ));
         }
+        // Checked against `nodes` with the other sections (`cluster::ownership`).
+        let node = raw.node.as_ref().map(|node| node.0.trim().to_string());
         HostConfig {
             url: url.map(|url| url.normalized).unwrap_or_default(),
             name,
@@ -176,6 +178,7 @@ fn host(
             kind,
             api_keys,
             fallback_models,
+            node,
         }
     })
 }

@@ -103,6 +103,8 @@ pub(crate) struct RawHost {
     pub api_keys: Option<Vec<RawCloudKey>>,
     #[serde(default)]
     pub fallback_models: Option<Vec<Text>>,
+    #[serde(default)]
+    pub node: Option<Text>,
 }
 
 /// A key given three possible ways; exactly one must be set.
@@ -283,6 +285,7 @@ pub(crate) struct RawTls {
 pub(crate) struct RawNode {
     pub host: Option<Text>,
     pub port: Option<Int>,
+    pub url: Option<Text>,
 }
 
 /// Parses the document root (a mapping) section by section.

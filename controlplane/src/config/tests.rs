@@ -707,7 +707,7 @@ fn other_sections() {
         "keep_alive: {default: -1, override: true}\nembedding_cache: {backend: \"rediss://:pw@valkey:6380/1\"}\n\
          logging: {level: WARNING}\nwebhooks: {events: [key.revoked, queue.full, queue.full]}\n\
          control_plane: {listen: \"127.0.0.1:6000\", state_dir: /var/lib/oqp, tls: {cert: c.pem, key: k.pem}}\n\
-         nodes: {gpu1: {host: 0.0.0.0, port: 11500}, gpu2: {port: 11501}}\n",
+         nodes: {gpu1: {host: 0.0.0.0, port: 11500}}\n",
     ))
     .config;
     assert_eq!(config.keep_alive.default_json, "-1");
@@ -730,10 +730,112 @@ fn other_sections() {
         config.nodes["gpu1"],
         NodeOverride {
             host: Some("0.0.0.0".into()),
-            port: Some(11500)
+            port: Some(11500),
+            url: None,
         }
     );
-    assert_eq!(config.nodes["gpu2"].host, None);
+}
+
+/// Two boxes, each host owned by the node beside it.
+const TWO_BOXES: &str = "control_plane: {node_token: tok}\n\
+    nodes: {box1: {host: 0.0.0.0, url: \"http://10.0.0.1:11435/\"}, box2: {host: 10.0.0.2, port: 0}, edge: {port: 11500}}\n\
+    ollama:\n  hosts:\n    - {url: \"http://10.0.0.1:11434\", name: gpu1, node: box1}\n    - {url: \"http://10.0.0.2:11434\", name: gpu2, node: box2}\n";
+
+#[test]
+fn nodes_own_hosts_and_say_how_peers_reach_them() {
+    let config = load(TWO_BOXES).config;
+    let owners: Vec<Option<&str>> = config
+        .ollama
+        .hosts
+        .iter()
+        .map(|h| h.node.as_deref())
+        .collect();
+    assert_eq!(owners, [Some("box1"), Some("box2")]);
+    assert_eq!(
+        config.nodes["box1"].url.as_deref(),
+        Some("http://10.0.0.1:11435")
+    );
+    assert_eq!(config.nodes["box2"].port, Some(0), "port 0: any free port");
+    assert_eq!(
+        crate::compile::configured_url(&config, "box1").as_deref(),
+        Some("http://10.0.0.1:11435")
+    );
+    assert_eq!(
+        crate::compile::configured_url(&config, "box2"),
+        None,
+        "a node on port 0 is reached where it reports it is bound"
+    );
+    assert_eq!(
+        crate::compile::configured_url(&config, "edge").as_deref(),
+        Some("http://127.0.0.1:11500"),
+        "from proxy.host and the node's port"
+    );
+}
+
+#[test]
+fn with_several_nodes_every_host_names_a_listed_owner() {
+    let yaml = TWO_BOXES
+        .replace("name: gpu1, node: box1", "name: gpu1")
+        .replace("node: box2", "node: box3")
+        + "    - {url: \"http://10.0.0.3:11434\", name: gpu3, node: \"  \"}\n";
+    let problems = problems(&yaml, &[]);
+    assert_eq!(problems.len(), 3, "{problems:#?}");
+    assert!(
+        problems[0]
+            .starts_with("ollama.hosts[0].node is required when nodes lists two or more nodes")
+            && problems[0].contains("host 'gpu1'")
+            && problems[0].contains("box1, box2, edge"),
+        "{problems:#?}"
+    );
+    assert!(
+        problems[1].starts_with("ollama.hosts[1].node: node 'box3' is not listed under nodes"),
+        "{problems:#?}"
+    );
+    assert!(
+        problems[2].starts_with("ollama.hosts[2].node must name a node"),
+        "{problems:#?}"
+    );
+}
+
+#[test]
+fn an_unlisted_owner_is_an_error_even_without_nodes() {
+    let problems = problems(
+        "ollama:\n  hosts:\n    - {url: \"http://127.0.0.1:11434\", name: local, node: box1}\n",
+        &[],
+    );
+    assert_eq!(
+        problems,
+        ["ollama.hosts[0].node: node 'box1' is not listed under nodes (listed: none)"]
+    );
+    // One node listed, hosts without owners: every data plane owns every host, as before.
+    load(&with_host("nodes: {box1: {port: 11500}}\n"));
+}
+
+#[test]
+fn several_nodes_need_reachable_addresses_and_a_node_token() {
+    let yaml = TWO_BOXES
+        .replace("control_plane: {node_token: tok}", "control_plane: {}")
+        .replace(", url: \"http://10.0.0.1:11435/\"", "");
+    let problems = problems(&yaml, &[]);
+    assert_eq!(problems.len(), 2, "{problems:#?}");
+    assert!(
+        problems[0].starts_with("nodes.box1.url is required"),
+        "{problems:#?}"
+    );
+    assert!(problems[0].contains("'0.0.0.0'"), "{problems:#?}");
+    assert!(
+        problems[1].starts_with("control_plane.node_token is required"),
+        "{problems:#?}"
+    );
+    let bad_url = problems_of(&TWO_BOXES.replace("http://10.0.0.1:11435/", "ftp://x"));
+    assert!(
+        bad_url[0].starts_with("nodes.box1.url must be an http://"),
+        "{bad_url:#?}"
+    );
+}
+
+fn problems_of(yaml: &str) -> Vec<String> {
+    problems(yaml, &[])
 }
 
 #[test]

@@ -91,6 +91,8 @@ pub struct HostConfig {
     pub api_keys: Vec<CloudKey>,
     /// Models to try, in order, when the requested one fails unrecoverably on this host.
     pub fallback_models: Vec<String>,
+    /// The node whose data plane alone dispatches to this host; `None` = every data plane.
+    pub node: Option<String>,
 }
 
 /// A key of a cloud host's pool.
@@ -295,11 +297,13 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
-/// `nodes.<name>`: listener overrides for one data-plane node.
+/// `nodes.<name>`: one data-plane node: its listener overrides and how its peers reach it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct NodeOverride {
     pub host: Option<String>,
     pub port: Option<u16>,
+    /// `nodes.<name>.url`: the base URL peers forward to (normalised, no trailing slash).
+    pub url: Option<String>,
 }
 
 impl ProxyConfig {

@@ -129,9 +129,11 @@ impl PolicyService for PolicyApi {
                 "data plane rejected a snapshot"
             );
         }
+        let node = report.node.clone();
         self.hub.record_report(report);
         Ok(Response::new(ReportAck {
             current_version: self.hub.current().version,
+            nodes: self.hub.loads_for(&node),
         }))
     }
 }
