@@ -433,9 +433,14 @@ async fn interactive_chats_through_one_data_plane_never_wait_behind_a_flood_thro
 
 /// Two boxes, each owned by its data plane; `qwen` on box 2 only.
 async fn two_boxes() -> (FakeOllama, FakeOllama, Cluster) {
-    let box1 = FakeOllama::builder().model("llama3").slots(2).spawn().await;
+    // llama3 loaded on both: neither box is preferred for it.
+    let box1 = FakeOllama::builder()
+        .loaded("llama3")
+        .slots(2)
+        .spawn()
+        .await;
     let box2 = FakeOllama::builder()
-        .model("llama3")
+        .loaded("llama3")
         .model("qwen")
         .slots(2)
         .token_interval(Duration::from_millis(5))
@@ -582,7 +587,8 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
         before.1,
         "nothing reached box 2"
     );
-    // What only box 2 has is unavailable meanwhile, and said so.
+    // What only box 2 has is unavailable meanwhile, and said so; box 1 is
+    // not asked for what it does not have.
     let qwen = post(
         &http,
         &cluster.url("a"),
@@ -593,7 +599,7 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
     )
     .await;
     assert!(
-        qwen.status.is_server_error(),
+        !qwen.status.is_success() && served(&box1.handle(), "/api/generate") == before.0 + 20,
         "{}: {}",
         qwen.status,
         qwen.text()
@@ -713,6 +719,10 @@ async fn a_forged_hop_gains_no_identity_or_tier_and_never_reaches_ollama() {
     }
     let status = cluster.queue_status("a").await.unwrap();
     assert_eq!(status["clients"]["batch"]["processed"], 1, "{status:#}");
+    assert_eq!(
+        status["queue"]["low"]["processed"], 1,
+        "queued at its ceiling, not the tier it asked for: {status:#}"
+    );
     assert!(
         status["clients"]
             .get("admin")
