@@ -15,6 +15,8 @@ use oqp_tests::cluster::{Cluster, ClusterBuilder};
 use oqp_tests::fake::{Failure, FakeHandle, FakeOllama};
 use serde_json::Value;
 
+use crate::support::Load;
+
 /// The node token: keys the hop's proof as well as the control-plane link.
 const TOKEN: &str = "node-token-0123456789";
 const ADMIN: &str = "sk-admin-0123456789";
@@ -287,6 +289,62 @@ async fn two_data_planes_never_send_one_box_more_than_its_slots() {
         "peak {}",
         handle.peak_concurrency()
     );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the node hop"]
+async fn the_box_never_gets_more_than_its_slots_while_nodes_and_the_control_plane_come_and_go() {
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .slots(8)
+        .latency(Duration::from_millis(10))
+        .spawn()
+        .await;
+    let yaml = config(
+        &[Host {
+            url: &fake.url(),
+            name: "box1",
+            slots: 2,
+            node: Some("a"),
+        }],
+        true,
+        "",
+    );
+    let mut cluster = cluster(&yaml).start().await;
+    wait_peer(&cluster, "b", "a").await;
+    let request = |_, _| crate::support::generate(Some(USER));
+    let mut owner = Load::start(cluster.addr("a"), 3, None, request);
+    let mut edge = Load::start(cluster.addr("b"), 3, None, request);
+    owner.wait_for_more(20).await;
+    edge.wait_for_more(20).await;
+
+    // The control plane goes away and comes back.
+    cluster.stop_control_plane().await;
+    owner.wait_for_more(20).await;
+    edge.wait_for_more(20).await;
+    cluster.start_control_plane().await;
+    owner.wait_for_more(20).await;
+    edge.wait_for_more(20).await;
+
+    // The edge dies and starts again (on a new port).
+    edge.stop()
+        .await
+        .assert_no_failures("through b, before it was killed");
+    cluster.kill("b").await;
+    owner.wait_for_more(20).await;
+    cluster.restart("b").await;
+    wait_peer(&cluster, "b", "a").await;
+    let mut edge = Load::start(cluster.addr("b"), 3, None, request);
+    edge.wait_for_more(20).await;
+    owner.wait_for_more(20).await;
+
+    edge.stop().await.assert_no_failures("through b, restarted");
+    owner.stop().await.assert_no_failures("through a");
+    let peak = fake.handle().peak_concurrency();
+    println!("peak in flight at the box through all of it: {peak}");
+    assert!(peak <= 2, "the box got {peak} requests at once");
     cluster.shutdown().await;
 }
 
