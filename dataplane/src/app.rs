@@ -53,6 +53,8 @@ pub struct App {
     pub body_budget: crate::budget::BodyBudget,
     /// Open client connections, counted against the caps by every listener.
     pub connections: Arc<crate::connections::Connections>,
+    /// The other data planes: where they are, their load, what was forwarded to them.
+    pub peers: Arc<crate::peers::Peers>,
     shutting_down: AtomicBool,
     active: Active,
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
@@ -65,6 +67,7 @@ impl App {
     /// Shared state for a node serving `store`.
     pub fn new(
         node: &str,
+        token: Option<&str>,
         store: Arc<PolicyStore>,
         control: Arc<ControlLink>,
         admin: AdminClient,
@@ -81,6 +84,7 @@ impl App {
             },
             metrics: Metrics::new(&policy),
             connections: Arc::default(),
+            peers: Arc::new(crate::peers::Peers::new(token)),
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             admin,
@@ -153,6 +157,7 @@ impl App {
             control: &self.control,
             store: &self.store,
             started: self.started,
+            peers: &self.peers,
         }
     }
 
@@ -173,6 +178,7 @@ impl App {
             cloud: &self.cloud,
             upstream: &self.upstream,
             active: &self.active,
+            peers: Some(&self.peers),
         }
     }
 }

@@ -306,12 +306,14 @@ fn describe(status: &Status) -> String {
 }
 
 /// Sends `report()` to the control plane every `interval` and whenever the
-/// policy changes, until `shutdown`. Failures only mark the link down.
+/// policy changes, until `shutdown`, handing each acknowledgement (with the
+/// other nodes' loads) to `on_ack`. Failures only mark the link down.
 pub async fn report_loop(
     mut client: Client,
     store: Arc<PolicyStore>,
     interval: Duration,
     report: impl Fn() -> NodeReport,
+    on_ack: impl Fn(oqp_proto::policy::v1::ReportAck),
     shutdown: CancellationToken,
 ) {
     let mut changed = store.subscribe();
@@ -325,7 +327,7 @@ pub async fn report_loop(
         }
         let call = client.report_status(report());
         match tokio::time::timeout(interval.max(Duration::from_secs(2)), call).await {
-            Ok(Ok(_)) => {}
+            Ok(Ok(ack)) => on_ack(ack.into_inner()),
             Ok(Err(status)) => tracing::debug!(error = %describe(&status), "report failed"),
             Err(_) => tracing::debug!("report timed out"),
         }

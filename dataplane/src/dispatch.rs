@@ -566,6 +566,13 @@ impl Dispatcher {
         self.lock().router.slots_in_use(host)
     }
 
+    /// What an edge ranks this node's hosts by: requests waiting in every tier, and each
+    /// host's slots, in one read.
+    pub fn load(&self) -> (u32, Vec<HostStat>) {
+        let inner = self.lock();
+        (inner.scheduler.total_depth(), inner.router.stats())
+    }
+
     /// Requests waiting in every tier.
     pub fn total_depth(&self) -> u32 {
         self.lock().scheduler.total_depth()

@@ -101,6 +101,13 @@ pub enum ProxyError {
     /// The whole request body did not arrive within `proxy.body_read_timeout`.
     #[error("request body not received within the body read timeout")]
     BodyTimeout,
+    /// A request asserting a node hop (`x-oqp-hop`) that does not verify.
+    #[error("node hop not verified")]
+    HopUnverified,
+    /// The owner node failed after the request reached it, before its answer's head (the
+    /// request may have run, so it is not sent anywhere else).
+    #[error("node '{0}' failed before answering")]
+    PeerFailed(String),
     /// An embed request with more inputs than `embedding_cache.max_inputs`.
     #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
     TooManyInputs {
@@ -113,9 +120,11 @@ impl ProxyError {
     /// The HTTP status of this error.
     pub fn status(&self) -> StatusCode {
         match self {
-            Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked => {
-                StatusCode::UNAUTHORIZED
-            }
+            Self::MissingCredentials
+            | Self::UnknownKey
+            | Self::KeyRevoked
+            | Self::HopUnverified => StatusCode::UNAUTHORIZED,
+            Self::PeerFailed(_) => StatusCode::BAD_GATEWAY,
             Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ScopeRequired(_)
             | Self::ModelManagementDisabled
@@ -146,6 +155,19 @@ impl ProxyError {
             | Self::OverCapacity { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
+    }
+
+    /// Whether another GPU box may still take the request: the refusals of one box (its
+    /// queue, its byte ceiling, the client's cap on it, its hosts, its shutdown), not of
+    /// the request.
+    pub fn worth_another_box(&self) -> bool {
+        matches!(
+            self,
+            Self::QueueFull { .. }
+                | Self::OverCapacity { .. }
+                | Self::AllHostsFailed
+                | Self::ShuttingDown
+        )
     }
 
     /// The response for this error, carrying `request_id` in the body and in

@@ -22,6 +22,12 @@ pub const CACHE: HeaderName = HeaderName::from_static("x-cache");
 pub const MODEL_FALLBACK: HeaderName = HeaderName::from_static("x-model-fallback");
 /// `X-Request-ID`.
 pub const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// The identity a peer data plane asserts for a request it forwards (see `hop`).
+pub const HOP: HeaderName = HeaderName::from_static("x-oqp-hop");
+/// On an owner's answer to a hop: a refusal another GPU box may not give.
+pub const HOP_REFUSED: HeaderName = HeaderName::from_static("x-oqp-hop-refused");
+/// On an owner's answer to a hop: microseconds from its arrival to the answer's head.
+pub const HOP_ELAPSED: HeaderName = HeaderName::from_static("x-oqp-hop-elapsed-us");
 /// The client address chain a reverse proxy appends to (believed only from `auth.trusted_proxies`).
 pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
@@ -63,6 +69,9 @@ pub fn for_upstream(headers: &mut HeaderMap, client_id: Option<&str>) {
     headers.remove(header::AUTHORIZATION);
     headers.remove(QUEUE_PRIORITY);
     headers.remove(CLIENT_ID);
+    for internal in [HOP, HOP_REFUSED, HOP_ELAPSED] {
+        headers.remove(internal);
+    }
     if let Some(id) = client_id.and_then(|id| http::HeaderValue::from_str(id).ok()) {
         headers.insert(CLIENT_ID, id);
     }

@@ -70,6 +70,12 @@ const TTFB_BUCKETS: [f64; 14] = [
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
+/// Buckets of `oqp_hop_added_seconds`: a hop on a LAN adds tens to hundreds of
+/// microseconds; more is a congested or distant link.
+const HOP_BUCKETS: [f64; 12] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
 /// What a scrape mirrors: the state other parts own, read at scrape time.
 #[derive(Debug)]
 pub struct Sources<'a> {
@@ -132,6 +138,8 @@ pub struct Metrics {
     host_models_loaded: IntGaugeVec,
     upstream_ttfb: HistogramVec,
     failovers: IntCounter,
+    forwarded: IntCounterVec,
+    hop_added: prometheus::Histogram,
     client_inflight: IntGaugeVec,
     client_cap_waiting: IntGaugeVec,
     client_recent_share: GaugeVec,
@@ -219,6 +227,12 @@ impl Metrics {
             let vec = HistogramVec::new(opts, &["tier"]).expect("valid metric");
             add(Box::new(vec.clone()), "histogram");
             vec
+        };
+        let histogram = |name: &str, help: &str, buckets: &[f64]| {
+            let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+            let histogram = prometheus::Histogram::with_opts(opts).expect("valid metric");
+            add(Box::new(histogram.clone()), "histogram");
+            histogram
         };
         let recent_share = GaugeVec::new(
             Opts::new(
@@ -314,6 +328,16 @@ impl Metrics {
             failovers: counter(
                 "oqp_failovers_total",
                 "Requests retried on another host after a host failed before the first byte",
+            ),
+            forwarded: counters(
+                "oqp_forwarded_total",
+                "Requests forwarded to the data plane that owns the chosen host",
+                &["node"],
+            ),
+            hop_added: histogram(
+                "oqp_hop_added_seconds",
+                "Time a forwarded request's answer head took beyond the owner's own time (the hop's cost)",
+                &HOP_BUCKETS,
             ),
             client_inflight: int_gauges(
                 "oqp_client_inflight",
@@ -443,6 +467,18 @@ impl Metrics {
     /// A request moved to another host after a failure before the first byte.
     pub fn failover(&self) {
         self.failovers.inc();
+    }
+
+    /// A request was forwarded to `node` (a node the config lists: the label is bounded).
+    pub fn forwarded(&self, node: &str) {
+        if let Ok(counter) = self.forwarded.get_metric_with_label_values(&[node]) {
+            counter.inc();
+        }
+    }
+
+    /// A forwarded request's answer head came `added` later than the owner's own time.
+    pub fn observe_hop_added(&self, added: Duration) {
+        self.hop_added.observe(added.as_secs_f64());
     }
 
     /// Host `name` answered a request (any status).

@@ -35,8 +35,16 @@ pub struct Policy {
     pub clients_by_id: HashMap<Arc<str>, Arc<Client>>,
     /// Queue tiers and admission limits.
     pub queue: QueueSettings,
-    /// Upstream hosts, in configuration order.
+    /// The upstream hosts this node dispatches to (those it owns, and those no node owns), in
+    /// configuration order.
     pub hosts: Vec<Arc<Host>>,
+    /// This node's name, as the control plane addressed the snapshot.
+    pub node: Arc<str>,
+    /// Hosts other nodes own: never dispatched to from here; requests that choose one are
+    /// forwarded to its owner.
+    pub remote: Vec<Arc<Host>>,
+    /// Every node the config lists, with the URL it is reached at when configured.
+    pub nodes: Vec<NodeInfo>,
     /// Host selection.
     pub routing: RoutingSettings,
     /// keep_alive defaulting.
@@ -256,6 +264,14 @@ impl QueueSettings {
     pub fn tier(&self, tier: Tier) -> &TierSettings {
         &self.tiers[tier.index()]
     }
+
+    /// The longest a request can wait in the queue: every tier's `max_wait` together (a
+    /// promoted request's clock restarts in its new tier).
+    pub fn longest_wait(&self) -> Duration {
+        self.tiers.iter().fold(Duration::ZERO, |total, tier| {
+            total.saturating_add(tier.max_wait)
+        })
+    }
 }
 
 /// Local Ollama or Ollama Cloud.
@@ -300,6 +316,46 @@ pub struct Host {
     pub cloud_keys: Vec<CloudKey>,
     /// Cloud fallback models.
     pub fallback_models: Vec<String>,
+    /// The node that alone dispatches to it; `None` = every node.
+    pub owner: Option<Arc<str>>,
+}
+
+/// A data-plane node as its peers see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The node's name.
+    pub name: Arc<str>,
+    /// Where its main listener is reached, when configured (else as it reports it).
+    pub base: Option<Base>,
+}
+
+/// The scheme and authority of a base URL, parsed once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Base {
+    /// `http` or `https`.
+    pub scheme: http::uri::Scheme,
+    /// Host and port.
+    pub authority: http::uri::Authority,
+}
+
+impl Base {
+    /// Parses `http(s)://host[:port]` (a trailing `/` allowed, nothing else after it).
+    pub fn parse(url: &str) -> Result<Self, &'static str> {
+        let uri: http::Uri = url
+            .trim_end_matches('/')
+            .parse()
+            .map_err(|_| "invalid url")?;
+        let scheme = uri
+            .scheme()
+            .filter(|s| **s == http::uri::Scheme::HTTP || **s == http::uri::Scheme::HTTPS)
+            .cloned()
+            .ok_or("url must be http or https")?;
+        let authority = uri.authority().cloned().ok_or("url has no host")?;
+        if !matches!(uri.path(), "" | "/") {
+            return Err("url must not have a path");
+        }
+        Ok(Self { scheme, authority })
+    }
 }
 
 /// An upstream cloud key.

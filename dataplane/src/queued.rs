@@ -5,6 +5,11 @@
 //! Everything the proxy queues comes through here: inference requests from
 //! the request path ([`crate::service`]) and the cache misses of an embedding
 //! request ([`crate::embeddings`]).
+//!
+//! When other nodes own hosts, the box comes first ([`crate::placement`]):
+//! this node's queue, or the owner's, forwarded ([`relay`]) with the caller's
+//! identity and tier, trying the next box when one refuses or cannot be
+//! reached before any byte of an answer.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,9 +23,13 @@ use crate::dispatch::{self, Dispatcher, Grant};
 use crate::error::ProxyError;
 use crate::forward;
 use crate::headers;
+use crate::hop::Assertion;
 use crate::metrics::Metrics;
+use crate::peers::Peers;
+use crate::placement::Target;
 use crate::policy::Policy;
 use crate::proxy::{self, Active, Outbound, RequestBody};
+use crate::relay;
 use crate::scheduler::Tier;
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
@@ -40,6 +49,9 @@ pub struct Parts<'a> {
     pub upstream: &'a Upstream,
     /// Requests in flight upstream.
     pub active: &'a Active,
+    /// The other data planes; `None` for a request forwarded here, which this node serves
+    /// itself.
+    pub peers: Option<&'a Arc<Peers>>,
 }
 
 impl<'a> Parts<'a> {
@@ -67,8 +79,108 @@ pub async fn send(
 }
 
 /// [`send`], calling `on_granted` as soon as the request has its slot
-/// (before it is sent).
+/// (before it is sent) or, forwarded, its owner's answer.
 pub async fn send_then(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
+) -> Result<Response<Body>, ProxyError> {
+    match parts.peers {
+        Some(peers) if !policy.remote.is_empty() => {
+            Box::pin(placed(
+                parts, peers, policy, client, tier, model, outbound, on_granted,
+            ))
+            .await
+        }
+        _ => local(parts, policy, client, tier, model, outbound, on_granted).await,
+    }
+}
+
+/// Tries the boxes in the order [`crate::placement`] gives, moving on when one refuses
+/// (queue full, its hosts failed, shutting down) or cannot be reached.
+#[allow(clippy::too_many_arguments)]
+async fn placed(
+    parts: Parts<'_>,
+    peers: &Arc<Peers>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
+) -> Result<Response<Body>, ProxyError> {
+    let order = peers.order(policy, parts.dispatcher.load(), model.as_deref());
+    let assertion = Assertion {
+        node: policy.node.clone(),
+        client: client.id.clone(),
+        verified: client.verified,
+        tier,
+    };
+    let relay = relay::Parts {
+        peers,
+        metrics: parts.metrics,
+    };
+    let mut on_granted = Some(on_granted);
+    let mut outbound = Some(outbound);
+    let mut last: Option<Result<Response<Body>, ProxyError>> = None;
+    for target in order {
+        let Some(attempt) = outbound.take() else {
+            break;
+        };
+        if last.is_some() {
+            parts.metrics.failover();
+        }
+        let (this, replay) = forward::split_for_retry(attempt);
+        outbound = replay;
+        match target {
+            Target::Local => {
+                let granted = on_granted.take();
+                let answer = local(
+                    parts,
+                    policy,
+                    client.clone(),
+                    tier,
+                    model.clone(),
+                    this,
+                    || {
+                        if let Some(granted) = granted {
+                            granted();
+                        }
+                    },
+                )
+                .await;
+                match answer {
+                    Err(error) if error.worth_another_box() => last = Some(Err(error)),
+                    answer => return answer,
+                }
+            }
+            Target::Peer(node) => {
+                match relay::send(relay, policy, &node, &assertion, this).await? {
+                    relay::Relayed::Answer(response) => {
+                        if let Some(granted) = on_granted.take() {
+                            granted();
+                        }
+                        return Ok(response);
+                    }
+                    relay::Relayed::Refused(response) => last = Some(Ok(response)),
+                    relay::Relayed::Unreachable => {
+                        if last.is_none() {
+                            last = Some(Err(ProxyError::AllHostsFailed));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    last.unwrap_or(Err(ProxyError::AllHostsFailed))
+}
+
+/// Admits a request to this node's queue, waits for its grant and sends it.
+async fn local(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
     client: Caller,

@@ -53,6 +53,22 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use crate::policy::{Host, HostKind, Policy, Strategy, normalize_model};
 
 pub use model::{is_model_not_found, strip_cloud_suffix};
+
+/// How well `host` matches `model`, as the router ranks it: 2 loaded, 1 installed, 0 neither.
+pub fn model_rank(host: &Host, model: &str) -> u8 {
+    let key = ModelKey::new(model);
+    let name = match (host.kind, &key.cloud) {
+        (HostKind::Cloud, Some(cloud)) => cloud,
+        _ => &key.local,
+    };
+    if host.loaded.contains(name) {
+        2
+    } else if host.installed.contains(name) {
+        1
+    } else {
+        0
+    }
+}
 pub use slot::{ReleaseHook, SlotGuard};
 pub use union::{union_ps, union_tags};
 

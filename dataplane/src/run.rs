@@ -102,7 +102,13 @@ impl DataPlane {
         };
         let addr = listener.local_addr()?;
         let store = Arc::new(PolicyStore::new(policy));
-        let app = Arc::new(App::new(&options.control.node, store.clone(), link, admin));
+        let app = Arc::new(App::new(
+            &options.control.node,
+            options.control.token.as_deref(),
+            store.clone(),
+            link,
+            admin,
+        ));
         let settings = &store.load().embedding_cache;
         if settings.enabled {
             // An unreachable shared cache at start is an error, not a silent
@@ -116,11 +122,13 @@ impl DataPlane {
         let mut tasks = JoinSet::new();
         tasks.spawn(watcher.run(store.clone(), shutdown.clone()));
         let reporter_app = app.clone();
+        let peers = app.peers.clone();
         tasks.spawn(control::report_loop(
             client,
             store.clone(),
             options.report_interval,
             move || report(&reporter_app),
+            move |ack| peers.update(ack.nodes),
             shutdown.clone(),
         ));
         tasks.spawn(app.dispatcher.clone().run_timer(shutdown.clone()));
@@ -352,6 +360,6 @@ fn report(app: &App) -> NodeReport {
         active: app.active(),
         apply_errors: app.store.failures(),
         stale_version: app.control.stale_version(),
-        forwarded: Vec::new(),
+        forwarded: app.peers.report(),
     }
 }

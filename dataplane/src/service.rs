@@ -32,6 +32,7 @@ use crate::embeddings;
 use crate::endpoint::{self, Access, Endpoint, Inference};
 use crate::error::ProxyError;
 use crate::headers;
+use crate::hop;
 use crate::metrics;
 use crate::policy::{Host, Policy, Scope};
 use crate::proxy::{self, Outbound, RequestBody};
@@ -47,9 +48,16 @@ pub async fn handle(
     app: Arc<App>,
     kind: &ListenerKind,
     peer: SocketAddr,
-    request: Request<Incoming>,
+    mut request: Request<Incoming>,
 ) -> Response<Body> {
+    let started = std::time::Instant::now();
     let request_id = request_id::from_headers(request.headers());
+    // Set on the request too, so that what goes upstream or to the owner of
+    // the chosen host carries the same id as the answer and both logs.
+    if let Ok(id) = HeaderValue::from_str(&request_id) {
+        request.headers_mut().insert(headers::REQUEST_ID, id);
+    }
+    let hopped = request.headers().contains_key(hop::HEADER);
     // The one policy load of this request: the whole request sees one snapshot.
     let policy = app.store.load();
     // `forward` fills in the client and tier; never a key.
@@ -66,10 +74,17 @@ pub async fn handle(
     // grant (or instead of queueing) are boxed below for the same reason: a
     // waiting request holds only what waiting needs.
     let routed = Box::pin(route(&app, &policy, kind, peer, request).instrument(span.clone())).await;
+    let mut refused = false;
     let mut response = match routed {
         Ok(response) => response,
-        Err(error) => error.into_response(&request_id),
+        Err(error) => {
+            refused = error.worth_another_box();
+            error.into_response(&request_id)
+        }
     };
+    if hopped {
+        crate::relay::mark_answer(&mut response, started.elapsed(), refused);
+    }
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(headers::REQUEST_ID, id);
     }
@@ -128,9 +143,64 @@ async fn route(
             _ => {}
         }
     }
+    if let Some(claim) = request.headers().get(hop::HEADER) {
+        let (identity, tier) = hopped_identity(app, policy, peer, claim, &request)?;
+        identity.require(Scope::Inference)?;
+        return forward(app, policy, identity, Some(tier), request).await;
+    }
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
-    forward(app, policy, identity, request).await
+    forward(app, policy, identity, None, request).await
+}
+
+/// The identity and tier another node's data plane asserts for a request it forwarded here
+/// (see [`hop`]). A claim that does not verify is refused and counted as a failed
+/// authentication: whoever sends it gains nothing.
+fn hopped_identity(
+    app: &App,
+    policy: &Policy,
+    peer: IpAddr,
+    claim: &HeaderValue,
+    request: &Request<Incoming>,
+) -> Result<(Identity, crate::scheduler::Tier), ProxyError> {
+    let window = policy.auth.window;
+    app.throttle.check(peer, policy.auth.max_failures, window)?;
+    let id = request
+        .headers()
+        .get(headers::REQUEST_ID)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default();
+    let path = request
+        .uri()
+        .path_and_query()
+        .map_or("/", http::uri::PathAndQuery::as_str);
+    let signed = hop::Request {
+        id,
+        method: request.method(),
+        path,
+    };
+    let assertion = hop::verify(app.peers.key(), claim, signed, std::time::SystemTime::now())
+        .map_err(|error| {
+            app.throttle.fail(peer, window);
+            tracing::warn!(%peer, %error, "node hop refused");
+            ProxyError::HopUnverified
+        })?;
+    tracing::debug!(edge = %assertion.node, "forwarded by a peer data plane");
+    let identity = if assertion.verified {
+        // The owner's own snapshot decides the client's ceiling, weight and caps; a client
+        // it does not know (revoked, or not yet in its snapshot) is refused as revoked.
+        let client = policy
+            .clients_by_id
+            .get(&assertion.client)
+            .filter(|client| !client.is_expired(std::time::SystemTime::now()))
+            .cloned()
+            .ok_or(ProxyError::KeyRevoked)?;
+        Identity::Client(client)
+    } else {
+        Identity::Anonymous(Some(assertion.client.clone()))
+    };
+    let tier = identity.tier(Some(assertion.tier));
+    Ok((identity, tier))
 }
 
 /// The read-only surfaces (scope `read`): status, summary, metrics and the
@@ -158,10 +228,14 @@ fn observe(
     })
 }
 
+/// Proxies a request. `hopped` is the tier another node's data plane settled for a request it
+/// forwarded here: such a request was prepared there (keep_alive, translation, cache), and is
+/// queued here, on this node's hosts only.
 async fn forward(
     app: &Arc<App>,
     policy: &Arc<Policy>,
     identity: Identity,
+    hopped: Option<crate::scheduler::Tier>,
     request: Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
     if app.is_shutting_down() {
@@ -179,7 +253,7 @@ async fn forward(
             Access::Unlisted => return Err(ProxyError::RouteNotProxied),
         }
     }
-    let tier = identity.tier(auth::requested_tier(request.headers()));
+    let tier = hopped.unwrap_or_else(|| identity.tier(auth::requested_tier(request.headers())));
     let client_id = identity.client_id().cloned();
     if let Some(client) = &client_id {
         app.touch(client);
@@ -243,15 +317,24 @@ async fn forward(
         return Box::pin(metadata(app, policy, outbound, model.as_deref())).await;
     }
     let client = identity.caller();
+    let mut queue = app.queue_parts();
+    if hopped.is_some() {
+        queue.peers = None;
+    }
     let Endpoint::Inference(inference) = endpoint else {
         // Anything else is queued with its body streamed through.
-        return queued::send(app.queue_parts(), policy, client, tier, None, outbound).await;
+        return queued::send(queue, policy, client, tier, None, outbound).await;
     };
     let RequestBody::Buffered(body) =
         std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
     else {
-        return queued::send(app.queue_parts(), policy, client, tier, None, outbound).await;
+        return queued::send(queue, policy, client, tier, None, outbound).await;
     };
+    if hopped.is_some() {
+        let model = rewrite::model_of(&body);
+        outbound.body = RequestBody::Buffered(body);
+        return queued::send(queue, policy, client, tier, model, outbound).await;
+    }
     // A native embed with the cache off is an ordinary inference request:
     // it skips the embedding handler's (large) future.
     let cached = policy.embedding_cache.enabled && app.embedding_cache.load().is_some();
@@ -274,7 +357,7 @@ async fn forward(
     };
     let model = rewrite::model_of(&body);
     outbound.body = RequestBody::Buffered(body);
-    queued::send(app.queue_parts(), policy, client, tier, model, outbound).await
+    queued::send(queue, policy, client, tier, model, outbound).await
 }
 
 /// A metadata read: `/api/tags` and `/api/ps` answer the union over the
@@ -384,11 +467,14 @@ async fn union_response(
 }
 
 /// Hosts for a metadata request: the healthy ones (all when none is marked
-/// healthy), those that have `model` installed first.
+/// healthy), those that have `model` installed first. Hosts other nodes own
+/// are read too: a read takes no slot, and `/api/tags` lists every model a
+/// client can use through any box.
 fn metadata_hosts(policy: &Policy, model: Option<&str>) -> Vec<Arc<Host>> {
-    let mut hosts: Vec<Arc<Host>> = policy.hosts.iter().filter(|h| h.healthy).cloned().collect();
+    let every = || policy.hosts.iter().chain(&policy.remote);
+    let mut hosts: Vec<Arc<Host>> = every().filter(|h| h.healthy).cloned().collect();
     if hosts.is_empty() {
-        hosts = policy.hosts.clone();
+        hosts = every().cloned().collect();
     }
     if let Some(model) = model {
         let model = crate::policy::normalize_model(model);

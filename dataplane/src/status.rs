@@ -32,6 +32,7 @@ use crate::cloud::CloudPools;
 use crate::control::ControlLink;
 use crate::dispatch::{Dispatcher, QueueReport};
 use crate::metrics::{self, Metrics, bounded_clients, is_healthy};
+use crate::peers::{PeerStatus, Peers};
 use crate::policy::{Client, Host, Policy};
 use crate::scheduler::{ClientStat, Tier, TierStat};
 use crate::snapshot::PolicyStore;
@@ -54,6 +55,8 @@ pub struct Sources<'a> {
     pub store: &'a PolicyStore,
     /// When the data plane started.
     pub started: std::time::Instant,
+    /// The other data planes.
+    pub peers: &'a Peers,
 }
 
 /// The `/queue/status` document.
@@ -67,6 +70,16 @@ pub struct Status {
     clients: BTreeMap<String, ClientStatus>,
     security: Security,
     snapshot: SnapshotStatus,
+    node: NodeStatus,
+}
+
+/// This data plane among the others: the hosts it dispatches to (`hosts` above), and every
+/// peer with what was forwarded to it.
+#[derive(Debug, Serialize)]
+struct NodeStatus {
+    name: String,
+    owns: Vec<String>,
+    peers: Vec<PeerStatus>,
 }
 
 #[derive(Debug, Serialize)]
@@ -254,6 +267,15 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
             last_error: sources.control.last_error(),
             stale_version: Some(sources.control.stale_version()).filter(|v| *v != 0),
             apply_errors: sources.store.failures(),
+        },
+        node: NodeStatus {
+            name: policy.node.to_string(),
+            owns: policy
+                .hosts
+                .iter()
+                .map(|host| host.name.to_string())
+                .collect(),
+            peers: sources.peers.status(policy),
         },
     }
 }

@@ -127,16 +127,35 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
 
         let queue = convert_queue(snapshot.queue.unwrap_or_default())?;
 
+        let node: Arc<str> = Arc::from(snapshot.node);
+        let mut nodes = Vec::with_capacity(snapshot.nodes.len());
+        for info in snapshot.nodes {
+            let base =
+                match info.url.as_str() {
+                    "" => None,
+                    url => Some(Base::parse(url).map_err(|why| {
+                        PolicyError::new(format!("nodes.{}.url: {why}", info.name))
+                    })?),
+                };
+            nodes.push(NodeInfo {
+                name: Arc::from(info.name),
+                base,
+            });
+        }
         let mut hosts = Vec::with_capacity(snapshot.hosts.len());
+        let mut remote = Vec::new();
         let mut names = HashSet::new();
         for host in snapshot.hosts {
             let host = convert_host(host, proxy.max_concurrent)?;
             if !names.insert(host.name.clone()) {
                 return Err(PolicyError::new(format!("duplicate host '{}'", host.name)));
             }
-            hosts.push(Arc::new(host));
+            match &host.owner {
+                Some(owner) if *owner != node => remote.push(Arc::new(host)),
+                _ => hosts.push(Arc::new(host)),
+            }
         }
-        if hosts.is_empty() {
+        if hosts.is_empty() && remote.is_empty() {
             return Err(PolicyError::new("no upstream hosts"));
         }
 
@@ -240,6 +259,9 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             clients_by_id,
             queue,
             hosts,
+            node,
+            remote,
+            nodes,
             routing,
             keep_alive,
             embedding_cache,
@@ -357,23 +379,8 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
         return Err(PolicyError::new("a host has an empty name"));
     }
     let url = host.url.trim_end_matches('/').to_owned();
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|_| PolicyError::new(format!("host '{name}': invalid url")))?;
-    let scheme = uri
-        .scheme()
-        .filter(|s| **s == http::uri::Scheme::HTTP || **s == http::uri::Scheme::HTTPS)
-        .cloned()
-        .ok_or_else(|| PolicyError::new(format!("host '{name}': url must be http or https")))?;
-    let authority = uri
-        .authority()
-        .cloned()
-        .ok_or_else(|| PolicyError::new(format!("host '{name}': url has no host")))?;
-    if !matches!(uri.path(), "" | "/") {
-        return Err(PolicyError::new(format!(
-            "host '{name}': url must not have a path"
-        )));
-    }
+    let Base { scheme, authority } =
+        Base::parse(&url).map_err(|why| PolicyError::new(format!("host '{name}': {why}")))?;
     let kind = match wire::HostKind::try_from(host.kind) {
         Ok(wire::HostKind::Cloud) => HostKind::Cloud,
         Ok(_) => HostKind::Ollama,
@@ -418,6 +425,7 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
             })
             .collect(),
         fallback_models: host.fallback_models,
+        owner: (!host.node.is_empty()).then(|| Arc::from(host.node)),
     })
 }
 

@@ -78,6 +78,7 @@ impl Spec {
             last_checked: Some(SystemTime::UNIX_EPOCH + Duration::from_secs(self.checked)),
             cloud_keys: Vec::new(),
             fallback_models: Vec::new(),
+            owner: None,
         })
     }
 }

@@ -16,6 +16,7 @@ mod hosts;
 mod keys;
 mod nodes;
 mod observability;
+mod ownership;
 mod paths;
 mod reliability;
 mod routing;

@@ -1,0 +1,327 @@
+//! The other data planes, as this one sees them: where each is reached,
+//! the load it last reported (relayed by the control plane in every report
+//! acknowledgement), whether it answers, and what this node forwarded to it.
+//!
+//! A peer that refuses a connection is marked down at once and skipped; a
+//! background probe (`GET /health`, backing off from 200 ms to 5 s) clears
+//! the mark when it answers again, so no request waits on a dead peer and
+//! none is needed to bring it back.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use oqp_proto::policy::v1 as wire;
+
+use crate::body;
+use crate::hop::HopKey;
+use crate::placement::{Rotation, Seen, Target, View};
+use crate::policy::{Base, Policy};
+use crate::router::HostStat;
+use crate::upstream::Upstream;
+
+/// Connect timeout toward a peer: they share a LAN, and a peer that does not
+/// accept within it is treated as down (the request moves to the next box).
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+const PROBE_FIRST: Duration = Duration::from_millis(200);
+const PROBE_MAX: Duration = Duration::from_secs(5);
+
+/// Every other data plane. See the module documentation.
+#[derive(Debug)]
+pub struct Peers {
+    key: Option<HopKey>,
+    client: Upstream,
+    loads: ArcSwap<HashMap<Arc<str>, Load>>,
+    state: Mutex<HashMap<Arc<str>, PeerState>>,
+    rotation: Mutex<Rotation>,
+}
+
+/// One peer's load as it last reported it.
+#[derive(Debug, Clone, Default)]
+pub struct Load {
+    /// Where it is reached, by the control plane's account (configured or reported).
+    pub url: Option<Base>,
+    /// Whether its policy stream is open.
+    pub connected: bool,
+    /// How old its last report was when the control plane relayed it.
+    pub report_age: Option<Duration>,
+    /// Requests waiting in its queues.
+    pub waiting: u32,
+    /// Slots in use per host.
+    pub in_use: HashMap<String, u32>,
+}
+
+#[derive(Debug, Default)]
+struct PeerState {
+    forwarded: u64,
+    /// Forwarded since the last load report: not in it yet.
+    recent: u32,
+    /// Forwarded and not yet answered in full.
+    outstanding: Arc<AtomicU32>,
+    down: bool,
+}
+
+/// One peer, for `/queue/status`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PeerStatus {
+    /// Its name.
+    pub node: String,
+    /// Where it is reached, if known.
+    pub url: Option<String>,
+    /// Whether it answers (no connection refused since its last good probe).
+    pub reachable: bool,
+    /// Whether its policy stream to the control plane is open, as last relayed.
+    pub connected: bool,
+    /// Requests forwarded to it since start.
+    pub forwarded: u64,
+    /// Forwarded requests not answered in full yet.
+    pub outstanding: u32,
+}
+
+/// Counts one forwarded request until it drops (with the response body).
+#[derive(Debug)]
+pub struct Outstanding(Arc<AtomicU32>);
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Peers {
+    /// Peers of a node whose node token is `token` (which keys the hop).
+    pub fn new(token: Option<&str>) -> Self {
+        Self {
+            key: token.map(HopKey::new),
+            client: Upstream::new(CONNECT_TIMEOUT),
+            loads: ArcSwap::default(),
+            state: Mutex::default(),
+            rotation: Mutex::default(),
+        }
+    }
+
+    /// The key hops are signed and verified with.
+    pub fn key(&self) -> Option<&HopKey> {
+        self.key.as_ref()
+    }
+
+    /// The pooled client hops travel on.
+    pub fn client(&self) -> &Upstream {
+        &self.client
+    }
+
+    /// Takes the loads a report acknowledgement relayed.
+    pub fn update(&self, nodes: Vec<wire::NodeLoad>) {
+        let loads = nodes
+            .into_iter()
+            .map(|load| {
+                let name: Arc<str> = Arc::from(load.node);
+                let load = Load {
+                    url: Base::parse(&load.url).ok(),
+                    connected: load.connected,
+                    report_age: (load.report_age_ms > 0)
+                        .then(|| Duration::from_millis(load.report_age_ms)),
+                    waiting: load.waiting,
+                    in_use: load
+                        .hosts
+                        .into_iter()
+                        .map(|host| (host.name, host.slots_in_use))
+                        .collect(),
+                };
+                (name, load)
+            })
+            .collect();
+        self.loads.store(Arc::new(loads));
+        for state in self.lock().values_mut() {
+            state.recent = 0;
+        }
+    }
+
+    /// Where `node` is reached: as the control plane last relayed it, else as configured.
+    pub fn url(&self, policy: &Policy, node: &str) -> Option<Base> {
+        self.loads
+            .load()
+            .get(node)
+            .and_then(|load| load.url.clone())
+            .or_else(|| {
+                policy
+                    .nodes
+                    .iter()
+                    .find(|info| &*info.name == node)
+                    .and_then(|info| info.base.clone())
+            })
+    }
+
+    /// The boxes to try for `model`, best first: this node's hosts as its dispatcher holds
+    /// them (`local`: waiting, per-host slots), the others' as reported.
+    pub fn order(
+        &self,
+        policy: &Policy,
+        local: (u32, Vec<HostStat>),
+        model: Option<&str>,
+    ) -> Vec<Target> {
+        let loads = self.loads.load();
+        let (local_waiting, local_hosts) = local;
+        let state = self.lock();
+        let mut view = View::default();
+        view.waiting.insert(Target::Local, local_waiting);
+        for host in &policy.hosts {
+            let stat = local_hosts.iter().find(|stat| stat.name == host.name);
+            view.hosts.push(Seen {
+                host,
+                target: Target::Local,
+                in_use: stat.map_or(0, |stat| stat.slots_in_use),
+                usable: host.healthy && !stat.is_some_and(|stat| stat.marked_down),
+            });
+        }
+        for host in &policy.remote {
+            let Some(owner) = &host.owner else { continue };
+            let load = loads.get(owner);
+            let peer = state.get(owner);
+            let reachable = !peer.is_some_and(|peer| peer.down)
+                && (load.is_some_and(|load| load.url.is_some())
+                    || policy
+                        .nodes
+                        .iter()
+                        .any(|info| info.name == *owner && info.base.is_some()));
+            let target = Target::Peer(owner.clone());
+            let waiting = load.map_or(0, |load| load.waiting) + peer.map_or(0, |peer| peer.recent);
+            view.waiting.insert(target.clone(), waiting);
+            view.hosts.push(Seen {
+                host,
+                target,
+                in_use: load
+                    .and_then(|load| load.in_use.get(&*host.name).copied())
+                    .unwrap_or(0),
+                usable: host.healthy && reachable,
+            });
+        }
+        drop(state);
+        let mut rotation = self
+            .rotation
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        crate::placement::order(&view, model, policy.routing.strategy, &mut rotation)
+    }
+
+    /// Counts a request forwarded to `node`; the guard counts it outstanding until it drops.
+    pub fn forwarding(&self, node: &Arc<str>) -> Outstanding {
+        let mut state = self.lock();
+        let peer = state.entry(node.clone()).or_default();
+        peer.forwarded += 1;
+        peer.recent = peer.recent.saturating_add(1);
+        peer.outstanding.fetch_add(1, Ordering::AcqRel);
+        Outstanding(peer.outstanding.clone())
+    }
+
+    /// Marks `node` unreachable and probes it in the background until it answers.
+    pub fn mark_down(self: &Arc<Self>, policy: &Arc<Policy>, node: &Arc<str>) {
+        {
+            let mut state = self.lock();
+            let peer = state.entry(node.clone()).or_default();
+            if peer.down {
+                return;
+            }
+            peer.down = true;
+        }
+        tracing::warn!(%node, "peer data plane unreachable; its hosts are skipped until it answers");
+        let peers = self.clone();
+        let policy = policy.clone();
+        let node = node.clone();
+        tokio::spawn(async move {
+            let mut delay = PROBE_FIRST;
+            loop {
+                tokio::time::sleep(delay).await;
+                if peers.answers(&policy, &node).await {
+                    if let Some(peer) = peers.lock().get_mut(&node) {
+                        peer.down = false;
+                    }
+                    tracing::info!(%node, "peer data plane answers again");
+                    return;
+                }
+                delay = (delay * 2).min(PROBE_MAX);
+            }
+        });
+    }
+
+    async fn answers(&self, policy: &Policy, node: &str) -> bool {
+        let Some(base) = self.url(policy, node) else {
+            return false;
+        };
+        let Ok(uri) = http::Uri::builder()
+            .scheme(base.scheme)
+            .authority(base.authority)
+            .path_and_query("/health")
+            .build()
+        else {
+            return false;
+        };
+        let mut request = http::Request::new(body::empty());
+        *request.uri_mut() = uri;
+        matches!(
+            self.client.send(request, CONNECT_TIMEOUT).await,
+            Ok(response) if response.status().is_success()
+        )
+    }
+
+    /// Requests forwarded to each peer since start, for the report.
+    pub fn report(&self) -> Vec<wire::PeerForwarded> {
+        let mut forwarded: Vec<wire::PeerForwarded> = self
+            .lock()
+            .iter()
+            .map(|(node, peer)| wire::PeerForwarded {
+                node: node.to_string(),
+                forwarded: peer.forwarded,
+            })
+            .collect();
+        forwarded.sort_by(|a, b| a.node.cmp(&b.node));
+        forwarded
+    }
+
+    /// Every node the policy lists, and every peer forwarded to, for `/queue/status`.
+    pub fn status(&self, policy: &Policy) -> Vec<PeerStatus> {
+        let loads = self.loads.load();
+        let state = self.lock();
+        let mut names: Vec<Arc<str>> = policy
+            .nodes
+            .iter()
+            .map(|info| info.name.clone())
+            .chain(state.keys().cloned())
+            .filter(|name| *name != policy.node)
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|node| {
+                let peer = state.get(&node);
+                let load = loads.get(&node);
+                PeerStatus {
+                    url: load
+                        .and_then(|load| load.url.clone())
+                        .or_else(|| {
+                            policy
+                                .nodes
+                                .iter()
+                                .find(|info| info.name == node)
+                                .and_then(|info| info.base.clone())
+                        })
+                        .map(|base| format!("{}://{}", base.scheme, base.authority)),
+                    reachable: !peer.is_some_and(|peer| peer.down),
+                    connected: load.is_some_and(|load| load.connected),
+                    forwarded: peer.map_or(0, |peer| peer.forwarded),
+                    outstanding: peer.map_or(0, |peer| peer.outstanding.load(Ordering::Acquire)),
+                    node: node.to_string(),
+                }
+            })
+            .collect()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, PeerState>> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}

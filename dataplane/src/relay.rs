@@ -1,0 +1,165 @@
+//! Forwarding a request to the data plane that owns the chosen host, and
+//! relaying its answer to the client, streamed frame by frame.
+//!
+//! The request leaves as the edge prepared it (body read and rewritten,
+//! consumer credentials dropped, `X-Request-ID` set) with the signed
+//! identity ([`crate::hop`]). What comes back decides what the edge does:
+//!
+//! - a connection refused (nothing was delivered): the peer is marked down
+//!   and the next box is tried;
+//! - an answer marked `x-oqp-hop-refused` (its queue is full, its hosts
+//!   failed, it is shutting down): the next box is tried, and this answer is
+//!   passed on if none is left;
+//! - any other answer is the client's, streamed through; a failure after
+//!   the request was written is never retried elsewhere (it may have run),
+//!   and a stream cut mid-way ends with the in-band `{"error": …}` line.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use http::{HeaderValue, Response, header};
+use http_body_util::BodyExt;
+
+use crate::body::{self, Body};
+use crate::error::ProxyError;
+use crate::headers;
+use crate::hop::{self, Assertion};
+use crate::metrics::Metrics;
+use crate::peers::Peers;
+use crate::policy::Policy;
+use crate::proxy::{Outbound, RequestBody};
+use crate::upstream::{Framing, ResponseBody, UpstreamError};
+
+/// Slack on top of the longest queue wait and the upstream timeout before
+/// an owner that has sent no answer's head is given up on.
+const HEAD_SLACK: Duration = Duration::from_secs(10);
+
+/// What the owner did with a forwarded request.
+#[derive(Debug)]
+pub enum Relayed {
+    /// Its answer, for the client.
+    Answer(Response<Body>),
+    /// A refusal another box may not give: try the next, or pass this on.
+    Refused(Response<Body>),
+    /// It could not be reached; nothing was delivered.
+    Unreachable,
+}
+
+/// What relaying reads of the data plane.
+#[derive(Debug, Clone, Copy)]
+pub struct Parts<'a> {
+    /// The peers, their addresses and the hop client.
+    pub peers: &'a Arc<Peers>,
+    /// Forwarded counts and the hop's added time.
+    pub metrics: &'a Metrics,
+}
+
+/// Sends `outbound` to `node` on behalf of `caller`.
+pub async fn send(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    node: &Arc<str>,
+    caller: &Assertion,
+    outbound: Outbound,
+) -> Result<Relayed, ProxyError> {
+    let Some(base) = parts.peers.url(policy, node) else {
+        return Ok(Relayed::Unreachable);
+    };
+    let Some(key) = parts.peers.key() else {
+        tracing::warn!(%node, "cannot forward: this data plane has no node token to sign with");
+        return Ok(Relayed::Unreachable);
+    };
+    let Outbound {
+        method,
+        path_and_query,
+        mut headers,
+        body,
+    } = outbound;
+    let request_id = headers
+        .get(headers::REQUEST_ID)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned();
+    let signed = hop::Request {
+        id: &request_id,
+        method: &method,
+        path: path_and_query.as_str(),
+    };
+    headers.insert(hop::HEADER, key.sign(caller, signed, SystemTime::now()));
+    let uri = http::Uri::builder()
+        .scheme(base.scheme)
+        .authority(base.authority)
+        .path_and_query(path_and_query)
+        .build()
+        .map_err(|_| ProxyError::PeerFailed(node.to_string()))?;
+    let mut request = http::Request::new(match body {
+        RequestBody::Buffered(bytes) if bytes.is_empty() => body::empty(),
+        RequestBody::Buffered(bytes) => body::full(bytes),
+        RequestBody::Streamed(body) => body,
+    });
+    *request.method_mut() = method;
+    *request.uri_mut() = uri;
+    *request.headers_mut() = headers;
+    let head_timeout = policy.queue.longest_wait() + policy.proxy.request_timeout + HEAD_SLACK;
+    let outstanding = parts.peers.forwarding(node);
+    parts.metrics.forwarded(node);
+    let sent = Instant::now();
+    let response = match parts.peers.client().send(request, head_timeout).await {
+        Ok(response) => response,
+        Err(UpstreamError::Connect(error)) => {
+            tracing::warn!(%node, %error, "peer data plane unreachable; trying the next box");
+            parts.peers.mark_down(policy, node);
+            return Ok(Relayed::Unreachable);
+        }
+        Err(error) => {
+            tracing::warn!(%node, %error, "peer data plane failed before answering");
+            return Err(ProxyError::PeerFailed(node.to_string()));
+        }
+    };
+    let (mut head, incoming) = response.into_parts();
+    if let Some(owner_us) = head
+        .headers
+        .remove(hop::ELAPSED)
+        .and_then(|value| value.to_str().ok()?.parse::<u64>().ok())
+    {
+        let owner = Duration::from_micros(owner_us);
+        parts
+            .metrics
+            .observe_hop_added(sent.elapsed().saturating_sub(owner));
+    }
+    let refused = head.headers.remove(hop::REFUSED).is_some();
+    headers::strip_hop_by_hop(&mut head.headers);
+    let framing = Framing::of(head.headers.get(header::CONTENT_TYPE));
+    let label: Arc<str> = Arc::from(format!("{node} (data plane)"));
+    let body = ResponseBody::new(
+        incoming
+            .map_err(|error| -> crate::body::BoxError { Box::new(error) })
+            .boxed(),
+        framing,
+        label,
+        Some(Box::new(outstanding)),
+        None,
+        policy.proxy.upstream_stall_timeout,
+    );
+    let response = Response::from_parts(head, body.boxed());
+    Ok(if refused {
+        Relayed::Refused(response)
+    } else {
+        Relayed::Answer(response)
+    })
+}
+
+/// Marks an owner's answer to a hop: how long it took here (the edge
+/// subtracts it to see what the hop added) and, for a refusal another box
+/// may not give, [`hop::REFUSED`].
+pub fn mark_answer(response: &mut Response<Body>, took: Duration, refused: bool) {
+    let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+    response
+        .headers_mut()
+        .insert(hop::ELAPSED, HeaderValue::from(micros));
+    if refused {
+        response
+            .headers_mut()
+            .insert(hop::REFUSED, HeaderValue::from_static("1"));
+    }
+}
