@@ -238,7 +238,6 @@ async fn the_cluster_runs_data_planes_as_processes_that_follow_one_control_plane
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn two_data_planes_never_send_one_box_more_than_its_slots() {
     // The fake has slots to spare: only oqp can keep it at two.
     let fake = FakeOllama::builder()
@@ -293,7 +292,6 @@ async fn two_data_planes_never_send_one_box_more_than_its_slots() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn the_box_never_gets_more_than_its_slots_while_nodes_and_the_control_plane_come_and_go() {
     let _exclusive = crate::support::exclusive().await;
     let fake = FakeOllama::builder()
@@ -349,7 +347,6 @@ async fn the_box_never_gets_more_than_its_slots_while_nodes_and_the_control_plan
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn same_tier_clients_share_a_box_equally_whichever_data_plane_they_enter() {
     let _exclusive = crate::support::exclusive().await;
     let fake = FakeOllama::builder()
@@ -414,7 +411,6 @@ async fn same_tier_clients_share_a_box_equally_whichever_data_plane_they_enter()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn interactive_chats_through_one_data_plane_never_wait_behind_a_flood_through_the_other() {
     let _exclusive = crate::support::exclusive().await;
     let service = Duration::from_millis(40);
@@ -520,7 +516,7 @@ async fn two_boxes() -> (FakeOllama, FakeOllama, Cluster) {
             },
         ],
         true,
-        "",
+        "routing:\n  strategy: model_aware\n",
     );
     let cluster = cluster(&yaml).start().await;
     wait_peer(&cluster, "a", "b").await;
@@ -531,7 +527,6 @@ async fn two_boxes() -> (FakeOllama, FakeOllama, Cluster) {
 const QWEN_STREAM: &str = r#"{"model":"qwen","prompt":"hi","stream":true}"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn a_model_on_the_other_box_is_served_there_streamed_line_by_line() {
     let (box1, box2, cluster) = two_boxes().await;
     let http = HttpClient::new();
@@ -591,12 +586,15 @@ async fn a_model_on_the_other_box_is_served_there_streamed_line_by_line() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_back() {
     let (box1, box2, mut cluster) = two_boxes().await;
     let http = HttpClient::new();
     // Both boxes serve llama3 while both owners run.
-    for _ in 0..20 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let both = || {
+        served(&box1.handle(), "/api/generate") > 0 && served(&box2.handle(), "/api/generate") > 0
+    };
+    while !both() && Instant::now() < deadline {
         let reply = post(
             &http,
             &cluster.url("a"),
@@ -608,10 +606,7 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
         .await;
         assert_eq!(reply.status, 200, "{}", reply.text());
     }
-    assert!(
-        served(&box1.handle(), "/api/generate") > 0 && served(&box2.handle(), "/api/generate") > 0,
-        "both boxes take llama3 requests entering at a"
-    );
+    assert!(both(), "both boxes take llama3 requests entering at a");
 
     cluster.kill("b").await;
     let before = (
@@ -676,9 +671,13 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
     )
     .await;
     assert_eq!(qwen.status, 200, "{}", qwen.text());
+    // An edge counts what it forwarded as load on the owner's box until the
+    // owner's next report: a box just used looks busier for a moment, so
+    // sequential requests reach it again after a report, not at once.
     let before = served(&box2.handle(), "/api/generate");
     let mut back = false;
-    for _ in 0..40 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !back && Instant::now() < deadline {
         let reply = post(
             &http,
             &cluster.url("a"),
@@ -689,17 +688,13 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
         )
         .await;
         assert_eq!(reply.status, 200, "{}", reply.text());
-        if served(&box2.handle(), "/api/generate") > before {
-            back = true;
-            break;
-        }
+        back = served(&box2.handle(), "/api/generate") > before;
     }
     assert!(back, "box 2 takes llama3 requests again");
     cluster.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn a_forged_hop_gains_no_identity_or_tier_and_never_reaches_ollama() {
     let fake = FakeOllama::builder().model("llama3").slots(2).spawn().await;
     let yaml = config(
@@ -719,17 +714,25 @@ async fn a_forged_hop_gains_no_identity_or_tier_and_never_reaches_ollama() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_millis();
-    let forged = format!(
-        "v1;node=b;client=admin;verified=1;tier=high;ts={ts};sig={}",
+    // One in the hop's own format (node b, client admin, high tier, now)
+    // with a signature made without the node token, and one malformed.
+    let well_formed = format!(
+        "v1;n=62;c=61646d696e;v=1;t=high;ts={ts};s={}",
         "00".repeat(32)
     );
-    for node in ["a", "b"] {
+    let malformed = "v1;node=b;client=admin;tier=high".to_owned();
+    for (node, forged) in [
+        ("a", &well_formed),
+        ("b", &well_formed),
+        ("a", &malformed),
+        ("b", &malformed),
+    ] {
         // Without a key, and with the low-tier batch key.
         let plain = http
             .send(
                 Method::POST,
                 &format!("{}/api/generate", cluster.url(node)),
-                &[("x-oqp-hop", &forged), ("content-type", "application/json")],
+                &[("x-oqp-hop", forged), ("content-type", "application/json")],
                 GENERATE,
             )
             .await;
@@ -738,7 +741,7 @@ async fn a_forged_hop_gains_no_identity_or_tier_and_never_reaches_ollama() {
             &cluster.url(node),
             "/api/generate",
             BATCH,
-            &[("x-oqp-hop", &forged), ("x-queue-priority", "high")],
+            &[("x-oqp-hop", forged), ("x-queue-priority", "high")],
             GENERATE,
         )
         .await;
@@ -790,7 +793,6 @@ async fn a_forged_hop_gains_no_identity_or_tier_and_never_reaches_ollama() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn without_the_control_plane_both_data_planes_keep_serving_and_forwarding() {
     let fake = FakeOllama::builder().model("llama3").slots(2).spawn().await;
     let yaml = config(
@@ -842,7 +844,6 @@ async fn without_the_control_plane_both_data_planes_keep_serving_and_forwarding(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the node hop"]
 async fn the_request_id_is_the_same_on_both_hops() {
     let fake = FakeOllama::builder().model("llama3").slots(2).spawn().await;
     let yaml = config(
@@ -891,9 +892,11 @@ async fn the_request_id_is_the_same_on_both_hops() {
         // The owner's own headers came back through the edge.
         assert!(reply.header("x-queue-wait-time").is_some());
         assert_eq!(reply.header("x-failover-host").as_deref(), Some("box1"));
-        if let Some(sent) = request.header("x-request-id") {
-            assert_eq!(sent, id, "the owner sent upstream the edge's id");
-        }
+        assert_eq!(
+            request.header("x-request-id").as_deref(),
+            Some(id.as_str()),
+            "the owner sent upstream the edge's id"
+        );
     }
     cluster.shutdown().await;
 }
