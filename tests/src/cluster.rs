@@ -187,8 +187,8 @@ impl Cluster {
         proc.stop().await;
     }
 
-    /// Starts node `node` again (a new process, the same name), after
-    /// [`Cluster::kill`]; returns once the control plane has its report
+    /// Starts node `node` again (a new process, the same name; killed first
+    /// if it still runs); returns once the control plane has its report
     /// from the new address and it serves the current snapshot. Needs the
     /// control plane running.
     pub async fn restart(&mut self, node: &str) -> SocketAddr {
@@ -311,6 +311,21 @@ impl Cluster {
             }
             deadline.pause().await;
         }
+    }
+
+    /// Waits until node `edge` knows node `peer`'s current address and can
+    /// reach it (the answer to the edge's next report says where the peer
+    /// is): from then on it forwards to `peer`.
+    pub async fn wait_peer(&self, edge: &str, peer: &str) {
+        let url = self.url(peer);
+        self.wait_queue_status(edge, &format!("peer {peer} reachable at {url}"), |status| {
+            status["node"]["peers"].as_array().is_some_and(|peers| {
+                peers.iter().any(|p| {
+                    p["node"] == peer && p["url"] == url.as_str() && p["reachable"] == true
+                })
+            })
+        })
+        .await;
     }
 
     /// Waits until every running node holds a watch on the control plane,

@@ -142,21 +142,6 @@ fn served(handle: &FakeHandle, path: &str) -> usize {
     handle.requests_to(path).len()
 }
 
-/// Waits until node `edge` knows node `peer`'s current address and can
-/// reach it (the ack of its next report carries it).
-async fn wait_peer(cluster: &Cluster, edge: &str, peer: &str) {
-    let url = cluster.url(peer);
-    cluster
-        .wait_queue_status(edge, &format!("peer {peer} reachable at {url}"), |status| {
-            status["node"]["peers"].as_array().is_some_and(|peers| {
-                peers.iter().any(|p| {
-                    p["node"] == peer && p["url"] == url.as_str() && p["reachable"] == true
-                })
-            })
-        })
-        .await;
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_runs_data_planes_as_processes_that_follow_one_control_plane() {
     // Today's mode (no `nodes`, no owners): every data plane owns every host.
@@ -256,7 +241,7 @@ async fn two_data_planes_never_send_one_box_more_than_its_slots() {
         "",
     );
     let cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     let http = HttpClient::new();
     let handle = fake.handle();
     handle.hold();
@@ -311,7 +296,7 @@ async fn the_box_never_gets_more_than_its_slots_while_nodes_and_the_control_plan
         "",
     );
     let mut cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     let request = |_, _| crate::support::generate(Some(USER));
     let mut owner = Load::start(cluster.addr("a"), 3, None, request);
     let mut edge = Load::start(cluster.addr("b"), 3, None, request);
@@ -333,7 +318,7 @@ async fn the_box_never_gets_more_than_its_slots_while_nodes_and_the_control_plan
     cluster.kill("b").await;
     owner.wait_for_more(20).await;
     cluster.restart("b").await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     let mut edge = Load::start(cluster.addr("b"), 3, None, request);
     edge.wait_for_more(20).await;
     owner.wait_for_more(20).await;
@@ -369,7 +354,7 @@ async fn same_tier_clients_share_a_box_equally_whichever_data_plane_they_enter()
         extra,
     );
     let cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "a", "b").await;
+    cluster.wait_peer("a", "b").await;
     let http = HttpClient::new();
     // fair0 and fair1 enter through a (both forwarded), fair2 through b.
     let entries = [cluster.url("a"), cluster.url("a"), cluster.url("b")];
@@ -433,7 +418,7 @@ async fn interactive_chats_through_one_data_plane_never_wait_behind_a_flood_thro
         extra,
     );
     let cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     let http = HttpClient::new();
     let flood: Vec<_> = (0..60)
         .map(|i| {
@@ -476,9 +461,10 @@ async fn interactive_chats_through_one_data_plane_never_wait_behind_a_flood_thro
         "high-tier chats through b behind a low flood through a: waits {waits:?} ms (service {} ms)",
         service.as_millis()
     );
-    // At most the one embed holding the slot is ahead of a chat.
+    // At most the one embed holding the slot is ahead of a chat; the slack
+    // is the fake's timer and this shared machine's scheduling.
     assert!(
-        worst <= service.as_millis() as u64 + 10,
+        worst <= service.as_millis() as u64 + 15,
         "worst wait {worst} ms"
     );
     assert_eq!(fake.handle().peak_concurrency(), 1);
@@ -519,8 +505,8 @@ async fn two_boxes() -> (FakeOllama, FakeOllama, Cluster) {
         "routing:\n  strategy: model_aware\n",
     );
     let cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "a", "b").await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("a", "b").await;
+    cluster.wait_peer("b", "a").await;
     (box1, box2, cluster)
 }
 
@@ -660,7 +646,7 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
 
     // Back on a new port: used again, with no command.
     cluster.restart("b").await;
-    wait_peer(&cluster, "a", "b").await;
+    cluster.wait_peer("a", "b").await;
     let qwen = post(
         &http,
         &cluster.url("a"),
@@ -708,7 +694,7 @@ async fn a_forged_hop_gains_no_identity_or_tier_and_never_reaches_ollama() {
         "",
     );
     let cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     let http = HttpClient::new();
     let ts = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -806,7 +792,7 @@ async fn without_the_control_plane_both_data_planes_keep_serving_and_forwarding(
         "",
     );
     let mut cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     cluster.stop_control_plane().await;
     let http = HttpClient::new();
     for node in ["a", "b"] {
@@ -857,7 +843,7 @@ async fn the_request_id_is_the_same_on_both_hops() {
         "",
     );
     let cluster = cluster(&yaml).start().await;
-    wait_peer(&cluster, "b", "a").await;
+    cluster.wait_peer("b", "a").await;
     let http = HttpClient::new();
     // One the edge makes up, and one the client brings.
     let made = post(
