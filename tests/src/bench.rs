@@ -306,7 +306,7 @@ fn notes(report: &Report) -> Vec<String> {
         "- *CPU*: open loop at a fixed rate; the process's user + system time (`/proc/<pid>/stat`) over the run ÷ its length, scaled to 1k req/s.".to_owned(),
         "- *Scheduling*: wait = response time − the request's own service time; direct to the fake the chats queue in Ollama's FIFO.".to_owned(),
         "- *Fairness*: completions per client in the window; direct, a FIFO shares in proportion to what each client offers.".to_owned(),
-        "- *Forwarded*: one control plane and two data planes, each its own `oqp-bench dataplane` process, unpinned; the fake's only host is owned by node b. A request entering at a is forwarded to b over the node hop; the oqp column is the owner alone or edge + owner as the row says, the direct column the fake itself. Added latency as above (paired with the owner-only request taken moments apart); line delays as in *Streaming*.".to_owned(),
+        "- *Forwarded*: one control plane (in the benchmark's process; it is not on the request path) and two data planes, each its own `oqp-bench dataplane` process, unpinned; the fake's only host is owned by node b. A request entering at a is forwarded to b over the node hop. The columns are what stands in front of owner b, as each row says: nothing (b alone), the minimal proxy (the floor of any extra hop), or edge a. Added latency as above, each sample paired with the b-alone request taken moments apart; line delays as in *Streaming*. The figure counts only if edge a reports (`/queue/status`) that it forwarded every request it was sent.".to_owned(),
     ]
 }
 

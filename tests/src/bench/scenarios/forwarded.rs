@@ -5,9 +5,11 @@
 //! dispatches it; the same request sent to `b` itself is the baseline.
 //!
 //! - Added latency: non-streamed generates one at a time, straight to the
-//!   owner and through the edge in turn (the order rotating), so that each
-//!   forwarded sample has an owner-only sample taken moments before or after
-//!   it; the median of those paired differences is the hop's cost.
+//!   owner, through the minimal proxy in front of the owner (the floor of
+//!   any extra hop) and through the edge in turn (the order rotating), so
+//!   that each forwarded sample has an owner-only sample taken moments
+//!   before or after it; the median of those paired differences is the
+//!   hop's cost.
 //! - Per-line delay of a stream over the hop, from the fake's `created_at`
 //!   stamps as in the streaming scenario.
 
@@ -38,16 +40,18 @@ enum Path {
     Direct,
     /// To the owner's data plane.
     Owner,
+    /// To the minimal proxy in front of the owner.
+    Minimal,
     /// To the edge, which forwards it to the owner.
     Edge,
 }
 
 impl Path {
-    const ALL: [Path; 3] = [Path::Direct, Path::Owner, Path::Edge];
+    const ALL: [Path; 4] = [Path::Direct, Path::Owner, Path::Minimal, Path::Edge];
 
-    fn rotated(by: usize) -> [Path; 3] {
+    fn rotated(by: usize) -> [Path; 4] {
         let mut order = Self::ALL;
-        order.rotate_left(by % 3);
+        order.rotate_left(by % 4);
         order
     }
 
@@ -56,10 +60,12 @@ impl Path {
     }
 }
 
-/// The fake and the cluster in front of it.
+/// The fake, the cluster in front of it and the minimal proxy in front of
+/// the owner.
 struct Setup {
     fake: Proc,
     cluster: Cluster,
+    minimal: Proc,
 }
 
 impl Setup {
@@ -67,6 +73,7 @@ impl Setup {
         match path {
             Path::Direct => self.fake.addr(),
             Path::Owner => self.cluster.addr("b"),
+            Path::Minimal => self.minimal.addr(),
             Path::Edge => self.cluster.addr("a"),
         }
     }
@@ -75,17 +82,19 @@ impl Setup {
 /// Per-round latency figures and the line delays.
 #[derive(Debug, Default)]
 struct Samples {
-    p50: [Vec<f64>; 3],
-    p99: [Vec<f64>; 3],
+    p50: [Vec<f64>; 4],
+    p99: [Vec<f64>; 4],
     /// Per round: median of (edge − owner) over paired requests.
     added: Vec<f64>,
+    /// Per round: median of (minimal − owner).
+    minimal_added: Vec<f64>,
     failures: usize,
     /// Requests sent to the edge, and how many of them it says it
     /// forwarded to the owner (`/queue/status`).
     sent_to_edge: u64,
     forwarded: Option<u64>,
     /// Delay of every streamed line, ms.
-    delay: [Vec<f64>; 3],
+    delay: [Vec<f64>; 4],
     incomplete: usize,
 }
 
@@ -113,7 +122,19 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
             return Err(error);
         }
     };
-    let setup = Setup { fake, cluster };
+    let minimal = match procs::spawn_minimal(&bench.binaries, &cluster.url("b")).await {
+        Ok(minimal) => minimal,
+        Err(error) => {
+            cluster.shutdown().await;
+            fake.stop().await;
+            return Err(error);
+        }
+    };
+    let setup = Setup {
+        fake,
+        cluster,
+        minimal,
+    };
     let result = async {
         let mut samples = Samples::default();
         latency(bench, &setup, &mut samples).await?;
@@ -121,6 +142,7 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
         anyhow::Ok(samples)
     }
     .await;
+    setup.minimal.stop().await;
     setup.cluster.shutdown().await;
     setup.fake.stop().await;
     let samples = result?;
@@ -183,7 +205,7 @@ async fn latency(bench: &Bench, setup: &Setup, samples: &mut Samples) -> anyhow:
         }
     }
     for round in 0..bench.rounds.min(3) {
-        let mut taken: [Vec<f64>; 3] = Default::default();
+        let mut taken: [Vec<f64>; 4] = Default::default();
         for i in 0..per_round {
             for path in Path::rotated(i + round) {
                 let (took, answer) = conns[path.index()].timed(&request).await?;
@@ -201,10 +223,16 @@ async fn latency(bench: &Bench, setup: &Setup, samples: &mut Samples) -> anyhow:
             samples.p50[i].extend(percentile(&taken[i], 50.0));
             samples.p99[i].extend(percentile(&taken[i], 99.0));
         }
-        let edge = &taken[Path::Edge.index()];
-        let owner = &taken[Path::Owner.index()];
-        let diffs: Vec<f64> = edge.iter().zip(owner).map(|(e, o)| e - o).collect();
-        samples.added.extend(median(&diffs));
+        let paired = |path: Path| {
+            let diffs: Vec<f64> = taken[path.index()]
+                .iter()
+                .zip(&taken[Path::Owner.index()])
+                .map(|(other, owner)| other - owner)
+                .collect();
+            median(&diffs)
+        };
+        samples.added.extend(paired(Path::Edge));
+        samples.minimal_added.extend(paired(Path::Minimal));
     }
     samples.sent_to_edge += warm as u64;
     samples.forwarded = match (before, forwarded(setup).await) {
@@ -289,22 +317,28 @@ fn push_rows(report: &mut Report, samples: &Samples, gap: Duration, tokens: usiz
         String::new()
     };
     let cell =
-        |series: &[Vec<f64>; 3], path: Path| report::micros(Spread::of(&series[path.index()]));
+        |series: &[Vec<f64>; 4], path: Path| report::micros(Spread::of(&series[path.index()]));
+    report.push(
+        Row::new(
+            SCENARIO_FORWARDED,
+            "for scale: generate, not streamed, p50 — straight to the fake (direct) and to owner b alone (oqp)",
+        )
+        .direct(cell(&samples.p50, Path::Direct))
+        .oqp(cell(&samples.p50, Path::Owner)),
+    );
     for (name, series) in [("p50", &samples.p50), ("p99", &samples.p99)] {
         report.push(
             Row::new(
                 SCENARIO_FORWARDED,
-                format!("generate, not streamed, straight to the owner b: {name}{failures}"),
+                format!(
+                    "generate, not streamed, in front of owner b: {name} (direct: b alone; minimal: the minimal proxy → b; oqp: edge a → b){failures}"
+                ),
             )
-            .direct(cell(series, Path::Direct))
-            .oqp(cell(series, Path::Owner)),
-        );
-        report.push(
-            Row::new(
-                SCENARIO_FORWARDED,
-                format!("generate, not streamed, through edge a + owner b: {name}"),
-            )
-            .oqp(cell(series, Path::Edge)),
+            .cells(
+                cell(series, Path::Owner),
+                cell(series, Path::Minimal),
+                cell(series, Path::Edge),
+            ),
         );
     }
     let added = Spread::of(&samples.added);
@@ -317,13 +351,14 @@ fn push_rows(report: &mut Report, samples: &Samples, gap: Duration, tokens: usiz
         Row::new(
             SCENARIO_FORWARDED,
             format!(
-                "added by the hop, median of paired differences (edge + owner − owner); edge a forwarded {forwarded} of {}",
+                "added in front of owner b, median of paired differences (minimal → b − b; edge a → b − b); edge a forwarded {forwarded} of {}",
                 samples.sent_to_edge
             ),
         )
+        .minimal(report::signed_micros(Spread::of(&samples.minimal_added)))
         .oqp(report::signed_micros(added))
         .target(
-            &format!("≤ +{TARGET_US:.0} µs p50"),
+            &format!("hop ≤ +{TARGET_US:.0} µs p50"),
             added.map(|added| {
                 added.median <= TARGET_US && samples.failures == 0 && all_forwarded
             }),
@@ -342,27 +377,29 @@ fn push_rows(report: &mut Report, samples: &Samples, gap: Duration, tokens: usiz
             Row::new(
                 SCENARIO_FORWARDED,
                 format!(
-                    "stream over the hop ({tokens} tokens {} ms apart): per-line delay, {name}{incomplete}",
+                    "stream ({tokens} tokens {} ms apart), per-line delay, {name} (direct: the fake; minimal: the minimal proxy → b; oqp: edge a → b){incomplete}",
                     gap.as_millis()
                 ),
             )
-            .direct(delay(Path::Direct, p))
-            .oqp(delay(Path::Edge, p)),
+            .cells(
+                delay(Path::Direct, p),
+                delay(Path::Minimal, p),
+                delay(Path::Edge, p),
+            ),
         );
     }
-    let worst = |path: Path| max(&samples.delay[path.index()]);
-    let edge_worst = worst(Path::Edge);
+    let worst = |path: Path| report::millis(max(&samples.delay[path.index()]).map(Spread::single));
+    let edge_worst = max(&samples.delay[Path::Edge.index()]);
     report.push(
         Row::new(
             SCENARIO_FORWARDED,
             format!(
-                "stream over the hop: per-line delay, worst of {} lines (straight to the owner: {})",
+                "stream over the hop: per-line delay, worst of {} lines (owner b alone: {})",
                 samples.delay[Path::Edge.index()].len(),
-                report::millis(worst(Path::Owner).map(Spread::single)),
+                worst(Path::Owner),
             ),
         )
-        .direct(report::millis(worst(Path::Direct).map(Spread::single)))
-        .oqp(report::millis(edge_worst.map(Spread::single)))
+        .cells(worst(Path::Direct), worst(Path::Minimal), worst(Path::Edge))
         .target(
             &format!("every line < {TARGET_MS:.0} ms late"),
             edge_worst.map(|worst| worst < TARGET_MS && samples.incomplete == 0),
