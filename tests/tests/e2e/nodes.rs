@@ -572,6 +572,68 @@ async fn a_model_on_the_other_box_is_served_there_streamed_line_by_line() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_stream_cut_by_the_owners_death_ends_with_an_error_line_and_is_not_sent_again()
+{
+    let (box1, box2, mut cluster) = two_boxes().await;
+    let http = HttpClient::new();
+    box2.handle()
+        .fail_next(Failure::StallMidStream { after_lines: 2 });
+    let auth = format!("Bearer {USER}");
+    let response = http
+        .start(
+            Method::POST,
+            &format!("{}/api/generate", cluster.url("a")),
+            &[
+                ("authorization", &auth),
+                ("content-type", "application/json"),
+            ],
+            QWEN_STREAM,
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let mut received = Vec::new();
+    let mut read_lines = async |n: usize, received: &mut Vec<u8>| {
+        while received.iter().filter(|b| **b == b'\n').count() < n {
+            match body.frame().await {
+                Some(Ok(frame)) => {
+                    if let Some(data) = frame.data_ref() {
+                        received.extend_from_slice(data);
+                    }
+                }
+                _ => return false,
+            }
+        }
+        true
+    };
+    let two = tokio::time::timeout(Duration::from_secs(10), read_lines(2, &mut received))
+        .await
+        .expect("the first two lines arrive");
+    assert!(two);
+    // The owner dies mid-stream.
+    cluster.kill("b").await;
+    let rest = tokio::time::timeout(
+        Duration::from_secs(10),
+        read_lines(usize::MAX, &mut received),
+    )
+    .await
+    .expect("the stream ends once its owner is gone");
+    assert!(!rest, "the stream ends");
+    let text = String::from_utf8_lossy(&received).into_owned();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "two lines, then the error line: {text}");
+    let last: Value = serde_json::from_str(lines[2]).unwrap();
+    assert!(last["error"].is_string(), "{text}");
+    assert_eq!(served(&box2.handle(), "/api/generate"), 1);
+    assert_eq!(
+        served(&box1.handle(), "/api/generate"),
+        0,
+        "never sent anywhere again"
+    );
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_back() {
     let (box1, box2, mut cluster) = two_boxes().await;
     let http = HttpClient::new();
