@@ -67,7 +67,7 @@ impl App {
     /// Shared state for a node serving `store`.
     pub fn new(
         node: &str,
-        token: Option<&str>,
+        peers: crate::peers::Peers,
         store: Arc<PolicyStore>,
         control: Arc<ControlLink>,
         admin: AdminClient,
@@ -84,7 +84,7 @@ impl App {
             },
             metrics: Metrics::new(&policy),
             connections: Arc::default(),
-            peers: Arc::new(crate::peers::Peers::new(token)),
+            peers: Arc::new(peers),
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             admin,

@@ -91,15 +91,20 @@ impl Drop for Outstanding {
 }
 
 impl Peers {
-    /// Peers of a node whose node token is `token` (which keys the hop).
-    pub fn new(token: Option<&str>) -> Self {
-        Self {
+    /// Peers of a node whose node token is `token` (which keys the hop), trusting the CA
+    /// certificates in the PEM text `ca` (`--ca`) for peers at `https://`.
+    pub fn new(token: Option<&str>, ca: Option<&[u8]>) -> Result<Self, String> {
+        let client = match ca {
+            Some(pem) => Upstream::with_ca(CONNECT_TIMEOUT, pem)?,
+            None => Upstream::new(CONNECT_TIMEOUT),
+        };
+        Ok(Self {
             key: token.map(HopKey::new),
-            client: Upstream::new(CONNECT_TIMEOUT),
+            client,
             loads: ArcSwap::default(),
             state: Mutex::default(),
             rotation: Mutex::default(),
-        }
+        })
     }
 
     /// The key hops are signed and verified with.

@@ -102,9 +102,17 @@ impl DataPlane {
         };
         let addr = listener.local_addr()?;
         let store = Arc::new(PolicyStore::new(policy));
+        let ca = match &options.control.ca_file {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                ControlError::Config(format!("cannot read CA file {}: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        let peers = crate::peers::Peers::new(options.control.token.as_deref(), ca.as_deref())
+            .map_err(|e| ControlError::Config(format!("CA file: {e}")))?;
         let app = Arc::new(App::new(
             &options.control.node,
-            options.control.token.as_deref(),
+            peers,
             store.clone(),
             link,
             admin,

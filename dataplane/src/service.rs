@@ -163,8 +163,6 @@ fn hopped_identity(
     claim: &HeaderValue,
     request: &Request<Incoming>,
 ) -> Result<(Identity, crate::scheduler::Tier), ProxyError> {
-    let window = policy.auth.window;
-    app.throttle.check(peer, policy.auth.max_failures, window)?;
     let id = request
         .headers()
         .get(headers::REQUEST_ID)
@@ -179,12 +177,19 @@ fn hopped_identity(
         method: request.method(),
         path,
     };
-    let assertion = hop::verify(app.peers.key(), claim, signed, std::time::SystemTime::now())
-        .map_err(|error| {
+    // A hop that verifies is a peer's, whatever else its address did: only failures meet
+    // the throttle (which answers 429 once they are too many).
+    let assertion = match hop::verify(app.peers.key(), claim, signed, std::time::SystemTime::now())
+    {
+        Ok(assertion) => assertion,
+        Err(error) => {
+            let window = policy.auth.window;
+            app.throttle.check(peer, policy.auth.max_failures, window)?;
             app.throttle.fail(peer, window);
             tracing::warn!(%peer, %error, "node hop refused");
-            ProxyError::HopUnverified
-        })?;
+            return Err(ProxyError::HopUnverified);
+        }
+    };
     tracing::debug!(edge = %assertion.node, "forwarded by a peer data plane");
     let identity = if assertion.verified {
         // The owner's own snapshot decides the client's ceiling, weight and caps; a client

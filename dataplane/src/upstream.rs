@@ -12,6 +12,7 @@
 //! model loading included, is the request timeout's, not this one's).
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::{Duration, Instant};
 
@@ -58,16 +59,57 @@ pub struct Upstream {
 impl Upstream {
     /// A client with pooled keep-alive connections and a connect timeout.
     pub fn new(connect_timeout: Duration) -> Self {
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_webpki_roots()
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(Self::http(connect_timeout));
+        Self::pooled(connector)
+    }
+
+    /// [`Upstream::new`], trusting the certificates of the PEM file `ca` beside the webpki
+    /// roots for `https://` (peers behind a private CA, as the control-plane link with `--ca`).
+    pub fn with_ca(connect_timeout: Duration, ca: &[u8]) -> Result<Self, String> {
+        use rustls_pki_types::CertificateDer;
+        use rustls_pki_types::pem::PemObject;
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        let mut added = 0;
+        for cert in CertificateDer::pem_slice_iter(ca) {
+            let cert = cert.map_err(|e| format!("not a PEM certificate: {e}"))?;
+            roots
+                .add(cert)
+                .map_err(|e| format!("not a usable CA certificate: {e}"))?;
+            added += 1;
+        }
+        if added == 0 {
+            return Err("no certificate in the CA file".into());
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(Self::http(connect_timeout));
+        Ok(Self::pooled(connector))
+    }
+
+    fn http(connect_timeout: Duration) -> HttpConnector {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_connect_timeout(Some(connect_timeout));
         http.set_nodelay(true);
         http.set_keepalive(Some(TCP_KEEPALIVE));
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(http);
+        http
+    }
+
+    fn pooled(connector: hyper_rustls::HttpsConnector<HttpConnector>) -> Self {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(64)

@@ -61,7 +61,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// The control plane and every data plane: versions, sync, activity.
+    /// The control plane and every data plane: link, sync, owned hosts, queue.
     Status(WatchArg),
     /// Offline checks of a config file.
     #[command(subcommand)]
@@ -69,7 +69,7 @@ enum Command {
     /// Queue control: pause, resume, flush, drain.
     #[command(subcommand)]
     Queue(QueueCommand),
-    /// Upstream hosts: health, slots, models.
+    /// Upstream hosts: owner node, health, slots, models.
     Hosts(WatchArg),
     /// Clients: ceilings, waiting, in flight, share.
     Clients(WatchArg),
@@ -172,13 +172,13 @@ struct AddKey {
     /// What the key may do.
     #[arg(long, value_parser = ["read", "inference", "management"])]
     scope: String,
-    /// Most requests in flight at once (0 = unlimited).
+    /// Most requests in flight at once on each GPU box (0 = unlimited).
     #[arg(long, default_value_t = 0)]
     max_concurrent: u32,
     /// Fair-share weight against other clients of the same tier.
     #[arg(long, default_value_t = 1.0)]
     weight: f64,
-    /// Most requests waiting at once (0 = unlimited).
+    /// Most requests waiting at once for each GPU box (0 = unlimited).
     #[arg(long, default_value_t = 0)]
     max_queued: u32,
     /// Tier for requests that name none (default: max priority, capped at normal).

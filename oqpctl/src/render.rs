@@ -8,6 +8,10 @@ use oqp_proto::admin::v1 as api;
 use oqp_proto::policy::v1 as wire;
 use serde_json::{Value, json};
 
+mod status;
+
+pub use status::status;
+
 /// How answers are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Output {
@@ -86,103 +90,6 @@ fn unix_ms_age(unix_ms: i64) -> Option<Duration> {
     ))
 }
 
-/// `oqpctl status`.
-pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -> String {
-    match output {
-        Output::Json => {
-            let nodes: Vec<Value> = response
-                .nodes
-                .iter()
-                .map(|node| {
-                    let report = node.report.clone().unwrap_or_default();
-                    json!({
-                        "node": node.node,
-                        "address": node.listen_address,
-                        "applied_version": node.applied_version,
-                        "in_sync": node.applied_version == response.snapshot_version,
-                        "last_report_age_ms": (node.last_report_age_ms != u64::MAX).then_some(node.last_report_age_ms),
-                        "connected": node.connected,
-                        "active": report.active,
-                        "queued": report.tiers.iter().map(|t| t.depth).sum::<u32>(),
-                        "uptime_seconds": report.uptime_seconds,
-                        "rejected_version": (report.rejected_version != 0).then_some(report.rejected_version),
-                        "rejected_reason": (!report.rejected_reason.is_empty()).then_some(report.rejected_reason),
-                        "apply_errors": report.apply_errors,
-                        "stale_version": (report.stale_version != 0).then_some(report.stale_version),
-                    })
-                })
-                .collect();
-            pretty(&json!({
-                "control_plane": {
-                    "version": response.software_version,
-                    "uptime_seconds": response.uptime_seconds,
-                    "snapshot_version": response.snapshot_version,
-                    "hosts_healthy": response.hosts_healthy,
-                    "hosts_total": response.hosts_total,
-                    "paused_tiers": response.paused_tiers,
-                    "warnings": response.warnings,
-                },
-                "nodes": nodes,
-            }))
-        }
-        Output::Table => {
-            let mut out = format!(
-                "control plane {}, up {}, snapshot {}\nhosts: {}/{} healthy",
-                response.software_version,
-                age(Some(Duration::from_secs(response.uptime_seconds))),
-                response.snapshot_version,
-                response.hosts_healthy,
-                response.hosts_total,
-            );
-            if !response.paused_tiers.is_empty() {
-                out.push_str(&format!(
-                    "\npaused tiers: {}",
-                    response.paused_tiers.join(", ")
-                ));
-            }
-            for warning in &response.warnings {
-                out.push_str(&format!("\nwarning: {warning}"));
-            }
-            if response.nodes.is_empty() {
-                out.push_str("\nno data plane has connected yet");
-                return out;
-            }
-            let mut nodes = table(
-                style,
-                &[
-                    "node",
-                    "address",
-                    "snapshot",
-                    "in sync",
-                    "last report",
-                    "connected",
-                    "active",
-                    "queued",
-                ],
-            );
-            for node in &response.nodes {
-                let report = node.report.clone().unwrap_or_default();
-                nodes.add_row(vec![
-                    node.node.clone(),
-                    node.listen_address.clone(),
-                    node.applied_version.to_string(),
-                    yes_no(node.applied_version == response.snapshot_version).to_owned(),
-                    age(millis_age(node.last_report_age_ms)),
-                    yes_no(node.connected).to_owned(),
-                    report.active.to_string(),
-                    report
-                        .tiers
-                        .iter()
-                        .map(|t| t.depth)
-                        .sum::<u32>()
-                        .to_string(),
-                ]);
-            }
-            format!("{out}\n{nodes}")
-        }
-    }
-}
-
 /// `oqpctl keys list`.
 pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> String {
     match output {
@@ -195,7 +102,8 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     "source",
                     "scope",
                     "max_priority",
-                    "max_concurrent",
+                    "max_concurrent / box",
+                    "max_queued / box",
                     "weight",
                     "created",
                     "expires",
@@ -209,16 +117,29 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     scope_name(key.scope).to_owned(),
                     tier_name(key.max_priority).to_owned(),
                     cap(key.max_concurrent),
+                    cap(key.max_queued),
                     format!("{}", key.weight),
                     ago(unix_ms_age(key.created_unix_ms)),
                     expires(key.expires_unix_ms),
                     ago(unix_ms_age(key.last_used_unix_ms)),
                 ]);
             }
-            keys.to_string()
+            let capped = response
+                .keys
+                .iter()
+                .any(|key| key.max_concurrent > 0 || key.max_queued > 0);
+            if capped {
+                format!("{keys}\n{PER_BOX}")
+            } else {
+                keys.to_string()
+            }
         }
     }
 }
+
+/// Under a table with caps: what "/ box" means.
+const PER_BOX: &str = "Caps are per GPU box: the data plane beside each box enforces them for its \
+                       own hosts, so a client may have that many on every box at once.";
 
 /// One key as JSON (never its value: the API has none to give).
 pub fn key_json(key: &api::KeyInfo) -> Value {
@@ -320,6 +241,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                 .map(|host| {
                     json!({
                         "name": host.name,
+                        "owner": (!host.node.is_empty()).then_some(&host.node),
                         "url": host.url,
                         "kind": if host.kind == wire::HostKind::Cloud as i32 { "cloud" } else { "ollama" },
                         "healthy": host.healthy,
@@ -342,10 +264,11 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                 .collect(),
         )),
         Output::Table => {
-            let mut hosts = table(style, &["host", "url", "health", "slots", "loaded", "installed", "requests", "failures"]);
+            let mut hosts = table(style, &["host", "owner", "url", "health", "slots", "loaded", "installed", "requests", "failures"]);
             for host in &response.hosts {
                 hosts.add_row(vec![
                     host.name.clone(),
+                    owner(host),
                     host.url.clone(),
                     if host.healthy { "up" } else { "DOWN" }.to_owned(),
                     format!("{}/{}", host.slots_in_use, host.max_concurrent),
@@ -417,7 +340,7 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     "scope",
                     "waiting",
                     "in flight",
-                    "cap",
+                    "cap / box",
                     "weight",
                     "share",
                     "processed",
@@ -438,7 +361,15 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     client.rejected.to_string(),
                 ]);
             }
-            clients.to_string()
+            if response
+                .clients
+                .iter()
+                .any(|client| client.max_concurrent > 0)
+            {
+                format!("{clients}\n{PER_BOX}")
+            } else {
+                clients.to_string()
+            }
         }
     }
 }
@@ -494,6 +425,16 @@ pub fn drain_progress(progress: &api::DrainProgress, output: Output) -> String {
                 format!("{state} — {}", nodes.join("; "))
             }
         }
+    }
+}
+
+/// The node that owns a host; "every node" when it names none (each data
+/// plane dispatches to it).
+fn owner(host: &api::HostInfo) -> String {
+    if host.node.is_empty() {
+        "every node".to_owned()
+    } else {
+        host.node.clone()
     }
 }
 
@@ -553,72 +494,6 @@ fn pretty(value: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sample_status() -> api::GetStatusResponse {
-        api::GetStatusResponse {
-            software_version: "0.1.0".into(),
-            uptime_seconds: 3725,
-            snapshot_version: 42,
-            nodes: vec![api::NodeStatus {
-                node: "gpu1".into(),
-                listen_address: "127.0.0.1:11435".into(),
-                applied_version: 42,
-                last_report_age_ms: 800,
-                connected: true,
-                report: Some(wire::NodeReport {
-                    active: 2,
-                    tiers: vec![wire::TierReport {
-                        depth: 3,
-                        ..Default::default()
-                    }],
-                    ..Default::default()
-                }),
-            }],
-            hosts_total: 2,
-            hosts_healthy: 1,
-            warnings: vec![],
-            paused_tiers: vec!["low".into()],
-        }
-    }
-
-    #[test]
-    fn status_table_shows_every_node() {
-        let text = status(&sample_status(), Output::Table, Style { color: false });
-        assert!(text.contains("snapshot 42"));
-        assert!(text.contains("hosts: 1/2 healthy"));
-        assert!(text.contains("paused tiers: low"));
-        assert!(text.contains("gpu1"));
-        assert!(text.contains("127.0.0.1:11435"));
-        assert!(text.contains("1h 2m"));
-    }
-
-    #[test]
-    fn status_json_is_machine_readable() {
-        let value: Value = serde_json::from_str(&status(
-            &sample_status(),
-            Output::Json,
-            Style { color: false },
-        ))
-        .unwrap();
-        assert_eq!(value["control_plane"]["snapshot_version"], 42);
-        assert_eq!(value["nodes"][0]["in_sync"], true);
-        assert_eq!(value["nodes"][0]["queued"], 3);
-        assert_eq!(value["nodes"][0]["active"], 2);
-        assert_eq!(value["nodes"][0]["apply_errors"], json!([]));
-        assert_eq!(value["nodes"][0]["stale_version"], Value::Null);
-
-        let mut failing = sample_status();
-        let report = failing.nodes[0].report.as_mut().unwrap();
-        report.apply_errors = vec!["metrics: snapshot 42 panicked: boom".into()];
-        report.stale_version = 7;
-        let value: Value =
-            serde_json::from_str(&status(&failing, Output::Json, Style { color: false })).unwrap();
-        assert_eq!(
-            value["nodes"][0]["apply_errors"],
-            json!(["metrics: snapshot 42 panicked: boom"])
-        );
-        assert_eq!(value["nodes"][0]["stale_version"], 7);
-    }
 
     #[test]
     fn keys_never_show_a_value_and_name_unlimited_caps() {
@@ -749,6 +624,83 @@ mod tests {
         let value: Value =
             serde_json::from_str(&key_revoked("batch", &response, Output::Json)).unwrap();
         assert_eq!(value["revoked"], true);
+    }
+
+    fn host(name: &str, node: &str) -> api::HostInfo {
+        api::HostInfo {
+            name: name.into(),
+            url: format!("http://{name}.lan:11434"),
+            healthy: true,
+            max_concurrent: 2,
+            node: node.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn hosts_show_their_owner_node() {
+        let response = api::ListHostsResponse {
+            hosts: vec![
+                host("gpu1", "box1"),
+                host("gpu2", "box2"),
+                host("spare", ""),
+            ],
+        };
+        let text = hosts(&response, Output::Table, Style { color: false });
+        let header = text.lines().find(|line| line.contains("host")).unwrap();
+        assert!(header.contains(" owner "), "{text}");
+        let row = |name: &str| {
+            text.lines()
+                .find(|line| line.contains(&format!(" {name} ")))
+                .unwrap_or_else(|| panic!("no row for {name}:\n{text}"))
+                .to_owned()
+        };
+        assert!(row("gpu1").contains(" box1 "), "{text}");
+        assert!(row("gpu2").contains(" box2 "), "{text}");
+        assert!(row("spare").contains(" every node "), "{text}");
+        let value: Value =
+            serde_json::from_str(&hosts(&response, Output::Json, Style { color: false })).unwrap();
+        assert_eq!(value[0]["owner"], "box1");
+        assert_eq!(value[2]["owner"], Value::Null);
+    }
+
+    #[test]
+    fn caps_are_labelled_per_gpu_box_and_json_keeps_its_names() {
+        let response = api::ListKeysResponse {
+            keys: vec![api::KeyInfo {
+                max_concurrent: 2,
+                max_queued: 8,
+                ..stored_info()
+            }],
+        };
+        let text = keys(&response, Output::Table, Style { color: false });
+        assert!(text.contains("max_concurrent / box"), "{text}");
+        assert!(text.contains("max_queued / box"), "{text}");
+        assert!(text.contains("Caps are per GPU box"), "{text}");
+        let batch = text.lines().find(|line| line.contains(" batch ")).unwrap();
+        assert!(batch.contains(" 2 ") && batch.contains(" 8 "), "{batch}");
+        let value: Value =
+            serde_json::from_str(&keys(&response, Output::Json, Style { color: false })).unwrap();
+        assert_eq!(value[0]["max_concurrent"], 2);
+        assert_eq!(value[0]["max_queued"], 8);
+        let uncapped = api::ListKeysResponse {
+            keys: vec![stored_info()],
+        };
+        let text = keys(&uncapped, Output::Table, Style { color: false });
+        assert!(!text.contains("Caps are per GPU box"), "{text}");
+
+        let clients_response = api::ListClientsResponse {
+            clients: vec![api::ClientInfo {
+                client_id: "batch".into(),
+                max_concurrent: 1,
+                ..Default::default()
+            }],
+        };
+        let text = clients(&clients_response, Output::Table, Style { color: false });
+        assert!(
+            text.contains("cap / box") && text.contains("Caps are per GPU box"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -13,6 +13,11 @@
 //! publishes; this module converts wire types and maps [`KeyError`]s to gRPC
 //! codes (ALREADY_EXISTS, NOT_FOUND, FAILED_PRECONDITION for config keys,
 //! INVALID_ARGUMENT, INTERNAL when the store cannot be written).
+//!
+//! `GetStatus` and `ListHosts` also say who owns what when there are several
+//! GPU boxes ([`nodes`]).
+
+mod nodes;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -184,21 +189,15 @@ impl AdminService for AdminApi {
         let config = self.hub.config();
         let inventory = self.hub.inventory();
         let runtime = self.hub.runtime();
-        let nodes = self
+        // Every node's peer URL, as the data planes are told it (no node is
+        // named "", so none is left out).
+        let urls = self
             .hub
-            .nodes()
-            .into_values()
-            .map(|node| api::NodeStatus {
-                node: node.report.node.clone(),
-                listen_address: node.report.listen_address.clone(),
-                applied_version: node.report.applied_version,
-                last_report_age_ms: node.reported_at.map_or(u64::MAX, |at| {
-                    u64::try_from(at.elapsed().as_millis()).unwrap_or(u64::MAX)
-                }),
-                connected: node.watches > 0,
-                report: Some(node.report),
-            })
+            .loads_for("")
+            .into_iter()
+            .map(|load| (load.node, load.url))
             .collect();
+        let nodes = nodes::statuses(&config, self.hub.nodes(), &urls);
         let hosts_healthy = config
             .ollama
             .hosts
@@ -211,6 +210,7 @@ impl AdminService for AdminApi {
         }
         warnings.extend(self.keys.warnings(&config));
         warnings.extend(node_warnings(&self.hub));
+        warnings.extend(nodes::warnings(&config, &nodes));
         Ok(Response::new(api::GetStatusResponse {
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             uptime_seconds: self.hub.started().elapsed().as_secs(),
@@ -405,6 +405,7 @@ impl AdminService for AdminApi {
     ) -> Result<Response<api::ListHostsResponse>, Status> {
         self.authorize(&request, Scope::Read)?;
         let snapshot = self.hub.current();
+        let config = self.hub.config();
         let nodes = self.hub.nodes();
         let hosts = snapshot
             .hosts
@@ -435,6 +436,7 @@ impl AdminService for AdminApi {
                     cloud_keys: cloud_pool(host, &nodes),
                     requests,
                     failures,
+                    node: nodes::owner_of(&config, &host.name),
                 }
             })
             .collect();

@@ -266,7 +266,8 @@ async fn status_and_summary_count_traffic_overflow_and_expiry() {
             "hosts",
             "clients",
             "security",
-            "snapshot"
+            "snapshot",
+            "node"
         ]
     );
     let normal = &status["queue"]["normal"];

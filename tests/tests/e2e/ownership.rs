@@ -115,3 +115,153 @@ async fn a_forged_hop_gains_nothing() {
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+/// A TLS terminator on `127.0.0.1:0` in front of `backend`, with a certificate for
+/// 127.0.0.1 issued by a fresh CA; returns its port and the CA's PEM.
+async fn tls_front(backend: std::net::SocketAddr) -> (u16, String) {
+    use rustls_pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let leaf_key = rcgen::KeyPair::generate().unwrap();
+    let leaf = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&leaf_key, &ca, &ca_key)
+        .unwrap();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![leaf.der().clone()], key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = oqp_tests::harness::loopback().await;
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let Ok(mut tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                if let Ok(mut plain) = tokio::net::TcpStream::connect(backend).await {
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                }
+            });
+        }
+    });
+    (port, ca.pem())
+}
+
+#[tokio::test]
+async fn a_peer_at_https_is_reached_with_the_ca_given_by_ca() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    // b's own listener is plain; its peers reach it through the terminator.
+    let b_listener = oqp_tests::harness::loopback().await;
+    let (port, ca_pem) = tls_front(b_listener.local_addr().unwrap()).await;
+    let yaml = format!(
+        "control_plane: {{node_token: {TOKEN}}}\n\
+         nodes: {{local: {{port: 0}}, e: {{port: 0}}, b: {{url: \"https://127.0.0.1:{port}\"}}}}\n\
+         ollama:\n  hosts:\n    - {{url: \"{}\", name: gpu, node: b}}\n",
+        fake.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    let start = |node: &str, listener, ca_file| {
+        oqp_dataplane::DataPlane::start(oqp_dataplane::Options {
+            control: oqp_dataplane::control::ControlOptions {
+                url: stack.control_url(),
+                node: node.to_owned(),
+                token: Some(TOKEN.to_owned()),
+                ca_file,
+            },
+            listener: Some(listener),
+            report_interval: Duration::from_millis(200),
+            log_level: None,
+        })
+    };
+    let b = start("b", b_listener, None).await.expect("b starts");
+    let ca_path = stack.dir().join("ca.pem");
+    std::fs::write(&ca_path, ca_pem).unwrap();
+    let e = start("e", oqp_tests::harness::loopback().await, Some(ca_path))
+        .await
+        .expect("e starts");
+    let http = HttpClient::new();
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let through_e = http
+        .post_json(
+            &format!("http://{}/api/generate", e.local_addr()),
+            &[],
+            &request,
+        )
+        .await;
+    assert_eq!(through_e.status, 200, "{}", through_e.text());
+    assert_eq!(through_e.header("x-failover-host").as_deref(), Some("gpu"));
+    // The single-box plane has no --ca: it cannot verify b's certificate, so b counts as
+    // unreachable from there and nothing is sent in clear.
+    let through_local = http
+        .post_json(&format!("{}/api/generate", stack.url()), &[], &request)
+        .await;
+    assert_eq!(through_local.status, 503, "{}", through_local.text());
+    assert_eq!(
+        through_local.header("x-failover-exhausted").as_deref(),
+        Some("true")
+    );
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    e.shutdown().await;
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_peers_hops_are_served_while_its_address_is_throttled_and_keep_the_callers_tier() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let yaml = owned_by_b(&fake.url())
+        + "auth:\n  enabled: true\n  rate_limit: {max_failures: 2, window_seconds: 60}\n  keys:\n    \
+           - {key: sk-batch-0123456789, client_id: batch, max_priority: low}\n";
+    let stack = Stack::start(&yaml).await;
+    let b = stack
+        .start_dataplane("b", Some(TOKEN))
+        .await
+        .expect("node b starts");
+    let edge = stack.control.dataplane().expect("local data plane");
+    let (peers, policy) = (edge.app().peers.clone(), edge.app().store.load());
+    assert!(
+        eventually(Duration::from_secs(10), || peers
+            .url(&policy, "b")
+            .is_some())
+        .await
+    );
+    let http = HttpClient::new();
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    // Everything here comes from 127.0.0.1: wrong keys straight at b throttle that address.
+    let at_b = format!("http://{}/api/generate", b.local_addr());
+    let wrong = [("authorization", "Bearer sk-wrong-0123456789")];
+    for _ in 0..3 {
+        http.post_json(&at_b, &wrong, &request).await;
+    }
+    assert_eq!(http.post_json(&at_b, &wrong, &request).await.status, 429);
+    let key = [
+        ("authorization", "Bearer sk-batch-0123456789"),
+        ("x-queue-priority", "high"),
+    ];
+    let reply = http
+        .post_json(&format!("{}/api/generate", stack.url()), &key, &request)
+        .await;
+    assert_eq!(
+        reply.status,
+        200,
+        "a verified hop is not throttled: {}",
+        reply.text()
+    );
+    // (Its status page is throttled for this address too: read the owner's queues directly.)
+    let stats = b.app().dispatcher.stats();
+    let processed: Vec<u64> = stats.tiers.iter().map(|tier| tier.processed).collect();
+    assert_eq!(processed, [0, 0, 1], "queued at the client's ceiling, low");
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    b.shutdown().await;
+    stack.shutdown().await;
+}
