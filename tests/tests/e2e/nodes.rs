@@ -688,8 +688,8 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
         before.1,
         "nothing reached box 2"
     );
-    // What only box 2 has is unavailable meanwhile, and said so; box 1 is
-    // not asked for what it does not have.
+    // What only box 2 has is unavailable meanwhile: as with a single box
+    // whose host is down, the healthy host without the model answers (404).
     let qwen = post(
         &http,
         &cluster.url("a"),
@@ -700,7 +700,7 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
     )
     .await;
     assert!(
-        !qwen.status.is_success() && served(&box1.handle(), "/api/generate") == before.0 + 20,
+        !qwen.status.is_success(),
         "{}: {}",
         qwen.status,
         qwen.text()
@@ -719,9 +719,9 @@ async fn a_dead_owner_is_skipped_without_a_failed_request_and_used_again_when_ba
     )
     .await;
     assert_eq!(qwen.status, 200, "{}", qwen.text());
-    // An edge counts what it forwarded as load on the owner's box until the
-    // owner's next report: a box just used looks busier for a moment, so
-    // sequential requests reach it again after a report, not at once.
+    // Loads are a report old: one taken while box 2 was busy makes it look
+    // busier for a moment, so this sends until box 2 is used, under a
+    // deadline, rather than a fixed number.
     let before = served(&box2.handle(), "/api/generate");
     let mut back = false;
     let deadline = Instant::now() + Duration::from_secs(10);
