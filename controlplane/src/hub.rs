@@ -312,6 +312,31 @@ impl Hub {
         }
     }
 
+    /// Opens a watch for `node` unless one is open already and `node` owns hosts: two data
+    /// planes started with the same `--node` would both send to its hosts. `false` = refused.
+    pub fn open_watch(&self, node: &str) -> bool {
+        let mut state = self.lock();
+        let owns = state
+            .config
+            .ollama
+            .hosts
+            .iter()
+            .any(|host| host.node.as_deref() == Some(node));
+        let entry = state.nodes.entry(node.to_owned()).or_insert_with(|| Node {
+            report: NodeReport {
+                node: node.to_owned(),
+                ..NodeReport::default()
+            },
+            reported_at: None,
+            watches: 0,
+        });
+        if owns && entry.watches > 0 {
+            return false;
+        }
+        entry.watches += 1;
+        true
+    }
+
     /// Counts a watch stream opened (`+1`) or closed (`-1`) by `node`.
     pub fn watch_changed(&self, node: &str, opened: bool) {
         let mut state = self.lock();

@@ -231,6 +231,10 @@ impl Watcher {
                         if is_fatal(&status) && refuse_fatal {
                             return Err(ControlError::Refused(status.message().to_owned()));
                         }
+                        if status.code() == tonic::Code::AlreadyExists {
+                            // Another data plane holds this node's name: wait until it leaves.
+                            tracing::warn!(message = %status.message(), "control plane refused this node for now");
+                        }
                         self.link.down(describe(&status));
                         tokio::time::sleep(self.backoff.next_delay()).await;
                         continue;

@@ -83,6 +83,11 @@ pub enum ProxyError {
     /// No upstream host could answer.
     #[error("all upstream hosts failed")]
     AllHostsFailed,
+    /// No upstream host answered, and at least one failed after the request was written to
+    /// it (a timeout, a connection that broke): the same answer as [`Self::AllHostsFailed`],
+    /// but the request may have run, so no other GPU box is asked.
+    #[error("all upstream hosts failed")]
+    HostsFailedAfterWrite,
     /// The data plane is shutting down.
     #[error("proxy is shutting down")]
     ShuttingDown,
@@ -104,6 +109,10 @@ pub enum ProxyError {
     /// A request asserting a node hop (`x-oqp-hop`) that does not verify.
     #[error("node hop not verified")]
     HopUnverified,
+    /// A peer forwarded a request of a client this node's snapshot does not hold (yet, or
+    /// any more): another box may know it.
+    #[error("client not known to this node")]
+    ClientUnknownHere,
     /// The owner node failed after the request reached it, before its answer's head (the
     /// request may have run, so it is not sent anywhere else).
     #[error("node '{0}' failed before answering")]
@@ -142,7 +151,9 @@ impl ProxyError {
             | Self::Expired
             | Self::Flushed
             | Self::AllHostsFailed
+            | Self::HostsFailedAfterWrite
             | Self::ShuttingDown
+            | Self::ClientUnknownHere
             | Self::ControlPlaneUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -167,6 +178,7 @@ impl ProxyError {
                 | Self::OverCapacity { .. }
                 | Self::AllHostsFailed
                 | Self::ShuttingDown
+                | Self::ClientUnknownHere
         )
     }
 
@@ -197,7 +209,7 @@ impl ProxyError {
         if let Some(seconds) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        if self == Self::AllHostsFailed {
+        if matches!(self, Self::AllHostsFailed | Self::HostsFailedAfterWrite) {
             headers.insert(
                 headers::FAILOVER_EXHAUSTED,
                 HeaderValue::from_static("true"),

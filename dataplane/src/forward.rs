@@ -91,6 +91,8 @@ pub async fn send(
     let mut tried: Vec<Arc<str>> = Vec::new();
     let mut outbound = Some(outbound);
     let mut last_refusal: Option<Answer> = None;
+    // Whether an attempt failed after its request was written (it may have run).
+    let mut written = false;
     loop {
         let Some(host) = lease.host().cloned() else {
             return Err(ProxyError::AllHostsFailed);
@@ -120,6 +122,7 @@ pub async fn send(
                 false
             }
             Err(error) => {
+                written |= !matches!(error, UpstreamError::Connect(_));
                 parts.metrics.host_failure(&host.name);
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
                 true
@@ -142,6 +145,7 @@ pub async fn send(
             guards: Vec::new(),
             headers: Vec::new(),
         }),
+        None if written => Err(ProxyError::HostsFailedAfterWrite),
         None => Err(ProxyError::AllHostsFailed),
     }
 }

@@ -7,22 +7,26 @@
 //! must not believe anyone else who says so. So the edge sends one header,
 //!
 //! ```text
-//! x-oqp-hop: v1;n=<edge node, hex>;c=<client id, hex>;v=<1|0>;t=<tier>;ts=<unix ms>;s=<hmac, hex>
+//! x-oqp-hop: v1;n=<edge node, hex>;c=<client id, hex>;v=<1|0>;t=<tier>;b=<body sha-256, hex, or ->;ts=<unix ms>;r=<nonce, hex>;s=<hmac, hex>
 //! ```
 //!
 //! where the HMAC-SHA256 is keyed by the node token (which every data plane
 //! presents to the control plane, and which never crosses the policy stream)
-//! over those fields, the request id, the method and the path. The owner
-//! refuses a request whose header does not verify, or is more than
-//! [`MAX_SKEW`] away from its own clock; a consumer who sends the header
-//! gains nothing. The header never reaches Ollama.
+//! over those fields, the node it is addressed to, the request id, the
+//! method and the path; the owner checks the body it reads against `b` (a
+//! streamed body, never retried, has none). The owner refuses a request
+//! whose header does not verify, is more than [`MAX_SKEW`] away from its own
+//! clock, or was seen before ([`Replays`]): a consumer who sends the header,
+//! or replays one captured on the wire, gains nothing. The header never
+//! reaches Ollama.
 
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, Mac};
 use http::{HeaderValue, Method};
-use sha2::Sha256;
+use sha2::{Digest, Sha256};
 
 use crate::scheduler::Tier;
 
@@ -49,6 +53,8 @@ pub struct Assertion {
     pub verified: bool,
     /// The tier, after the client's ceiling.
     pub tier: Tier,
+    /// The hex SHA-256 of the body sent ([`body_digest`]); `None` for a streamed body.
+    pub body: Option<String>,
 }
 
 /// The HMAC key: the node token's bytes. Prints as `HopKey(…)`.
@@ -76,11 +82,16 @@ pub enum HopError {
     /// The timestamp is too far from this node's clock.
     #[error("timestamp outside the allowed skew")]
     Skew,
+    /// This very header was accepted before.
+    #[error("replayed")]
+    Replayed,
 }
 
 /// What the signature covers besides the assertion.
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
+    /// The node the request is addressed to.
+    pub to: &'a str,
     /// The request id (`X-Request-ID`, the same on both hops).
     pub id: &'a str,
     /// The method.
@@ -89,10 +100,16 @@ pub struct Request<'a> {
     pub path: &'a str,
 }
 
+/// The body part of a [`Request`]: the hex SHA-256 of a buffered body.
+pub fn body_digest(body: &[u8]) -> String {
+    hex::encode(Sha256::digest(body))
+}
+
 impl HopKey {
-    /// The key for a node token.
-    pub fn new(token: &str) -> Self {
-        Self(Arc::from(token.as_bytes()))
+    /// The key for a node token; `None` for an empty one (an unset variable, an empty
+    /// file), which would let anyone sign.
+    pub fn new(token: &str) -> Option<Self> {
+        (!token.trim().is_empty()).then(|| Self(Arc::from(token.as_bytes())))
     }
 
     /// The header asserting `assertion` for `request`, signed at `now`.
@@ -103,16 +120,18 @@ impl HopKey {
         now: SystemTime,
     ) -> HeaderValue {
         let ts = unix_ms(now);
+        let nonce = hex::encode(rand::random::<[u8; 12]>());
         let signature = self
-            .mac(assertion, request, ts)
+            .mac(assertion, request, ts, &nonce)
             .map(|mac| hex::encode(mac.finalize().into_bytes()))
             .unwrap_or_default();
         let text = format!(
-            "v1;n={};c={};v={};t={};ts={ts};s={signature}",
+            "v1;n={};c={};v={};t={};b={};ts={ts};r={nonce};s={signature}",
             hex::encode(assertion.node.as_bytes()),
             hex::encode(assertion.client.as_bytes()),
             u8::from(assertion.verified),
             assertion.tier.as_str(),
+            assertion.body.as_deref().unwrap_or("-"),
         );
         let mut value = HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("v1"));
         value.set_sensitive(true);
@@ -128,7 +147,7 @@ impl HopKey {
     ) -> Result<Assertion, HopError> {
         let fields = Fields::parse(header).ok_or(HopError::Malformed)?;
         let signature = hex::decode(fields.signature).map_err(|_| HopError::Malformed)?;
-        self.mac(&fields.assertion, request, fields.ts)
+        self.mac(&fields.assertion, request, fields.ts, fields.nonce)
             .ok_or(HopError::BadSignature)?
             .verify_slice(&signature)
             .map_err(|_| HopError::BadSignature)?;
@@ -139,7 +158,13 @@ impl HopKey {
         Ok(fields.assertion)
     }
 
-    fn mac(&self, assertion: &Assertion, request: Request<'_>, ts: u64) -> Option<Hmac<Sha256>> {
+    fn mac(
+        &self,
+        assertion: &Assertion,
+        request: Request<'_>,
+        ts: u64,
+        nonce: &str,
+    ) -> Option<Hmac<Sha256>> {
         // HMAC takes keys of any length (it hashes long ones): this never fails.
         let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).ok()?;
         // Each field with its length first, so that no two field lists sign alike.
@@ -152,9 +177,12 @@ impl HopKey {
             verified,
             assertion.tier.as_str(),
             &ts,
+            nonce,
+            request.to,
             request.id,
             request.method.as_str(),
             request.path,
+            assertion.body.as_deref().unwrap_or("-"),
         ] {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field.as_bytes());
@@ -163,19 +191,56 @@ impl HopKey {
     }
 }
 
-/// Verifies `header` with `key`, if this node has one.
+/// Verifies `header` with `key`, if this node has one, and refuses one `replays` has seen.
 pub fn verify(
     key: Option<&HopKey>,
+    replays: &Replays,
     header: &HeaderValue,
     request: Request<'_>,
     now: SystemTime,
 ) -> Result<Assertion, HopError> {
-    key.ok_or(HopError::NoKey)?.verify(header, request, now)
+    let assertion = key.ok_or(HopError::NoKey)?.verify(header, request, now)?;
+    replays.first_time(header.as_bytes(), Instant::now())?;
+    Ok(assertion)
+}
+
+/// The hop headers accepted in the last [`MAX_SKEW`] × 2 (older ones fail the clock check),
+/// by digest: a header captured on the wire cannot be sent again. Bounded: when full, the
+/// oldest entries go first.
+#[derive(Debug, Default)]
+pub struct Replays(Mutex<HashMap<[u8; 32], Instant>>);
+
+/// Most hop headers remembered; at a thousand hops a second that is the whole window.
+const MAX_REMEMBERED: usize = 200_000;
+
+impl Replays {
+    fn first_time(&self, header: &[u8], now: Instant) -> Result<(), HopError> {
+        let digest: [u8; 32] = Sha256::digest(header).into();
+        let mut seen = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if seen.len() >= MAX_REMEMBERED {
+            let window = MAX_SKEW * 2;
+            seen.retain(|_, at| now.saturating_duration_since(*at) < window);
+            if seen.len() >= MAX_REMEMBERED {
+                let mut ages: Vec<Instant> = seen.values().copied().collect();
+                ages.sort_unstable();
+                let cut = ages[ages.len() / 2];
+                seen.retain(|_, at| *at > cut);
+            }
+        }
+        match seen.insert(digest, now) {
+            Some(_) => Err(HopError::Replayed),
+            None => Ok(()),
+        }
+    }
 }
 
 struct Fields<'a> {
     assertion: Assertion,
     ts: u64,
+    nonce: &'a str,
     signature: &'a str,
 }
 
@@ -201,7 +266,15 @@ impl<'a> Fields<'a> {
         let tier = Tier::ALL
             .into_iter()
             .find(|tier| tier.as_str() == tier_name)?;
+        let body = match field("b")? {
+            "-" => None,
+            digest if digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) => {
+                Some(digest.to_owned())
+            }
+            _ => return None,
+        };
         let ts = field("ts")?.parse().ok()?;
+        let nonce = field("r")?;
         let signature = field("s")?;
         if parts.next().is_some() {
             return None;
@@ -212,8 +285,10 @@ impl<'a> Fields<'a> {
                 client: Arc::from(client),
                 verified,
                 tier,
+                body,
             },
             ts,
+            nonce,
             signature,
         })
     }
@@ -239,72 +314,117 @@ mod tests {
             client: Arc::from("chat;ui=1"),
             verified: true,
             tier: Tier::High,
+            body: Some(body_digest(b"{}")),
         }
     }
 
-    fn request<'a>(id: &'a str, path: &'a str) -> Request<'a> {
+    fn request<'a>(id: &'a str, path: &'a str, _body: &'a str) -> Request<'a> {
         Request {
+            to: "box2",
             id,
             method: &Method::POST,
             path,
         }
     }
 
+    fn key() -> HopKey {
+        HopKey::new("token").unwrap()
+    }
+
     #[test]
-    fn a_signed_assertion_verifies_and_round_trips() {
-        let key = HopKey::new("token");
+    fn a_signed_assertion_verifies_once_and_round_trips() {
+        let (key, replays) = (key(), Replays::default());
         let now = SystemTime::now();
-        let header = key.sign(&assertion(), request("r1", "/api/chat"), now);
+        let body = body_digest(b"{}");
+        let header = key.sign(&assertion(), request("r1", "/api/chat", &body), now);
         assert!(header.is_sensitive());
-        let back = key
-            .verify(
+        let later = now + Duration::from_secs(5);
+        let back = verify(
+            Some(&key),
+            &replays,
+            &header,
+            request("r1", "/api/chat", &body),
+            later,
+        );
+        assert_eq!(back.unwrap(), assertion());
+        assert_eq!(
+            verify(
+                Some(&key),
+                &replays,
                 &header,
-                request("r1", "/api/chat"),
-                now + Duration::from_secs(5),
+                request("r1", "/api/chat", &body),
+                later
+            ),
+            Err(HopError::Replayed),
+            "a captured header cannot be sent again"
+        );
+        let again = key.sign(&assertion(), request("r1", "/api/chat", &body), now);
+        assert_ne!(again, header, "each hop has its own nonce");
+        assert!(
+            verify(
+                Some(&key),
+                &replays,
+                &again,
+                request("r1", "/api/chat", &body),
+                later
             )
-            .unwrap();
-        assert_eq!(back, assertion());
+            .is_ok()
+        );
     }
 
     #[test]
     fn anything_changed_fails() {
-        let key = HopKey::new("token");
+        let key = key();
         let now = SystemTime::now();
-        let header = key.sign(&assertion(), request("r1", "/api/chat"), now);
-        let check = |key: &HopKey, header: &HeaderValue, id, path, at| {
-            key.verify(header, request(id, path), at)
+        let body = body_digest(b"{}");
+        let header = key.sign(&assertion(), request("r1", "/api/chat", &body), now);
+        let check = |key: &HopKey, header: &HeaderValue, request: Request<'_>, at| {
+            key.verify(header, request, at)
         };
+        let bad = Err(HopError::BadSignature);
         assert_eq!(
-            check(&HopKey::new("other"), &header, "r1", "/api/chat", now),
-            Err(HopError::BadSignature)
+            check(
+                &HopKey::new("other").unwrap(),
+                &header,
+                request("r1", "/api/chat", &body),
+                now
+            ),
+            bad
         );
         assert_eq!(
-            check(&key, &header, "r2", "/api/chat", now),
-            Err(HopError::BadSignature),
-            "another request id"
+            check(&key, &header, request("r2", "/api/chat", &body), now),
+            bad,
+            "request id"
         );
         assert_eq!(
-            check(&key, &header, "r1", "/api/generate", now),
-            Err(HopError::BadSignature),
-            "another path"
+            check(&key, &header, request("r1", "/api/generate", &body), now),
+            bad,
+            "path"
         );
+        let other_body = body_digest(b"{\"model\":\"big\"}");
+        let swapped =
+            HeaderValue::from_str(&header.to_str().unwrap().replace(&body, &other_body)).unwrap();
+        assert_eq!(
+            check(&key, &swapped, request("r1", "/api/chat", &body), now),
+            bad,
+            "body"
+        );
+        let mut elsewhere = request("r1", "/api/chat", &body);
+        elsewhere.to = "box3";
+        assert_eq!(check(&key, &header, elsewhere, now), bad, "destination");
         let promoted =
             HeaderValue::from_str(&header.to_str().unwrap().replace(";t=high;", ";t=low;"))
                 .unwrap();
-        let mut low = assertion();
-        low.tier = Tier::Low;
-        let relabelled = key.sign(&low, request("r1", "/api/chat"), now);
-        assert_ne!(relabelled, promoted, "the tier is signed");
         assert_eq!(
-            check(&key, &promoted, "r1", "/api/chat", now),
-            Err(HopError::BadSignature)
+            check(&key, &promoted, request("r1", "/api/chat", &body), now),
+            bad,
+            "tier"
         );
         assert_eq!(
             check(
                 &key,
                 &header,
-                "r1",
-                "/api/chat",
+                request("r1", "/api/chat", &body),
                 now + MAX_SKEW + Duration::from_secs(1)
             ),
             Err(HopError::Skew)
@@ -313,15 +433,15 @@ mod tests {
             "",
             "v1",
             "v2;n=00",
-            "v1;n=zz;c=00;v=1;t=high;ts=1;s=00",
+            "v1;n=zz;c=00;v=1;t=high;b=-;ts=1;r=00;s=00",
+            "v1;n=00;c=00;v=1;t=high;b=xyz;ts=1;r=00;s=00",
             "admin",
         ] {
             assert_eq!(
                 check(
                     &key,
                     &HeaderValue::from_static(forged),
-                    "r1",
-                    "/api/chat",
+                    request("r1", "/api/chat", &body),
                     now
                 ),
                 Err(HopError::Malformed),
@@ -329,13 +449,20 @@ mod tests {
             );
         }
         assert_eq!(
-            verify(None, &header, request("r1", "/api/chat"), now),
+            verify(
+                None,
+                &Replays::default(),
+                &header,
+                request("r1", "/api/chat", &body),
+                now
+            ),
             Err(HopError::NoKey)
         );
     }
 
     #[test]
-    fn the_key_never_prints() {
-        assert_eq!(format!("{:?}", HopKey::new("secret-token")), "HopKey(…)");
+    fn an_empty_token_is_no_key_and_the_key_never_prints() {
+        assert!(HopKey::new("").is_none() && HopKey::new("  \n").is_none());
+        assert_eq!(format!("{:?}", key()), "HopKey(…)");
     }
 }

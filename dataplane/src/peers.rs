@@ -14,9 +14,10 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use oqp_proto::policy::v1 as wire;
+use tokio_util::sync::CancellationToken;
 
 use crate::body;
-use crate::hop::HopKey;
+use crate::hop::{HopKey, Replays};
 use crate::placement::{Rotation, Seen, Target, View};
 use crate::policy::{Base, Policy};
 use crate::router::HostStat;
@@ -32,7 +33,10 @@ const PROBE_MAX: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub struct Peers {
     key: Option<HopKey>,
+    replays: Replays,
     client: Upstream,
+    /// Ends the background probes with the data plane.
+    shutdown: CancellationToken,
     loads: ArcSwap<HashMap<Arc<str>, Load>>,
     state: Mutex<HashMap<Arc<str>, PeerState>>,
     rotation: Mutex<Rotation>,
@@ -56,9 +60,7 @@ pub struct Load {
 #[derive(Debug, Default)]
 struct PeerState {
     forwarded: u64,
-    /// Forwarded since the last load report: not in it yet.
-    recent: u32,
-    /// Forwarded and not yet answered in full.
+    /// Forwarded and not yet answered in full (live, unlike the reported load).
     outstanding: Arc<AtomicU32>,
     down: bool,
 }
@@ -99,7 +101,9 @@ impl Peers {
             None => Upstream::new(CONNECT_TIMEOUT),
         };
         Ok(Self {
-            key: token.map(HopKey::new),
+            key: token.and_then(HopKey::new),
+            replays: Replays::default(),
+            shutdown: CancellationToken::new(),
             client,
             loads: ArcSwap::default(),
             state: Mutex::default(),
@@ -110,6 +114,16 @@ impl Peers {
     /// The key hops are signed and verified with.
     pub fn key(&self) -> Option<&HopKey> {
         self.key.as_ref()
+    }
+
+    /// The hop headers accepted lately, which are not accepted again.
+    pub fn replays(&self) -> &Replays {
+        &self.replays
+    }
+
+    /// Stops the background probes (the data plane is shutting down).
+    pub fn shut_down(&self) {
+        self.shutdown.cancel();
     }
 
     /// The pooled client hops travel on.
@@ -139,9 +153,6 @@ impl Peers {
             })
             .collect();
         self.loads.store(Arc::new(loads));
-        for state in self.lock().values_mut() {
-            state.recent = 0;
-        }
     }
 
     /// Where `node` is reached: as the control plane last relayed it, else as configured.
@@ -192,14 +203,14 @@ impl Peers {
                         .iter()
                         .any(|info| info.name == *owner && info.base.is_some()));
             let target = Target::Peer(owner.clone());
-            // What was forwarded since the owner's last report and is still
-            // being answered: one answered in full no longer weighs on its
-            // box (else an idle box just used looks busy until the next
-            // report, and sequential traffic stays on the edge's own box).
-            let unreported = peer.map_or(0, |peer| {
-                peer.recent.min(peer.outstanding.load(Ordering::Acquire))
+            // What this edge has there now beyond what the last report counted (sent since,
+            // or all of it while the control plane is away) waits there too, as far as
+            // ranking goes.
+            let reported = load.map_or(0, |load| {
+                load.waiting + load.in_use.values().copied().sum::<u32>()
             });
-            let waiting = load.map_or(0, |load| load.waiting) + unreported;
+            let ours = peer.map_or(0, |peer| peer.outstanding.load(Ordering::Acquire));
+            let waiting = load.map_or(0, |load| load.waiting) + ours.saturating_sub(reported);
             view.waiting.insert(target.clone(), waiting);
             view.hosts.push(Seen {
                 host,
@@ -218,17 +229,21 @@ impl Peers {
         crate::placement::order(&view, model, policy.routing.strategy, &mut rotation)
     }
 
-    /// Counts a request forwarded to `node`; the guard counts it outstanding until it drops.
+    /// Counts a request on its way to `node` as outstanding until the guard drops.
     pub fn forwarding(&self, node: &Arc<str>) -> Outstanding {
         let mut state = self.lock();
         let peer = state.entry(node.clone()).or_default();
-        peer.forwarded += 1;
-        peer.recent = peer.recent.saturating_add(1);
         peer.outstanding.fetch_add(1, Ordering::AcqRel);
         Outstanding(peer.outstanding.clone())
     }
 
-    /// Marks `node` unreachable and probes it in the background until it answers.
+    /// Counts a request `node` received (its connection was made).
+    pub fn forwarded(&self, node: &Arc<str>) {
+        self.lock().entry(node.clone()).or_default().forwarded += 1;
+    }
+
+    /// Marks `node` unreachable and probes it in the background until it answers (or nothing
+    /// says where it is any more, or the data plane shuts down).
     pub fn mark_down(self: &Arc<Self>, policy: &Arc<Policy>, node: &Arc<str>) {
         {
             let mut state = self.lock();
@@ -245,7 +260,17 @@ impl Peers {
         tokio::spawn(async move {
             let mut delay = PROBE_FIRST;
             loop {
-                tokio::time::sleep(delay).await;
+                tokio::select! {
+                    () = peers.shutdown.cancelled() => return,
+                    () = tokio::time::sleep(delay) => {}
+                }
+                if peers.url(&policy, &node).is_none() {
+                    // Nothing says where it is any more: nothing to probe.
+                    if let Some(peer) = peers.lock().get_mut(&node) {
+                        peer.down = false;
+                    }
+                    return;
+                }
                 if peers.answers(&policy, &node).await {
                     if let Some(peer) = peers.lock().get_mut(&node) {
                         peer.down = false;

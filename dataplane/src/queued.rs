@@ -119,12 +119,20 @@ async fn placed(
         client: client.id.clone(),
         verified: client.verified,
         tier,
+        body: None,
     };
     let relay = relay::Parts {
         peers,
         metrics: parts.metrics,
     };
-    let mut on_granted = Some(on_granted);
+    // Called once, by whichever box takes the request.
+    let on_granted = std::sync::Mutex::new(Some(on_granted));
+    let granted = || {
+        let taken = on_granted.lock().ok().and_then(|mut once| once.take());
+        if let Some(granted) = taken {
+            granted();
+        }
+    };
     let mut outbound = Some(outbound);
     let mut last: Option<Result<Response<Body>, ProxyError>> = None;
     for target in order {
@@ -138,7 +146,6 @@ async fn placed(
         outbound = replay;
         match target {
             Target::Local => {
-                let granted = on_granted.take();
                 let answer = local(
                     parts,
                     policy,
@@ -146,11 +153,7 @@ async fn placed(
                     tier,
                     model.clone(),
                     this,
-                    || {
-                        if let Some(granted) = granted {
-                            granted();
-                        }
-                    },
+                    granted,
                 )
                 .await;
                 match answer {
@@ -161,9 +164,7 @@ async fn placed(
             Target::Peer(node) => {
                 match relay::send(relay, policy, &node, &assertion, this).await? {
                     relay::Relayed::Answer(response) => {
-                        if let Some(granted) = on_granted.take() {
-                            granted();
-                        }
+                        granted();
                         return Ok(response);
                     }
                     relay::Relayed::Refused(response) => last = Some(Ok(response)),

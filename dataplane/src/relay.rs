@@ -81,11 +81,19 @@ pub async fn send(
         .unwrap_or_default()
         .to_owned();
     let signed = hop::Request {
+        to: node,
         id: &request_id,
         method: &method,
         path: path_and_query.as_str(),
     };
-    headers.insert(hop::HEADER, key.sign(caller, signed, SystemTime::now()));
+    let caller = Assertion {
+        body: match &body {
+            RequestBody::Buffered(bytes) => Some(hop::body_digest(bytes)),
+            RequestBody::Streamed(_) => None,
+        },
+        ..caller.clone()
+    };
+    headers.insert(hop::HEADER, key.sign(&caller, signed, SystemTime::now()));
     let uri = http::Uri::builder()
         .scheme(base.scheme)
         .authority(base.authority)
@@ -100,9 +108,17 @@ pub async fn send(
     *request.method_mut() = method;
     *request.uri_mut() = uri;
     *request.headers_mut() = headers;
-    let head_timeout = policy.queue.longest_wait() + policy.proxy.request_timeout + HEAD_SLACK;
+    // The owner may wait the longest queue wait, then fail over inside its box (each host up
+    // to the request timeout, and as long again for a free one).
+    let hosts = policy
+        .remote
+        .iter()
+        .filter(|host| host.owner.as_ref() == Some(node))
+        .count()
+        .max(1);
+    let upstream = policy.proxy.request_timeout * u32::try_from(2 * hosts).unwrap_or(u32::MAX);
+    let head_timeout = policy.queue.longest_wait() + upstream + HEAD_SLACK;
     let outstanding = parts.peers.forwarding(node);
-    parts.metrics.forwarded(node);
     let sent = Instant::now();
     let response = match parts.peers.client().send(request, head_timeout).await {
         Ok(response) => response,
@@ -112,10 +128,17 @@ pub async fn send(
             return Ok(Relayed::Unreachable);
         }
         Err(error) => {
+            // Written, so never sent elsewhere; but a peer that broke the connection or
+            // went silent is not chosen again until it answers a probe.
             tracing::warn!(%node, %error, "peer data plane failed before answering");
+            parts.peers.forwarded(node);
+            parts.metrics.forwarded(node);
+            parts.peers.mark_down(policy, node);
             return Err(ProxyError::PeerFailed(node.to_string()));
         }
     };
+    parts.peers.forwarded(node);
+    parts.metrics.forwarded(node);
     let (mut head, incoming) = response.into_parts();
     if let Some(owner_us) = head
         .headers

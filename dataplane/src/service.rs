@@ -57,7 +57,7 @@ pub async fn handle(
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         request.headers_mut().insert(headers::REQUEST_ID, id);
     }
-    let hopped = request.headers().contains_key(hop::HEADER);
+
     // The one policy load of this request: the whole request sees one snapshot.
     let policy = app.store.load();
     // `forward` fills in the client and tier; never a key.
@@ -73,7 +73,10 @@ pub async fn handle(
     // state is paid only while a request runs. The phases that run after a
     // grant (or instead of queueing) are boxed below for the same reason: a
     // waiting request holds only what waiting needs.
-    let routed = Box::pin(route(&app, &policy, kind, peer, request).instrument(span.clone())).await;
+    let mut hopped = false;
+    let routed =
+        Box::pin(route(&app, &policy, kind, peer, request, &mut hopped).instrument(span.clone()))
+            .await;
     let mut refused = false;
     let mut response = match routed {
         Ok(response) => response,
@@ -106,6 +109,7 @@ async fn route(
     kind: &ListenerKind,
     peer: SocketAddr,
     request: Request<Incoming>,
+    hopped: &mut bool,
 ) -> Result<Response<Body>, ProxyError> {
     // The address the throttle counts and the logs show: behind a trusted
     // reverse proxy, the client it names in X-Forwarded-For.
@@ -144,9 +148,11 @@ async fn route(
         }
     }
     if let Some(claim) = request.headers().get(hop::HEADER) {
-        let (identity, tier) = hopped_identity(app, policy, peer, claim, &request)?;
+        let (identity, hop) = hopped_identity(app, policy, peer, claim, &request)?;
+        // Verified: the answer tells the edge what it took and whether to try another box.
+        *hopped = true;
         identity.require(Scope::Inference)?;
-        return forward(app, policy, identity, Some(tier), request).await;
+        return forward(app, policy, identity, Some(hop), request).await;
     }
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
@@ -162,7 +168,7 @@ fn hopped_identity(
     peer: IpAddr,
     claim: &HeaderValue,
     request: &Request<Incoming>,
-) -> Result<(Identity, crate::scheduler::Tier), ProxyError> {
+) -> Result<(Identity, Hop), ProxyError> {
     let id = request
         .headers()
         .get(headers::REQUEST_ID)
@@ -173,14 +179,26 @@ fn hopped_identity(
         .path_and_query()
         .map_or("/", http::uri::PathAndQuery::as_str);
     let signed = hop::Request {
+        to: &policy.node,
         id,
         method: request.method(),
         path,
     };
     // A hop that verifies is a peer's, whatever else its address did: only failures meet
     // the throttle (which answers 429 once they are too many).
-    let assertion = match hop::verify(app.peers.key(), claim, signed, std::time::SystemTime::now())
-    {
+    let now = std::time::SystemTime::now();
+    let verified = hop::verify(app.peers.key(), app.peers.replays(), claim, signed, now).and_then(
+        |assertion| {
+            // Not from itself (a peer URL that leads back here), and never an unverified
+            // caller where this node's own snapshot requires keys.
+            if assertion.node == policy.node || (!assertion.verified && policy.auth.enabled) {
+                Err(hop::HopError::BadSignature)
+            } else {
+                Ok(assertion)
+            }
+        },
+    );
+    let assertion = match verified {
         Ok(assertion) => assertion,
         Err(error) => {
             let window = policy.auth.window;
@@ -193,19 +211,32 @@ fn hopped_identity(
     tracing::debug!(edge = %assertion.node, "forwarded by a peer data plane");
     let identity = if assertion.verified {
         // The owner's own snapshot decides the client's ceiling, weight and caps; a client
-        // it does not know (revoked, or not yet in its snapshot) is refused as revoked.
+        // it does not know (not in its snapshot yet, or already gone) is a refusal of this
+        // box: another may know it.
         let client = policy
             .clients_by_id
             .get(&assertion.client)
-            .filter(|client| !client.is_expired(std::time::SystemTime::now()))
+            .filter(|client| !client.is_expired(now))
             .cloned()
-            .ok_or(ProxyError::KeyRevoked)?;
+            .ok_or(ProxyError::ClientUnknownHere)?;
         Identity::Client(client)
     } else {
         Identity::Anonymous(Some(assertion.client.clone()))
     };
-    let tier = identity.tier(Some(assertion.tier));
-    Ok((identity, tier))
+    let hop = Hop {
+        tier: identity.tier(Some(assertion.tier)),
+        body: assertion.body,
+    };
+    Ok((identity, hop))
+}
+
+/// What a verified hop settled for the request it carries.
+#[derive(Debug)]
+struct Hop {
+    /// The tier, after the client's ceiling here.
+    tier: crate::scheduler::Tier,
+    /// The body's SHA-256 the edge signed (a buffered body must match it).
+    body: Option<String>,
 }
 
 /// The read-only surfaces (scope `read`): status, summary, metrics and the
@@ -240,7 +271,7 @@ async fn forward(
     app: &Arc<App>,
     policy: &Arc<Policy>,
     identity: Identity,
-    hopped: Option<crate::scheduler::Tier>,
+    hopped: Option<Hop>,
     request: Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
     if app.is_shutting_down() {
@@ -258,7 +289,10 @@ async fn forward(
             Access::Unlisted => return Err(ProxyError::RouteNotProxied),
         }
     }
-    let tier = hopped.unwrap_or_else(|| identity.tier(auth::requested_tier(request.headers())));
+    let tier = match &hopped {
+        Some(hop) => hop.tier,
+        None => identity.tier(auth::requested_tier(request.headers())),
+    };
     let client_id = identity.client_id().cloned();
     if let Some(client) = &client_id {
         app.touch(client);
@@ -292,7 +326,12 @@ async fn forward(
         )?)
     };
     let mut upstream_headers = parts.headers;
+    let request_id = upstream_headers.get(headers::REQUEST_ID).cloned();
     headers::for_upstream(&mut upstream_headers, client_id.as_deref());
+    // Even when the client's `Connection` named it: the id travels on (and a hop signs it).
+    if let Some(id) = request_id {
+        upstream_headers.insert(headers::REQUEST_ID, id);
+    }
     if let RequestBody::Buffered(_) = body {
         // A read body may be rewritten on its way; hyper sets the length
         // of what is actually sent.
@@ -335,7 +374,12 @@ async fn forward(
     else {
         return queued::send(queue, policy, client, tier, None, outbound).await;
     };
-    if hopped.is_some() {
+    if let Some(hop) = &hopped {
+        // The body is the one the edge signed, or the hop is refused.
+        if hop.body.as_deref() != Some(hop::body_digest(&body).as_str()) {
+            tracing::warn!("node hop refused: the body is not the one signed");
+            return Err(ProxyError::HopUnverified);
+        }
         let model = rewrite::model_of(&body);
         outbound.body = RequestBody::Buffered(body);
         return queued::send(queue, policy, client, tier, model, outbound).await;

@@ -62,12 +62,21 @@ pub(crate) fn control_plane(
     })
 }
 
-/// `nodes.NAME.url`: an `http`/`https` base URL without credentials, query or fragment.
+/// `nodes.NAME.url`: an `http`/`https` base URL — a reachable host, an optional port and
+/// nothing after them (requests keep their own paths).
 fn peer_url(text: &str, path: &str, problems: &mut Problems) -> Option<String> {
     match net::parse_http_url(text) {
-        Ok(url) if url.has_userinfo || url.has_query_or_fragment => {
+        Ok(url) if url.has_userinfo || url.has_query_or_fragment || has_path(&url.normalized) => {
             problems.error(format!(
-                "{path}.url must not contain credentials, a query or a fragment"
+                "{path}.url must be scheme://host[:port] only, without credentials, a path, a \
+                 query or a fragment"
+            ));
+            None
+        }
+        Ok(url) if is_wildcard(&url.host) => {
+            problems.error(format!(
+                "{path}.url names the wildcard address '{}': give an address peers can reach",
+                url.host
             ));
             None
         }
@@ -114,6 +123,14 @@ pub(crate) fn ownership(
             _ => {}
         }
     }
+    let owned = hosts.iter().any(|host| host.node.is_some());
+    if (several || owned) && control_plane.node_token.is_none() {
+        problems.error(
+            "control_plane.node_token is required when nodes lists two or more nodes or a host \
+             names its node: it authenticates data planes and keys the identity they assert to \
+             each other",
+        );
+    }
     if !several {
         return;
     }
@@ -126,12 +143,12 @@ pub(crate) fn ownership(
             ));
         }
     }
-    if control_plane.node_token.is_none() {
-        problems.error(
-            "control_plane.node_token is required when nodes lists two or more nodes: it \
-             authenticates data planes and keys the identity they assert to each other",
-        );
-    }
+}
+
+fn has_path(normalized: &str) -> bool {
+    normalized
+        .split_once("://")
+        .is_some_and(|(_, rest)| rest.contains('/'))
 }
 
 fn listed(nodes: &BTreeMap<String, NodeOverride>) -> String {

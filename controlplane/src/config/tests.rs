@@ -800,13 +800,16 @@ fn with_several_nodes_every_host_names_a_listed_owner() {
 #[test]
 fn an_unlisted_owner_is_an_error_even_without_nodes() {
     let problems = problems(
-        "ollama:\n  hosts:\n    - {url: \"http://127.0.0.1:11434\", name: local, node: box1}\n",
+        "control_plane: {node_token: t}\nollama:\n  hosts:\n    - {url: \"http://127.0.0.1:11434\", name: local, node: box1}\n",
         &[],
     );
     assert_eq!(
         problems,
         ["ollama.hosts[0].node: node 'box1' is not listed under nodes (listed: none)"]
     );
+    // A host with an owner needs the token that signs the hop, even with one node listed.
+    let one = "nodes: {box1: {port: 11500}}\nollama:\n  hosts:\n    - {url: \"http://127.0.0.1:11434\", name: local, node: box1}\n";
+    assert!(problems_of(one)[0].starts_with("control_plane.node_token is required"));
     // One node listed, hosts without owners: every data plane owns every host, as before.
     load(&with_host("nodes: {box1: {port: 11500}}\n"));
 }
@@ -819,18 +822,29 @@ fn several_nodes_need_reachable_addresses_and_a_node_token() {
     let problems = problems(&yaml, &[]);
     assert_eq!(problems.len(), 2, "{problems:#?}");
     assert!(
-        problems[0].starts_with("nodes.box1.url is required"),
+        problems[0].starts_with("control_plane.node_token is required"),
         "{problems:#?}"
     );
-    assert!(problems[0].contains("'0.0.0.0'"), "{problems:#?}");
     assert!(
-        problems[1].starts_with("control_plane.node_token is required"),
+        problems[1].starts_with("nodes.box1.url is required"),
         "{problems:#?}"
     );
+    assert!(problems[1].contains("'0.0.0.0'"), "{problems:#?}");
     let bad_url = problems_of(&TWO_BOXES.replace("http://10.0.0.1:11435/", "ftp://x"));
     assert!(
         bad_url[0].starts_with("nodes.box1.url must be an http://"),
         "{bad_url:#?}"
+    );
+    // Every URL accepted converts in the data plane: no path, no wildcard.
+    let with_path = problems_of(&TWO_BOXES.replace("11435/", "11435/oqp"));
+    assert!(
+        with_path[0].starts_with("nodes.box1.url must be scheme://host[:port] only"),
+        "{with_path:#?}"
+    );
+    let wildcard = problems_of(&TWO_BOXES.replace("10.0.0.1:11435", "0.0.0.0:11435"));
+    assert!(
+        wildcard[0].contains("wildcard address '0.0.0.0'"),
+        "{wildcard:#?}"
     );
 }
 

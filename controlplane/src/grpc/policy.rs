@@ -87,8 +87,14 @@ impl PolicyService for PolicyApi {
         tracing::info!(%node, version = %hello.software_version, held = hello.applied_version, "data plane watching");
         // Before subscribing, so that the stream's first snapshot is already
         // above what the node holds.
+        if !self.hub.open_watch(&node) {
+            tracing::warn!(%node, "refused a second data plane watching as a node that owns hosts");
+            return Err(Status::already_exists(format!(
+                "a data plane is already connected as node '{node}', which owns hosts: two would \
+                 both send to them; start this one with another --node"
+            )));
+        }
         self.hub.adopt_version(&node, hello.applied_version);
-        self.hub.watch_changed(&node, true);
         let guard = WatchGuard {
             hub: self.hub.clone(),
             node: node.clone(),

@@ -265,3 +265,159 @@ async fn a_peers_hops_are_served_while_its_address_is_throttled_and_keep_the_cal
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_second_data_plane_with_an_owners_name_is_refused() {
+    use oqp_proto::policy::v1::NodeHello;
+    use oqp_proto::policy::v1::policy_service_client::PolicyServiceClient;
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&owned_by_b(&fake.url())).await;
+    let b = stack
+        .start_dataplane("b", Some(TOKEN))
+        .await
+        .expect("node b starts");
+    let mut policy = PolicyServiceClient::connect(stack.control_url())
+        .await
+        .unwrap();
+    let mut hello = tonic::Request::new(NodeHello {
+        node: "b".to_owned(),
+        ..NodeHello::default()
+    });
+    hello
+        .metadata_mut()
+        .insert("x-oqp-node-token", TOKEN.parse().unwrap());
+    let refused = policy
+        .watch_policy(hello)
+        .await
+        .expect_err("a second b is refused");
+    assert_eq!(refused.code(), tonic::Code::AlreadyExists);
+    assert!(
+        refused.message().contains("already connected as node 'b'"),
+        "{}",
+        refused.message()
+    );
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_captured_hop_cannot_be_replayed_or_carry_another_body() {
+    use oqp_dataplane::hop::{self, Assertion, HopKey};
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let stack = Stack::start(&owned_by_b(&fake.url())).await;
+    let b = stack
+        .start_dataplane("b", Some(TOKEN))
+        .await
+        .expect("node b starts");
+    let body = br#"{"model":"llama3","prompt":"hi","stream":false}"#;
+    let sign = |body: &[u8]| {
+        let assertion = Assertion {
+            node: "local".into(),
+            client: "someone".into(),
+            verified: false,
+            tier: oqp_dataplane::scheduler::Tier::High,
+            body: Some(hop::body_digest(body)),
+        };
+        let request = hop::Request {
+            to: "b",
+            id: "rid-1",
+            method: &http::Method::POST,
+            path: "/api/generate",
+        };
+        let header =
+            HopKey::new(TOKEN)
+                .unwrap()
+                .sign(&assertion, request, std::time::SystemTime::now());
+        header.to_str().unwrap().to_owned()
+    };
+    let http = HttpClient::new();
+    let url = format!("http://{}/api/generate", b.local_addr());
+    let send = |header: String, body: &'static [u8]| {
+        let (http, url) = (&http, &url);
+        async move {
+            let request = serde_json::from_slice::<serde_json::Value>(body).unwrap();
+            http.post_json(
+                url,
+                &[("x-oqp-hop", &header), ("x-request-id", "rid-1")],
+                &request,
+            )
+            .await
+        }
+    };
+    let header = sign(body);
+    let first = send(header.clone(), body).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(
+        send(header, body).await.status,
+        401,
+        "the same header again is a replay"
+    );
+    let other = br#"{"model":"llama3","prompt":"something much longer","stream":false}"#;
+    let swapped = send(sign(body), other).await;
+    assert_eq!(
+        swapped.status, 401,
+        "a signed hop carries only its own body"
+    );
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_request_that_failed_after_reaching_a_host_is_not_sent_to_another_box() {
+    use oqp_tests::fake::Failure;
+    let here = FakeOllama::builder().model("llama3").spawn().await;
+    let there = FakeOllama::builder()
+        .model("llama3")
+        .loaded("llama3")
+        .spawn()
+        .await;
+    let yaml = format!(
+        "control_plane: {{node_token: {TOKEN}}}\nnodes: {{local: {{port: 0}}, b: {{port: 0}}}}\n\
+         routing: {{strategy: model_aware}}\n\
+         ollama:\n  hosts:\n    - {{url: \"{}\", name: gpu1, node: local}}\n    - {{url: \"{}\", name: gpu2, node: b}}\n",
+        here.url(),
+        there.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    let b = stack
+        .start_dataplane("b", Some(TOKEN))
+        .await
+        .expect("node b starts");
+    let edge = stack.control.dataplane().expect("local data plane");
+    let app = edge.app().clone();
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            let policy = app.store.load();
+            app.peers.url(&policy, "b").is_some()
+                && policy
+                    .remote
+                    .iter()
+                    .any(|host| host.loaded.contains("llama3:latest"))
+        })
+        .await,
+        "the edge knows b and that llama3 is loaded there"
+    );
+    let http = HttpClient::new();
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let url = format!("{}/api/generate", stack.url());
+    let served = http.post_json(&url, &[], &request).await;
+    assert_eq!(
+        served.header("x-failover-host").as_deref(),
+        Some("gpu2"),
+        "loaded wins"
+    );
+    there.handle().fail_next(Failure::Reset);
+    let failed = http.post_json(&url, &[], &request).await;
+    assert_eq!(failed.status, 503, "{}", failed.text());
+    assert_eq!(
+        failed.header("x-failover-exhausted").as_deref(),
+        Some("true")
+    );
+    assert!(
+        here.handle().requests_to("/api/generate").is_empty(),
+        "gpu2 had the request: it is not run again on box 1"
+    );
+    b.shutdown().await;
+    stack.shutdown().await;
+}
