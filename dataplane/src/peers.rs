@@ -362,3 +362,56 @@ impl Peers {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// Node `a`'s policy: its own box and node b's, two slots each, idle.
+    fn policy_of_a() -> Policy {
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.node = "a".into();
+        snapshot.hosts = ["a", "b"]
+            .iter()
+            .enumerate()
+            .map(|(i, node)| wire::Host {
+                name: format!("gpu-{node}"),
+                url: format!("http://127.0.0.1:{}", i + 1),
+                max_concurrent: 2,
+                healthy: true,
+                node: (*node).into(),
+                ..Default::default()
+            })
+            .collect();
+        snapshot.nodes = ["a", "b"]
+            .iter()
+            .enumerate()
+            .map(|(i, node)| wire::NodeInfo {
+                name: (*node).into(),
+                url: format!("http://127.0.0.1:{}", i + 11),
+            })
+            .collect();
+        Policy::try_from(snapshot).unwrap()
+    }
+
+    fn first(peers: &Peers, policy: &Policy) -> Target {
+        peers.order(policy, (0, Vec::new()), None)[0].clone()
+    }
+
+    #[test]
+    fn a_forwarded_request_weighs_on_the_owners_box_only_until_it_is_answered() {
+        let policy = policy_of_a();
+        let peers = Peers::new(Some("token"), None).unwrap();
+        let b: Arc<str> = Arc::from("b");
+        let in_flight = peers.forwarding(&b);
+        // Not in b's report yet, and still running: b's box is the busier.
+        assert_eq!(first(&peers, &policy), Target::Local);
+        assert_eq!(first(&peers, &policy), Target::Local);
+        drop(in_flight);
+        // Answered before any report: both boxes idle again, taking turns.
+        let turns = [first(&peers, &policy), first(&peers, &policy)];
+        assert!(turns.contains(&Target::Local), "{turns:?}");
+        assert!(turns.contains(&Target::Peer(b)), "{turns:?}");
+    }
+}

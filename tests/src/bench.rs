@@ -8,7 +8,8 @@
 //! The scenarios ([`scenarios`]): added latency (pinned and unpinned),
 //! saturation of the metadata fast path and of the queued path, work
 //! conservation, streaming, embedding-cache hits (memory and Redis), memory,
-//! CPU per 1k req/s, scheduling under a batch flood, and fairness.
+//! CPU per 1k req/s, scheduling under a batch flood, fairness, and the
+//! node hop's cost (a request forwarded by one data plane to the owner's).
 //!
 //! [`run`] is the library entry: the binary calls it, and so does the smoke
 //! test (`--quick`, tiny counts).
@@ -54,8 +55,11 @@ pub const SCENARIO_SCHEDULING: &str = "scheduling";
 /// Jain's index.
 pub const SCENARIO_FAIRNESS: &str = "fairness";
 
+/// Through an edge data plane and the owner's, vs the owner alone.
+pub const SCENARIO_FORWARDED: &str = "forwarded";
+
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 12] = [
+pub const SCENARIOS: [&str; 13] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -68,6 +72,7 @@ pub const SCENARIOS: [&str; 12] = [
     SCENARIO_CPU,
     SCENARIO_SCHEDULING,
     SCENARIO_FAIRNESS,
+    SCENARIO_FORWARDED,
 ];
 
 /// The command documented in the README.
@@ -187,6 +192,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_CPU], scenarios::cpu::run);
     scenario!(&[SCENARIO_SCHEDULING], scenarios::scheduling::run);
     scenario!(&[SCENARIO_FAIRNESS], scenarios::fairness::run);
+    scenario!(&[SCENARIO_FORWARDED], scenarios::forwarded::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);
@@ -300,6 +306,7 @@ fn notes(report: &Report) -> Vec<String> {
         "- *CPU*: open loop at a fixed rate; the process's user + system time (`/proc/<pid>/stat`) over the run ÷ its length, scaled to 1k req/s.".to_owned(),
         "- *Scheduling*: wait = response time − the request's own service time; direct to the fake the chats queue in Ollama's FIFO.".to_owned(),
         "- *Fairness*: completions per client in the window; direct, a FIFO shares in proportion to what each client offers.".to_owned(),
+        "- *Forwarded*: one control plane (in the benchmark's process; it is not on the request path) and two data planes, each its own `oqp-bench dataplane` process, unpinned; the fake's only host is owned by node b. A request entering at a is forwarded to b over the node hop. The columns are what stands in front of owner b, as each row says: nothing (b alone), the minimal proxy (the floor of any extra hop), or edge a. Added latency as above, each sample paired with the b-alone request taken moments apart; line delays as in *Streaming*. The figure counts only if edge a reports (`/queue/status`) that it forwarded every request it was sent.".to_owned(),
     ]
 }
 

@@ -107,6 +107,23 @@ impl Stack {
     }
 }
 
+/// Starts a control plane alone (no data plane in its process) on the
+/// config at `config_path`, serving gRPC on `listener`.
+pub async fn start_control_plane(
+    config_path: &std::path::Path,
+    listener: TcpListener,
+) -> Result<ControlPlane, oqp_controlplane::StartError> {
+    ControlPlane::start(Options {
+        config_path: config_path.to_path_buf(),
+        env: Env::empty(),
+        listener: Some(listener),
+        with_dataplane: false,
+        dataplane_listener: None,
+        clock: None,
+    })
+    .await
+}
+
 /// Starts a data plane on `127.0.0.1:0` following `control_url`.
 pub async fn start_dataplane(
     control_url: &str,

@@ -1,16 +1,20 @@
 //! Secrets never leak: every log line both planes write (at trace level),
-//! every status, summary, metrics and error body, and every response header
-//! are searched for the consumer keys, the upstream cloud key and the node
-//! token of a busy run.
+//! every status, summary, metrics and error body, every response header and
+//! everything the fake Ollamas received are searched for the consumer keys,
+//! the upstream cloud key and the node token of a busy run: one box first,
+//! then two nodes whose requests cross the node hop, whose header (and its
+//! signature) must stop at the owner and never be logged.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use oqp_tests::client::HttpClient;
-use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use std::time::Duration;
+
+use oqp_tests::client::{HttpClient, Reply};
+use oqp_tests::fake::{FakeHandle, FakeOllama};
+use oqp_tests::harness::{self, Stack};
 
 /// Every log line, kept in memory.
 #[derive(Clone, Default)]
@@ -104,16 +108,8 @@ control_plane:
     assert!(refused.is_err());
     let http = HttpClient::new();
     let base = stack.url();
-    let bearer = |key: &str| format!("Bearer {key}");
     let mut seen = String::new();
-    let mut record = |reply: &oqp_tests::client::Reply| {
-        seen.push_str(&format!(
-            "{} {:?}\n{}\n",
-            reply.status,
-            reply.headers,
-            reply.text()
-        ));
-    };
+    let mut record = |reply: &Reply| seen.push_str(&describe(reply));
     for (key, method, path, body) in [
         (
             SECRETS[0],
@@ -182,6 +178,12 @@ control_plane:
     seen.push_str(&format!("{:?}\n", stack.control.hub().config()));
     remote.shutdown().await;
     stack.shutdown().await;
+    seen.push_str(&two_nodes(&http).await);
+    let upstream = received(&[local.handle(), cloud.handle()]);
+    assert!(
+        !upstream.contains(SECRETS[4]),
+        "Ollama received the node token"
+    );
 
     let logs = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
     assert!(logs.lines().count() > 20, "the run was logged:\n{logs}");
@@ -200,4 +202,200 @@ control_plane:
     }
     // The throttled prefix was refused with 429 at the end, as expected.
     assert!(seen.contains("429"));
+    // The hop's header (`v1;n=…;s=<signature>`) is never logged, shown or
+    // answered.
+    for (what, text) in [("a log line", &logs), ("a response", &seen)] {
+        assert!(!text.contains(HOP_VALUE), "{what} carries the hop's header");
+    }
+}
+
+/// How every value of the hop's header starts.
+const HOP_VALUE: &str = "v1;n=";
+
+fn bearer(key: &str) -> String {
+    format!("Bearer {key}")
+}
+
+fn describe(reply: &Reply) -> String {
+    format!("{} {:?}\n{}\n", reply.status, reply.headers, reply.text())
+}
+
+/// Every request the fakes received, headers and body, as text.
+fn received(handles: &[FakeHandle]) -> String {
+    handles
+        .iter()
+        .flat_map(FakeHandle::requests)
+        .map(|request| {
+            format!(
+                "{} {} {:?}\n{}\n",
+                request.method,
+                request.path,
+                request.headers,
+                String::from_utf8_lossy(&request.body)
+            )
+        })
+        .collect()
+}
+
+/// Two nodes following a control plane of their own, the host owned by
+/// `a`: requests entering at `b` cross the node hop, and a consumer forges
+/// one. Returns every answer, status, metrics page and `Debug` output; checks
+/// that nothing of the hop reached Ollama.
+async fn two_nodes(http: &HttpClient) -> String {
+    let owned = FakeOllama::builder()
+        .model("llama3")
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let yaml = format!(
+        r#"proxy:
+  host: "127.0.0.1"
+ollama:
+  hosts:
+    - url: "{owned}"
+      name: owned
+      node: a
+nodes:
+  a: {{port: 0}}
+  b: {{port: 0}}
+embedding_cache:
+  enabled: true
+auth:
+  enabled: true
+  keys:
+    - key: "{chat}"
+      client_id: chat
+    - key: "{read}"
+      client_id: widget
+      scope: read
+control_plane:
+  node_token: "{token}"
+"#,
+        owned = owned.url(),
+        chat = SECRETS[0],
+        read = SECRETS[1],
+        token = SECRETS[4],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yml");
+    std::fs::write(&path, yaml).unwrap();
+    let control = harness::start_control_plane(&path, harness::loopback().await)
+        .await
+        .unwrap();
+    let control_url = format!("http://{}", control.local_addr());
+    let a = harness::start_dataplane(&control_url, "a", Some(SECRETS[4]))
+        .await
+        .unwrap();
+    let b = harness::start_dataplane(&control_url, "b", Some(SECRETS[4]))
+        .await
+        .unwrap();
+    let (url_a, url_b) = (
+        format!("http://{}", a.local_addr()),
+        format!("http://{}", b.local_addr()),
+    );
+    let read = bearer(SECRETS[1]);
+    // b forwards once the ack of its report says where a is.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let status = http
+            .get(
+                &format!("{url_b}/queue/status"),
+                &[("authorization", &read)],
+            )
+            .await
+            .json();
+        let peers = status["node"]["peers"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if peers
+            .iter()
+            .any(|peer| peer["node"] == "a" && peer["url"] == url_a.as_str())
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b never learnt where a is: {status:#}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let chat = bearer(SECRETS[0]);
+    let mut seen = String::new();
+    for (method, path, body) in [
+        (
+            "POST",
+            "/api/generate",
+            r#"{"model":"llama3","prompt":"hi","stream":false}"#,
+        ),
+        (
+            "POST",
+            "/api/generate",
+            r#"{"model":"llama3","prompt":"hi","stream":true}"#,
+        ),
+        (
+            "POST",
+            "/api/chat",
+            r#"{"model":"llama3","messages":[{"role":"user","content":"hi"}]}"#,
+        ),
+        (
+            "POST",
+            "/api/embed",
+            r#"{"model":"all-minilm","input":["a","b"]}"#,
+        ),
+        ("GET", "/api/tags", ""),
+    ] {
+        let reply = http
+            .send(
+                method.parse().unwrap(),
+                &format!("{url_b}{path}"),
+                &[("authorization", &chat)],
+                body.to_owned(),
+            )
+            .await;
+        assert!(reply.status.is_success(), "{path}: {}", describe(&reply));
+        seen.push_str(&describe(&reply));
+    }
+    // A forged hop, straight to both: refused.
+    let forged = "v1;node=b;client=admin;verified=1;tier=high;ts=1;sig=00";
+    assert!(!forged.starts_with(HOP_VALUE), "the forgery is told apart");
+    for url in [&url_a, &url_b] {
+        let reply = http
+            .send(
+                "POST".parse().unwrap(),
+                &format!("{url}/api/generate"),
+                &[("x-oqp-hop", forged), ("authorization", &chat)],
+                r#"{"model":"llama3","prompt":"hi","stream":false}"#,
+            )
+            .await;
+        assert_eq!(reply.status, 401, "{}", describe(&reply));
+        // Not echoed back: the forged value is the consumer's, but an
+        // answer that echoes the header would echo a real one too.
+        assert!(!reply.text().contains("sig=00"), "{}", describe(&reply));
+        seen.push_str(&describe(&reply));
+    }
+    for url in [&url_a, &url_b] {
+        for path in ["/queue/status", "/queue/summary", "/metrics"] {
+            let reply = http
+                .get(&format!("{url}{path}"), &[("authorization", &read)])
+                .await;
+            seen.push_str(&describe(&reply));
+        }
+    }
+    seen.push_str(&format!("{control:?}\n{a:?}\n{b:?}\n"));
+    b.shutdown().await;
+    a.shutdown().await;
+    control.shutdown().await;
+    let upstream = received(&[owned.handle()]);
+    assert!(
+        owned.handle().requests_to("/api/generate").len() >= 2,
+        "the owner served what b forwarded: {upstream}"
+    );
+    for forbidden in ["x-oqp-hop", HOP_VALUE, "sig=00", SECRETS[0], SECRETS[4]] {
+        assert!(
+            !upstream.contains(forbidden),
+            "Ollama received {forbidden}: {upstream}"
+        );
+    }
+    seen
 }

@@ -1,6 +1,7 @@
 //! The processes under test: the fake Ollama (`fake-ollama`), the minimal
 //! proxy (`oqp-bench minimal-proxy`), oqp in single-box mode
-//! (`oqp-controlplane --with-dataplane`) and `redis-server`, each in its own
+//! (`oqp-controlplane --with-dataplane`), lone data planes
+//! (`oqp-bench dataplane`) and `redis-server`, each in its own
 //! process so that it can be pinned to a CPU and its memory and CPU time read
 //! from `/proc`. Every child is killed when its [`Proc`] drops.
 
@@ -173,6 +174,27 @@ pub async fn spawn_minimal(binaries: &Binaries, upstream: &str) -> anyhow::Resul
     let mut command = Command::new(&binaries.bench);
     command.args(["minimal-proxy", "--upstream", upstream]);
     spawn_announcing("minimal-proxy", command).await
+}
+
+/// Starts a data plane (`oqp-bench dataplane`) as node `node`, following
+/// the control plane at `control_url`, presenting the token in
+/// `token_file`. It binds `127.0.0.1:0` itself; this returns once it
+/// serves (it announces its address only then).
+pub async fn spawn_dataplane(
+    bench: &Path,
+    control_url: &str,
+    node: &str,
+    token_file: Option<&Path>,
+) -> anyhow::Result<Proc> {
+    let mut command = Command::new(bench);
+    command.args(["dataplane", "--control-plane", control_url, "--node", node]);
+    if let Some(path) = token_file {
+        command.arg("--node-token-file").arg(path);
+    }
+    if std::env::var_os("OQP_LOG").is_none() {
+        command.env("OQP_LOG", "warn");
+    }
+    spawn_announcing(&format!("data plane {node}"), command).await
 }
 
 /// Starts oqp in single-box mode on `config`, a YAML text with three

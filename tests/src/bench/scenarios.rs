@@ -5,6 +5,7 @@
 pub mod cache;
 pub mod cpu;
 pub mod fairness;
+pub mod forwarded;
 pub mod latency;
 pub mod memory;
 pub mod scheduling;

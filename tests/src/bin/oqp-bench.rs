@@ -1,8 +1,10 @@
-//! `oqp-bench`: the benchmark (see `oqp_tests::bench`), and the two helper
+//! `oqp-bench`: the benchmark (see `oqp_tests::bench`), and the helper
 //! processes it starts from its own binary: the minimal proxy
-//! (`oqp-bench minimal-proxy`) and, when asked, oqp in single-box mode from
-//! the same libraries as `oqp-controlplane --with-dataplane`
-//! (`oqp-bench single-box`).
+//! (`oqp-bench minimal-proxy`), when asked oqp in single-box mode from the
+//! same libraries as `oqp-controlplane --with-dataplane`
+//! (`oqp-bench single-box`), and a data plane on a port of its own choosing
+//! (`oqp-bench dataplane`, for the forwarded scenario and the multi-node
+//! tests' [`Cluster`](oqp_tests::cluster::Cluster)).
 //!
 //! Run under `cargo run`, it first builds the programs it measures
 //! (`oqp-controlplane`, `fake-ollama`) in its own profile, so that a stale
@@ -12,11 +14,14 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use oqp_controlplane::config::Env;
 use oqp_controlplane::{ControlPlane, Options};
+use oqp_dataplane::control::ControlOptions;
+use oqp_dataplane::{DataPlane, Options as DataPlaneOptions};
 use oqp_tests::bench::minimal::MinimalProxy;
 use oqp_tests::bench::{self, Args};
 
@@ -50,6 +55,19 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// One data plane following a control plane, on `127.0.0.1:0`; prints
+    /// its address on the first line once it serves.
+    Dataplane {
+        /// The control plane's gRPC URL.
+        #[arg(long)]
+        control_plane: String,
+        /// This node's name.
+        #[arg(long)]
+        node: String,
+        /// A file holding the node token.
+        #[arg(long)]
+        node_token_file: Option<PathBuf>,
+    },
 }
 
 #[tokio::main]
@@ -58,6 +76,11 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::MinimalProxy { upstream, listen }) => minimal_proxy(&upstream, listen).await,
         Some(Command::SingleBox { config }) => single_box(config).await,
+        Some(Command::Dataplane {
+            control_plane,
+            node,
+            node_token_file,
+        }) => dataplane(control_plane, node, node_token_file).await,
         None => benchmark(cli.args, cli.no_build).await,
     };
     match result {
@@ -139,6 +162,49 @@ async fn single_box(config: PathBuf) -> anyhow::Result<()> {
     .await?;
     until_signalled().await?;
     control_plane.shutdown().await;
+    Ok(())
+}
+
+async fn dataplane(
+    control_plane: String,
+    node: String,
+    node_token_file: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    let token = match &node_token_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read node token file {}", path.display()))?
+                .trim_end()
+                .to_owned(),
+        ),
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("cannot listen on 127.0.0.1:0")?;
+    let data_plane = DataPlane::start(DataPlaneOptions {
+        control: ControlOptions {
+            url: control_plane,
+            node,
+            token,
+            ca_file: None,
+        },
+        listener: Some(listener),
+        // Peers learn this node's load (and a restarted node's new port)
+        // from its reports: often, so that tests wait little.
+        report_interval: Duration::from_millis(200),
+        log_level: None,
+    })
+    .await?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}", data_plane.local_addr())?;
+    stdout.flush()?;
+    drop(stdout);
+    until_signalled().await?;
+    data_plane.shutdown().await;
     Ok(())
 }
 

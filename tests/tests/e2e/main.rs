@@ -14,6 +14,7 @@ mod embeddings;
 mod foundation;
 mod hosts;
 mod keys;
+mod nodes;
 mod observability;
 mod ownership;
 mod paths;

@@ -90,7 +90,7 @@ async fn streams(bench: &Bench, trio: &Trio, tokens: usize) -> anyhow::Result<Sa
 }
 
 /// How late a line arrived: receive time minus the sender's stamp, in ms.
-fn line_delay_ms(line: &Line) -> Option<f64> {
+pub(crate) fn line_delay_ms(line: &Line) -> Option<f64> {
     let value: serde_json::Value = serde_json::from_str(&line.text).ok()?;
     let sent = parse_rfc3339(value.get("created_at")?.as_str()?)?;
     Some(match line.wall.duration_since(sent) {
