@@ -131,14 +131,20 @@ impl Peers {
         &self.client
     }
 
-    /// Takes the loads a report acknowledgement relayed.
+    /// Takes the loads a report acknowledgement relayed. A node whose address the control
+    /// plane does not know (it restarted, and the node has not reported to it yet) keeps the
+    /// address last heard: a peer is not lost because the control plane forgot it.
     pub fn update(&self, nodes: Vec<wire::NodeLoad>) {
+        let before = self.loads.load();
         let loads = nodes
             .into_iter()
             .map(|load| {
                 let name: Arc<str> = Arc::from(load.node);
+                let url = Base::parse(&load.url)
+                    .ok()
+                    .or_else(|| before.get(&name).and_then(|known| known.url.clone()));
                 let load = Load {
-                    url: Base::parse(&load.url).ok(),
+                    url,
                     connected: load.connected,
                     report_age: (load.report_age_ms > 0)
                         .then(|| Duration::from_millis(load.report_age_ms)),
@@ -413,5 +419,26 @@ mod tests {
         let turns = [first(&peers, &policy), first(&peers, &policy)];
         assert!(turns.contains(&Target::Local), "{turns:?}");
         assert!(turns.contains(&Target::Peer(b)), "{turns:?}");
+    }
+
+    #[test]
+    fn a_peer_address_outlives_a_control_plane_that_forgot_it() {
+        let policy = policy_of_a();
+        let peers = Peers::new(Some("token"), None).unwrap();
+        let load = |url: &str| wire::NodeLoad {
+            node: "b".into(),
+            url: url.into(),
+            ..Default::default()
+        };
+        peers.update(vec![load("http://127.0.0.1:4321")]);
+        // A restarted control plane that b has not reported to yet knows no address for it.
+        peers.update(vec![load("")]);
+        let base = peers.url(&policy, "b").unwrap();
+        assert_eq!(base.authority.as_str(), "127.0.0.1:4321");
+        peers.update(vec![load("http://127.0.0.1:5555")]);
+        assert_eq!(
+            peers.url(&policy, "b").unwrap().authority.as_str(),
+            "127.0.0.1:5555"
+        );
     }
 }
