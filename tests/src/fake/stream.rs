@@ -17,9 +17,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use serde_json::{Map, Value, json};
 
+use super::gojson::KeepAlive;
 use super::handle::Failure;
 use super::slots::{Busy, SlotGuard};
-use super::gojson::KeepAlive;
 use super::state::{ConnCtl, Ctx, Shared, Tracker};
 use super::vram::{Resident, TooLarge};
 use super::wire::{GIN_JSON, PLAIN_JSON, Reply, full, gin_error, nanos, openai_error, status};

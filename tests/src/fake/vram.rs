@@ -20,8 +20,8 @@ use tokio::time::Instant;
 use super::gojson::KeepAlive;
 use super::record::lock;
 
-pub(crate) use sched::{Config, Snapshot};
 use sched::{Attach, Keep, Sched};
+pub(crate) use sched::{Config, Snapshot};
 
 /// How long a model stays loaded when the request says nothing (`OLLAMA_KEEP_ALIVE`).
 const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);

@@ -401,9 +401,10 @@ impl Sched {
 
     // Nothing is chosen while a victim drains or unloads: the space it frees may be enough.
     fn choose_victim(&mut self) -> bool {
-        let busy = self.entries.values().any(|entry| {
-            matches!(entry.phase, Phase::Evicting | Phase::Unloading { .. })
-        });
+        let busy = self
+            .entries
+            .values()
+            .any(|entry| matches!(entry.phase, Phase::Evicting | Phase::Unloading { .. }));
         if busy {
             return false;
         }

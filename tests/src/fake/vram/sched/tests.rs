@@ -10,7 +10,12 @@ fn ms(n: u64) -> Duration {
 
 /// 10 GiB; a and b 6 GiB each (they do not fit together), c 4 GiB; loads 100 ms, unloads 10 ms.
 fn sched() -> Sched {
-    let sizes = [("a:latest", 6), ("b:latest", 6), ("c:latest", 4), ("big:latest", 11)];
+    let sizes = [
+        ("a:latest", 6),
+        ("b:latest", 6),
+        ("c:latest", 4),
+        ("big:latest", 11),
+    ];
     Sched::new(Config {
         capacity: 10 * GIB,
         default_size: GIB,
@@ -91,7 +96,11 @@ fn the_cold_queue_is_fifo_and_its_head_blocks_a_request_that_would_fit() {
     // New requests for the victim still run on it.
     assert_eq!(sched.attach("a", KEEP, t0), Attach::Ready);
     sched.release("a", t0 + ms(50));
-    assert_eq!(sched.snapshot().resident, ["a:latest"], "one request still runs");
+    assert_eq!(
+        sched.snapshot().resident,
+        ["a:latest"],
+        "one request still runs"
+    );
     sched.release("a", t0 + ms(60));
     sched.pump(t0 + ms(70));
     assert_eq!(sched.take_grant(b), Some(Ok(())));
@@ -124,7 +133,10 @@ fn victims_go_by_keep_alive_then_name_idle_first() {
     let d = queued(sched.attach("d", KEEP, t0 + ms(100)));
     sched.pump(t0 + ms(110));
     assert_eq!(sched.take_grant(d), Some(Ok(())));
-    assert_eq!(sched.snapshot().unloads.keys().collect::<Vec<_>>(), ["y:latest"]);
+    assert_eq!(
+        sched.snapshot().unloads.keys().collect::<Vec<_>>(),
+        ["y:latest"]
+    );
 }
 
 #[test]
@@ -132,7 +144,10 @@ fn keep_alive_zero_unloads_after_the_request_and_idle_models_expire() {
     let mut sched = sched();
     let t0 = Instant::now();
     sched.preload("c");
-    assert_eq!(sched.attach("c", Keep::For(Duration::ZERO), t0), Attach::Ready);
+    assert_eq!(
+        sched.attach("c", Keep::For(Duration::ZERO), t0),
+        Attach::Ready
+    );
     sched.release("c", t0);
     assert_eq!(sched.snapshot().resident, Vec::<String>::new());
     sched.pump(t0 + ms(10));
@@ -157,7 +172,10 @@ fn an_unload_request_waits_for_in_flight_requests_and_forever_never_expires() {
     sched.pump(t0 + ms(100));
     sched.release("a", t0 + ms(100));
     assert_eq!(sched.pump(t0 + ms(100)), None, "kept forever");
-    assert_eq!(sched.attach("a", Keep::Forever, t0 + ms(100)), Attach::Ready);
+    assert_eq!(
+        sched.attach("a", Keep::Forever, t0 + ms(100)),
+        Attach::Ready
+    );
     sched.expire("a", t0 + ms(100));
     assert_eq!(sched.snapshot().resident, ["a:latest"], "still in use");
     sched.release("a", t0 + ms(200));
