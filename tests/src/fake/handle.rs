@@ -193,7 +193,8 @@ impl FakeHandle {
     }
 
     /// Lists a model in `/api/ps` (for the default five minutes), installing it as a chat model
-    /// if it is not installed.
+    /// if it is not installed. In VRAM mode `/api/ps` shows the VRAM instead: load a model there
+    /// with a request (the load idiom is an empty prompt) or start it with `FakeBuilder::loaded`.
     pub fn load_model(&self, name: &str) {
         let mut models = lock(&self.shared.models);
         if models.find(name).is_none() {

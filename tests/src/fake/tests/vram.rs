@@ -160,6 +160,15 @@ async fn keep_alive_zero_unloads_after_the_request_and_the_unload_idiom_works() 
     assert_eq!(unload.json()["done_reason"], "unload");
     handle.wait_unloads("a", 2).await;
     assert!(handle.resident().is_empty());
+
+    // An idle model expires after its keep-alive.
+    let brief = json!({ "model": "c", "prompt": "hi", "stream": false, "keep_alive": "30ms" });
+    assert_eq!(
+        post(addr, "/api/generate", brief).await.status,
+        StatusCode::OK
+    );
+    handle.wait_unloads("c", 1).await;
+    assert!(handle.resident().is_empty());
 }
 
 #[tokio::test]
