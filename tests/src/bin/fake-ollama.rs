@@ -63,6 +63,9 @@ struct Args {
     /// VRAM mode: the size of models without their own (default 4GiB).
     #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     default_model_size: Option<u64>,
+    /// VRAM mode: at most this many models loaded at once (OLLAMA_MAX_LOADED_MODELS).
+    #[arg(long)]
+    max_loaded_models: Option<usize>,
     /// VRAM mode: how long loading a model takes, in milliseconds.
     #[arg(long, default_value_t = 0)]
     load_time_ms: u64,
@@ -133,6 +136,9 @@ fn vram(mut builder: FakeBuilder, args: &Args) -> FakeBuilder {
         .vram(capacity)
         .load_time(Duration::from_millis(args.load_time_ms))
         .unload_time(Duration::from_millis(args.unload_time_ms));
+    if let Some(n) = args.max_loaded_models {
+        builder = builder.max_loaded_models(n);
+    }
     if let Some(size) = args.default_model_size {
         builder = builder.default_model_size(size);
     }

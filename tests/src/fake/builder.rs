@@ -96,6 +96,8 @@ impl FakeBuilder {
     }
 
     /// Requests waiting for a slot beyond `n` get Ollama's 503 "server busy" (default unlimited).
+    /// In VRAM mode the limit is Ollama's own: on cold requests in the pending queue, while
+    /// requests for a resident model wait for a slot without limit.
     pub fn max_queue(mut self, n: usize) -> Self {
         self.max_queue = Some(n);
         self
@@ -214,6 +216,13 @@ impl FakeBuilder {
         self
     }
 
+    /// VRAM mode: at most `n` models in VRAM at once, however much room is left, like
+    /// `OLLAMA_MAX_LOADED_MODELS` (default: no cap).
+    pub fn max_loaded_models(mut self, n: usize) -> Self {
+        self.vram_config.max_loaded = Some(n.max(1));
+        self
+    }
+
     /// Binds and starts the fake. Panics if the address cannot be bound (a test helper).
     pub async fn spawn(self) -> FakeOllama {
         let addr = self.bind;
@@ -243,6 +252,7 @@ impl FakeBuilder {
                 .collect();
             let config = vram::Config {
                 capacity,
+                max_pending: self.max_queue,
                 ..self.vram_config
             };
             Vram::spawn(config, &preloaded)
@@ -254,7 +264,10 @@ impl FakeBuilder {
             cloud: self.cloud.map(Cloud::new),
             timing: Mutex::new(self.timing),
             models: Mutex::new(models),
-            slots: Arc::new(Slots::new(self.slots, self.max_queue)),
+            slots: Arc::new(Slots::new(
+                self.slots,
+                self.max_queue.filter(|_| vram.is_none()),
+            )),
             vram,
             recorder: Recorder::new(self.record_limit),
             failures: Mutex::new(VecDeque::new()),

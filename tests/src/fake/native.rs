@@ -11,9 +11,7 @@ use super::gojson::{DecodeError, GoType, KeepAlive, Shape, decode, keep_alive};
 use super::models::Kind;
 use super::record::lock;
 use super::state::Ctx;
-use super::stream::{
-    Clock, Flavor, Script, admit, budget, metrics, serve, stream, tokens, too_large,
-};
+use super::stream::{Clock, Flavor, Script, admit, budget, metrics, refuse, serve, stream, tokens};
 use super::wire::{NDJSON, Reply, gin_error, gin_json, rfc3339, token_count};
 
 /// A handler's outcome; both sides are sent as they are.
@@ -180,7 +178,7 @@ async fn load(ctx: &Ctx, model: &str, keep: Option<KeepAlive>) -> Result<(), Rep
         let flavor = Flavor::Native { streaming: false };
         vram.acquire(model, keep)
             .await
-            .map_err(|error| too_large(flavor, &error))?;
+            .map_err(|refused| refuse(flavor, &refused))?;
     }
     Ok(())
 }

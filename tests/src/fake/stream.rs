@@ -21,7 +21,7 @@ use super::gojson::KeepAlive;
 use super::handle::Failure;
 use super::slots::{Busy, SlotGuard};
 use super::state::{ConnCtl, Ctx, Shared, Tracker};
-use super::vram::{Resident, TooLarge};
+use super::vram::{Refused, Resident};
 use super::wire::{GIN_JSON, PLAIN_JSON, Reply, full, gin_error, nanos, openai_error, status};
 
 /// Ollama's queue-full text; note the two spaces.
@@ -123,7 +123,7 @@ pub(crate) async fn admit(
         Some(vram) => Some(
             vram.acquire(model, keep_alive)
                 .await
-                .map_err(|error| too_large(flavor, &error))?,
+                .map_err(|refused| refuse(flavor, &refused))?,
         ),
         None => None,
     };
@@ -214,17 +214,21 @@ pub(crate) async fn stream(
     response
 }
 
-/// Ollama's reply when a model can never fit: a 500 before any byte of the answer.
-pub(crate) fn too_large(flavor: Flavor, error: &TooLarge) -> Reply {
-    let status = StatusCode::INTERNAL_SERVER_ERROR;
-    match flavor {
-        Flavor::Native { streaming: false } => gin_error(status, &error.0),
-        Flavor::Native { streaming: true } => full(
+/// Ollama's reply when the VRAM mode refuses a request: the busy 503 when the pending queue is
+/// full, a 500 with the memory message when the model can never fit; before any byte.
+pub(crate) fn refuse(flavor: Flavor, refused: &Refused) -> Reply {
+    let (status, message) = match refused {
+        Refused::Busy => (StatusCode::SERVICE_UNAVAILABLE, BUSY),
+        Refused::TooLarge(message) => (StatusCode::INTERNAL_SERVER_ERROR, message.as_str()),
+    };
+    match (flavor, refused) {
+        (Flavor::Native { streaming: true }, Refused::TooLarge(_)) => full(
             status,
             Some(PLAIN_JSON),
-            json!({ "error": error.0 }).to_string(),
+            json!({ "error": message }).to_string(),
         ),
-        Flavor::OpenAi => openai_error(status, &error.0),
+        (Flavor::Native { .. }, _) => gin_error(status, message),
+        (Flavor::OpenAi, _) => openai_error(status, message),
     }
 }
 

@@ -44,9 +44,14 @@ pub(crate) struct Resident {
     model: String,
 }
 
-/// The model can never fit: Ollama's message.
+/// Why a request cannot have its model.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct TooLarge(pub String);
+pub(crate) enum Refused {
+    /// The model can never fit: Ollama's message.
+    TooLarge(String),
+    /// The pending queue is full: Ollama's busy 503.
+    Busy,
+}
 
 /// One `/api/ps` row: name, size and expiry.
 #[derive(Debug, Clone)]
@@ -86,10 +91,13 @@ impl Vram {
         self: &Arc<Self>,
         name: &str,
         keep_alive: Option<KeepAlive>,
-    ) -> Result<Resident, TooLarge> {
+    ) -> Result<Resident, Refused> {
         let keep = keep_of(keep_alive);
         let mut events = self.events.subscribe();
         let attached = self.change(|sched, now| sched.attach(name, keep, now));
+        if attached == Attach::Busy {
+            return Err(Refused::Busy);
+        }
         if let Attach::Queued(id) = attached {
             let mut queued = Queued {
                 vram: self,
@@ -103,7 +111,7 @@ impl Vram {
                     Some(Ok(())) => break,
                     Some(Err(message)) => {
                         queued.armed = false;
-                        return Err(TooLarge(message));
+                        return Err(Refused::TooLarge(message));
                     }
                     None => {}
                 }

@@ -257,3 +257,32 @@ async fn a_model_larger_than_vram_fails_as_ollama_does() {
     );
     assert_eq!(fake.handle().pending(), 0);
 }
+
+#[tokio::test]
+async fn the_busy_503_comes_from_the_pending_queue_not_from_resident_requests() {
+    let fake = builder().loaded("a").slots(1).max_queue(1).spawn().await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.hold();
+    let running = generate(addr, "a");
+    handle.wait_in_flight(1).await;
+    // Two more requests for the resident model wait for the slot without limit.
+    let waiting = [generate(addr, "a"), generate(addr, "a")];
+    handle.wait_queued(2).await;
+    let b = generate(addr, "b");
+    handle.wait_pending(1).await;
+    let refused = post(
+        addr,
+        "/api/generate",
+        json!({ "model": "c", "prompt": "hi" }),
+    )
+    .await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(refused.error(), crate::fake::stream::BUSY);
+
+    handle.release_all();
+    ok(running).await;
+    for request in waiting {
+        ok(request).await;
+    }
+    ok(b).await;
+}

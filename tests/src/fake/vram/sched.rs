@@ -28,6 +28,10 @@ pub(crate) struct Config {
     pub unload: Duration,
     /// Unload times by canonical model name.
     pub unloads: HashMap<String, Duration>,
+    /// Cold requests beyond this many waiting are refused (`OLLAMA_MAX_QUEUE`); `None`: no cap.
+    pub max_pending: Option<usize>,
+    /// At most this many models in VRAM at once (`OLLAMA_MAX_LOADED_MODELS`); `None`: no cap.
+    pub max_loaded: Option<usize>,
 }
 
 impl Default for Config {
@@ -41,6 +45,8 @@ impl Default for Config {
             loads: HashMap::new(),
             unload: Duration::ZERO,
             unloads: HashMap::new(),
+            max_pending: None,
+            max_loaded: None,
         }
     }
 }
@@ -63,6 +69,8 @@ pub(crate) enum Attach {
     Loading,
     /// The model is cold: the request waits in the pending queue under this ticket.
     Queued(u64),
+    /// The model is cold and the pending queue is full: Ollama's busy 503.
+    Busy,
 }
 
 /// Where a model is in its life.
@@ -192,6 +200,13 @@ impl Sched {
                 use_entry(entry, keep);
                 return attached;
             }
+        }
+        if self
+            .config
+            .max_pending
+            .is_some_and(|max| self.pending.len() >= max)
+        {
+            return Attach::Busy;
         }
         let id = self.next_ticket;
         self.next_ticket += 1;
@@ -379,7 +394,11 @@ impl Sched {
             );
             return self.grant(Err(message));
         }
-        if self.used() + size <= self.config.capacity {
+        let room = self
+            .config
+            .max_loaded
+            .is_none_or(|max| self.entries.len() < max);
+        if room && self.used() + size <= self.config.capacity {
             let name = head.name.clone();
             let entry = Entry {
                 name,

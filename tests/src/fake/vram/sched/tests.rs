@@ -27,6 +27,8 @@ fn sched() -> Sched {
         loads: HashMap::new(),
         unload: ms(10),
         unloads: HashMap::new(),
+        max_pending: None,
+        max_loaded: None,
     })
 }
 
@@ -205,4 +207,37 @@ fn a_model_larger_than_vram_fails_and_a_cancel_leaves_the_queue() {
     // goes away.
     assert_eq!(sched.snapshot().unloads.get("a:latest"), Some(&1));
     assert_eq!(human_bytes(512), "512 B");
+}
+
+#[test]
+fn max_loaded_models_caps_the_resident_count_whatever_the_room() {
+    let mut sched = Sched::new(Config {
+        max_loaded: Some(1),
+        ..sched().config
+    });
+    let t0 = Instant::now();
+    sched.preload("c");
+    let id = queued(sched.attach("x", KEEP, t0));
+    sched.pump(t0 + ms(10));
+    assert_eq!(
+        sched.take_grant(id),
+        Some(Ok(())),
+        "c was idle and made way"
+    );
+    assert_eq!(sched.snapshot().unloads.get("c:latest"), Some(&1));
+}
+
+#[test]
+fn a_full_pending_queue_refuses_cold_requests_but_never_resident_ones() {
+    let mut sched = Sched::new(Config {
+        max_pending: Some(1),
+        ..sched().config
+    });
+    let t0 = Instant::now();
+    sched.preload("a");
+    assert_eq!(sched.attach("a", KEEP, t0), Attach::Ready);
+    queued(sched.attach("b", KEEP, t0));
+    assert_eq!(sched.attach("c", KEEP, t0), Attach::Busy);
+    assert_eq!(sched.attach("a", KEEP, t0), Attach::Ready);
+    assert_eq!(sched.snapshot().pending, 1);
 }
