@@ -286,3 +286,22 @@ async fn the_busy_503_comes_from_the_pending_queue_not_from_resident_requests() 
     }
     ok(b).await;
 }
+
+#[tokio::test]
+async fn a_client_that_leaves_the_pending_queue_frees_its_place() {
+    let fake = builder().loaded("a").spawn().await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.hold();
+    let running = generate(addr, "a");
+    handle.wait_in_flight(1).await;
+    let gone = generate(addr, "b");
+    handle.wait_pending(1).await;
+    gone.abort();
+    handle.wait_cancelled(1).await;
+    assert_eq!(handle.pending(), 0);
+    handle.release_all();
+    ok(running).await;
+    // a was chosen as b's victim before b left: as in Ollama, it goes anyway.
+    handle.wait_unloads("a", 1).await;
+    assert_eq!(handle.loads("b"), 0);
+}
