@@ -9,6 +9,7 @@
 //! its runner before the runner's semaphore; the `Resident` guard it gets back lives as long as
 //! the slot.
 
+mod config;
 mod sched;
 
 use std::sync::{Arc, Mutex, Weak};
@@ -20,8 +21,9 @@ use tokio::time::Instant;
 use super::gojson::KeepAlive;
 use super::record::lock;
 
+pub(crate) use config::Config;
+pub(crate) use sched::Snapshot;
 use sched::{Attach, Keep, Sched};
-pub(crate) use sched::{Config, Snapshot};
 
 /// How long a model stays loaded when the request says nothing (`OLLAMA_KEEP_ALIVE`).
 const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(300);

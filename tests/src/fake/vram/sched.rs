@@ -10,46 +10,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::super::models::canonical;
-
-/// How the VRAM mode is configured: capacity, sizes, load and unload times.
-#[derive(Debug, Clone)]
-pub(crate) struct Config {
-    /// Bytes of VRAM.
-    pub capacity: u64,
-    /// The size of a model without its own.
-    pub default_size: u64,
-    /// Sizes by canonical model name.
-    pub sizes: HashMap<String, u64>,
-    /// Load time of a model without its own.
-    pub load: Duration,
-    /// Load times by canonical model name.
-    pub loads: HashMap<String, Duration>,
-    /// Unload time of a model without its own.
-    pub unload: Duration,
-    /// Unload times by canonical model name.
-    pub unloads: HashMap<String, Duration>,
-    /// Cold requests beyond this many waiting are refused (`OLLAMA_MAX_QUEUE`); `None`: no cap.
-    pub max_pending: Option<usize>,
-    /// At most this many models in VRAM at once (`OLLAMA_MAX_LOADED_MODELS`); `None`: no cap.
-    pub max_loaded: Option<usize>,
-}
-
-impl Default for Config {
-    /// No room (the mode is turned on by a capacity), 4 GiB models, instant loads and unloads.
-    fn default() -> Self {
-        Self {
-            capacity: 0,
-            default_size: 4 << 30,
-            sizes: HashMap::new(),
-            load: Duration::ZERO,
-            loads: HashMap::new(),
-            unload: Duration::ZERO,
-            unloads: HashMap::new(),
-            max_pending: None,
-            max_loaded: None,
-        }
-    }
-}
+use super::config::Config;
 
 /// How long a model stays loaded once idle; a zero duration unloads it at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -136,20 +97,6 @@ struct Ticket {
     model: String,
     name: String,
     keep: Keep,
-}
-
-impl Config {
-    fn size(&self, model: &str) -> u64 {
-        self.sizes.get(model).copied().unwrap_or(self.default_size)
-    }
-
-    fn load_time(&self, model: &str) -> Duration {
-        self.loads.get(model).copied().unwrap_or(self.load)
-    }
-
-    fn unload_time(&self, model: &str) -> Duration {
-        self.unloads.get(model).copied().unwrap_or(self.unload)
-    }
 }
 
 impl Sched {
