@@ -20,7 +20,8 @@
 //! Layout: `builder` (configuration), `handle` (the test's remote control), `server` (accept
 //! loop and connections), `routes` (dispatch), `native`, `embed`, `admin`, `openai` (endpoints),
 //! `stream` (admission and the line engine), `slots`, `models`, `cloud`, `record`, `state`,
-//! `gojson` (Go-like decoding errors) and `wire` (response helpers).
+//! `gojson` (Go-like decoding errors), `vram` (the faithful VRAM mode: residency, the cold
+//! queue, eviction, load and unload times) and `wire` (response helpers).
 
 // Handlers return early with a ready `Response` as their `Err`; boxing it would only add noise
 // to a test double.
@@ -41,6 +42,7 @@ mod server;
 mod slots;
 mod state;
 mod stream;
+mod vram;
 mod wire;
 
 #[cfg(test)]

@@ -87,6 +87,10 @@ pub(crate) fn tags(ctx: &Ctx) -> Reply {
 
 /// `GET /api/ps`.
 pub(crate) fn ps(ctx: &Ctx) -> Reply {
+    if let Some(vram) = &ctx.shared.vram {
+        let rows = vram.listed();
+        return gin_json(StatusCode::OK, &lock(&ctx.shared.models).ps_of(&rows));
+    }
     gin_json(StatusCode::OK, &lock(&ctx.shared.models).ps())
 }
 

@@ -1,5 +1,6 @@
 //! `FakeBuilder`: how a test describes the Ollama it needs (installed and loaded models, slots,
-//! queue limit, timings, version, Host check, cloud mode, address) before `spawn` binds it.
+//! queue limit, timings, version, Host check, cloud mode, address, the VRAM mode) before `spawn`
+//! binds it.
 
 use std::collections::VecDeque;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -18,6 +19,7 @@ use super::record::Recorder;
 use super::server::{Server, bind};
 use super::slots::Slots;
 use super::state::{Shared, Timing};
+use super::vram::{self, Vram};
 
 /// The configuration of a fake Ollama; every setter takes and returns the builder.
 #[derive(Debug, Clone)]
@@ -32,6 +34,8 @@ pub struct FakeBuilder {
     bind: SocketAddr,
     embedding_dimension: usize,
     record_limit: Option<usize>,
+    vram: Option<u64>,
+    vram_config: vram::Config,
 }
 
 impl Default for FakeBuilder {
@@ -52,6 +56,8 @@ impl Default for FakeBuilder {
             bind: SocketAddr::from((Ipv4Addr::LOCALHOST, 0)),
             embedding_dimension: 8,
             record_limit: None,
+            vram: None,
+            vram_config: vram::Config::default(),
         }
     }
 }
@@ -90,6 +96,8 @@ impl FakeBuilder {
     }
 
     /// Requests waiting for a slot beyond `n` get Ollama's 503 "server busy" (default unlimited).
+    /// In VRAM mode the limit is Ollama's own: on cold requests in the pending queue, while
+    /// requests for a resident model wait for a slot without limit.
     pub fn max_queue(mut self, n: usize) -> Self {
         self.max_queue = Some(n);
         self
@@ -158,6 +166,63 @@ impl FakeBuilder {
         self
     }
 
+    /// Turns on the faithful VRAM mode with `bytes` of VRAM (off by default). Models then take
+    /// room as Ollama's scheduler gives it: a request for a resident model runs at once; one for
+    /// a cold model waits in ONE FIFO pending queue whose head blocks the rest; the head loads
+    /// when it fits, else a victim is chosen (shortest `keep_alive`, then name, idle ones first)
+    /// and unloaded once its in-flight requests finish, new requests still running on it.
+    /// `keep_alive` works as in Ollama (default 5m, 0 unloads after the request, negative keeps
+    /// forever; an empty prompt with 0 unloads); `/api/ps` lists loaded and loading models with
+    /// their sizes; `load_duration` counts from the request's arrival. `loaded` models start
+    /// resident, kept forever, if they fit.
+    pub fn vram(mut self, bytes: u64) -> Self {
+        self.vram = Some(bytes);
+        self
+    }
+
+    /// VRAM mode: the size of one model (`/api/ps` shows it as `size` and `size_vram`).
+    pub fn model_size(mut self, name: &str, bytes: u64) -> Self {
+        self.vram_config.sizes.insert(canonical(name), bytes);
+        self
+    }
+
+    /// VRAM mode: the size of models without their own (default 4 GiB).
+    pub fn default_model_size(mut self, bytes: u64) -> Self {
+        self.vram_config.default_size = bytes;
+        self
+    }
+
+    /// VRAM mode: how long loading a model takes (default: no time).
+    pub fn load_time(mut self, time: Duration) -> Self {
+        self.vram_config.load = time;
+        self
+    }
+
+    /// VRAM mode: how long loading one model takes.
+    pub fn model_load_time(mut self, name: &str, time: Duration) -> Self {
+        self.vram_config.loads.insert(canonical(name), time);
+        self
+    }
+
+    /// VRAM mode: how long unloading a model takes (default: no time).
+    pub fn unload_time(mut self, time: Duration) -> Self {
+        self.vram_config.unload = time;
+        self
+    }
+
+    /// VRAM mode: how long unloading one model takes.
+    pub fn model_unload_time(mut self, name: &str, time: Duration) -> Self {
+        self.vram_config.unloads.insert(canonical(name), time);
+        self
+    }
+
+    /// VRAM mode: at most `n` models in VRAM at once, however much room is left, like
+    /// `OLLAMA_MAX_LOADED_MODELS` (default: no cap).
+    pub fn max_loaded_models(mut self, n: usize) -> Self {
+        self.vram_config.max_loaded = Some(n.max(1));
+        self
+    }
+
     /// Binds and starts the fake. Panics if the address cannot be bound (a test helper).
     pub async fn spawn(self) -> FakeOllama {
         let addr = self.bind;
@@ -178,6 +243,20 @@ impl FakeBuilder {
                 models.touch(name, Some(KeepAlive::Forever));
             }
         }
+        let vram = self.vram.map(|capacity| {
+            let preloaded: Vec<String> = self
+                .models
+                .iter()
+                .filter(|(_, _, loaded)| *loaded)
+                .map(|(name, _, _)| name.clone())
+                .collect();
+            let config = vram::Config {
+                capacity,
+                max_pending: self.max_queue,
+                ..self.vram_config
+            };
+            Vram::spawn(config, &preloaded)
+        });
         let shared = Arc::new(Shared {
             version: self.version,
             host_check: self.host_check,
@@ -185,7 +264,11 @@ impl FakeBuilder {
             cloud: self.cloud.map(Cloud::new),
             timing: Mutex::new(self.timing),
             models: Mutex::new(models),
-            slots: Arc::new(Slots::new(self.slots, self.max_queue)),
+            slots: Arc::new(Slots::new(
+                self.slots,
+                self.max_queue.filter(|_| vram.is_none()),
+            )),
+            vram,
             recorder: Recorder::new(self.record_limit),
             failures: Mutex::new(VecDeque::new()),
             cancelled: watch::Sender::new(0),

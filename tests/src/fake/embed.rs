@@ -50,7 +50,7 @@ pub(crate) async fn embed(ctx: &mut Ctx, body: &[u8]) -> Handled {
             &json!({ "model": model, "embeddings": [] }),
         ));
     }
-    let admitted = admit(ctx, Flavor::Native { streaming: false }).await?;
+    let admitted = admit(ctx, Flavor::Native { streaming: false }, &model, keep).await?;
     lock(&ctx.shared.models).touch(&model, keep);
     let clock = serve(ctx, admitted).await?;
     let dimensions = request
@@ -96,7 +96,7 @@ pub(crate) async fn embeddings(ctx: &mut Ctx, body: &[u8]) -> Handled {
         lock(&ctx.shared.models).touch(&model, keep);
         return Ok(gin_json(StatusCode::OK, &json!({ "embedding": [] })));
     }
-    let admitted = admit(ctx, Flavor::Native { streaming: false }).await?;
+    let admitted = admit(ctx, Flavor::Native { streaming: false }, &model, keep).await?;
     lock(&ctx.shared.models).touch(&model, keep);
     serve(ctx, admitted).await?;
     let vector = raw_vector(&prompt, ctx.shared.embedding_dimension);

@@ -1,15 +1,17 @@
 //! `FakeHandle`: a test's remote control over a running fake. It reads what the fake recorded
 //! (requests, concurrency peaks, cancels), waits for events without polling, scripts failures,
-//! freezes and releases admitted requests, and edits the model registry and the cloud scripts.
+//! freezes and releases admitted requests, edits the model registry and the cloud scripts, and
+//! reads the VRAM mode's resident set, queue and load counters.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::cloud::{Cloud, CloudReply};
-use super::models::Kind;
+use super::models::{Kind, canonical};
 use super::record::{RecordedRequest, lock};
 use super::state::Shared;
+use super::vram::Snapshot;
 
 /// A cheap, cloneable handle on a running fake.
 #[derive(Debug, Clone)]
@@ -191,7 +193,8 @@ impl FakeHandle {
     }
 
     /// Lists a model in `/api/ps` (for the default five minutes), installing it as a chat model
-    /// if it is not installed.
+    /// if it is not installed. In VRAM mode `/api/ps` shows the VRAM instead: load a model there
+    /// with a request (the load idiom is an empty prompt) or start it with `FakeBuilder::loaded`.
     pub fn load_model(&self, name: &str) {
         let mut models = lock(&self.shared.models);
         if models.find(name).is_none() {
@@ -200,9 +203,69 @@ impl FakeHandle {
         models.touch(name, None);
     }
 
-    /// Removes a model from `/api/ps`.
+    /// Removes a model from `/api/ps`; in VRAM mode, unloads it once its requests finish (as
+    /// the `keep_alive: 0` idiom does).
     pub fn unload_model(&self, name: &str) {
         lock(&self.shared.models).touch(name, Some(super::gojson::KeepAlive::Unload));
+        if let Some(vram) = &self.shared.vram {
+            vram.unload(name);
+        }
+    }
+
+    /// VRAM mode: the models loaded now (ready, or marked for eviction but still running), by
+    /// canonical name (`llama3.2:latest`), sorted; empty outside VRAM mode.
+    pub fn resident(&self) -> Vec<String> {
+        self.vram_snapshot().resident
+    }
+
+    /// VRAM mode: the models being loaded now, by canonical name, sorted.
+    pub fn loading(&self) -> Vec<String> {
+        self.vram_snapshot().loading
+    }
+
+    /// VRAM mode: loads of `model` started so far.
+    pub fn loads(&self, model: &str) -> usize {
+        count(&self.vram_snapshot().loads, model)
+    }
+
+    /// VRAM mode: unloads of `model` finished so far.
+    pub fn unloads(&self, model: &str) -> usize {
+        count(&self.vram_snapshot().unloads, model)
+    }
+
+    /// VRAM mode: the time spent in finished loads, all models together.
+    pub fn load_time(&self) -> Duration {
+        self.vram_snapshot().load_time
+    }
+
+    /// VRAM mode: cold requests waiting in the pending queue now.
+    pub fn pending(&self) -> usize {
+        self.vram_snapshot().pending
+    }
+
+    /// VRAM mode: resolves once at least `n` cold requests wait in the pending queue (at once
+    /// outside VRAM mode).
+    pub async fn wait_pending(&self, n: usize) {
+        self.wait_vram(|snapshot| snapshot.pending >= n).await;
+    }
+
+    /// VRAM mode: resolves once at least `n` loads of `model` have started.
+    pub async fn wait_loads(&self, model: &str, n: usize) {
+        self.wait_vram(|snapshot| count(&snapshot.loads, model) >= n)
+            .await;
+    }
+
+    /// VRAM mode: resolves once at least `n` unloads of `model` have finished.
+    pub async fn wait_unloads(&self, model: &str, n: usize) {
+        self.wait_vram(|snapshot| count(&snapshot.unloads, model) >= n)
+            .await;
+    }
+
+    /// VRAM mode: resolves once `model` is loaded (ready).
+    pub async fn wait_resident(&self, model: &str) {
+        let model = canonical(model);
+        self.wait_vram(|snapshot| snapshot.resident.contains(&model))
+            .await;
     }
 
     /// Changes the service time of non-streamed inference and embeddings.
@@ -266,4 +329,22 @@ impl FakeHandle {
     fn cloud(&self) -> Option<&Cloud> {
         self.shared.cloud.as_ref()
     }
+
+    fn vram_snapshot(&self) -> Snapshot {
+        self.shared
+            .vram
+            .as_ref()
+            .map(|vram| vram.snapshot())
+            .unwrap_or_default()
+    }
+
+    async fn wait_vram(&self, done: impl FnMut(&Snapshot) -> bool) {
+        if let Some(vram) = &self.shared.vram {
+            vram.wait_for(done).await;
+        }
+    }
+}
+
+fn count(counts: &std::collections::BTreeMap<String, usize>, model: &str) -> usize {
+    counts.get(&canonical(model)).copied().unwrap_or(0)
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, SystemTime};
 use serde_json::{Value, json};
 
 use super::gojson::KeepAlive;
+use super::vram::Listed;
 use super::wire::{hash64, rfc3339, splitmix, unix_seconds};
 
 /// How long a model stays loaded when the request says nothing (`OLLAMA_KEEP_ALIVE`).
@@ -116,17 +117,19 @@ impl Models {
         loaded.sort_by_key(|(_, until)| std::cmp::Reverse(*until));
         let models: Vec<Value> = loaded
             .into_iter()
-            .map(|(model, until)| {
-                json!({
-                    "name": model.name,
-                    "model": model.name,
-                    "size": size(model),
-                    "digest": digest(&model.name),
-                    "details": details(model),
-                    "expires_at": rfc3339(until),
-                    "size_vram": size(model),
-                    "context_length": CONTEXT_LENGTH,
-                })
+            .map(|(model, until)| ps_entry(model, size(model), until))
+            .collect();
+        json!({ "models": models })
+    }
+
+    /// `GET /api/ps` in VRAM mode: the rows the VRAM lists, in its order, with their sizes;
+    /// models no longer installed are left out.
+    pub fn ps_of(&self, rows: &[Listed]) -> Value {
+        let models: Vec<Value> = rows
+            .iter()
+            .filter_map(|row| {
+                let model = self.find(&row.name)?;
+                Some(ps_entry(model, row.size, row.expires_at))
             })
             .collect();
         json!({ "models": models })
@@ -207,6 +210,19 @@ pub(crate) fn digest(name: &str) -> String {
         hex.push_str(&format!("{state:016x}"));
     }
     hex
+}
+
+fn ps_entry(model: &Model, size: u64, until: SystemTime) -> Value {
+    json!({
+        "name": model.name,
+        "model": model.name,
+        "size": size,
+        "digest": digest(&model.name),
+        "details": details(model),
+        "expires_at": rfc3339(until),
+        "size_vram": size,
+        "context_length": CONTEXT_LENGTH,
+    })
 }
 
 fn entry(model: &Model) -> Value {

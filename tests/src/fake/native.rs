@@ -11,7 +11,7 @@ use super::gojson::{DecodeError, GoType, KeepAlive, Shape, decode, keep_alive};
 use super::models::Kind;
 use super::record::lock;
 use super::state::Ctx;
-use super::stream::{Clock, Flavor, Script, admit, budget, metrics, serve, stream, tokens};
+use super::stream::{Clock, Flavor, Script, admit, budget, metrics, refuse, serve, stream, tokens};
 use super::wire::{NDJSON, Reply, gin_error, gin_json, rfc3339, token_count};
 
 /// A handler's outcome; both sides are sent as they are.
@@ -81,7 +81,7 @@ pub(crate) async fn generate(ctx: &mut Ctx, body: &[u8]) -> Handled {
         request.get("options"),
     );
     if prompt.is_empty() && no_images && keep == Some(KeepAlive::Unload) {
-        lock(&ctx.shared.models).touch(&model, keep);
+        unload(ctx, &model);
         return Ok(gin_json(StatusCode::OK, &script.idiom("unload")));
     }
     if kind == Kind::Embedding {
@@ -90,7 +90,7 @@ pub(crate) async fn generate(ctx: &mut Ctx, body: &[u8]) -> Handled {
         )));
     }
     if prompt.is_empty() && no_images {
-        lock(&ctx.shared.models).touch(&model, keep);
+        load(ctx, &model, keep).await?;
         return Ok(gin_json(StatusCode::OK, &script.idiom("load")));
     }
     respond(ctx, &request, keep, script).await
@@ -117,14 +117,14 @@ pub(crate) async fn chat(ctx: &mut Ctx, body: &[u8]) -> Handled {
         request.get("options"),
     );
     if no_messages && keep == Some(KeepAlive::Unload) {
-        lock(&ctx.shared.models).touch(&model, keep);
+        unload(ctx, &model);
         return Ok(gin_json(StatusCode::OK, &script.idiom("unload")));
     }
     if kind == Kind::Embedding {
         return Err(bad_request(&format!("\"{model}\" does not support chat")));
     }
     if no_messages {
-        lock(&ctx.shared.models).touch(&model, keep);
+        load(ctx, &model, keep).await?;
         return Ok(gin_json(StatusCode::OK, &script.idiom("load")));
     }
     respond(ctx, &request, keep, script).await
@@ -170,6 +170,27 @@ pub(crate) fn find(
         .ok_or_else(|| gin_error(StatusCode::NOT_FOUND, &not_found()))
 }
 
+// The load idiom: in VRAM mode the model is scheduled like any request (queue, eviction, load
+// time) and released at once; no slot is taken.
+async fn load(ctx: &Ctx, model: &str, keep: Option<KeepAlive>) -> Result<(), Reply> {
+    lock(&ctx.shared.models).touch(model, keep);
+    if let Some(vram) = &ctx.shared.vram {
+        let flavor = Flavor::Native { streaming: false };
+        vram.acquire(model, keep)
+            .await
+            .map_err(|refused| refuse(flavor, &refused))?;
+    }
+    Ok(())
+}
+
+// The unload idiom answers at once; in VRAM mode the model goes once its requests finish.
+fn unload(ctx: &Ctx, model: &str) {
+    lock(&ctx.shared.models).touch(model, Some(KeepAlive::Unload));
+    if let Some(vram) = &ctx.shared.vram {
+        vram.unload(model);
+    }
+}
+
 fn check_top_logprobs(request: &Map<String, Value>) -> Result<(), Reply> {
     match request.get("top_logprobs").and_then(Value::as_i64) {
         Some(n) if !(0..=20).contains(&n) => {
@@ -207,7 +228,7 @@ async fn respond(
         .get("stream")
         .and_then(Value::as_bool)
         .unwrap_or(true);
-    let admitted = admit(ctx, Flavor::Native { streaming }).await?;
+    let admitted = admit(ctx, Flavor::Native { streaming }, &script.model, keep).await?;
     lock(&ctx.shared.models).touch(&script.model, keep);
     if streaming {
         return Ok(stream(ctx, admitted, NDJSON, script).await);

@@ -106,7 +106,7 @@ pub(crate) async fn embeddings(ctx: &mut Ctx, body: &[u8]) -> Handled {
     find(ctx, &model, || {
         format!("model \"{model}\" not found, try pulling it first")
     })?;
-    let admitted = admit(ctx, Flavor::OpenAi).await?;
+    let admitted = admit(ctx, Flavor::OpenAi, &model, None).await?;
     lock(&ctx.shared.models).touch(&model, None);
     serve(ctx, admitted).await?;
     let dimensions = request
@@ -192,7 +192,7 @@ async fn generate(
         .get("stream_options")
         .and_then(|options| options.get("include_usage"))
         == Some(&Value::Bool(true));
-    let admitted = admit(ctx, Flavor::OpenAi).await?;
+    let admitted = admit(ctx, Flavor::OpenAi, &model, None).await?;
     lock(&ctx.shared.models).touch(&model, None);
     let (count, cut) = budget(ctx.shared.timing().tokens, request.get("max_tokens"));
     let prefix = if chat { "chatcmpl" } else { "cmpl" };

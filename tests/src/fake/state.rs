@@ -1,6 +1,6 @@
 //! The state one running fake shares between its connection tasks and its `FakeHandle`: the
 //! configuration that tests may change at run time, the model registry, the slots, the request
-//! log, the scripted failures, and the per-request context (`Ctx`) with its `Tracker`, which
+//! log, the scripted failures, the VRAM mode when on, and the per-request context (`Ctx`) with its `Tracker`, which
 //! stamps `finished_at` and counts requests the client abandoned.
 
 use std::collections::{HashSet, VecDeque};
@@ -15,6 +15,7 @@ use super::handle::Failure;
 use super::models::Models;
 use super::record::{Recorder, lock};
 use super::slots::Slots;
+use super::vram::Vram;
 
 /// Everything a fake's tasks share.
 #[derive(Debug)]
@@ -26,6 +27,8 @@ pub(crate) struct Shared {
     pub timing: Mutex<Timing>,
     pub models: Mutex<Models>,
     pub slots: Arc<Slots>,
+    /// The VRAM mode, when on.
+    pub vram: Option<Arc<Vram>>,
     pub recorder: Recorder,
     pub failures: Mutex<VecDeque<Failure>>,
     pub cancelled: watch::Sender<usize>,

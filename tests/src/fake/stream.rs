@@ -1,5 +1,5 @@
 //! The inference path every generating endpoint shares: admission (cloud script, scripted
-//! failure, slot, hold gate), the service time of a non-streamed answer, and the line engine of a
+//! failure, the model in VRAM when that mode is on, slot, hold gate), the service time of a non-streamed answer, and the line engine of a
 //! streamed one. The engine renders each line when it is sent, so `created_at` is the real send
 //! time; it holds the slot and the request's tracker inside the response body, so a client that
 //! goes away releases the slot at once (the body is dropped with the connection).
@@ -17,9 +17,11 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use serde_json::{Map, Value, json};
 
+use super::gojson::KeepAlive;
 use super::handle::Failure;
 use super::slots::{Busy, SlotGuard};
 use super::state::{ConnCtl, Ctx, Shared, Tracker};
+use super::vram::{Refused, Resident};
 use super::wire::{GIN_JSON, PLAIN_JSON, Reply, full, gin_error, nanos, openai_error, status};
 
 /// Ollama's queue-full text; note the two spaces.
@@ -38,6 +40,8 @@ pub(crate) enum Flavor {
 #[derive(Debug)]
 pub(crate) struct Admitted {
     slot: SlotGuard,
+    // Released with the slot: a request holds its model as long as it runs.
+    resident: Option<Resident>,
     cut: Option<Cut>,
     flavor: Flavor,
     clock: Clock,
@@ -79,9 +83,14 @@ pub(crate) trait Script: Send + 'static {
     fn error_line(&self, message: &str) -> Option<Bytes>;
 }
 
-/// Runs admission. `Err` carries the reply to send instead (or never resolves when the scripted
-/// failure drops the connection).
-pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Reply> {
+/// Runs admission for a request on `model` with its `keep_alive`. `Err` carries the reply to
+/// send instead (or never resolves when the scripted failure drops the connection).
+pub(crate) async fn admit(
+    ctx: &mut Ctx,
+    flavor: Flavor,
+    model: &str,
+    keep_alive: Option<KeepAlive>,
+) -> Result<Admitted, Reply> {
     ctx.mark_inference();
     let shared = Arc::clone(&ctx.shared);
     if let (Some(cloud), Some(key)) = (&shared.cloud, &ctx.key)
@@ -110,6 +119,14 @@ pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Rep
             cut = Some(Cut::Error(after_lines, message));
         }
     }
+    let resident = match &shared.vram {
+        Some(vram) => Some(
+            vram.acquire(model, keep_alive)
+                .await
+                .map_err(|refused| refuse(flavor, &refused))?,
+        ),
+        None => None,
+    };
     let slot = match shared
         .slots
         .acquire(ctx.client_id.clone(), ctx.key.clone())
@@ -133,6 +150,7 @@ pub(crate) async fn admit(ctx: &mut Ctx, flavor: Flavor) -> Result<Admitted, Rep
     };
     Ok(Admitted {
         slot,
+        resident,
         cut,
         flavor,
         clock,
@@ -181,6 +199,7 @@ pub(crate) async fn stream(
         script,
         next: 0,
         slot: Some(admitted.slot),
+        resident: admitted.resident,
         tracker: ctx.tracker.take(),
         cut: admitted.cut,
         conn: Arc::clone(&ctx.conn),
@@ -193,6 +212,24 @@ pub(crate) async fn stream(
         .headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
+}
+
+/// Ollama's reply when the VRAM mode refuses a request: the busy 503 when the pending queue is
+/// full, a 500 with the memory message when the model can never fit; before any byte.
+pub(crate) fn refuse(flavor: Flavor, refused: &Refused) -> Reply {
+    let (status, message) = match refused {
+        Refused::Busy => (StatusCode::SERVICE_UNAVAILABLE, BUSY),
+        Refused::TooLarge(message) => (StatusCode::INTERNAL_SERVER_ERROR, message.as_str()),
+    };
+    match (flavor, refused) {
+        (Flavor::Native { streaming: true }, Refused::TooLarge(_)) => full(
+            status,
+            Some(PLAIN_JSON),
+            json!({ "error": message }).to_string(),
+        ),
+        (Flavor::Native { .. }, _) => gin_error(status, message),
+        (Flavor::OpenAi, _) => openai_error(status, message),
+    }
 }
 
 /// Ollama's metric fields, integer nanoseconds.
@@ -243,11 +280,12 @@ async fn abort(ctx: &mut Ctx, reset: bool) -> Reply {
     pending::<Reply>().await
 }
 
-// Field order matters: the slot is released before the tracker counts a cancel.
+// Field order matters: the slot and the model are released before the tracker counts a cancel.
 struct Run<S> {
     script: S,
     next: usize,
     slot: Option<SlotGuard>,
+    resident: Option<Resident>,
     tracker: Option<Tracker>,
     cut: Option<Cut>,
     conn: Arc<ConnCtl>,
@@ -259,6 +297,7 @@ impl<S> Run<S> {
     // The response is complete: release the slot, then mark the request answered.
     fn finish(&mut self) {
         self.slot = None;
+        self.resident = None;
         if let Some(tracker) = self.tracker.take() {
             tracker.complete();
         }

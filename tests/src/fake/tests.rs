@@ -8,6 +8,7 @@ mod failures;
 mod openai;
 mod protocol;
 mod streaming;
+mod vram;
 
 use std::net::SocketAddr;
 
