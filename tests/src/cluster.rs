@@ -279,10 +279,15 @@ impl Cluster {
 
     /// Node `node`'s `/queue/status`, or why it could not be read.
     pub async fn queue_status(&self, node: &str) -> anyhow::Result<serde_json::Value> {
-        let mut conn = Conn::open(self.addr(node)).await?;
-        let answer = conn
-            .send(&Req::get("/queue/status", self.admin_key.as_deref()))
-            .await?;
+        // Bounded: a data plane that accepts and never answers is an error, not a hang.
+        let read = async {
+            let mut conn = Conn::open(self.addr(node)).await?;
+            conn.send(&Req::get("/queue/status", self.admin_key.as_deref()))
+                .await
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer from {node} within 5 s"))??;
         anyhow::ensure!(answer.status.is_success(), "status {}", answer.status);
         Ok(serde_json::from_slice(&answer.body)?)
     }

@@ -172,7 +172,11 @@ async fn dataplane(
 ) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+    // Stdout carries the address line only: logs go to stderr (the harness keeps them).
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     let token = match &node_token_file {
         Some(path) => Some(
             std::fs::read_to_string(path)
