@@ -65,6 +65,20 @@ pub struct Node {
     pub watches: usize,
 }
 
+impl Node {
+    /// A node seen for the first time: no report yet, no stream open.
+    fn new(name: &str) -> Self {
+        Node {
+            report: NodeReport {
+                node: name.to_owned(),
+                ..NodeReport::default()
+            },
+            reported_at: None,
+            watches: 0,
+        }
+    }
+}
+
 impl Hub {
     /// A hub serving `config`, with its first snapshot built.
     pub fn new(config: Config) -> Arc<Self> {
@@ -282,11 +296,7 @@ impl Hub {
         let node = state
             .nodes
             .entry(report.node.clone())
-            .or_insert_with(|| Node {
-                report: NodeReport::default(),
-                reported_at: None,
-                watches: 0,
-            });
+            .or_insert_with(|| Node::new(&report.node));
         let newly_unreachable: Vec<String> = report
             .hosts
             .iter()
@@ -322,14 +332,10 @@ impl Hub {
             .hosts
             .iter()
             .any(|host| host.node.as_deref() == Some(node));
-        let entry = state.nodes.entry(node.to_owned()).or_insert_with(|| Node {
-            report: NodeReport {
-                node: node.to_owned(),
-                ..NodeReport::default()
-            },
-            reported_at: None,
-            watches: 0,
-        });
+        let entry = state
+            .nodes
+            .entry(node.to_owned())
+            .or_insert_with(|| Node::new(node));
         if owns && entry.watches > 0 {
             return false;
         }
@@ -340,14 +346,10 @@ impl Hub {
     /// Counts a watch stream opened (`+1`) or closed (`-1`) by `node`.
     pub fn watch_changed(&self, node: &str, opened: bool) {
         let mut state = self.lock();
-        let entry = state.nodes.entry(node.to_owned()).or_insert_with(|| Node {
-            report: NodeReport {
-                node: node.to_owned(),
-                ..NodeReport::default()
-            },
-            reported_at: None,
-            watches: 0,
-        });
+        let entry = state
+            .nodes
+            .entry(node.to_owned())
+            .or_insert_with(|| Node::new(node));
         if opened {
             entry.watches += 1;
         } else {

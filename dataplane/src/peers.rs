@@ -163,17 +163,7 @@ impl Peers {
 
     /// Where `node` is reached: as the control plane last relayed it, else as configured.
     pub fn url(&self, policy: &Policy, node: &str) -> Option<Base> {
-        self.loads
-            .load()
-            .get(node)
-            .and_then(|load| load.url.clone())
-            .or_else(|| {
-                policy
-                    .nodes
-                    .iter()
-                    .find(|info| &*info.name == node)
-                    .and_then(|info| info.base.clone())
-            })
+        base_of(&self.loads.load(), policy, node)
     }
 
     /// The boxes to try for `model`, best first: this node's hosts as its dispatcher holds
@@ -202,12 +192,8 @@ impl Peers {
             let Some(owner) = &host.owner else { continue };
             let load = loads.get(owner);
             let peer = state.get(owner);
-            let reachable = !peer.is_some_and(|peer| peer.down)
-                && (load.is_some_and(|load| load.url.is_some())
-                    || policy
-                        .nodes
-                        .iter()
-                        .any(|info| info.name == *owner && info.base.is_some()));
+            let reachable =
+                !peer.is_some_and(|peer| peer.down) && base_of(&loads, policy, owner).is_some();
             let target = Target::Peer(owner.clone());
             // What this edge has there now beyond what the last report counted (sent since,
             // or all of it while the control plane is away) waits there too, as far as
@@ -342,15 +328,7 @@ impl Peers {
                 let peer = state.get(&node);
                 let load = loads.get(&node);
                 PeerStatus {
-                    url: load
-                        .and_then(|load| load.url.clone())
-                        .or_else(|| {
-                            policy
-                                .nodes
-                                .iter()
-                                .find(|info| info.name == node)
-                                .and_then(|info| info.base.clone())
-                        })
+                    url: base_of(&loads, policy, &node)
                         .map(|base| format!("{}://{}", base.scheme, base.authority)),
                     reachable: !peer.is_some_and(|peer| peer.down),
                     connected: load.is_some_and(|load| load.connected),
@@ -367,6 +345,20 @@ impl Peers {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+}
+
+/// Where `node` is reached: as the control plane last relayed it, else as configured.
+fn base_of(loads: &HashMap<Arc<str>, Load>, policy: &Policy, node: &str) -> Option<Base> {
+    loads
+        .get(node)
+        .and_then(|load| load.url.clone())
+        .or_else(|| {
+            policy
+                .nodes
+                .iter()
+                .find(|info| &*info.name == node)
+                .and_then(|info| info.base.clone())
+        })
 }
 
 #[cfg(test)]

@@ -8,36 +8,27 @@ use std::path::{Path, PathBuf};
 
 use oqp_controlplane::config::{Config, Env};
 
-/// A scratch directory removed on drop (this crate has no `tempfile`).
-struct Scratch(PathBuf);
+/// A temporary directory for a config and its key files.
+struct Scratch(tempfile::TempDir);
 
 impl Scratch {
-    fn new(name: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let path =
-            std::env::temp_dir().join(format!("oqpctl-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).unwrap();
-        Self(path)
+    fn new() -> Self {
+        Self(tempfile::tempdir().unwrap())
+    }
+
+    fn path(&self) -> &Path {
+        self.0.path()
     }
 
     /// Writes a key file readable by its owner only (a wider one is warned about).
     fn secret(&self, name: &str) {
-        let path = self.0.join(name);
+        let path = self.path().join(name);
         std::fs::write(&path, format!("{name}-0123456789abcdef\n")).unwrap();
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
         }
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -64,8 +55,8 @@ fn readme_block(marker: &str) -> String {
 /// Runs `oqpctl config check` on `yaml` (with `secrets_dir` standing in for
 /// `dir/` in key paths), asserts it is valid, and loads it.
 fn check(yaml: &str, secrets_dir: &str, scratch: &Scratch) -> Config {
-    let yaml = yaml.replace(secrets_dir, &format!("{}/", scratch.0.display()));
-    let path = scratch.0.join("config.yml");
+    let yaml = yaml.replace(secrets_dir, &format!("{}/", scratch.path().display()));
+    let path = scratch.path().join("config.yml");
     std::fs::write(&path, yaml).unwrap();
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
         .args(["config", "check", "--output", "json"])
@@ -108,7 +99,7 @@ fn assert_two_boxes(config: &Config) {
 
 #[test]
 fn the_readme_two_box_config_checks() {
-    let scratch = Scratch::new("readme-two-boxes");
+    let scratch = Scratch::new();
     for key in ["admin.key", "chat.key", "batch.key", "node-token"] {
         scratch.secret(key);
     }
@@ -119,14 +110,14 @@ fn the_readme_two_box_config_checks() {
 
 #[test]
 fn config_check_names_a_host_without_its_owner() {
-    let scratch = Scratch::new("readme-no-owner");
+    let scratch = Scratch::new();
     for key in ["admin.key", "chat.key", "batch.key", "node-token"] {
         scratch.secret(key);
     }
     let yaml = readme_block("<!-- two-box config: oqpctl/tests/examples.rs loads this block -->")
         .replace("      node: box2\n", "")
-        .replace("/etc/oqp/keys/", &format!("{}/", scratch.0.display()));
-    let path = scratch.0.join("config.yml");
+        .replace("/etc/oqp/keys/", &format!("{}/", scratch.path().display()));
+    let path = scratch.path().join("config.yml");
     std::fs::write(&path, yaml).unwrap();
     let output = std::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
         .args(["config", "check"])
@@ -141,7 +132,7 @@ fn config_check_names_a_host_without_its_owner() {
 
 #[test]
 fn the_two_box_compose_example_checks_and_fits_its_config() {
-    let scratch = Scratch::new("compose-two-boxes");
+    let scratch = Scratch::new();
     let control: serde_yaml::Value =
         serde_yaml::from_str(&read("examples/two-boxes/control.compose.yml")).unwrap();
     let secrets: Vec<&str> = control["secrets"]

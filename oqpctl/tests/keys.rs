@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 use oqp_controlplane::config::Env;
@@ -12,28 +12,6 @@ use oqp_controlplane::{ControlPlane, Options};
 
 const ADMIN: &str = "sk-admin-0123456789";
 const READER: &str = "sk-read-0123456789";
-
-/// A scratch directory removed on drop (this crate has no `tempfile`).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let path =
-            std::env::temp_dir().join(format!("oqpctl-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).unwrap();
-        Self(path)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 async fn control_plane(dir: &Path) -> ControlPlane {
     let config = dir.join("config.yml");
@@ -97,11 +75,11 @@ fn refused(output: &Output, reason: &str) {
 
 #[tokio::test]
 async fn keys_add_list_rotate_revoke_through_the_binary() {
-    let scratch = Scratch::new("keys");
-    let control = control_plane(&scratch.0).await;
+    let scratch = tempfile::tempdir().unwrap();
+    let control = control_plane(scratch.path()).await;
 
     // Add, with the key file option; JSON for scripts.
-    let key_file = scratch.0.join("admin.key");
+    let key_file = scratch.path().join("admin.key");
     std::fs::write(&key_file, format!("{ADMIN}\n")).unwrap();
     let key_file = key_file.display().to_string();
     let added = oqpctl(
@@ -248,14 +226,14 @@ async fn keys_add_list_rotate_revoke_through_the_binary() {
 /// loopback.
 #[tokio::test]
 async fn with_auth_off_keys_are_not_minted() {
-    let scratch = Scratch::new("auth-off");
-    let config = scratch.0.join("config.yml");
+    let scratch = tempfile::tempdir().unwrap();
+    let config = scratch.path().join("config.yml");
     std::fs::write(
         &config,
         format!(
             "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: nowhere}}\n\
              control_plane:\n  state_dir: '{}'\n",
-            scratch.0.join("state").display()
+            scratch.path().join("state").display()
         ),
     )
     .unwrap();
@@ -300,8 +278,8 @@ async fn with_auth_off_keys_are_not_minted() {
 /// prompts would travel in plaintext) and still calls the file valid.
 #[tokio::test]
 async fn config_check_warns_about_a_cloud_host_at_plain_http() {
-    let scratch = Scratch::new("cloud-http");
-    let config = scratch.0.join("config.yml");
+    let scratch = tempfile::tempdir().unwrap();
+    let config = scratch.path().join("config.yml");
     std::fs::write(
         &config,
         "ollama:\n  hosts:\n    - {url: 'http://ollama.com', name: cloud, api_keys: [{key: sk-cloud-0123456789}]}\n",

@@ -5,7 +5,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
 use std::process::Output;
 use std::time::{Duration, Instant};
 
@@ -16,34 +15,12 @@ use serde_json::Value;
 const READER: &str = "sk-read-0123456789";
 const NODE_TOKEN: &str = "sk-node-0123456789";
 
-/// A scratch directory removed on drop (this crate has no `tempfile`).
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(name: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let path =
-            std::env::temp_dir().join(format!("oqpctl-{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).unwrap();
-        Self(path)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A control plane with its data plane `local` owning `here`, and `box2`
 /// (listed, never started) owning `there`.
-async fn two_boxes(dir: &Scratch) -> ControlPlane {
+async fn two_boxes(dir: &tempfile::TempDir) -> ControlPlane {
     let dataplane = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let local_url = format!("http://{}", dataplane.local_addr().unwrap());
-    let config = dir.0.join("config.yml");
+    let config = dir.path().join("config.yml");
     std::fs::write(
         &config,
         format!(
@@ -56,7 +33,7 @@ async fn two_boxes(dir: &Scratch) -> ControlPlane {
              nodes:\n\
              \x20 local: {{host: 127.0.0.1, url: '{local_url}'}}\n\
              \x20 box2: {{host: 127.0.0.1, url: 'http://127.0.0.1:7'}}\n",
-            dir.0.join("state").display()
+            dir.path().join("state").display()
         ),
     )
     .unwrap();
@@ -152,7 +129,7 @@ fn row(text: &str, name: &str) -> String {
 
 #[tokio::test]
 async fn status_lists_a_listed_node_that_never_connected_then_follows_its_link() {
-    let dir = Scratch::new("nodes-status");
+    let dir = tempfile::tempdir().unwrap();
     let control = two_boxes(&dir).await;
 
     let status = status_once_local_reported(&control).await;
@@ -214,7 +191,7 @@ async fn status_lists_a_listed_node_that_never_connected_then_follows_its_link()
 
 #[tokio::test]
 async fn hosts_and_status_show_what_each_node_owns() {
-    let dir = Scratch::new("nodes-owners");
+    let dir = tempfile::tempdir().unwrap();
     let control = two_boxes(&dir).await;
 
     let table = stdout(&oqpctl(&control, &["hosts"]).await);

@@ -18,6 +18,26 @@ fn owned_by_b(fake: &str) -> String {
     )
 }
 
+/// The stack on `yaml` (its in-process plane `local` as the edge) and node `b`'s data plane,
+/// once the edge knows where `b` is.
+async fn edge_and_b(yaml: &str) -> (Stack, oqp_dataplane::DataPlane) {
+    let stack = Stack::start(yaml).await;
+    let b = stack
+        .start_dataplane("b", Some(TOKEN))
+        .await
+        .expect("node b starts");
+    let edge = stack.control.dataplane().expect("local data plane");
+    let (peers, policy) = (edge.app().peers.clone(), edge.app().store.load());
+    assert!(
+        eventually(Duration::from_secs(10), || peers
+            .url(&policy, "b")
+            .is_some())
+        .await,
+        "the edge learns where b is"
+    );
+    (stack, b)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_edge_forwards_to_the_owner_and_the_box_never_gets_more_than_its_slots() {
     let _exclusive = crate::support::exclusive().await;
@@ -27,21 +47,7 @@ async fn an_edge_forwards_to_the_owner_and_the_box_never_gets_more_than_its_slot
         .latency(Duration::from_millis(30))
         .spawn()
         .await;
-    let stack = Stack::start(&owned_by_b(&fake.url())).await;
-    let b = stack
-        .start_dataplane("b", Some(TOKEN))
-        .await
-        .expect("node b starts");
-    let edge = stack.control.dataplane().expect("local data plane");
-    let peers = edge.app().peers.clone();
-    let policy = edge.app().store.load();
-    assert!(
-        eventually(Duration::from_secs(10), || peers
-            .url(&policy, "b")
-            .is_some())
-        .await,
-        "the edge learns where b is"
-    );
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
     let http = HttpClient::new();
     let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
     let entries = [stack.url(), format!("http://{}", b.local_addr())];
@@ -96,11 +102,7 @@ async fn an_edge_forwards_to_the_owner_and_the_box_never_gets_more_than_its_slot
 #[tokio::test]
 async fn a_forged_hop_gains_nothing() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
-    let stack = Stack::start(&owned_by_b(&fake.url())).await;
-    let b = stack
-        .start_dataplane("b", Some(TOKEN))
-        .await
-        .expect("node b starts");
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
     let http = HttpClient::new();
     let url = format!("http://{}/api/generate", b.local_addr());
     let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
@@ -222,19 +224,7 @@ async fn a_peers_hops_are_served_while_its_address_is_throttled_and_keep_the_cal
     let yaml = owned_by_b(&fake.url())
         + "auth:\n  enabled: true\n  rate_limit: {max_failures: 2, window_seconds: 60}\n  keys:\n    \
            - {key: sk-batch-0123456789, client_id: batch, max_priority: low}\n";
-    let stack = Stack::start(&yaml).await;
-    let b = stack
-        .start_dataplane("b", Some(TOKEN))
-        .await
-        .expect("node b starts");
-    let edge = stack.control.dataplane().expect("local data plane");
-    let (peers, policy) = (edge.app().peers.clone(), edge.app().store.load());
-    assert!(
-        eventually(Duration::from_secs(10), || peers
-            .url(&policy, "b")
-            .is_some())
-        .await
-    );
+    let (stack, b) = edge_and_b(&yaml).await;
     let http = HttpClient::new();
     let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
     // Everything here comes from 127.0.0.1: wrong keys straight at b throttle that address.
@@ -271,11 +261,7 @@ async fn a_second_data_plane_with_an_owners_name_is_refused() {
     use oqp_proto::policy::v1::NodeHello;
     use oqp_proto::policy::v1::policy_service_client::PolicyServiceClient;
     let fake = FakeOllama::builder().model("llama3").spawn().await;
-    let stack = Stack::start(&owned_by_b(&fake.url())).await;
-    let b = stack
-        .start_dataplane("b", Some(TOKEN))
-        .await
-        .expect("node b starts");
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
     let mut policy = PolicyServiceClient::connect(stack.control_url())
         .await
         .unwrap();
@@ -304,11 +290,7 @@ async fn a_second_data_plane_with_an_owners_name_is_refused() {
 async fn a_captured_hop_cannot_be_replayed_or_carry_another_body() {
     use oqp_dataplane::hop::{self, Assertion, HopKey};
     let fake = FakeOllama::builder().model("llama3").spawn().await;
-    let stack = Stack::start(&owned_by_b(&fake.url())).await;
-    let b = stack
-        .start_dataplane("b", Some(TOKEN))
-        .await
-        .expect("node b starts");
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
     let body = br#"{"model":"llama3","prompt":"hi","stream":false}"#;
     let sign = |body: &[u8]| {
         let assertion = Assertion {
