@@ -26,6 +26,8 @@ use crate::upstream::Upstream;
 /// Connect timeout toward a peer: they share a LAN, and a peer that does not
 /// accept within it is treated as down (the request moves to the next box).
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest a pooled hop connection stays idle.
+const POOL_IDLE_MAX: Duration = Duration::from_secs(30);
 const PROBE_FIRST: Duration = Duration::from_millis(200);
 const PROBE_MAX: Duration = Duration::from_secs(5);
 
@@ -94,11 +96,18 @@ impl Drop for Outstanding {
 
 impl Peers {
     /// Peers of a node whose node token is `token` (which keys the hop), trusting the CA
-    /// certificates in the PEM text `ca` (`--ca`) for peers at `https://`.
-    pub fn new(token: Option<&str>, ca: Option<&[u8]>) -> Result<Self, String> {
+    /// certificates in the PEM text `ca` (`--ca`) for peers at `https://`. Peers close an
+    /// idle connection after `idle_timeout` (`proxy.idle_timeout`, the same for every node):
+    /// pooled hop connections are dropped well before that.
+    pub fn new(
+        token: Option<&str>,
+        ca: Option<&[u8]>,
+        idle_timeout: Duration,
+    ) -> Result<Self, String> {
+        let pool_idle = (idle_timeout / 2).min(POOL_IDLE_MAX);
         let client = match ca {
-            Some(pem) => Upstream::with_ca(CONNECT_TIMEOUT, pem)?,
-            None => Upstream::new(CONNECT_TIMEOUT),
+            Some(pem) => Upstream::with_ca(CONNECT_TIMEOUT, pool_idle, pem)?,
+            None => Upstream::with_pool(CONNECT_TIMEOUT, pool_idle),
         };
         Ok(Self {
             key: token.and_then(HopKey::new),
@@ -400,7 +409,7 @@ mod tests {
     #[test]
     fn a_forwarded_request_weighs_on_the_owners_box_only_until_it_is_answered() {
         let policy = policy_of_a();
-        let peers = Peers::new(Some("token"), None).unwrap();
+        let peers = Peers::new(Some("token"), None, Duration::from_secs(60)).unwrap();
         let b: Arc<str> = Arc::from("b");
         let in_flight = peers.forwarding(&b);
         // Not in b's report yet, and still running: b's box is the busier.
@@ -416,7 +425,7 @@ mod tests {
     #[test]
     fn a_peer_address_outlives_a_control_plane_that_forgot_it() {
         let policy = policy_of_a();
-        let peers = Peers::new(Some("token"), None).unwrap();
+        let peers = Peers::new(Some("token"), None, Duration::from_secs(60)).unwrap();
         let load = |url: &str| wire::NodeLoad {
             node: "b".into(),
             url: url.into(),

@@ -101,6 +101,7 @@ impl DataPlane {
             None => server::bind(policy.listen).await?,
         };
         let addr = listener.local_addr()?;
+        let idle_timeout = policy.proxy.connections.idle_timeout;
         let store = Arc::new(PolicyStore::new(policy));
         let ca = match &options.control.ca_file {
             Some(path) => Some(std::fs::read(path).map_err(|e| {
@@ -108,8 +109,12 @@ impl DataPlane {
             })?),
             None => None,
         };
-        let peers = crate::peers::Peers::new(options.control.token.as_deref(), ca.as_deref())
-            .map_err(|e| ControlError::Config(format!("CA file: {e}")))?;
+        let peers = crate::peers::Peers::new(
+            options.control.token.as_deref(),
+            ca.as_deref(),
+            idle_timeout,
+        )
+        .map_err(|e| ControlError::Config(format!("CA file: {e}")))?;
         let app = Arc::new(App::new(
             &options.control.node,
             peers,

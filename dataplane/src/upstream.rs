@@ -45,6 +45,9 @@ pub enum UpstreamError {
 /// connection, and the slot that waits on it, open for hours.
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 
+/// How long an idle pooled upstream connection is kept.
+const POOL_IDLE: Duration = Duration::from_secs(90);
+
 /// The upstream sent nothing for the stall timeout in the middle of a body.
 #[derive(Debug, thiserror::Error)]
 #[error("no data from the upstream for {0:?} in the middle of the response")]
@@ -59,17 +62,28 @@ pub struct Upstream {
 impl Upstream {
     /// A client with pooled keep-alive connections and a connect timeout.
     pub fn new(connect_timeout: Duration) -> Self {
+        Self::with_pool(connect_timeout, POOL_IDLE)
+    }
+
+    /// [`Upstream::new`], closing a pooled connection idle for `pool_idle` (shorter than the
+    /// server's own idle timeout, so that a request is not written to a connection the server
+    /// is closing).
+    pub fn with_pool(connect_timeout: Duration, pool_idle: Duration) -> Self {
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_webpki_roots()
             .https_or_http()
             .enable_http1()
             .wrap_connector(Self::http(connect_timeout));
-        Self::pooled(connector)
+        Self::pooled(connector, pool_idle)
     }
 
     /// [`Upstream::new`], trusting the certificates of the PEM file `ca` beside the webpki
     /// roots for `https://` (peers behind a private CA, as the control-plane link with `--ca`).
-    pub fn with_ca(connect_timeout: Duration, ca: &[u8]) -> Result<Self, String> {
+    pub fn with_ca(
+        connect_timeout: Duration,
+        pool_idle: Duration,
+        ca: &[u8],
+    ) -> Result<Self, String> {
         use rustls_pki_types::CertificateDer;
         use rustls_pki_types::pem::PemObject;
         let mut roots = rustls::RootCertStore::empty();
@@ -97,7 +111,7 @@ impl Upstream {
             .https_or_http()
             .enable_http1()
             .wrap_connector(Self::http(connect_timeout));
-        Ok(Self::pooled(connector))
+        Ok(Self::pooled(connector, pool_idle))
     }
 
     fn http(connect_timeout: Duration) -> HttpConnector {
@@ -109,9 +123,9 @@ impl Upstream {
         http
     }
 
-    fn pooled(connector: hyper_rustls::HttpsConnector<HttpConnector>) -> Self {
+    fn pooled(connector: hyper_rustls::HttpsConnector<HttpConnector>, idle: Duration) -> Self {
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_idle_timeout(idle)
             .pool_max_idle_per_host(64)
             .build(connector);
         Self { client }
