@@ -573,6 +573,11 @@ impl Dispatcher {
         (inner.scheduler.total_depth(), inner.router.stats())
     }
 
+    /// Each own host's model-swap state (resident models, capacity, held requests).
+    pub fn swap_stats(&self) -> Vec<crate::swap::SwapStat> {
+        Vec::new()
+    }
+
     /// Requests waiting in every tier.
     pub fn total_depth(&self) -> u32 {
         self.lock().scheduler.total_depth()

@@ -59,6 +59,7 @@ pub mod service;
 pub mod snapshot;
 pub mod status;
 pub mod supervise;
+pub mod swap;
 pub mod upstream;
 
 mod run;

@@ -184,6 +184,7 @@ mod tests {
             cloud_keys: Vec::new(),
             fallback_models: Vec::new(),
             owner: None,
+            vram: Default::default(),
         }
     }
 

@@ -257,6 +257,45 @@ pub struct QueueSettings {
     pub fair_share_half_life: Duration,
     /// Drain generation requested by the control plane.
     pub drain_generation: u64,
+    /// Model-swap-aware scheduling (`queue.model_swap`).
+    pub model_swap: ModelSwap,
+}
+
+/// Model-swap-aware scheduling settings (`queue.model_swap`): see [`crate::swap`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelSwap {
+    /// Hold back requests for a model that would evict another, to batch switches.
+    pub enabled: bool,
+    /// Per tier (high, normal, low): the longest a request is held back for its model.
+    pub max_defer: [Duration; 3],
+    /// How long the resident models must have had no work before a switch may happen early.
+    pub idle_grace: Duration,
+    /// Unload the model switched away from explicitly (`keep_alive: 0`), so that the victim is
+    /// the one chosen here and not Ollama's pick.
+    pub unload: bool,
+}
+
+impl Default for ModelSwap {
+    /// On; held back at most 1 s (high), 5 s (normal), 30 s (low); 300 ms grace; explicit unload.
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_defer: [
+                Duration::from_secs(1),
+                Duration::from_secs(5),
+                Duration::from_secs(30),
+            ],
+            idle_grace: Duration::from_millis(300),
+            unload: true,
+        }
+    }
+}
+
+impl ModelSwap {
+    /// The bound of one tier.
+    pub fn max_defer(&self, tier: Tier) -> Duration {
+        self.max_defer[tier.index()]
+    }
 }
 
 impl QueueSettings {
@@ -318,6 +357,21 @@ pub struct Host {
     pub fallback_models: Vec<String>,
     /// The node that alone dispatches to it; `None` = every node.
     pub owner: Option<Arc<str>>,
+    /// What its VRAM holds and can hold.
+    pub vram: Vram,
+}
+
+/// What a host's VRAM holds and can hold, as the control plane last saw it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Vram {
+    /// `ollama.hosts[].vram` in bytes; `None` = learned from what is seen resident together.
+    pub capacity: Option<u64>,
+    /// Models in VRAM at the last poll, loading ones included: normalised name and bytes
+    /// (`size_vram`, else `size`).
+    pub resident: Vec<(String, u64)>,
+    /// Bytes each installed model takes on disk (`/api/tags` `size`), by normalised name: the
+    /// estimate of its footprint until it has been seen resident.
+    pub sizes: std::collections::HashMap<String, u64>,
 }
 
 /// A data-plane node as its peers see it.

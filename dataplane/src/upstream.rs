@@ -191,6 +191,9 @@ pub struct Outcome {
     pub cancelled: bool,
     /// Ollama's `total_duration` from the final object, when it had one.
     pub total_duration: Option<Duration>,
+    /// Ollama's `load_duration` from the final object, when it had one: the time the request
+    /// waited for its model to load (counted from its arrival at Ollama).
+    pub load_duration: Option<Duration>,
     /// Time from the response headers to the end of the body.
     pub elapsed: Duration,
 }
@@ -301,6 +304,10 @@ impl ResponseBody {
                 complete,
                 cancelled,
                 total_duration: complete.then(|| total_duration(&self.tail)).flatten(),
+                load_duration: complete
+                    .then(|| last_number(&self.tail, b"\"load_duration\":"))
+                    .flatten()
+                    .map(Duration::from_nanos),
                 elapsed: self.started.elapsed(),
             });
         }
@@ -412,18 +419,23 @@ impl Drop for ResponseBody {
 /// Ollama's `total_duration` (nanoseconds) in the final object, if the tail
 /// of the body has one.
 pub fn total_duration(tail: &[u8]) -> Option<Duration> {
-    const FIELD: &[u8] = b"\"total_duration\":";
+    last_number(tail, b"\"total_duration\":").map(Duration::from_nanos)
+}
+
+/// The unsigned integer after the last occurrence of `field` (a quoted name and its colon)
+/// in `tail`, if there is one.
+pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
     let start = tail
-        .windows(FIELD.len())
-        .rposition(|window| window == FIELD)?
-        + FIELD.len();
+        .windows(field.len())
+        .rposition(|window| window == field)?
+        + field.len();
     let digits: String = tail[start..]
         .iter()
         .skip_while(|b| b.is_ascii_whitespace())
         .take_while(|b| b.is_ascii_digit())
         .map(|b| char::from(*b))
         .collect();
-    digits.parse::<u64>().ok().map(Duration::from_nanos)
+    digits.parse::<u64>().ok()
 }
 
 #[cfg(test)]

@@ -36,6 +36,7 @@ fn host(keys: &[(&str, &str)], fallback: &[&str]) -> Host {
             .collect(),
         fallback_models: fallback.iter().map(|m| (*m).to_owned()).collect(),
         owner: None,
+        vram: Default::default(),
     }
 }
 

@@ -370,6 +370,7 @@ fn convert_queue(queue: wire::QueueSettings) -> Result<QueueSettings, PolicyErro
             "queue.fair_share_half_life_ms",
         )?,
         drain_generation: queue.drain_generation,
+        model_swap: crate::policy::ModelSwap::default(),
     })
 }
 
@@ -426,6 +427,7 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
             .collect(),
         fallback_models: host.fallback_models,
         owner: (!host.node.is_empty()).then(|| Arc::from(host.node)),
+        vram: crate::policy::Vram::default(),
     })
 }
 

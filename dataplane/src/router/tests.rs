@@ -79,6 +79,7 @@ impl Spec {
             cloud_keys: Vec::new(),
             fallback_models: Vec::new(),
             owner: None,
+            vram: Default::default(),
         })
     }
 }
