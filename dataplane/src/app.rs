@@ -48,7 +48,7 @@ pub struct App {
     /// The control plane's admin API, for the HTTP queue-control endpoints.
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// Buffered request bodies, counted against `queue.max_queued_mb`.
     pub body_budget: crate::budget::BodyBudget,
     /// Open client connections, counted against the caps by every listener.
@@ -74,15 +74,21 @@ impl App {
     ) -> Self {
         let policy = store.load();
         let timeout = policy.proxy.request_timeout;
+        let upstream = Upstream::new(timeout.min(std::time::Duration::from_secs(10)));
+        let dispatcher = Dispatcher::new(&policy);
+        dispatcher.set_unloader(crate::forward::unloader(
+            upstream.clone(),
+            Arc::downgrade(&dispatcher),
+        ));
         Self {
-            dispatcher: Dispatcher::new(&policy),
+            dispatcher,
             embedding_cache: arc_swap::ArcSwapOption::empty(),
             cloud: {
                 let pools = CloudPools::default();
                 pools.update(&policy);
                 pools
             },
-            metrics: Metrics::new(&policy),
+            metrics: Arc::new(Metrics::new(&policy)),
             connections: Arc::default(),
             peers: Arc::new(peers),
             body_budget: crate::budget::BodyBudget::default(),
@@ -90,7 +96,7 @@ impl App {
             admin,
             node: Arc::from(node),
             store,
-            upstream: Upstream::new(timeout.min(std::time::Duration::from_secs(10))),
+            upstream,
             started: Instant::now(),
             control,
             listen_addr: OnceLock::new(),

@@ -27,9 +27,10 @@ use tokio::sync::{Notify, oneshot};
 
 use crate::error::ProxyError;
 use crate::policy::{Host, Policy, Strategy};
-use crate::router::{Decisions, HostStat, Placement, RouteReason, Router};
+use crate::router::{Decisions, HostStat, Placement, Placing, RouteReason, Router};
 use crate::scheduler::{
-    ClientLimits, Expiry, Limits, Rejection, Scheduler, Ticket, TicketId, Tier, TierLimits,
+    ClientLimits, Expiry, Limits, Rejection, Scheduler, SwapRule, Ticket, TicketId, Tier,
+    TierLimits,
 };
 
 use rate::DrainRate;
@@ -55,7 +56,23 @@ pub struct Dispatcher {
     /// The snapshot version last applied.
     applied: tokio::sync::watch::Sender<u64>,
     flushed: std::sync::atomic::AtomicU64,
+    /// Sends an explicit unload (`keep_alive: 0`) for a switch; set once by the app.
+    unloader: std::sync::OnceLock<UnloadHook>,
 }
+
+/// The [`Unloader`], opaque in `Debug`.
+struct UnloadHook(Unloader);
+
+impl std::fmt::Debug for UnloadHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UnloadHook")
+    }
+}
+
+/// Sends `keep_alive: 0` for `model` to `host` and, when it has answered (or failed), calls
+/// [`Dispatcher::unloaded`]. Called under the dispatcher's lock: it must only spawn, and
+/// returns false when it could not (the switch then goes on without the unload).
+pub type Unloader = Box<dyn Fn(Arc<Host>, String) -> bool + Send + Sync>;
 
 #[derive(Debug)]
 struct Inner {
@@ -83,6 +100,7 @@ pub struct Lease {
     model: Option<Arc<str>>,
     started: Instant,
     cost: Option<Duration>,
+    load: Option<Duration>,
 }
 
 /// Permission to send a request to `host` now.
@@ -94,6 +112,8 @@ pub struct Grant {
     pub waited: Duration,
     /// The tier it was dispatched from.
     pub tier: Tier,
+    /// How long it was held back for its model by the swap rule, if it was.
+    pub held: Option<Duration>,
 }
 
 /// An admitted request, not yet dispatched.
@@ -145,6 +165,7 @@ impl Dispatcher {
             slot_freed: Notify::new(),
             applied: tokio::sync::watch::Sender::new(0),
             flushed: std::sync::atomic::AtomicU64::new(0),
+            unloader: std::sync::OnceLock::new(),
         });
         {
             let weak = Arc::downgrade(&dispatcher);
@@ -218,6 +239,12 @@ impl Dispatcher {
                 );
             }
             inner.router.update(policy);
+            let swap = queue.model_swap;
+            inner.scheduler.set_swap(SwapRule {
+                enabled: swap.enabled,
+                max_defer: swap.max_defer,
+                idle_grace: swap.idle_grace,
+            });
             inner.strategy = policy.routing.strategy;
             inner.max_concurrent = policy.proxy.max_concurrent;
             inner.overflow_status = queue.overflow_status;
@@ -347,7 +374,8 @@ impl Dispatcher {
                 ..
             } = &mut *inner;
             let strategy = *strategy;
-            let Some(dispatch) = scheduler.next(now, |model| router.place(model, strategy)) else {
+            let mut placing = Placing { router, strategy };
+            let Some(dispatch) = scheduler.next_on(now, &mut placing) else {
                 break;
             };
             let tier = dispatch.tier;
@@ -360,15 +388,18 @@ impl Dispatcher {
                     model: dispatch.model,
                     started: now,
                     cost: None,
+                    load: None,
                 },
                 waited: dispatch.waited,
                 tier,
+                held: dispatch.held,
             };
             if let Err(Ok(grant)) = dispatch.payload.sender.send(Ok(grant)) {
                 // The client left between admission and now.
                 orphans.push(grant);
             }
         }
+        self.swap_upkeep(inner);
         for expiry in inner.scheduler.expire(now) {
             match expiry {
                 Expiry::Expired {
@@ -387,6 +418,41 @@ impl Dispatcher {
             inner.event("queue.drained", None, None, 0);
         }
         orphans
+    }
+
+    /// Drops switches nothing waits for any more, and sends the explicit unloads now due.
+    fn swap_upkeep(self: &Arc<Self>, inner: &mut Inner) {
+        if !inner.router.swap_enabled() {
+            return;
+        }
+        for (host, model) in inner.router.switches() {
+            if !inner.scheduler.waiting_for(&model) {
+                inner.router.abort_switch(&host);
+            }
+        }
+        for (host, model) in inner.router.take_unloads() {
+            match self.unloader.get() {
+                Some(UnloadHook(unload)) if unload(host.clone(), model.clone()) => {
+                    tracing::debug!(host = %host.name, %model, "unloading the model switched away from");
+                }
+                _ => inner.router.unloaded(&host.name, &model),
+            }
+        }
+    }
+
+    /// Sets how explicit unloads are sent (once; later calls are ignored).
+    pub fn set_unloader(&self, unloader: Unloader) {
+        let _ = self.unloader.set(UnloadHook(unloader));
+    }
+
+    /// An explicit unload of `model` on `host` has answered or failed: the switch goes on.
+    pub fn unloaded(self: &Arc<Self>, host: &str, model: &str) {
+        let dropped = {
+            let mut inner = self.lock();
+            inner.router.unloaded(host, model);
+            self.pump(&mut inner, Instant::now())
+        };
+        drop(dropped);
     }
 
     /// Runs expiry at every deadline until `shutdown`.
@@ -424,11 +490,31 @@ impl Dispatcher {
         drop(dropped);
     }
 
-    fn complete(self: &Arc<Self>, id: TicketId, cost: Duration) {
+    /// A request ended. `cost` is its GPU time as Ollama reported it (`total_duration`, which
+    /// includes `load`), or its wall time on the slot. With the swap rule on, the load is left
+    /// out: the scheduler charged it once, at the dispatch that started it.
+    fn complete(
+        self: &Arc<Self>,
+        id: TicketId,
+        cost: Duration,
+        ran: Option<(Arc<str>, bool)>,
+        model: Option<&str>,
+        load: Option<Duration>,
+    ) {
         let dropped = {
             let mut inner = self.lock();
-            inner.scheduler.complete(id, cost, Instant::now());
-            self.pump(&mut inner, Instant::now())
+            let now = Instant::now();
+            let mut cost = cost;
+            if inner.router.swap_enabled() {
+                cost = cost.saturating_sub(load.unwrap_or_default());
+            }
+            if let (Some((host, loads)), Some(model)) = (ran, model) {
+                inner
+                    .router
+                    .completed(&host, model, load.filter(|_| loads), now);
+            }
+            inner.scheduler.complete(id, cost, now);
+            self.pump(&mut inner, now)
         };
         drop(dropped);
     }
@@ -449,7 +535,14 @@ impl Dispatcher {
                 .router
                 .failover(lease.model.as_deref(), strategy, tried)
             {
-                Some(next) => lease.placement.replace(next),
+                Some(next) => {
+                    if let (Some(old), Some(model)) = (&lease.placement, &lease.model) {
+                        inner
+                            .router
+                            .moved(&old.host.name, &next.host.name, model, Instant::now());
+                    }
+                    lease.placement.replace(next)
+                }
                 None => return false,
             }
         };
@@ -575,7 +668,16 @@ impl Dispatcher {
 
     /// Each own host's model-swap state (resident models, capacity, held requests).
     pub fn swap_stats(&self) -> Vec<crate::swap::SwapStat> {
-        Vec::new()
+        let inner = self.lock();
+        let held = inner.scheduler.held();
+        let mut stats = inner.router.swap_stats(Instant::now());
+        for stat in &mut stats {
+            if let Some((count, oldest)) = held.get(&stat.host) {
+                stat.held = *count;
+                stat.oldest_held = Some(*oldest);
+            }
+        }
+        stats
     }
 
     /// Requests waiting in every tier.
@@ -707,18 +809,31 @@ impl Lease {
     }
 
     /// Records the request's GPU cost (Ollama's `total_duration`, when the
-    /// response had one) for fair share; wall time on the slot otherwise.
-    pub fn set_cost(&mut self, cost: Option<Duration>) {
+    /// response had one) for fair share, wall time on the slot otherwise, and
+    /// its `load_duration`.
+    pub fn set_cost(&mut self, cost: Option<Duration>, load: Option<Duration>) {
         self.cost = cost;
+        self.load = load;
+    }
+
+    /// Whether its dispatch started loading its model on its host.
+    pub fn loads(&self) -> bool {
+        self.placement
+            .as_ref()
+            .is_some_and(|placement| placement.loads)
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // The slot frees first, so that the dispatch below can use it.
-        drop(self.placement.take());
+        let ran = self
+            .placement
+            .take()
+            .map(|placement| (placement.host.name.clone(), placement.loads));
         let cost = self.cost.unwrap_or_else(|| self.started.elapsed());
         let dispatcher = self.dispatcher.clone();
-        dispatcher.complete(self.id, cost);
+        let model = self.model.clone();
+        dispatcher.complete(self.id, cost, ran, model.as_deref(), self.load);
     }
 }

@@ -500,6 +500,52 @@ pub fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
     }
 }
 
+/// The dispatcher's [`Unloader`](crate::dispatch::Unloader): Ollama's unload idiom (an empty
+/// generate with `keep_alive: 0`) for the model a switch moves away from, so that the model
+/// evicted is the one the swap rule chose. It answers at once and the model goes when its last
+/// request ends; the switch goes on when it has answered, or failed (Ollama then evicts on the
+/// load by its own choice).
+pub fn unloader(
+    upstream: Upstream,
+    dispatcher: std::sync::Weak<Dispatcher>,
+) -> crate::dispatch::Unloader {
+    Box::new(move |host: Arc<Host>, model: String| {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let upstream = upstream.clone();
+        let dispatcher = dispatcher.clone();
+        runtime.spawn(async move {
+            let body = serde_json::json!({ "model": model, "keep_alive": 0 }).to_string();
+            let request = http::Request::post(format!("{}/api/generate", host.url))
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(body::full(body));
+            match request {
+                Ok(request) => match upstream.send(request, UNLOAD_TIMEOUT).await {
+                    Ok(response) => {
+                        let status = response.status();
+                        let _ = response.into_body().collect().await;
+                        if !status.is_success() {
+                            tracing::debug!(host = %host.name, %model, %status, "unload refused");
+                        }
+                    }
+                    Err(error) => {
+                        tracing::debug!(host = %host.name, %model, %error, "unload failed");
+                    }
+                },
+                Err(error) => tracing::debug!(%error, "unload request not built"),
+            }
+            if let Some(dispatcher) = dispatcher.upgrade() {
+                dispatcher.unloaded(&host.name, &model);
+            }
+        });
+        true
+    })
+}
+
+/// The longest an explicit unload is waited for.
+const UNLOAD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -35,8 +35,8 @@ use arc_swap::ArcSwap;
 use http::{HeaderValue, Response, header};
 use prometheus::core::Collector;
 use prometheus::{
-    GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::body::{self, Body};
@@ -151,6 +151,9 @@ pub struct Metrics {
     cache_errors_seen: std::sync::atomic::AtomicU64,
     cloud_keys_cooling: IntGaugeVec,
     routing_decisions: IntCounterVec,
+    model_switches: IntCounterVec,
+    model_load_seconds: CounterVec,
+    swap_deferral: prometheus::Histogram,
     snapshot_version: IntGauge,
     snapshot_rejected: IntCounter,
     uptime: IntGauge,
@@ -234,6 +237,15 @@ impl Metrics {
             add(Box::new(histogram.clone()), "histogram");
             histogram
         };
+        let model_load_seconds = CounterVec::new(
+            Opts::new(
+                "oqp_model_load_seconds_total",
+                "Seconds spent loading models into VRAM (load_duration of the request that started each load)",
+            ),
+            &["host", "model"],
+        )
+        .expect("valid metric");
+        add(Box::new(model_load_seconds.clone()), "counter");
         let recent_share = GaugeVec::new(
             Opts::new(
                 "oqp_client_recent_share",
@@ -384,6 +396,17 @@ impl Metrics {
                 "oqp_routing_decisions_total",
                 "Host choices, by reason",
                 &["reason"],
+            ),
+            model_switches: counters(
+                "oqp_model_switches_total",
+                "Switches of a host's VRAM from one model to another decided by the swap rule",
+                &["host"],
+            ),
+            model_load_seconds,
+            swap_deferral: histogram(
+                "oqp_swap_deferral_seconds",
+                "Time a request was held back for its model by the swap rule, at its dispatch",
+                &WAIT_BUCKETS,
             ),
             snapshot_version: int_gauge(
                 "oqp_snapshot_version",
@@ -541,6 +564,23 @@ impl Metrics {
         }
     }
 
+    /// A request held back by the swap rule was dispatched after `held`.
+    pub fn observe_swap_deferral(&self, held: Duration) {
+        self.swap_deferral.observe(held.as_secs_f64());
+    }
+
+    /// A request that started loading `model` on `host` reported `load` (`load_duration`).
+    /// Hosts are configured and models bounded as elsewhere.
+    pub fn model_load(&self, host: &str, model: &str, load: Duration) {
+        let model = self.model_label(model);
+        if let Ok(counter) = self
+            .model_load_seconds
+            .get_metric_with_label_values(&[host, &model])
+        {
+            counter.inc_by(load.as_secs_f64());
+        }
+    }
+
     /// Dispatched requests of `tier` observed so far, and their summed wait
     /// in seconds (the dashboard's wait chart divides the differences).
     pub fn wait_totals(&self, tier: Tier) -> (u64, f64) {
@@ -660,6 +700,15 @@ impl Metrics {
             set(&self.host_models_loaded, name, count(host.loaded.len()));
             // Every host has its request and failure series, zero at first.
             let _ = self.host_counts(name);
+        }
+
+        for stat in sources.dispatcher.swap_stats() {
+            if let Ok(counter) = self
+                .model_switches
+                .get_metric_with_label_values(&[&stat.host])
+            {
+                catch_up(&counter, stat.switches);
+            }
         }
 
         self.client_inflight.reset();

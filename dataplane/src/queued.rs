@@ -42,7 +42,7 @@ pub struct Parts<'a> {
     /// Queues and upstream slots.
     pub dispatcher: &'a Arc<Dispatcher>,
     /// Queue wait, time to first byte and host answers.
-    pub metrics: &'a Metrics,
+    pub metrics: &'a Arc<Metrics>,
     /// Ollama Cloud key pools.
     pub cloud: &'a CloudPools,
     /// The upstream HTTP client.
@@ -241,8 +241,12 @@ async fn send_granted(
         mut lease,
         waited,
         tier,
+        held,
     } = grant;
     parts.metrics.observe_wait(tier, waited);
+    if let Some(held) = held {
+        parts.metrics.observe_swap_deferral(held);
+    }
     if let Some(reason) = lease.reason() {
         parts.metrics.routing_decision(reason.metric_label());
     }
@@ -265,9 +269,16 @@ async fn send_granted(
     } = forwarded;
     parts.metrics.host_request(&answer.host.name);
     parts.metrics.observe_ttfb(tier, sent.elapsed());
+    let metrics = parts.metrics.clone();
     let completion: Completion = Box::new(move |outcome| {
         let mut lease = lease;
-        lease.set_cost(outcome.total_duration);
+        if lease.loads()
+            && let (Some(host), Some(model), Some(load)) =
+                (lease.host(), lease.model(), outcome.load_duration)
+        {
+            metrics.model_load(&host.name, model, load);
+        }
+        lease.set_cost(outcome.total_duration, outcome.load_duration);
         drop(lease);
     });
     let guard: Box<dyn Send + Sync> = Box::new((active, guards));

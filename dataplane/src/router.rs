@@ -40,6 +40,7 @@
 mod model;
 mod slot;
 mod union;
+mod vram;
 
 #[cfg(test)]
 #[allow(clippy::expect_used, clippy::unwrap_used)]
@@ -49,10 +50,13 @@ use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Instant;
 
-use crate::policy::{Host, HostKind, Policy, Strategy, normalize_model};
+use crate::policy::{Host, HostKind, ModelSwap, Policy, Strategy, normalize_model};
+use crate::swap::HostVram;
 
 pub use model::{is_model_not_found, strip_cloud_suffix};
+pub use vram::Placing;
 
 /// How well `host` matches `model`, as the router ranks it: 2 loaded, 1 installed, 0 neither.
 pub fn model_rank(host: &Host, model: &str) -> u8 {
@@ -96,6 +100,8 @@ pub struct Placement {
     pub reason: RouteReason,
     /// The reserved slot.
     pub slot: SlotGuard,
+    /// The dispatch starts loading the model on the host (it was not resident).
+    pub loads: bool,
 }
 
 /// Routing decisions taken so far, by reason (for `oqp_routing_decisions_total{reason}`).
@@ -134,6 +140,10 @@ pub struct Router {
     hosts: Vec<HostState>,
     decisions: Decisions,
     on_release: Option<ReleaseHook>,
+    /// `queue.model_swap`: whether placement looks at VRAM (see [`crate::swap`]).
+    swap: ModelSwap,
+    /// Switches under way: host → the model as the scheduler named it.
+    switching: HashMap<Arc<str>, Arc<str>>,
 }
 
 struct HostState {
@@ -149,6 +159,11 @@ struct HostState {
     forgotten: HashSet<String>,
     /// Scratch: the rank for the model of the decision in progress.
     rank: Rank,
+    /// Scratch: the host cannot take the model of the decision in progress now (its VRAM would
+    /// have to switch, or a switch is under way): treated as busy.
+    unfit: bool,
+    /// What its VRAM holds, as far as this data plane knows.
+    vram: HostVram,
 }
 
 /// How well a host matches the requested model; ordered worst to best.
@@ -226,6 +241,7 @@ impl Router {
 
     /// Takes in a new snapshot's hosts. See [`update_hosts`](Router::update_hosts).
     pub fn update(&mut self, policy: &Policy) {
+        self.set_swap(policy.queue.model_swap);
         self.update_hosts(&policy.hosts);
     }
 
@@ -233,6 +249,8 @@ impl Router {
     /// removals are dropped for each host whose poll result is newer than the one they were
     /// made against; a removed host is kept (never chosen) until its running requests end.
     pub fn update_hosts(&mut self, hosts: &[Arc<Host>]) {
+        let now = Instant::now();
+        let wall = std::time::SystemTime::now();
         let mut old: HashMap<Arc<str>, HostState> = self
             .hosts
             .drain(..)
@@ -248,11 +266,12 @@ impl Router {
                         state.down = false;
                         state.forgotten.clear();
                     }
+                    state.vram.apply(host, now, wall);
                     state.host = host.clone();
                     state.active = true;
                     state
                 }
-                None => HostState::new(host.clone()),
+                None => HostState::new(host.clone(), now),
             };
             self.hosts.push(state);
         }
@@ -270,7 +289,7 @@ impl Router {
     /// Chooses a host for a request for `model` and reserves a slot on it; `None` when no
     /// candidate host has a free slot (or there is no host). `round_robin` ignores the model.
     pub fn place(&mut self, model: Option<&str>, strategy: Strategy) -> Option<Placement> {
-        self.choose(model, strategy, &[])
+        self.choose(model, strategy, &[], false)
     }
 
     /// Chooses another host for the same request after a connect error, timeout or busy 503
@@ -282,7 +301,7 @@ impl Router {
         strategy: Strategy,
         tried: &[Arc<str>],
     ) -> Option<Placement> {
-        self.choose(model, strategy, tried)
+        self.choose(model, strategy, tried, false)
     }
 
     /// Marks a host down after a connection failure, until a newer poll of it arrives.
@@ -344,11 +363,14 @@ impl Router {
             .find(|state| state.active && &*state.host.name == host)
     }
 
+    /// The choice (see the module documentation). With `vram`, "loaded" means resident in this
+    /// data plane's VRAM view, and hosts marked `unfit` count as busy.
     fn choose(
         &mut self,
         model: Option<&str>,
         strategy: Strategy,
         tried: &[Arc<str>],
+        vram: bool,
     ) -> Option<Placement> {
         let any_healthy = self
             .hosts
@@ -372,10 +394,10 @@ impl Router {
                 let mut best_free: Option<Rank> = None;
                 let mut anyone_has_it = false;
                 for state in self.hosts.iter_mut().filter(|state| candidate(state)) {
-                    let rank = state.rank(key);
+                    let rank = state.rank(key, vram);
                     state.rank = rank;
                     anyone_has_it |= rank > Rank::Missing;
-                    if state.has_free_slot() {
+                    if state.has_free_slot() && !state.unfit {
                         best_free = best_free.max(Some(rank));
                     }
                 }
@@ -395,7 +417,7 @@ impl Router {
         let mut total: i64 = 0;
         let mut best: Option<(usize, i64)> = None;
         for (index, state) in self.hosts.iter_mut().enumerate() {
-            if !candidate(state) || !state.has_free_slot() {
+            if !candidate(state) || !state.has_free_slot() || state.unfit {
                 continue;
             }
             // `rank` was set by the pass above for every candidate.
@@ -422,6 +444,7 @@ impl Router {
                 in_use: state.in_use.clone(),
                 on_release,
             },
+            loads: false,
         })
     }
 }
@@ -436,8 +459,10 @@ impl fmt::Debug for Router {
 }
 
 impl HostState {
-    fn new(host: Arc<Host>) -> Self {
+    fn new(host: Arc<Host>, now: Instant) -> Self {
         HostState {
+            vram: HostVram::new(&host, now),
+            unfit: false,
             host,
             active: true,
             current: 0,
@@ -456,14 +481,18 @@ impl HostState {
         self.in_use.load(Ordering::Acquire) < self.host.max_concurrent
     }
 
-    fn rank(&self, model: &ModelKey) -> Rank {
+    fn rank(&self, model: &ModelKey, vram: bool) -> Rank {
         let name = match (self.host.kind, &model.cloud) {
             (HostKind::Cloud, Some(cloud)) => cloud,
             _ => &model.local,
         };
         if !self.forgotten.is_empty() && self.forgotten.contains(name) {
             Rank::Missing
-        } else if self.host.loaded.contains(name) {
+        } else if if vram {
+            self.vram.holds(name)
+        } else {
+            self.host.loaded.contains(name)
+        } {
             Rank::Loaded
         } else if self.host.installed.contains(name) {
             Rank::Installed

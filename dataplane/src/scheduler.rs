@@ -86,6 +86,7 @@ mod client;
 mod deadline;
 mod dispatch;
 mod fair;
+mod swap;
 mod tier;
 
 // Tests may panic on a broken expectation: that is their job.
@@ -96,6 +97,9 @@ mod props;
 #[allow(clippy::expect_used)]
 mod sim;
 #[cfg(test)]
+#[allow(clippy::expect_used, clippy::unwrap_used)]
+mod swap_tests;
+#[cfg(test)]
 #[allow(clippy::expect_used)]
 mod tests;
 
@@ -105,6 +109,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use client::{ClientLimits, ClientStat};
+pub use swap::{Cold, Offer, Placer, SwapRule};
 pub use tier::{Tier, TierLimits, TierStat};
 
 use client::ClientState;
@@ -219,6 +224,10 @@ pub struct Dispatch<T, P> {
     pub payload: T,
     /// What `place` returned for it: the host slot the caller reserved.
     pub placement: P,
+    /// How long it was held back for its model (see "Model swaps"); `None` if never.
+    pub held: Option<Duration>,
+    /// The model load its dispatch starts, charged to its client (zero: none).
+    pub load: Duration,
 }
 
 /// What an expiry pass did to one ticket.
@@ -261,6 +270,12 @@ pub struct Scheduler<T> {
     /// The latest instant passed in; the reference for calls that take none.
     clock: Option<Instant>,
     last_sweep: Option<Instant>,
+    /// The swap rule, the tickets it holds back, and when it must look again.
+    swap: SwapRule,
+    held: HashMap<TicketId, swap::Held>,
+    swap_wake: Option<Instant>,
+    /// Waiting tickets per model.
+    by_model: HashMap<Arc<str>, u32>,
 }
 
 /// A waiting ticket.
@@ -314,6 +329,10 @@ impl<T> Scheduler<T> {
             mean_cost: CostMean::default(),
             clock: None,
             last_sweep: None,
+            swap: SwapRule::default(),
+            held: HashMap::new(),
+            swap_wake: None,
+            by_model: HashMap::new(),
         }
     }
 
@@ -587,12 +606,24 @@ impl<T> Scheduler<T> {
         client.queues[index].insert(id);
         client.waiting += 1;
         client.last_active = Some(now);
+        if let Some(model) = &entry.model {
+            *self.by_model.entry(model.clone()).or_default() += 1;
+        }
         self.waiting.insert(id, entry);
     }
 
     /// Removes a waiting ticket from every index and frees its bytes.
     fn take(&mut self, id: TicketId, now: Instant) -> Option<Waiting<T>> {
         let entry = self.waiting.remove(&id)?;
+        self.held.remove(&id);
+        if let Some(model) = &entry.model
+            && let Some(count) = self.by_model.get_mut(model)
+        {
+            *count -= 1;
+            if *count == 0 {
+                self.by_model.remove(model);
+            }
+        }
         let index = entry.tier.index();
         self.queued_bytes = self.queued_bytes.saturating_sub(entry.bytes);
         let tier = &mut self.tiers[index];

@@ -1,8 +1,58 @@
-//! Model-swap-aware scheduling: what each host's VRAM holds, and when to switch it to another
-//! model. (Being built: the rule itself lands next.)
+//! Model-swap-aware scheduling, the host's side: what one host's VRAM holds, whether a model can
+//! run there without evicting another, and the switch from one model to another.
+//!
+//! A pure data structure like the [`router`](crate::router) that owns one [`HostVram`] per host:
+//! no I/O, no tokio; every method that depends on time takes `now`. The rule that decides *when*
+//! to switch is the scheduler's ([`crate::scheduler`], "Model swaps"); this module answers the
+//! questions it asks and carries a switch out.
+//!
+//! # What is resident
+//! The view starts from the control plane's last `/api/ps` poll (`Host::vram`) and is corrected
+//! by this data plane's own dispatches between polls: a model dispatched to is resident from that
+//! instant (it is loading), and the models a switch made room for are gone. A poll replaces the
+//! view unless it may predate the data plane's own last change (within [`POLL_MARGIN`] of it) or a
+//! switch is under way. A model the poll shows that oqp did not load is a change oqp did not
+//! cause; [`BYPASS_CHANGES`] of them within [`BYPASS_WINDOW`] mean clients reach the host around
+//! oqp, and swap-aware holding is then off for that host for [`BYPASS_WINDOW`] (plain fair share
+//! cannot be made worse by a view that is wrong).
+//!
+//! # Whether it fits
+//! A model's footprint is its `size_vram` once seen resident, else its `/api/tags` size. The
+//! capacity is `ollama.hosts[].vram` when configured. Otherwise nothing is held until the host
+//! has been seen evicting (two polls in a row where a model appeared and another went): a box
+//! that holds everything its users ask for gains nothing from holding. From then on the
+//! capacity is the largest total seen resident together (a lower bound, so a pair never seen
+//! together is taken not to fit: the cost of being wrong is one held batch, and a later poll
+//! showing both teaches the larger figure). A model of unknown footprint fits only in an empty
+//! VRAM.
+//!
+//! # A switch
+//! [`begin_switch`](HostVram::begin_switch) picks the victims (least recently used first, until
+//! the new model fits) and stops new work for them at once; their in-flight requests finish
+//! (nothing is preempted). Once they have, the victims are optionally unloaded explicitly
+//! ([`take_unloads`](HostVram::take_unloads), `keep_alive: 0`, so that Ollama evicts the model
+//! chosen here and not its own pick), and the new model's requests may go, as many as there are
+//! slots, so that they share one load. No request for a victim is sent while the switch is under
+//! way, so no `keep_alive` can keep a model being switched away from. The first dispatch of the
+//! new model completes the switch and starts its stay ([`Cold::settled_at`]).
 
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::policy::{Host, HostKind};
+use crate::scheduler::Cold;
+
+/// A poll within this much of the data plane's own last residency change may predate it.
+pub const POLL_MARGIN: Duration = Duration::from_secs(2);
+/// Residency changes oqp did not cause, within [`BYPASS_WINDOW`], that turn holding off.
+pub const BYPASS_CHANGES: usize = 2;
+/// The window for [`BYPASS_CHANGES`], and how long holding then stays off.
+pub const BYPASS_WINDOW: Duration = Duration::from_secs(600);
+/// The load cost assumed for a model never seen loading.
+pub const DEFAULT_LOAD_COST: Duration = Duration::from_secs(3);
+/// A `load_duration` below this is a resident model's warm start, not a load.
+pub const LOAD_SEEN: Duration = Duration::from_millis(100);
 
 /// One host's model-swap state, for status pages, reports and metrics.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -26,3 +76,491 @@ pub struct SwapStat {
     /// Off for this host: residency changed in ways oqp did not cause (clients bypass it).
     pub bypassed: bool,
 }
+
+/// Whether a model can run on a host now, as far as its VRAM goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fit {
+    /// Resident: run it.
+    Resident,
+    /// Not resident, but it fits beside what is (or the switch to it is ready): run it; the
+    /// dispatch starts a load.
+    Room,
+    /// Not resident and it does not fit: running it would evict another model.
+    Switch,
+    /// A switch is under way on this host that this model must wait for.
+    Blocked,
+}
+
+/// Why a switch happens (for its log line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwitchReason {
+    /// The held request waited its tier's `max_defer`.
+    Bound,
+    /// The resident models had no work for `idle_grace`.
+    Idle,
+}
+
+impl SwitchReason {
+    /// `bound` or `idle`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SwitchReason::Bound => "max_defer reached",
+            SwitchReason::Idle => "resident models idle",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Model {
+    name: String,
+    bytes: u64,
+    inflight: u32,
+    last_used: Option<Instant>,
+    /// Loaded by this data plane (a dispatch found it not resident).
+    ours: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Phase {
+    /// The victims' in-flight requests are finishing.
+    Draining,
+    /// Explicit unloads sent; these have not answered yet.
+    Unloading(Vec<String>),
+    /// The new model's requests may go.
+    Ready,
+}
+
+#[derive(Debug, Clone)]
+struct Switch {
+    to: String,
+    victims: Vec<String>,
+    phase: Phase,
+    /// Unload the victims explicitly once drained.
+    unload: bool,
+}
+
+/// One host's VRAM as this data plane sees it. See the module documentation.
+#[derive(Debug, Default)]
+pub struct HostVram {
+    name: Arc<str>,
+    cloud: bool,
+    configured: Option<u64>,
+    learned: u64,
+    resident: Vec<Model>,
+    /// `/api/tags` sizes from the snapshot, then `size_vram` once seen.
+    sizes: HashMap<String, u64>,
+    load_cost: HashMap<String, Duration>,
+    switch: Option<Switch>,
+    settled_at: Option<Instant>,
+    /// When the last request on the host ended with nothing else in flight.
+    idle_since: Option<Instant>,
+    last_poll: Option<SystemTime>,
+    /// The wall-clock time of this data plane's last change of the resident set.
+    changed_at: Option<SystemTime>,
+    /// The models of the last poll applied.
+    last_polled: Vec<String>,
+    /// Whether the host has been seen evicting (or its capacity is configured): until then
+    /// every model is taken to fit and nothing is held.
+    evicts: bool,
+    /// Models this data plane loaded or evicted here lately, and when: a poll showing one of
+    /// them is no sign of clients going around oqp.
+    recent: HashMap<String, Instant>,
+    foreign: VecDeque<Instant>,
+    bypassed_until: Option<Instant>,
+    switches: u64,
+    unloads: Vec<String>,
+}
+
+impl HostVram {
+    /// The view of a host first seen in a snapshot.
+    pub fn new(host: &Host, now: Instant) -> Self {
+        let mut vram = HostVram {
+            name: host.name.clone(),
+            cloud: host.kind == HostKind::Cloud,
+            ..HostVram::default()
+        };
+        vram.apply(host, now, SystemTime::now());
+        vram
+    }
+
+    /// A local host's view with a known capacity and model footprints and nothing resident
+    /// (simulations and tests).
+    pub fn with_sizes(name: &str, capacity: Option<u64>, sizes: &[(&str, u64)]) -> Self {
+        HostVram {
+            name: Arc::from(name),
+            configured: capacity,
+            sizes: sizes
+                .iter()
+                .map(|(model, bytes)| ((*model).to_owned(), *bytes))
+                .collect(),
+            ..HostVram::default()
+        }
+    }
+
+    /// Takes in a snapshot's view of the host: capacity, sizes, and the poll's resident models
+    /// (see "What is resident").
+    pub fn apply(&mut self, host: &Host, now: Instant, wall: SystemTime) {
+        self.cloud = host.kind == HostKind::Cloud;
+        self.configured = host.vram.capacity;
+        for (name, bytes) in &host.vram.sizes {
+            self.sizes.entry(name.clone()).or_insert(*bytes);
+        }
+        for (name, bytes) in &host.vram.resident {
+            if *bytes > 0 {
+                self.sizes.insert(name.clone(), *bytes);
+            }
+        }
+        let Some(checked) = host.last_checked else {
+            return;
+        };
+        if self.last_poll.is_some_and(|last| checked <= last) {
+            return;
+        }
+        let first = self.last_poll.is_none();
+        self.last_poll = Some(checked);
+        // The poll's resident models with their bytes; models listed only by name (an older
+        // control plane) take their known size, or 0 (unknown).
+        let mut polled: Vec<(String, u64)> = host.vram.resident.clone();
+        for name in &host.loaded {
+            if !polled.iter().any(|(m, _)| m == name) {
+                polled.push((name.clone(), self.sizes.get(name).copied().unwrap_or(0)));
+            }
+        }
+        // Two polls in a row where one model appeared and another went: the host evicts, so
+        // its capacity matters (keep-alive expiry at the very time of a load is rare).
+        let appeared = polled.iter().any(|(m, _)| !self.last_polled.contains(m));
+        let vanished = self
+            .last_polled
+            .iter()
+            .any(|m| !polled.iter().any(|(p, _)| p == m));
+        if !first && appeared && vanished && !self.evicts {
+            self.evicts = true;
+            tracing::debug!(host = %self.name, "the host evicts models: model-swap holding is on");
+        }
+        self.last_polled = polled.iter().map(|(m, _)| m.clone()).collect();
+        let recent_change = self.changed_at.is_some_and(|at| checked < at + POLL_MARGIN);
+        if self.switch.is_some() || recent_change {
+            return;
+        }
+        let together: u64 = polled.iter().map(|(_, bytes)| bytes).sum();
+        self.learned = self.learned.max(together);
+        self.recent
+            .retain(|_, at| now.saturating_duration_since(*at) <= BYPASS_WINDOW);
+        let mut foreign = false;
+        let mut next: Vec<Model> = Vec::with_capacity(polled.len());
+        for (name, bytes) in &polled {
+            match self.resident.iter().find(|m| &m.name == name) {
+                Some(model) => next.push(Model {
+                    bytes: *bytes,
+                    ..model.clone()
+                }),
+                None => {
+                    foreign |= !first && !self.recent.contains_key(name);
+                    next.push(Model {
+                        name: name.clone(),
+                        bytes: *bytes,
+                        inflight: 0,
+                        last_used: None,
+                        ours: false,
+                    });
+                }
+            }
+        }
+        // A model with requests in flight here is resident whatever the poll says.
+        for model in &self.resident {
+            if model.inflight > 0 && !next.iter().any(|m| m.name == model.name) {
+                next.push(model.clone());
+            }
+        }
+        self.resident = next;
+        if foreign {
+            self.foreign_change(now, wall);
+        }
+    }
+
+    fn foreign_change(&mut self, now: Instant, _wall: SystemTime) {
+        while self
+            .foreign
+            .front()
+            .is_some_and(|at| now.saturating_duration_since(*at) > BYPASS_WINDOW)
+        {
+            self.foreign.pop_front();
+        }
+        self.foreign.push_back(now);
+        if self.foreign.len() >= BYPASS_CHANGES && !self.bypassed(now) {
+            self.bypassed_until = now.checked_add(BYPASS_WINDOW);
+            self.switch = None;
+            tracing::warn!(
+                host = %self.name,
+                "models were loaded on this host that oqp did not send: clients reach it \
+                 around oqp; model-swap holding is off for this host for 10 minutes"
+            );
+        }
+    }
+
+    /// Whether holding is off for this host now (clients bypass oqp).
+    pub fn bypassed(&self, now: Instant) -> bool {
+        self.bypassed_until.is_some_and(|until| now < until)
+    }
+
+    /// Whether `model` can run here now. Advances a draining switch whose victims are done.
+    pub fn fit(&mut self, model: &str, now: Instant) -> Fit {
+        if self.cloud || self.bypassed(now) {
+            return Fit::Room;
+        }
+        let resident = self.is_resident(model);
+        if let Some(switch) = &mut self.switch {
+            if switch.phase == Phase::Draining {
+                let drained = self
+                    .resident
+                    .iter()
+                    .filter(|m| switch.victims.contains(&m.name))
+                    .all(|m| m.inflight == 0);
+                if drained && switch.unload && !switch.victims.is_empty() {
+                    switch.phase = Phase::Unloading(switch.victims.clone());
+                    self.unloads.extend(switch.victims.iter().cloned());
+                } else if drained {
+                    switch.phase = Phase::Ready;
+                }
+            }
+            if switch.to == model {
+                return if switch.phase == Phase::Ready {
+                    Fit::Room
+                } else {
+                    Fit::Blocked
+                };
+            }
+            if switch.victims.iter().any(|v| v == model) {
+                return Fit::Blocked;
+            }
+            return if resident {
+                Fit::Resident
+            } else {
+                Fit::Blocked
+            };
+        }
+        if resident {
+            Fit::Resident
+        } else if self.fits(model) {
+            Fit::Room
+        } else {
+            Fit::Switch
+        }
+    }
+
+    /// Like [`fit`](Self::fit), turning the need for a switch into the scheduler's question.
+    pub fn cold(&self, now: Instant) -> Cold {
+        Cold {
+            host: self.name.clone(),
+            idle_since: self.idle_since,
+            settled_at: self.settled_at,
+            switching: self.switch.is_some() || self.bypassed(now),
+        }
+    }
+
+    /// Whether `model` (normalised) is resident in this view.
+    pub fn holds(&self, model: &str) -> bool {
+        self.is_resident(model)
+    }
+
+    fn is_resident(&self, model: &str) -> bool {
+        self.resident.iter().any(|m| m.name == model)
+    }
+
+    fn footprint(&self, model: &str) -> Option<u64> {
+        self.sizes.get(model).copied()
+    }
+
+    /// The capacity in force: configured, else learned (`None` while nothing is known).
+    pub fn capacity(&self) -> Option<u64> {
+        self.configured
+            .or((self.learned > 0).then_some(self.learned))
+    }
+
+    /// Whether `model` fits beside models of these bytes (0: unknown, taken as too large to
+    /// share).
+    fn fits_beside(&self, model: &str, others: impl Iterator<Item = u64>) -> bool {
+        let used = others.fold(0u64, |used, bytes| {
+            used.saturating_add(if bytes == 0 { u64::MAX / 4 } else { bytes })
+        });
+        match (self.capacity(), self.footprint(model)) {
+            (Some(capacity), Some(size)) => used.saturating_add(size) <= capacity,
+            _ => used == 0,
+        }
+    }
+
+    /// Whether holding applies here: the capacity is configured, or the host was seen
+    /// evicting. Until then every model is taken to fit (Ollama's own behaviour).
+    pub fn holds_back(&self) -> bool {
+        self.configured.is_some() || self.evicts
+    }
+
+    fn fits(&self, model: &str) -> bool {
+        !self.holds_back()
+            || self.resident.is_empty()
+            || self.fits_beside(model, self.resident.iter().map(|m| m.bytes))
+    }
+
+    /// Starts switching to `model`: picks the victims (least recently used first, until the
+    /// model fits) and stops new work for them; with `unload`, the victims are to be unloaded
+    /// explicitly once drained ([`take_unloads`](Self::take_unloads)). Returns the victims.
+    pub fn begin_switch(&mut self, model: &str, unload: bool) -> Vec<String> {
+        if self.switch.is_some() || self.is_resident(model) {
+            return Vec::new();
+        }
+        let mut order: Vec<&Model> = self.resident.iter().collect();
+        order.sort_by_key(|m| m.last_used);
+        let mut evicted = 0;
+        while evicted < order.len()
+            && !self.fits_beside(model, order[evicted..].iter().map(|m| m.bytes))
+        {
+            evicted += 1;
+        }
+        let victims: Vec<String> = order[..evicted].iter().map(|m| m.name.clone()).collect();
+        self.switch = Some(Switch {
+            to: model.to_owned(),
+            victims: victims.clone(),
+            phase: Phase::Draining,
+            unload,
+        });
+        victims
+    }
+
+    /// The victims to unload explicitly now: those of a switch whose in-flight requests have
+    /// finished, once. Each must be answered with [`unloaded`](Self::unloaded).
+    pub fn take_unloads(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.unloads)
+    }
+
+    /// An explicit unload of `model` answered (or failed: Ollama evicts it on the load anyway).
+    pub fn unloaded(&mut self, model: &str) {
+        if let Some(switch) = &mut self.switch
+            && let Phase::Unloading(pending) = &mut switch.phase
+        {
+            pending.retain(|m| m != model);
+            if pending.is_empty() {
+                switch.phase = Phase::Ready;
+            }
+        }
+    }
+
+    /// Drops a switch whose model no longer has anything waiting.
+    pub fn abort_switch(&mut self) -> Option<String> {
+        let switch = self.switch.take()?;
+        self.unloads.clear();
+        Some(switch.to)
+    }
+
+    /// The model a switch is under way to.
+    pub fn switching_to(&self) -> Option<&str> {
+        self.switch.as_ref().map(|s| s.to.as_str())
+    }
+
+    /// A request for `model` was sent here. Returns whether it starts a load (the model was
+    /// not resident), in which case the switch to it, if any, is complete.
+    pub fn dispatched(&mut self, model: &str, now: Instant, wall: SystemTime) -> bool {
+        self.idle_since = None;
+        if let Some(m) = self.resident.iter_mut().find(|m| m.name == model) {
+            m.inflight += 1;
+            m.last_used = Some(now);
+            return false;
+        }
+        if self.cloud {
+            return false;
+        }
+        match self.switch.take() {
+            Some(switch) if switch.to == model => {
+                self.resident.retain(|m| !switch.victims.contains(&m.name));
+                self.settled_at = Some(now);
+                self.switches += 1;
+                for victim in &switch.victims {
+                    self.recent.insert(victim.clone(), now);
+                }
+            }
+            other => {
+                self.switch = other;
+                // Sent without a switch (holding is off, or a failover): Ollama evicts what it
+                // must; assume the least recently used idle models go.
+                while !self.fits(model) {
+                    let victim = self
+                        .resident
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, m)| m.inflight == 0)
+                        .min_by_key(|(_, m)| m.last_used)
+                        .map(|(i, _)| i);
+                    match victim {
+                        Some(i) => {
+                            let gone = self.resident.remove(i);
+                            self.recent.insert(gone.name, now);
+                        }
+                        None => break,
+                    }
+                }
+            }
+        }
+        self.recent.insert(model.to_owned(), now);
+        let bytes = self.footprint(model).unwrap_or(0);
+        self.resident.push(Model {
+            name: model.to_owned(),
+            bytes,
+            inflight: 1,
+            last_used: Some(now),
+            ours: true,
+        });
+        self.changed_at = Some(wall);
+        true
+    }
+
+    /// A request for `model` sent here ended; `load` is its `load_duration` when it started a
+    /// load (learned as the model's load cost).
+    pub fn completed(&mut self, model: &str, load: Option<Duration>, now: Instant) {
+        if let Some(m) = self.resident.iter_mut().find(|m| m.name == model) {
+            m.inflight = m.inflight.saturating_sub(1);
+            m.last_used = Some(now);
+        }
+        if let Some(load) = load.filter(|load| *load >= LOAD_SEEN) {
+            let cost = self.load_cost.entry(model.to_owned()).or_insert(load);
+            *cost = cost.mul_f64(0.7) + load.mul_f64(0.3);
+        }
+        if self.resident.iter().all(|m| m.inflight == 0) {
+            self.idle_since = Some(now);
+        }
+    }
+
+    /// What loading `model` costs: learned from `load_duration`, else [`DEFAULT_LOAD_COST`].
+    pub fn load_cost(&self, model: &str) -> Duration {
+        self.load_cost
+            .get(model)
+            .copied()
+            .unwrap_or(DEFAULT_LOAD_COST)
+    }
+
+    /// Whether this data plane loaded `model` here (rather than finding it loaded).
+    pub fn loaded_by_us(&self, model: &str) -> bool {
+        self.resident.iter().any(|m| m.name == model && m.ours)
+    }
+
+    /// The state for status pages (held requests are the scheduler's, filled in by the caller).
+    pub fn stat(&self, now: Instant) -> SwapStat {
+        SwapStat {
+            host: self.name.clone(),
+            resident: self
+                .resident
+                .iter()
+                .map(|m| (m.name.clone(), m.bytes))
+                .collect(),
+            capacity: self.capacity(),
+            capacity_learned: self.configured.is_none() && self.learned > 0,
+            held: 0,
+            oldest_held: None,
+            switching_to: self.switch.as_ref().map(|s| s.to.clone()),
+            switches: self.switches,
+            bypassed: self.bypassed(now),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests;

@@ -26,7 +26,7 @@ impl<T> Scheduler<T> {
         if !self.pending.is_empty() {
             return self.clock;
         }
-        let mut earliest: Option<Instant> = None;
+        let mut earliest: Option<Instant> = self.swap_wake.filter(|_| !self.held.is_empty());
         for tier in Tier::ALL {
             let state = &self.tiers[tier.index()];
             let Some((entered, _)) = state.oldest() else {

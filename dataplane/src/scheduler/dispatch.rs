@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::fair::DEFAULT_COST_SECS;
+use super::swap::{Offer, Placer, Slots, Verdict};
 use super::{Dispatch, Running, Scheduler, TicketId, Tier, Waiting};
 
 impl<T> Scheduler<T> {
@@ -19,14 +20,28 @@ impl<T> Scheduler<T> {
     pub fn next<P>(
         &mut self,
         now: Instant,
-        mut place: impl FnMut(Option<&str>) -> Option<P>,
+        place: impl FnMut(Option<&str>) -> Option<P>,
+    ) -> Option<Dispatch<T, P>> {
+        self.next_on(now, &mut Slots(place))
+    }
+
+    /// [`next`](Self::next) with VRAM-aware placement: a model that can run only by switching a
+    /// host's VRAM is held back under the swap rule ("Model swaps" in the module documentation)
+    /// while others run, and `placer` is told when to switch.
+    pub fn next_on<P>(
+        &mut self,
+        now: Instant,
+        placer: &mut impl Placer<P>,
     ) -> Option<Dispatch<T, P>> {
         self.observe(now);
         self.expire_pass(now);
         self.sweep(now);
+        self.swap_wake = None;
         let half_life = self.limits.half_life;
         let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
         let mut refused: Vec<Option<Arc<str>>> = Vec::new();
+        // Models held in this call, with the host they are held for.
+        let mut cold: Vec<(Arc<str>, Arc<str>)> = Vec::new();
         let mut candidates: Vec<(f64, TicketId)> = Vec::new();
         for tier in Tier::ALL {
             let index = tier.index();
@@ -66,19 +81,56 @@ impl<T> Scheduler<T> {
                 let Some(entry) = self.waiting.get(&head) else {
                     continue;
                 };
-                let model = entry.model.as_deref();
-                if refused.iter().any(|m| m.as_deref() == model) {
+                let model = entry.model.clone();
+                if let Some(model) = &model
+                    && let Some((_, host)) = cold.iter().find(|(m, _)| m == model)
+                {
+                    // Held for the same switch as a fairer ticket.
+                    let host = host.clone();
+                    self.hold(head, &host, now);
                     continue;
                 }
-                let Some(placement) = place(model) else {
-                    refused.push(entry.model.clone());
+                if refused.contains(&model) {
                     continue;
+                }
+                let mut offer = placer.offer(model.as_deref(), now);
+                if let (Offer::Cold(need), Some(name)) = (&offer, &model) {
+                    let since = self.hold(head, &need.host, now);
+                    match self.verdict(tier, since, need, now) {
+                        Verdict::Switch(why) => {
+                            placer.switch(&need.host, name, now, why);
+                            offer = placer.offer(Some(name), now);
+                        }
+                        Verdict::Hold(wake) => {
+                            self.wake_at(wake);
+                            cold.push((name.clone(), need.host.clone()));
+                            continue;
+                        }
+                    }
+                }
+                let (placement, load) = match offer {
+                    Offer::Run { placement, load } => (placement, load),
+                    Offer::Cold(need) => {
+                        // Still cold right after a switch began: its victims are draining.
+                        if let Some(name) = &model {
+                            self.hold(head, &need.host, now);
+                            cold.push((name.clone(), need.host));
+                        }
+                        continue;
+                    }
+                    Offer::Wait => {
+                        refused.push(model);
+                        continue;
+                    }
                 };
+                let held = self.held.get(&head).map(|held| held.since);
                 // Cannot fail: the entry was looked up just above.
                 let Some(entry) = self.take(head, now) else {
                     continue;
                 };
-                return Some(self.start(head, entry, start, placement, now));
+                let mut dispatch = self.start(head, entry, start, placement, load, now);
+                dispatch.held = held.map(|since| now.saturating_duration_since(since));
+                return Some(dispatch);
             }
         }
         None
@@ -116,14 +168,22 @@ impl<T> Scheduler<T> {
         entry: Waiting<T>,
         start: f64,
         placement: P,
+        load: Duration,
         now: Instant,
     ) -> Dispatch<T, P> {
         let index = entry.tier.index();
         let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
+        let half_life = self.limits.half_life;
         let client = self.client_mut(&entry.client, now);
         let estimate = client.mean_cost.get().unwrap_or(fallback);
         let weight = client.limits.weight;
-        client.flows[index].charge(start, estimate / weight, now);
+        // A load this dispatch starts is charged to its client once, on top of the estimate;
+        // the correction at completion (of a cost without the load) leaves it in place.
+        let load_secs = load.as_secs_f64();
+        client.flows[index].charge(start, (estimate + load_secs) / weight, now);
+        if load_secs > 0.0 {
+            client.usage.add(now, half_life, load_secs);
+        }
         client.inflight += 1;
         client.processed += 1;
         client.last_active = Some(now);
@@ -147,6 +207,8 @@ impl<T> Scheduler<T> {
             waited: now.saturating_duration_since(entry.enqueued),
             payload: entry.payload,
             placement,
+            held: None,
+            load,
         }
     }
 }

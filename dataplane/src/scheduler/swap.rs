@@ -1,0 +1,185 @@
+//! Model swaps: holding back a request whose model would evict another, and deciding when the
+//! switch pays. The rule is described in the parent module's documentation ("Model swaps").
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::{Scheduler, TicketId, Tier};
+
+/// The swap rule's settings (`queue.model_swap`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwapRule {
+    /// Off: placement never answers [`Offer::Cold`] and nothing is held.
+    pub enabled: bool,
+    /// Per tier: the longest a request is held back, and the shortest stay of a model switched
+    /// to before a request of this tier may switch again.
+    pub max_defer: [Duration; 3],
+    /// A switch may happen early once the resident models have had no work this long.
+    pub idle_grace: Duration,
+}
+
+impl Default for SwapRule {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_defer: [
+                Duration::from_secs(1),
+                Duration::from_secs(5),
+                Duration::from_secs(30),
+            ],
+            idle_grace: Duration::from_millis(300),
+        }
+    }
+}
+
+/// What placement answers for a ticket's model.
+#[derive(Debug)]
+pub enum Offer<P> {
+    /// A host slot is reserved for it: run it. `load` is the model load the dispatch starts
+    /// (zero when the model is resident), charged to the ticket's client.
+    Run { placement: P, load: Duration },
+    /// No slot can take it now: every fitting host is busy, or a switch it must wait for is
+    /// under way.
+    Wait,
+    /// A slot is free only on a host whose VRAM would have to switch to this model.
+    Cold(Cold),
+}
+
+/// A host that could run a model only by switching its VRAM to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cold {
+    /// The host's name.
+    pub host: Arc<str>,
+    /// Since when nothing has been in flight on the host (`None`: something is).
+    pub idle_since: Option<Instant>,
+    /// When the host last switched models: the start of the current model's stay.
+    pub settled_at: Option<Instant>,
+    /// A switch is under way there (or holding is off for it): hold, start no other.
+    pub switching: bool,
+}
+
+/// Placement as the swap rule uses it.
+pub trait Placer<P> {
+    /// Whether a ticket for `model` can run now, and where.
+    fn offer(&mut self, model: Option<&str>, now: Instant) -> Offer<P>;
+    /// Starts switching `host` to `model` (the switch is under way until the model's first
+    /// dispatch there).
+    fn switch(&mut self, host: &str, model: &str, now: Instant, why: crate::swap::SwitchReason);
+}
+
+/// Placement without VRAM: a free slot or nothing (`Some` reserves it).
+pub(super) struct Slots<F>(pub(super) F);
+
+impl<P, F: FnMut(Option<&str>) -> Option<P>> Placer<P> for Slots<F> {
+    fn offer(&mut self, model: Option<&str>, _now: Instant) -> Offer<P> {
+        match (self.0)(model) {
+            Some(placement) => Offer::Run {
+                placement,
+                load: Duration::ZERO,
+            },
+            None => Offer::Wait,
+        }
+    }
+
+    fn switch(&mut self, _: &str, _: &str, _: Instant, _: crate::swap::SwitchReason) {}
+}
+
+/// A held ticket.
+#[derive(Clone, Debug)]
+pub(super) struct Held {
+    /// When it was first held: the start of its `max_defer`.
+    pub(super) since: Instant,
+    /// The host it is held for.
+    pub(super) host: Arc<str>,
+}
+
+/// What the rule decided for a cold ticket.
+pub(super) enum Verdict {
+    /// Switch now.
+    Switch(crate::swap::SwitchReason),
+    /// Hold; look again at this instant (or at the next event).
+    Hold(Option<Instant>),
+}
+
+impl<T> Scheduler<T> {
+    /// Sets the swap rule. Turning it off releases every held ticket to plain fair share.
+    pub fn set_swap(&mut self, rule: SwapRule) {
+        self.swap = rule;
+        if !rule.enabled {
+            self.held.clear();
+        }
+    }
+
+    /// The swap rule in force.
+    pub fn swap(&self) -> &SwapRule {
+        &self.swap
+    }
+
+    /// Requests held back now, per host: how many, and the longest held.
+    pub fn held(&self) -> std::collections::HashMap<Arc<str>, (u32, Duration)> {
+        let mut by_host: std::collections::HashMap<Arc<str>, (u32, Duration)> =
+            std::collections::HashMap::new();
+        let now = self.clock;
+        for held in self.held.values() {
+            let age = now.map_or(Duration::ZERO, |now| {
+                now.saturating_duration_since(held.since)
+            });
+            let entry = by_host.entry(held.host.clone()).or_default();
+            entry.0 += 1;
+            entry.1 = entry.1.max(age);
+        }
+        by_host
+    }
+
+    /// Whether any ticket for `model` is waiting (a switch to it is still wanted).
+    pub fn waiting_for(&self, model: &str) -> bool {
+        self.by_model.get(model).is_some_and(|n| *n > 0)
+    }
+
+    /// Holds `id` for `host` (first time: from `now`); returns when it was first held.
+    pub(super) fn hold(&mut self, id: TicketId, host: &Arc<str>, now: Instant) -> Instant {
+        let held = self.held.entry(id).or_insert_with(|| Held {
+            since: now,
+            host: host.clone(),
+        });
+        held.host = host.clone();
+        held.since
+    }
+
+    /// The rule for a ticket of `tier`, first held at `since`, whose model needs `cold`.
+    pub(super) fn verdict(&self, tier: Tier, since: Instant, cold: &Cold, now: Instant) -> Verdict {
+        let bound = self.swap.max_defer[tier.index()];
+        let due_at = since.checked_add(bound);
+        let due = due_at.is_none_or(|at| now >= at);
+        let idle_at = cold
+            .idle_since
+            .and_then(|idle| idle.checked_add(self.swap.idle_grace));
+        let idle = idle_at.is_some_and(|at| now >= at);
+        let stay_end = cold.settled_at.and_then(|at| at.checked_add(bound));
+        let stayed = stay_end.is_none_or(|at| now >= at);
+        if cold.switching {
+            return Verdict::Hold(None);
+        }
+        if idle {
+            return Verdict::Switch(crate::swap::SwitchReason::Idle);
+        }
+        if due && (stayed || tier == Tier::High) {
+            return Verdict::Switch(crate::swap::SwitchReason::Bound);
+        }
+        let wake = [
+            (!due).then_some(due_at).flatten(),
+            idle_at,
+            (due && !stayed).then_some(stay_end).flatten(),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        Verdict::Hold(wake)
+    }
+
+    pub(super) fn wake_at(&mut self, at: Option<Instant>) {
+        if let Some(at) = at {
+            self.swap_wake = Some(self.swap_wake.map_or(at, |w| w.min(at)));
+        }
+    }
+}
