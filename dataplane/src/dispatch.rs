@@ -514,7 +514,13 @@ impl Dispatcher {
                     .completed(&host, model, load.filter(|_| loads), now);
             }
             inner.scheduler.complete(id, cost, now);
-            self.pump(&mut inner, now)
+            let dropped = self.pump(&mut inner, now);
+            if inner.scheduler.holding() {
+                // A held request may now switch after the idle grace: a deadline the timer
+                // does not know yet.
+                self.timer.notify_one();
+            }
+            dropped
         };
         drop(dropped);
     }

@@ -131,6 +131,11 @@ impl<T> Scheduler<T> {
         by_host
     }
 
+    /// Whether any ticket is held back now.
+    pub fn holding(&self) -> bool {
+        !self.held.is_empty()
+    }
+
     /// Whether any ticket for `model` is waiting (a switch to it is still wanted).
     pub fn waiting_for(&self, model: &str) -> bool {
         self.by_model.get(model).is_some_and(|n| *n > 0)

@@ -24,4 +24,5 @@ mod scheduling;
 mod snapshots;
 mod stalls;
 mod support;
+mod swap;
 mod tenancy;

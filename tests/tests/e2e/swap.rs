@@ -1,0 +1,293 @@
+//! End to end: model-swap-aware scheduling, through the real planes, against the fake Ollama in
+//! its VRAM mode (room for one model of two; loads take time; one slot). Two clients each loop
+//! on their own model, first straight at the fake (Ollama alone), then through oqp with the
+//! feature off and on. The figures are printed (`--nocapture`); the issue's targets are asserted.
+
+use std::time::{Duration, Instant};
+
+use oqp_tests::client::{HttpClient, eventually};
+use oqp_tests::fake::{FakeHandle, FakeOllama};
+use oqp_tests::harness::Stack;
+use serde_json::json;
+
+const GIB: u64 = 1 << 30;
+/// Service time S of one request.
+const SERVICE: Duration = Duration::from_millis(50);
+/// Load time L of a model (L = 3 S).
+const LOAD: Duration = Duration::from_millis(150);
+const UNLOAD: Duration = Duration::from_millis(10);
+/// `queue.model_swap.max_defer` (normal tier).
+const MAX_DEFER: Duration = Duration::from_millis(1500);
+/// How long each run lasts.
+const RUN: Duration = Duration::from_secs(6);
+/// Slack for three processes' worth of debug code on two cores, on top of the bound.
+const SLACK: Duration = Duration::from_millis(150);
+
+async fn fake() -> (FakeOllama, FakeHandle) {
+    let fake = FakeOllama::builder()
+        .model("alpha")
+        .model("beta")
+        .slots(1)
+        .vram(10 * GIB)
+        .model_size("alpha", 8 * GIB)
+        .model_size("beta", 8 * GIB)
+        .load_time(LOAD)
+        .unload_time(UNLOAD)
+        .latency(SERVICE)
+        .spawn()
+        .await;
+    let handle = fake.handle();
+    (fake, handle)
+}
+
+fn config(url: &str, enabled: bool) -> String {
+    format!(
+        r#"proxy:
+  max_concurrent: 16
+ollama:
+  hosts:
+    - url: "{url}"
+      name: gpu
+      max_concurrent: 1
+      vram: 10GiB
+queue:
+  model_swap:
+    enabled: {enabled}
+    max_defer: {{high: 0.5, normal: {defer}, low: 10}}
+    idle_grace: 0.3
+auth:
+  enabled: true
+  keys:
+    - key: "sk-xavier-0123456789"
+      client_id: xavier
+    - key: "sk-yvonne-0123456789"
+      client_id: yvonne
+"#,
+        defer = MAX_DEFER.as_secs_f64(),
+    )
+}
+
+/// One looping client: its model, its key (none: straight at the fake), requests in flight.
+#[derive(Clone)]
+struct Loop {
+    model: &'static str,
+    key: Option<&'static str>,
+    inflight: usize,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Served {
+    requests: usize,
+    /// Summed `total_duration` the fake reported: the GPU time of the client's requests.
+    gpu: Duration,
+    worst_latency: Duration,
+}
+
+/// Runs the loops against `base` for [`RUN`]; only requests answered within it count.
+async fn run(base: &str, loops: &[Loop]) -> Vec<Served> {
+    let http = HttpClient::new();
+    let deadline = tokio::time::Instant::now() + RUN;
+    let mut tasks = Vec::new();
+    for (index, client) in loops.iter().enumerate() {
+        for _ in 0..client.inflight {
+            let http = http.clone();
+            let url = format!("{base}/api/generate");
+            let client = client.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut served = Served::default();
+                let auth = client.key.map(|key| format!("Bearer {key}"));
+                let headers: Vec<(&str, &str)> = auth
+                    .as_deref()
+                    .map(|auth| vec![("authorization", auth)])
+                    .unwrap_or_default();
+                let body = json!({"model": client.model, "prompt": "hi", "stream": false});
+                loop {
+                    let sent = Instant::now();
+                    let reply =
+                        tokio::time::timeout_at(deadline, http.post_json(&url, &headers, &body))
+                            .await;
+                    let Ok(reply) = reply else {
+                        break;
+                    };
+                    assert!(
+                        reply.status.is_success(),
+                        "{}: {}",
+                        reply.status,
+                        reply.text()
+                    );
+                    let answer = reply.json();
+                    served.requests += 1;
+                    served.gpu += Duration::from_nanos(answer["total_duration"].as_u64().unwrap());
+                    served.worst_latency = served.worst_latency.max(sent.elapsed());
+                }
+                (index, served)
+            }));
+        }
+    }
+    let mut served = vec![Served::default(); loops.len()];
+    for task in tasks {
+        let (index, part) = task.await.unwrap();
+        let total = &mut served[index];
+        total.requests += part.requests;
+        total.gpu += part.gpu;
+        total.worst_latency = total.worst_latency.max(part.worst_latency);
+    }
+    served
+}
+
+fn total(served: &[Served]) -> usize {
+    served.iter().map(|s| s.requests).sum()
+}
+
+fn share(served: &[Served], index: usize) -> f64 {
+    let all: f64 = served.iter().map(|s| s.gpu.as_secs_f64()).sum();
+    if all == 0.0 {
+        0.0
+    } else {
+        served[index].gpu.as_secs_f64() / all
+    }
+}
+
+fn show(label: &str, served: &[Served]) {
+    let per_second = total(served) as f64 / RUN.as_secs_f64();
+    eprintln!(
+        "{label:>26}: {per_second:5.2} requests/s; per client: {}",
+        served
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!(
+                "{} done, GPU share {:.0} %, worst latency {} ms",
+                s.requests,
+                100.0 * share(served, i),
+                s.worst_latency.as_millis()
+            ))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
+}
+
+/// Straight at the fake, then through oqp with the feature off and on.
+async fn three_runs(inflight: usize) -> [Vec<Served>; 3] {
+    let (fake, handle) = fake().await;
+    let direct = run(
+        &fake.url(),
+        &[
+            Loop {
+                model: "alpha",
+                key: None,
+                inflight,
+            },
+            Loop {
+                model: "beta",
+                key: None,
+                inflight: 1,
+            },
+        ],
+    )
+    .await;
+    // Whatever the direct run left waiting in the fake is gone before oqp's runs.
+    assert!(
+        eventually(Duration::from_secs(30), || handle.in_flight() == 0
+            && handle.pending() == 0)
+        .await
+    );
+    let mut runs = Vec::new();
+    for enabled in [false, true] {
+        let stack = Stack::start(&config(&fake.url(), enabled)).await;
+        let served = run(
+            &stack.url(),
+            &[
+                Loop {
+                    model: "alpha",
+                    key: Some("sk-xavier-0123456789"),
+                    inflight,
+                },
+                Loop {
+                    model: "beta",
+                    key: Some("sk-yvonne-0123456789"),
+                    inflight: 1,
+                },
+            ],
+        )
+        .await;
+        stack.shutdown().await;
+        assert!(
+            eventually(Duration::from_secs(30), || handle.in_flight() == 0
+                && handle.pending() == 0)
+            .await
+        );
+        runs.push(served);
+    }
+    let on = runs.pop().unwrap();
+    let off = runs.pop().unwrap();
+    eprintln!(
+        "one model fits; L = {} ms, S = {} ms, max_defer {} ms; client A keeps {inflight} in flight, B 1",
+        LOAD.as_millis(),
+        SERVICE.as_millis(),
+        MAX_DEFER.as_millis()
+    );
+    show("Ollama alone", &direct);
+    show("oqp, model_swap off", &off);
+    show("oqp, model_swap on", &on);
+    let theory = (MAX_DEFER.as_secs_f64() / SERVICE.as_secs_f64())
+        / (MAX_DEFER + SERVICE + UNLOAD + LOAD).as_secs_f64();
+    eprintln!(
+        "{:>26}: {theory:5.2} requests/s (max_defer / S requests per max_defer + S + unload + L)",
+        "theory, on"
+    );
+    [direct, off, on]
+}
+
+fn bound() -> Duration {
+    MAX_DEFER + UNLOAD + LOAD + 2 * SERVICE + SLACK
+}
+
+#[tokio::test]
+async fn batching_by_the_resident_model_triples_throughput_within_the_latency_bound() {
+    let _exclusive = crate::support::exclusive().await;
+    let [direct, off, on] = three_runs(1).await;
+    let ratio = total(&on) as f64 / total(&direct) as f64;
+    eprintln!(
+        "on / alone: ×{ratio:.2}; on / off: ×{:.2}",
+        total(&on) as f64 / total(&off) as f64
+    );
+    assert!(ratio >= 3.0, "×{ratio:.2}");
+    for (i, served) in on.iter().enumerate() {
+        assert!(
+            served.worst_latency <= bound(),
+            "client {i}: {:?} > {:?}",
+            served.worst_latency,
+            bound()
+        );
+        let share = share(&on, i);
+        assert!(
+            (0.45..=0.55).contains(&share),
+            "client {i}: GPU share {share:.3}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_client_with_four_requests_in_flight_does_not_starve_the_other_model() {
+    let _exclusive = crate::support::exclusive().await;
+    let [direct, _off, on] = three_runs(4).await;
+    eprintln!(
+        "client B's GPU share: alone {:.0} %, through oqp {:.0} %",
+        100.0 * share(&direct, 1),
+        100.0 * share(&on, 1)
+    );
+    assert!(on[1].requests > 0);
+    assert!(
+        on[1].worst_latency <= bound(),
+        "{:?} > {:?}",
+        on[1].worst_latency,
+        bound()
+    );
+    for i in 0..2 {
+        let share = share(&on, i);
+        assert!(
+            (0.45..=0.55).contains(&share),
+            "client {i}: GPU share {share:.3}"
+        );
+    }
+}
