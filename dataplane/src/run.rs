@@ -406,3 +406,43 @@ fn report(app: &App) -> NodeReport {
         forwarded: app.peers.report(),
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hosts_swap_state_reaches_the_report_whole() {
+        let stat = crate::swap::SwapStat {
+            host: Arc::from("gpu"),
+            resident: vec![("llama3:8b".to_owned(), 5 << 30)],
+            capacity: Some(16 << 30),
+            capacity_learned: true,
+            held: 2,
+            oldest_held: Some(Duration::from_millis(3_100)),
+            switching_to: Some("qwen3:8b".to_owned()),
+            switches: 7,
+            bypassed: true,
+        };
+        assert_eq!(
+            swap_report(&stat),
+            wire::HostSwapReport {
+                resident: vec![wire::ModelSize {
+                    name: "llama3:8b".to_owned(),
+                    bytes: 5 << 30,
+                }],
+                capacity_bytes: 16 << 30,
+                capacity_learned: true,
+                held: 2,
+                oldest_held_ms: 3_100,
+                switching_to: "qwen3:8b".to_owned(),
+                switches: 7,
+                bypassed: true,
+            }
+        );
+        // Unknown capacity, nothing held: zeros, as proto3 leaves them.
+        let idle = crate::swap::SwapStat::default();
+        assert_eq!(swap_report(&idle), wire::HostSwapReport::default());
+    }
+}
