@@ -315,7 +315,8 @@ pub(crate) fn queue(raw: RawQueue, problems: &mut Problems) -> Option<QueueConfi
 }
 
 /// `queue.model_swap`; `max_wait` holds each tier's (high, normal, low), which bounds its
-/// `max_defer` from above: a request held that long would expire instead of being served.
+/// `max_defer` from above: a request held that long would expire instead of being served. A
+/// tier's default is lowered to half its `max_wait` when it is not below that.
 fn model_swap(
     raw: RawModelSwap,
     max_wait: [Duration; 3],
@@ -332,6 +333,9 @@ fn model_swap(
     for tier in Tier::ALL.iter().copied() {
         let index = ModelSwapConfig::index(tier);
         let Some(Seconds(value)) = given[index] else {
+            // A default never outlasts a short max_wait: held that long, a request would
+            // expire instead of being served.
+            max_defer[index] = max_defer[index].min(max_wait[index] / 2);
             continue;
         };
         let path = if single {

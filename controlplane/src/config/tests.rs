@@ -1458,6 +1458,19 @@ fn model_swap_settings() {
         config.queue.model_swap.max_defer[0],
         Duration::from_millis(1500)
     );
+    // A default is lowered to half a short max_wait rather than outlast it.
+    let config = load(&with_host(
+        "queue:\n  high: {max_wait: 1}\n  low: {max_wait: 40}\n",
+    ))
+    .config;
+    assert_eq!(
+        config.queue.model_swap.max_defer,
+        [
+            Duration::from_millis(500),
+            Duration::from_secs(5),
+            Duration::from_secs(20)
+        ]
+    );
     // An unknown tier is an unknown key, as everywhere.
     let warnings = load(&with_host(
         "queue:\n  model_swap: {max_defer: {urgent: 1}}\n",
