@@ -29,8 +29,12 @@ pub struct Inventory {
     pub healthy: bool,
     /// Installed model names (/api/tags).
     pub installed: Vec<String>,
-    /// Loaded model names (/api/ps).
+    /// Loaded model names (/api/ps, loading ones included).
     pub loaded: Vec<String>,
+    /// Installed models with their size on disk (/api/tags `size`), by name.
+    pub sizes: Vec<(String, u64)>,
+    /// Loaded models with their bytes in VRAM (/api/ps `size_vram`, else `size`), by name.
+    pub resident: Vec<(String, u64)>,
     /// When it was last polled.
     pub last_checked: Option<SystemTime>,
 }
@@ -109,6 +113,9 @@ pub fn snapshot(
                 model_sync_interval_seconds: u32::try_from(host.model_sync_interval.as_secs())
                     .unwrap_or(u32::MAX),
                 node: host.node.clone().unwrap_or_default(),
+                vram_bytes: host.vram.unwrap_or(0),
+                resident: seen.map(|s| model_sizes(&s.resident)).unwrap_or_default(),
+                sizes: seen.map(|s| model_sizes(&s.sizes)).unwrap_or_default(),
             }
         })
         .collect();
@@ -149,6 +156,14 @@ pub fn snapshot(
             max_queued_bytes: config.queue.max_queued_bytes(),
             fair_share_half_life_ms: millis(config.queue.fair_share.half_life),
             drain_generation: runtime.drain_generation,
+            model_swap: Some(wire::ModelSwapSettings {
+                enabled: config.queue.model_swap.enabled,
+                max_defer_high_ms: millis(config.queue.model_swap.max_defer(Tier::High)),
+                max_defer_normal_ms: millis(config.queue.model_swap.max_defer(Tier::Normal)),
+                max_defer_low_ms: millis(config.queue.model_swap.max_defer(Tier::Low)),
+                idle_grace_ms: millis(config.queue.model_swap.idle_grace),
+                unload: config.queue.model_swap.unload,
+            }),
         }),
         hosts,
         routing: Some(wire::RoutingSettings {
@@ -210,6 +225,17 @@ pub fn snapshot(
             })
             .collect(),
     }
+}
+
+/// Models with their bytes, as the snapshot carries them.
+fn model_sizes(models: &[(String, u64)]) -> Vec<wire::ModelSize> {
+    models
+        .iter()
+        .map(|(name, bytes)| wire::ModelSize {
+            name: name.clone(),
+            bytes: *bytes,
+        })
+        .collect()
 }
 
 /// How peers reach `node` by configuration: `nodes.NAME.url`, else `http://HOST:PORT` of its

@@ -44,8 +44,9 @@ pub use secret::Secret;
 pub use types::{
     AuthConfig, CacheBackend, ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig,
     DashboardConfig, EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener,
-    KeepAliveConfig, KeyConfig, LoggingConfig, NodeOverride, OllamaConfig, ProxyConfig,
-    QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig, WebhooksConfig,
+    KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig, NodeOverride, OllamaConfig,
+    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
+    WebhooksConfig,
 };
 
 use error::Problems;

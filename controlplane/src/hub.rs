@@ -173,6 +173,8 @@ impl Hub {
             old.healthy == inventory.healthy
                 && old.installed == inventory.installed
                 && old.loaded == inventory.loaded
+                && old.sizes == inventory.sizes
+                && old.resident == inventory.resident
         });
         // A data plane that marked the host down keeps its mark until a
         // snapshot carries a newer poll of it: publish the poll that answers
@@ -481,6 +483,8 @@ mod tests {
             healthy: true,
             installed: installed.iter().map(|m| (*m).to_owned()).collect(),
             loaded: Vec::new(),
+            sizes: installed.iter().map(|m| ((*m).to_owned(), 1)).collect(),
+            resident: Vec::new(),
             last_checked: Some(SystemTime::now()),
         }
     }

@@ -274,6 +274,29 @@ async fn reconnect_cache(app: &App, policy: &Policy) -> Result<(), String> {
     Ok(())
 }
 
+/// One host's model-swap state as the report carries it.
+fn swap_report(stat: &crate::swap::SwapStat) -> wire::HostSwapReport {
+    wire::HostSwapReport {
+        resident: stat
+            .resident
+            .iter()
+            .map(|(name, bytes)| wire::ModelSize {
+                name: name.clone(),
+                bytes: *bytes,
+            })
+            .collect(),
+        capacity_bytes: stat.capacity.unwrap_or(0),
+        capacity_learned: stat.capacity_learned,
+        held: stat.held,
+        oldest_held_ms: stat.oldest_held.map_or(0, |held| {
+            u64::try_from(held.as_millis()).unwrap_or(u64::MAX)
+        }),
+        switching_to: stat.switching_to.clone().unwrap_or_default(),
+        switches: stat.switches,
+        bypassed: stat.bypassed,
+    }
+}
+
 /// This node's report for the control plane.
 fn report(app: &App) -> NodeReport {
     let policy = app.store.load();
@@ -307,6 +330,12 @@ fn report(app: &App) -> NodeReport {
                 .map_or(0, crate::policy::unix_ms),
         })
         .collect();
+    let mut swaps: std::collections::HashMap<Arc<str>, crate::swap::SwapStat> = app
+        .dispatcher
+        .swap_stats()
+        .into_iter()
+        .map(|stat| (Arc::clone(&stat.host), stat))
+        .collect();
     let hosts = policy
         .hosts
         .iter()
@@ -314,6 +343,7 @@ fn report(app: &App) -> NodeReport {
             let (requests, failures) = app.metrics.host_counts(&host.name);
             let stat = queue.slots.get(&host.name);
             wire::HostReport {
+                swap: swaps.remove(&host.name).map(|stat| swap_report(&stat)),
                 name: host.name.to_string(),
                 slots_in_use: stat.map_or(0, |s| s.slots_in_use),
                 requests,
@@ -374,5 +404,45 @@ fn report(app: &App) -> NodeReport {
         apply_errors: app.store.failures(),
         stale_version: app.control.stale_version(),
         forwarded: app.peers.report(),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hosts_swap_state_reaches_the_report_whole() {
+        let stat = crate::swap::SwapStat {
+            host: Arc::from("gpu"),
+            resident: vec![("llama3:8b".to_owned(), 5 << 30)],
+            capacity: Some(16 << 30),
+            capacity_learned: true,
+            held: 2,
+            oldest_held: Some(Duration::from_millis(3_100)),
+            switching_to: Some("qwen3:8b".to_owned()),
+            switches: 7,
+            bypassed: true,
+        };
+        assert_eq!(
+            swap_report(&stat),
+            wire::HostSwapReport {
+                resident: vec![wire::ModelSize {
+                    name: "llama3:8b".to_owned(),
+                    bytes: 5 << 30,
+                }],
+                capacity_bytes: 16 << 30,
+                capacity_learned: true,
+                held: 2,
+                oldest_held_ms: 3_100,
+                switching_to: "qwen3:8b".to_owned(),
+                switches: 7,
+                bypassed: true,
+            }
+        );
+        // Unknown capacity, nothing held: zeros, as proto3 leaves them.
+        let idle = crate::swap::SwapStat::default();
+        assert_eq!(swap_report(&idle), wire::HostSwapReport::default());
     }
 }

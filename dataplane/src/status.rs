@@ -8,7 +8,9 @@
 //! - `/queue/status` is the reference's nested document (`status`,
 //!   `uptime_seconds`, `queue`, `concurrency`, `hosts`, `clients`, `security`)
 //!   with oqp's additions (per-tier `cancelled`, `promoted`, `flushed`,
-//!   `paused`, `wait`; per-host slots and loaded models; per-client queue
+//!   `paused`, `wait`; per-host slots, loaded models and `vram`: resident
+//!   models with their bytes, capacity, requests held back for a model
+//!   switch; per-client queue
 //!   figures, ceiling and scope; `snapshot`). Its `clients` map holds every
 //!   configured client plus at most [`MAX_OTHER_CLIENTS`] others (callers that
 //!   name themselves with `X-Client-ID` when auth is off), the busiest first:
@@ -33,9 +35,10 @@ use crate::control::ControlLink;
 use crate::dispatch::{Dispatcher, QueueReport};
 use crate::metrics::{self, Metrics, bounded_clients, is_healthy};
 use crate::peers::{PeerStatus, Peers};
-use crate::policy::{Client, Host, Policy};
+use crate::policy::{Client, Host, HostKind, Policy};
 use crate::scheduler::{ClientStat, Tier, TierStat};
 use crate::snapshot::PolicyStore;
+use crate::swap::SwapStat;
 
 /// Most unconfigured clients listed in status and metrics.
 pub const MAX_OTHER_CLIENTS: usize = metrics::MAX_OTHER_LABELS;
@@ -132,6 +135,69 @@ struct HostStatus {
     /// Cloud hosts: the key pool, redacted (account label or `…` + last 4).
     #[serde(skip_serializing_if = "Option::is_none")]
     cloud_pool: Option<Vec<CloudKeyStatus>>,
+    /// Ollama hosts: what the VRAM holds and the requests held back for a model switch.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vram: Option<VramStatus>,
+}
+
+/// One host's VRAM as status shows it.
+#[derive(Debug, Serialize)]
+struct VramStatus {
+    resident: Vec<ResidentModel>,
+    /// Configured, else learned; `null` while unknown.
+    capacity_bytes: Option<u64>,
+    capacity_learned: bool,
+    held: u32,
+    /// `null` when nothing is held.
+    oldest_held_ms: Option<u64>,
+    switching_to: Option<String>,
+    switches: u64,
+    bypassed: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct ResidentModel {
+    model: String,
+    bytes: u64,
+}
+
+impl VramStatus {
+    /// The dispatcher's view of the host when it has one, else the snapshot's (the control
+    /// plane's last poll and the configured capacity), with nothing held.
+    fn new(host: &Host, stat: Option<&SwapStat>) -> Self {
+        let snapshot;
+        let stat = match stat {
+            Some(stat) => stat,
+            None => {
+                snapshot = SwapStat {
+                    host: host.name.clone(),
+                    resident: host.vram.resident.clone(),
+                    capacity: host.vram.capacity,
+                    ..SwapStat::default()
+                };
+                &snapshot
+            }
+        };
+        Self {
+            resident: stat
+                .resident
+                .iter()
+                .map(|(model, bytes)| ResidentModel {
+                    model: model.clone(),
+                    bytes: *bytes,
+                })
+                .collect(),
+            capacity_bytes: stat.capacity,
+            capacity_learned: stat.capacity_learned,
+            held: stat.held,
+            oldest_held_ms: stat
+                .oldest_held
+                .map(|held| u64::try_from(held.as_millis()).unwrap_or(u64::MAX)),
+            switching_to: stat.switching_to.clone(),
+            switches: stat.switches,
+            bypassed: stat.bypassed,
+        }
+    }
 }
 
 /// One cloud pool key as status shows it: never the key.
@@ -225,10 +291,14 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
         normal: tier(Tier::Normal),
         low: tier(Tier::Low),
     };
+    let swaps = sources.dispatcher.swap_stats();
     let hosts = policy
         .hosts
         .iter()
-        .map(|host| host_status(sources, host, &stats))
+        .map(|host| {
+            let swap = swaps.iter().find(|stat| stat.host == host.name);
+            host_status(sources, host, &stats, swap)
+        })
         .collect();
     let now = SystemTime::now();
     let concurrency = Concurrency {
@@ -319,7 +389,12 @@ fn client_status(client: Option<&Client>, stat: &ClientStat) -> ClientStatus {
     }
 }
 
-fn host_status(sources: Sources<'_>, host: &Host, stats: &QueueReport) -> HostStatus {
+fn host_status(
+    sources: Sources<'_>,
+    host: &Host,
+    stats: &QueueReport,
+    swap: Option<&SwapStat>,
+) -> HostStatus {
     let (requests_handled, failures) = sources.metrics.host_counts(&host.name);
     HostStatus {
         name: host.name.to_string(),
@@ -347,6 +422,7 @@ fn host_status(sources: Sources<'_>, host: &Host, stats: &QueueReport) -> HostSt
                 })
                 .collect()
         }),
+        vram: (host.kind == HostKind::Ollama).then(|| VramStatus::new(host, swap)),
     }
 }
 

@@ -250,6 +250,14 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                         "weight": host.weight,
                         "installed_models": host.installed_models,
                         "loaded_models": host.loaded_models,
+                        "resident": host.resident.iter().map(|m| json!({"model": m.name, "bytes": m.bytes})).collect::<Vec<_>>(),
+                        "vram_bytes": (host.vram_bytes > 0).then_some(host.vram_bytes),
+                        "vram_learned": host.vram_learned,
+                        "held": host.held,
+                        "oldest_held_ms": (host.held > 0).then_some(host.oldest_held_ms),
+                        "switching_to": (!host.switching_to.is_empty()).then_some(&host.switching_to),
+                        "switches": host.switches,
+                        "swap_bypassed": host.swap_bypassed,
                         "requests": host.requests,
                         "failures": host.failures,
                         "cloud_keys": host.cloud_keys.iter().map(|k| json!({
@@ -264,7 +272,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                 .collect(),
         )),
         Output::Table => {
-            let mut hosts = table(style, &["host", "owner", "url", "health", "slots", "loaded", "installed", "requests", "failures"]);
+            let mut hosts = table(style, &["host", "owner", "url", "health", "slots", "resident", "vram", "held", "installed", "requests", "failures"]);
             for host in &response.hosts {
                 hosts.add_row(vec![
                     host.name.clone(),
@@ -272,7 +280,9 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                     host.url.clone(),
                     if host.healthy { "up" } else { "DOWN" }.to_owned(),
                     format!("{}/{}", host.slots_in_use, host.max_concurrent),
-                    list(&host.loaded_models),
+                    resident(host),
+                    vram(host),
+                    held(host),
                     list(&host.installed_models),
                     host.requests.to_string(),
                     host.failures.to_string(),
@@ -448,6 +458,58 @@ fn cap(value: u32) -> String {
     } else {
         value.to_string()
     }
+}
+
+/// A byte count as `4.7 GiB` (`24 GiB` when whole).
+pub fn bytes(bytes: u64) -> String {
+    let shown = bytesize::ByteSize(bytes).display().iec().to_string();
+    match shown.split_once(".0 ") {
+        Some((whole, unit)) => format!("{whole} {unit}"),
+        None => shown,
+    }
+}
+
+/// The models in VRAM with their bytes, one per line; the loaded names when no sizes are known
+/// (a control plane that predates them).
+fn resident(host: &api::HostInfo) -> String {
+    if host.resident.is_empty() {
+        return list(&host.loaded_models);
+    }
+    let rows: Vec<String> = host
+        .resident
+        .iter()
+        .map(|model| match model.bytes {
+            0 => model.name.clone(),
+            size => format!("{} {}", model.name, bytes(size)),
+        })
+        .collect();
+    rows.join("\n")
+}
+
+/// `24 GiB` (configured), `~16 GiB learned`, `?` (not known yet), `-` (cloud).
+fn vram(host: &api::HostInfo) -> String {
+    match (host.vram_bytes, host.vram_learned) {
+        _ if host.kind == wire::HostKind::Cloud as i32 => "-".to_owned(),
+        (0, _) => "?".to_owned(),
+        (size, false) => bytes(size),
+        (size, true) => format!("~{} learned", bytes(size)),
+    }
+}
+
+/// Requests held back for a model switch: `2 (3.1 s)` with the oldest's wait, `0`; a switch
+/// under way and a host that swap-aware scheduling leaves alone are named.
+fn held(host: &api::HostInfo) -> String {
+    let mut shown = match host.held {
+        0 => "0".to_owned(),
+        n => format!("{n} ({:.1} s)", host.oldest_held_ms as f64 / 1000.0),
+    };
+    if !host.switching_to.is_empty() {
+        shown.push_str(&format!("\n→ {}", host.switching_to));
+    }
+    if host.swap_bypassed {
+        shown.push_str("\nbypassed");
+    }
+    shown
 }
 
 fn list(items: &[String]) -> String {
@@ -635,6 +697,75 @@ mod tests {
             node: node.into(),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn hosts_show_vram_resident_models_and_held_requests() {
+        let size = |name: &str, bytes: u64| wire::ModelSize {
+            name: name.to_owned(),
+            bytes,
+        };
+        let response = api::ListHostsResponse {
+            hosts: vec![
+                api::HostInfo {
+                    resident: vec![size("llama3:8b", 5_046_586_573)],
+                    vram_bytes: 24 << 30,
+                    held: 2,
+                    oldest_held_ms: 3_140,
+                    ..host("gpu1", "box1")
+                },
+                api::HostInfo {
+                    resident: vec![size("qwen3:8b", 5 << 30), size("phi3:mini", 0)],
+                    vram_bytes: 16 << 30,
+                    vram_learned: true,
+                    switching_to: "llama3:8b".to_owned(),
+                    ..host("gpu2", "box2")
+                },
+                api::HostInfo {
+                    loaded_models: vec!["old:1b".to_owned()],
+                    ..host("spare", "")
+                },
+            ],
+        };
+        let text = hosts(&response, Output::Table, Style { color: false });
+        let header = text.lines().find(|line| line.contains("host")).unwrap();
+        for column in [" resident ", " vram ", " held "] {
+            assert!(header.contains(column), "{text}");
+        }
+        let row = |name: &str| {
+            text.lines()
+                .find(|line| line.contains(&format!(" {name} ")))
+                .unwrap_or_else(|| panic!("no row for {name}:\n{text}"))
+                .to_owned()
+        };
+        assert!(row("gpu1").contains(" llama3:8b 4.7 GiB "), "{text}");
+        assert!(row("gpu1").contains(" 24 GiB "), "{text}");
+        assert!(row("gpu1").contains(" 2 (3.1 s) "), "{text}");
+        assert!(row("gpu2").contains(" qwen3:8b 5 GiB "), "{text}");
+        assert!(row("gpu2").contains(" ~16 GiB learned "), "{text}");
+        assert!(text.contains(" phi3:mini "), "{text}");
+        assert!(text.contains("→ llama3:8b"), "{text}");
+        assert!(row("spare").contains(" old:1b "), "{text}");
+        assert!(row("spare").contains(" ? "), "{text}");
+        assert!(row("spare").contains(" 0 "), "{text}");
+
+        let value: Value =
+            serde_json::from_str(&hosts(&response, Output::Json, Style { color: false })).unwrap();
+        assert_eq!(value[0]["resident"][0]["model"], "llama3:8b");
+        assert_eq!(value[0]["vram_bytes"], 24u64 << 30);
+        assert_eq!(value[0]["vram_learned"], false);
+        assert_eq!(value[0]["held"], 2);
+        assert_eq!(value[0]["oldest_held_ms"], 3_140);
+        assert_eq!(value[1]["switching_to"], "llama3:8b");
+        assert_eq!(value[2]["vram_bytes"], Value::Null);
+        assert_eq!(value[2]["oldest_held_ms"], Value::Null);
+    }
+
+    #[test]
+    fn byte_sizes_read_like_people_write_them() {
+        assert_eq!(bytes(24 << 30), "24 GiB");
+        assert_eq!(bytes(5_046_586_573), "4.7 GiB");
+        assert_eq!(bytes(512), "512 B");
     }
 
     #[test]

@@ -9,6 +9,7 @@ use super::error::Problems;
 use super::keys;
 use super::net::{self, UrlError};
 use super::resolve::{DAY, checked, duration_within, ranged};
+use super::scalar::Bytes;
 use super::schema::{RawHost, RawOllama};
 use super::types::{HostConfig, OllamaConfig};
 
@@ -150,6 +151,9 @@ fn host(
         }
         // Checked against `nodes` with the other sections (`cluster::ownership`).
         let node = raw.node.as_ref().map(|node| node.0.trim().to_string());
+        let vram = raw
+            .vram
+            .and_then(|bytes| vram(bytes, kind, &path, problems));
         HostConfig {
             url: url.map(|url| url.normalized).unwrap_or_default(),
             name,
@@ -179,8 +183,35 @@ fn host(
             api_keys,
             fallback_models,
             node,
+            vram,
         }
     })
+}
+
+/// The smallest and largest `vram` accepted: 1 MiB and 1 PiB.
+const VRAM_RANGE: std::ops::RangeInclusive<u64> = (1 << 20)..=(1 << 50);
+
+/// `ollama.hosts[].vram`, checked; `None` (learned) when out of range or on a cloud host.
+fn vram(Bytes(bytes): Bytes, kind: HostKind, path: &str, problems: &mut Problems) -> Option<u64> {
+    if bytes == 0 {
+        problems.error(format!(
+            "{path}.vram must be > 0 (omit it to learn the capacity from what is seen resident)"
+        ));
+        return None;
+    }
+    if !VRAM_RANGE.contains(&bytes) {
+        problems.error(format!(
+            "{path}.vram must be between 1 MiB and 1 PiB, got {bytes} bytes"
+        ));
+        return None;
+    }
+    if kind == HostKind::Cloud {
+        problems.warn(format!(
+            "{path}.vram has no effect on a cloud host (its models are not loaded here)"
+        ));
+        return None;
+    }
+    Some(bytes)
 }
 
 /// Whether a URL host is Ollama Cloud (`ollama.com` or a subdomain of it).

@@ -12,15 +12,15 @@ use super::env::Env;
 use super::error::Problems;
 use super::keys;
 use super::net::{self, UrlError};
-use super::scalar::{self, Flag, Int, KeepAliveValue, Seconds, Text};
+use super::scalar::{self, Flag, Int, KeepAliveValue, PerTier, Seconds, Text};
 use super::schema::{
-    RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawLogging, RawProxy, RawQueue,
-    RawRouting, RawTier, RawWebhooks,
+    RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawLogging, RawModelSwap, RawProxy,
+    RawQueue, RawRouting, RawTier, RawWebhooks,
 };
 use super::types::{
     AuthConfig, CacheBackend, DashboardConfig, EmbeddingCacheConfig, FairShareConfig,
-    KeepAliveConfig, LoggingConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig,
-    TierConfig, WebhooksConfig,
+    KeepAliveConfig, LoggingConfig, ModelSwapConfig, ProxyConfig, QueueConfig, RateLimitConfig,
+    RoutingConfig, TierConfig, WebhooksConfig,
 };
 
 /// Runs `check` and returns its value only if it recorded no error.
@@ -270,37 +270,110 @@ fn connection_timeout(
 
 pub(crate) fn queue(raw: RawQueue, problems: &mut Problems) -> Option<QueueConfig> {
     let defaults = QueueConfig::default();
-    checked(problems, |problems| QueueConfig {
-        high: tier(raw.high, Tier::High, problems),
-        normal: tier(raw.normal, Tier::Normal, problems),
-        low: tier(raw.low, Tier::Low, problems),
-        overflow_status_code: match raw.overflow_status_code {
-            None => defaults.overflow_status_code,
-            Some(Int(code @ (429 | 503))) => code as u16,
-            Some(Int(code)) => {
-                problems.error(format!(
-                    "queue.overflow_status_code must be 503 or 429, got {code}"
-                ));
-                defaults.overflow_status_code
-            }
-        },
-        max_queued_mb: megabytes(
-            raw.max_queued_mb,
-            defaults.max_queued_mb,
-            "queue.max_queued_mb",
+    checked(problems, |problems| {
+        let high = tier(raw.high, Tier::High, problems);
+        let normal = tier(raw.normal, Tier::Normal, problems);
+        let low = tier(raw.low, Tier::Low, problems);
+        let model_swap = model_swap(
+            raw.model_swap.unwrap_or_default(),
+            [high.max_wait, normal.max_wait, low.max_wait],
             problems,
-        ),
-        fair_share: FairShareConfig {
-            half_life: duration_within(
-                raw.fair_share.and_then(|f| f.half_life),
-                defaults.fair_share.half_life,
-                Duration::from_nanos(1),
-                30 * DAY,
-                "queue.fair_share.half_life",
+        );
+        QueueConfig {
+            high,
+            normal,
+            low,
+            overflow_status_code: match raw.overflow_status_code {
+                None => defaults.overflow_status_code,
+                Some(Int(code @ (429 | 503))) => code as u16,
+                Some(Int(code)) => {
+                    problems.error(format!(
+                        "queue.overflow_status_code must be 503 or 429, got {code}"
+                    ));
+                    defaults.overflow_status_code
+                }
+            },
+            max_queued_mb: megabytes(
+                raw.max_queued_mb,
+                defaults.max_queued_mb,
+                "queue.max_queued_mb",
                 problems,
             ),
-        },
+            fair_share: FairShareConfig {
+                half_life: duration_within(
+                    raw.fair_share.and_then(|f| f.half_life),
+                    defaults.fair_share.half_life,
+                    Duration::from_nanos(1),
+                    30 * DAY,
+                    "queue.fair_share.half_life",
+                    problems,
+                ),
+            },
+            model_swap,
+        }
     })
+}
+
+/// `queue.model_swap`; `max_wait` holds each tier's (high, normal, low), which bounds its
+/// `max_defer` from above: a request held that long would expire instead of being served. A
+/// tier's default is lowered to half its `max_wait` when it is not below that.
+fn model_swap(
+    raw: RawModelSwap,
+    max_wait: [Duration; 3],
+    problems: &mut Problems,
+) -> ModelSwapConfig {
+    let defaults = ModelSwapConfig::default();
+    let given: [Option<Seconds>; 3] = match raw.max_defer {
+        None => [None; 3],
+        Some(PerTier::All(all)) => [Some(all); 3],
+        Some(PerTier::Each { high, normal, low }) => [high, normal, low],
+    };
+    let single = matches!(raw.max_defer, Some(PerTier::All(_)));
+    let mut max_defer = defaults.max_defer;
+    for tier in Tier::ALL.iter().copied() {
+        let index = ModelSwapConfig::index(tier);
+        let Some(Seconds(value)) = given[index] else {
+            // A default never outlasts a short max_wait: held that long, a request would
+            // expire instead of being served.
+            max_defer[index] = max_defer[index].min(max_wait[index] / 2);
+            continue;
+        };
+        let path = if single {
+            "queue.model_swap.max_defer".to_string()
+        } else {
+            format!("queue.model_swap.max_defer.{tier}")
+        };
+        if value.is_zero() {
+            if single && tier != Tier::High {
+                continue; // One value, one error.
+            }
+            problems.error(format!(
+                "{path} must be > 0 (set queue.model_swap.enabled: false to never hold requests back)"
+            ));
+        } else if value >= max_wait[index] {
+            problems.error(format!(
+                "{path} ({}) must be below queue.{tier}.max_wait ({}): a request held that long \
+                 would expire",
+                scalar::show(value),
+                scalar::show(max_wait[index])
+            ));
+        } else {
+            max_defer[index] = value;
+        }
+    }
+    ModelSwapConfig {
+        enabled: flag(raw.enabled, defaults.enabled),
+        max_defer,
+        idle_grace: duration_within(
+            raw.idle_grace,
+            defaults.idle_grace,
+            Duration::ZERO,
+            ModelSwapConfig::MAX_IDLE_GRACE,
+            "queue.model_swap.idle_grace",
+            problems,
+        ),
+        unload: flag(raw.unload, defaults.unload),
+    }
 }
 
 /// A tier block; every key it leaves out takes this tier's own default.

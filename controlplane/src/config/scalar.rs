@@ -31,6 +31,22 @@ pub(crate) struct Flag(pub bool);
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Seconds(pub Duration);
 
+/// A byte size: a non-negative integer of bytes, or a string with a unit (`"24GiB"`, `"24 GB"`,
+/// `"8000MiB"`; binary units are powers of 1024, decimal ones of 1000).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Bytes(pub u64);
+
+/// `queue.model_swap.max_defer`: one duration for every tier, or a map of tiers.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum PerTier {
+    All(Seconds),
+    Each {
+        high: Option<Seconds>,
+        normal: Option<Seconds>,
+        low: Option<Seconds>,
+    },
+}
+
 /// `keep_alive.default` before validation: a string or a number, kept as written.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum KeepAliveValue {
@@ -196,6 +212,79 @@ impl<'de> Deserialize<'de> for Seconds {
     }
 }
 
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct BytesVisitor;
+        impl Visitor<'_> for BytesVisitor {
+            type Value = Bytes;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a byte size such as 24GiB, \"24 GB\", 8000MiB or a number of bytes")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Bytes, E> {
+                Ok(Bytes(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Bytes, E> {
+                u64::try_from(v)
+                    .map(Bytes)
+                    .map_err(|_| E::custom(format!("a byte size cannot be negative, got {v}")))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Bytes, E> {
+                Err(E::invalid_type(de::Unexpected::Float(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Bytes, E> {
+                parse_bytes(v).map(Bytes).ok_or_else(|| {
+                    E::custom(
+                        "not a byte size: use a number of bytes or a number with a unit such \
+                         as 24GiB, \"24 GB\" or 8000MiB",
+                    )
+                })
+            }
+        }
+        deserializer.deserialize_any(BytesVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for PerTier {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        /// The map form; unknown tiers are reported as unknown keys like any other.
+        #[derive(Default, serde::Deserialize)]
+        #[serde(default)]
+        struct Each {
+            high: Option<Seconds>,
+            normal: Option<Seconds>,
+            low: Option<Seconds>,
+        }
+        struct PerTierVisitor;
+        impl<'de> Visitor<'de> for PerTierVisitor {
+            type Value = PerTier;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number of seconds, or a map of tiers {high, normal, low} to seconds")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<PerTier, E> {
+                Seconds::deserialize(de::value::U64Deserializer::new(v)).map(PerTier::All)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<PerTier, E> {
+                Seconds::deserialize(de::value::I64Deserializer::new(v)).map(PerTier::All)
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<PerTier, E> {
+                Seconds::deserialize(de::value::F64Deserializer::new(v)).map(PerTier::All)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PerTier, E> {
+                Seconds::deserialize(de::value::StrDeserializer::new(v)).map(PerTier::All)
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<PerTier, A::Error> {
+                let each = Each::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(PerTier::Each {
+                    high: each.high,
+                    normal: each.normal,
+                    low: each.low,
+                })
+            }
+        }
+        deserializer.deserialize_any(PerTierVisitor)
+    }
+}
+
 impl<'de> Deserialize<'de> for KeepAliveValue {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct KeepAliveVisitor;
@@ -243,6 +332,19 @@ pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
             "{text:?} is not a duration ({error}); use seconds or a string like \"90s\" or \"5m\""
         )
     })
+}
+
+/// Parses a byte size written with an optional unit (`"24GiB"`, `"24 GB"`, `"1.5 TiB"`, `"1024"`);
+/// `None` if it is not one or overflows `u64`.
+pub(crate) fn parse_bytes(text: &str) -> Option<u64> {
+    let text = text.trim();
+    // A plain integer is exact; `bytesize` would go through a float.
+    if let Ok(bytes) = text.parse::<u64>() {
+        return Some(bytes);
+    }
+    let size: bytesize::ByteSize = text.parse().ok()?;
+    // `bytesize` saturates instead of failing on overflow.
+    (size.as_u64() != u64::MAX).then_some(size.as_u64())
 }
 
 /// Whether `text` is a valid Go `time.ParseDuration` string, which is what Ollama applies to a
@@ -336,6 +438,56 @@ mod tests {
         assert!(from_yaml::<Flag>("maybe").is_err());
         assert_eq!(from_yaml::<Float>("\"2.5\""), Ok(Float(2.5)));
         assert!(from_yaml::<Text>("[1, 2]").is_err());
+    }
+
+    #[test]
+    fn byte_sizes() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(from_yaml::<Bytes>("24GiB"), Ok(Bytes(24 * GIB)));
+        assert_eq!(from_yaml::<Bytes>("24 GB"), Ok(Bytes(24_000_000_000)));
+        assert_eq!(from_yaml::<Bytes>("8000MiB"), Ok(Bytes(8000 << 20)));
+        assert_eq!(from_yaml::<Bytes>("\" 16 gib \""), Ok(Bytes(16 * GIB)));
+        assert_eq!(from_yaml::<Bytes>("1.5 GiB"), Ok(Bytes(3 * GIB / 2)));
+        assert_eq!(from_yaml::<Bytes>("25769803776"), Ok(Bytes(24 * GIB)));
+        assert_eq!(from_yaml::<Bytes>("\"1024\""), Ok(Bytes(1024)));
+        for bad in [
+            "-1",
+            "1.5",
+            "lots",
+            "24 XB",
+            "\"\"",
+            "[1]",
+            "99999999999 EiB",
+        ] {
+            let error = from_yaml::<Bytes>(bad).unwrap_err();
+            assert!(
+                !error.contains("lots") && !error.contains("XB"),
+                "{bad}: {error}"
+            );
+        }
+    }
+
+    #[test]
+    fn per_tier_durations() {
+        assert_eq!(
+            from_yaml::<PerTier>("2"),
+            Ok(PerTier::All(Seconds(Duration::from_secs(2))))
+        );
+        assert_eq!(
+            from_yaml::<PerTier>("\"500ms\""),
+            Ok(PerTier::All(Seconds(Duration::from_millis(500))))
+        );
+        assert_eq!(
+            from_yaml::<PerTier>("{high: 0.5, low: 60}"),
+            Ok(PerTier::Each {
+                high: Some(Seconds(Duration::from_millis(500))),
+                normal: None,
+                low: Some(Seconds(Duration::from_secs(60))),
+            })
+        );
+        assert!(from_yaml::<PerTier>("[1]").is_err());
+        assert!(from_yaml::<PerTier>("{high: soon}").is_err());
+        assert!(from_yaml::<PerTier>("-1").is_err());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde_yaml::Value;
 
 use super::error::Problems;
-use super::scalar::{Flag, Float, Int, KeepAliveValue, Seconds, Text};
+use super::scalar::{Bytes, Flag, Float, Int, KeepAliveValue, PerTier, Seconds, Text};
 
 /// The top-level sections, in file order.
 pub(crate) const SECTIONS: &[&str] = &[
@@ -105,6 +105,8 @@ pub(crate) struct RawHost {
     pub fallback_models: Option<Vec<Text>>,
     #[serde(default)]
     pub node: Option<Text>,
+    #[serde(default)]
+    pub vram: Option<Bytes>,
 }
 
 /// A key given three possible ways; exactly one must be set.
@@ -126,6 +128,16 @@ pub(crate) struct RawQueue {
     pub overflow_status_code: Option<Int>,
     pub max_queued_mb: Option<Int>,
     pub fair_share: Option<RawFairShare>,
+    pub model_swap: Option<RawModelSwap>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawModelSwap {
+    pub enabled: Option<Flag>,
+    pub max_defer: Option<PerTier>,
+    pub idle_grace: Option<Seconds>,
+    pub unload: Option<Flag>,
 }
 
 #[derive(Debug, Default, Deserialize)]

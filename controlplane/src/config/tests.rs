@@ -80,6 +80,13 @@ fn every_default() {
     assert_eq!(queue.overflow_status_code, 503);
     assert_eq!(queue.max_queued_mb, 512);
     assert_eq!(queue.fair_share.half_life, Duration::from_secs(60));
+    assert_eq!(queue.model_swap, ModelSwapConfig::default());
+    assert!(queue.model_swap.enabled && queue.model_swap.unload);
+    assert_eq!(
+        queue.model_swap.max_defer,
+        [1, 5, 30].map(Duration::from_secs)
+    );
+    assert_eq!(queue.model_swap.idle_grace, Duration::from_millis(300));
 
     assert!(!config.webhooks.enabled);
     assert_eq!(config.webhooks.url, "");
@@ -1240,6 +1247,11 @@ const BOUNDED_KEYS: &[(&str, &str, &str)] = &[
         "dashboard.refresh_seconds",
         "86400",
     ),
+    (
+        "queue: {model_swap: {idle_grace: {}}}\n",
+        "queue.model_swap.idle_grace",
+        "10s",
+    ),
 ];
 
 #[test]
@@ -1320,5 +1332,206 @@ fn embedding_cache_max_inputs_is_bounded() {
                 "embedding_cache.max_inputs must be between 1 and 100000, got {bad}"
             )]
         );
+    }
+}
+
+/// The VRAM config of every host of `yaml` (a `hosts:` list body).
+fn vram_of(hosts: &str) -> Vec<Option<u64>> {
+    let config = load(&format!("ollama:\n  hosts:\n{hosts}")).config;
+    config.ollama.hosts.iter().map(|host| host.vram).collect()
+}
+
+#[test]
+fn host_vram_takes_byte_sizes_and_names_its_key() {
+    const GIB: u64 = 1 << 30;
+    assert_eq!(
+        vram_of(
+            "    - {url: http://a:11434, name: a, vram: 24GiB}\n\
+             \x20   - {url: http://b:11434, name: b, vram: 24 GB}\n\
+             \x20   - {url: http://c:11434, name: c, vram: 8000MiB}\n\
+             \x20   - {url: http://d:11434, name: d, vram: 17179869184}\n\
+             \x20   - {url: http://e:11434, name: e}\n"
+        ),
+        [
+            Some(24 * GIB),
+            Some(24_000_000_000),
+            Some(8000 << 20),
+            Some(16 * GIB),
+            None
+        ]
+    );
+    let config = load_with(ONE_HOST, &[("OQP_OLLAMA__HOSTS__0__VRAM", "12GiB")])
+        .unwrap()
+        .config;
+    assert_eq!(config.ollama.hosts[0].vram, Some(12 * GIB));
+
+    let errors = problems(
+        "ollama:\n  hosts:\n    - {url: http://a:11434, name: a}\n    \
+         - {url: http://b:11434, name: b, vram: lots}\n    \
+         - {url: http://c:11434, name: c, vram: -1}\n    \
+         - {url: http://d:11434, name: d, vram: 1.5}\n",
+        &[],
+    );
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(
+        errors[0].starts_with("ollama.hosts[1].vram: not a byte size"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[1].starts_with("ollama.hosts[2].vram: a byte size cannot be negative"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[2].starts_with("ollama.hosts[3].vram: invalid type: floating point"),
+        "{errors:?}"
+    );
+    assert!(!errors.iter().any(|e| e.contains("lots")), "{errors:?}");
+
+    let errors = problems(
+        "ollama:\n  hosts:\n    - {url: http://a:11434, name: a, vram: 0}\n    \
+         - {url: http://b:11434, name: b, vram: 1000}\n    \
+         - {url: http://c:11434, name: c, vram: 2PiB}\n",
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "ollama.hosts[0].vram must be > 0 (omit it to learn the capacity from what is seen resident)",
+            "ollama.hosts[1].vram must be between 1 MiB and 1 PiB, got 1000 bytes",
+            "ollama.hosts[2].vram must be between 1 MiB and 1 PiB, got 2251799813685248 bytes",
+        ]
+    );
+
+    let Loaded { config, warnings } = load(
+        "ollama:\n  hosts:\n    - {url: https://ollama.com, name: cloud, vram: 24GiB, api_keys: [{key: k}]}\n",
+    );
+    assert_eq!(config.ollama.hosts[0].vram, None);
+    assert_eq!(
+        warnings,
+        ["ollama.hosts[0].vram has no effect on a cloud host (its models are not loaded here)"]
+    );
+}
+
+#[test]
+fn model_swap_settings() {
+    let swap = |yaml: &str| load(&with_host(yaml)).config.queue.model_swap;
+    assert_eq!(swap("queue:\n  model_swap:\n"), ModelSwapConfig::default());
+    let all =
+        swap("queue:\n  model_swap: {enabled: false, max_defer: 2.5, idle_grace: 0, unload: no}\n");
+    assert!(!all.enabled && !all.unload);
+    assert_eq!(all.max_defer, [Duration::from_millis(2500); 3]);
+    assert_eq!(all.idle_grace, Duration::ZERO);
+    // Missing tiers keep their own defaults.
+    let each = swap("queue:\n  model_swap: {max_defer: {high: 500ms, low: 60}, idle_grace: 1.5}\n");
+    assert!(each.enabled && each.unload);
+    assert_eq!(
+        each.max_defer,
+        [
+            Duration::from_millis(500),
+            Duration::from_secs(5),
+            Duration::from_secs(60)
+        ]
+    );
+    assert_eq!(each.idle_grace, Duration::from_millis(1500));
+    assert_eq!(each.max_defer(Tier::Low), Duration::from_secs(60));
+    // Overrides, the way every queue key has them.
+    let config = load_with(
+        ONE_HOST,
+        &[
+            ("OQP_QUEUE__MODEL_SWAP__ENABLED", "false"),
+            ("OQP_QUEUE__MODEL_SWAP__MAX_DEFER__NORMAL", "3"),
+            ("OQP_QUEUE__MODEL_SWAP__IDLE_GRACE", "250ms"),
+        ],
+    )
+    .unwrap()
+    .config;
+    let env = config.queue.model_swap;
+    assert!(!env.enabled);
+    assert_eq!(env.max_defer[1], Duration::from_secs(3));
+    assert_eq!(env.idle_grace, Duration::from_millis(250));
+    // A tier's max_wait bounds its max_defer; the tier's own max_wait counts.
+    let config = load(&with_host(
+        "queue:\n  high: {max_wait: 2}\n  model_swap: {max_defer: {high: 1.5}}\n",
+    ))
+    .config;
+    assert_eq!(
+        config.queue.model_swap.max_defer[0],
+        Duration::from_millis(1500)
+    );
+    // A default is lowered to half a short max_wait rather than outlast it.
+    let config = load(&with_host(
+        "queue:\n  high: {max_wait: 1}\n  low: {max_wait: 40}\n",
+    ))
+    .config;
+    assert_eq!(
+        config.queue.model_swap.max_defer,
+        [
+            Duration::from_millis(500),
+            Duration::from_secs(5),
+            Duration::from_secs(20)
+        ]
+    );
+    // An unknown tier is an unknown key, as everywhere.
+    let warnings = load(&with_host(
+        "queue:\n  model_swap: {max_defer: {urgent: 1}}\n",
+    ))
+    .warnings;
+    assert_eq!(
+        warnings,
+        ["unknown key 'queue.model_swap.max_defer.urgent' (ignored)"]
+    );
+}
+
+#[test]
+fn model_swap_errors_name_their_key() {
+    let errors = problems(
+        &with_host(
+            "queue:\n  high: {max_wait: 1}\n  model_swap:\n    \
+             max_defer: {high: 1, normal: 0, low: 601}\n    idle_grace: 11\n",
+        ),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "queue.model_swap.max_defer.high (1s) must be below queue.high.max_wait (1s): a request held that long would expire",
+            "queue.model_swap.max_defer.normal must be > 0 (set queue.model_swap.enabled: false to never hold requests back)",
+            "queue.model_swap.max_defer.low (10m 1s) must be below queue.low.max_wait (10m): a request held that long would expire",
+            "queue.model_swap.idle_grace must be at most 10s, got 11s",
+        ]
+    );
+    let errors = problems(&with_host("queue:\n  model_swap: {max_defer: 0}\n"), &[]);
+    assert_eq!(
+        errors,
+        [
+            "queue.model_swap.max_defer must be > 0 (set queue.model_swap.enabled: false to never hold requests back)"
+        ]
+    );
+    let errors = problems(
+        &with_host("queue:\n  normal: {max_wait: 4}\n  model_swap: {max_defer: 4}\n"),
+        &[],
+    );
+    assert_eq!(
+        errors,
+        [
+            "queue.model_swap.max_defer (4s) must be below queue.normal.max_wait (4s): a request held that long would expire"
+        ]
+    );
+    for (yaml, path) in [
+        ("{enabled: maybe}", "queue.model_swap.enabled: "),
+        ("{unload: 2}", "queue.model_swap.unload: "),
+        ("{idle_grace: -1}", "queue.model_swap.idle_grace: "),
+        ("{idle_grace: soon}", "queue.model_swap.idle_grace: "),
+        ("{max_defer: [1]}", "queue.model_swap.max_defer: "),
+        (
+            "{max_defer: {low: soon}}",
+            "queue.model_swap.max_defer.low: ",
+        ),
+        ("{max_defer: -2}", "queue.model_swap.max_defer: "),
+        ("3", "queue.model_swap: "),
+    ] {
+        let errors = problems(&with_host(&format!("queue:\n  model_swap: {yaml}\n")), &[]);
+        assert_eq!(errors.len(), 1, "{yaml}: {errors:?}");
+        assert!(errors[0].starts_with(path), "{yaml}: {errors:?}");
     }
 }

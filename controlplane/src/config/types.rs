@@ -93,6 +93,8 @@ pub struct HostConfig {
     pub fallback_models: Vec<String>,
     /// The node whose data plane alone dispatches to this host; `None` = every data plane.
     pub node: Option<String>,
+    /// VRAM capacity in bytes (`vram`); `None` = learned from what is seen resident together.
+    pub vram: Option<u64>,
 }
 
 /// A key of a cloud host's pool.
@@ -114,6 +116,21 @@ pub struct QueueConfig {
     /// MiB of request bodies allowed to wait across all tiers.
     pub max_queued_mb: u64,
     pub fair_share: FairShareConfig,
+    pub model_swap: ModelSwapConfig,
+}
+
+/// `queue.model_swap`: hold back requests for a model that is not in VRAM, to batch switches.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSwapConfig {
+    pub enabled: bool,
+    /// Per tier (high, normal, low): the longest a request is held back for its model; each
+    /// is below its tier's `max_wait`.
+    pub max_defer: [Duration; 3],
+    /// How long the resident models must have had no work before a switch may happen early;
+    /// at most 10 s.
+    pub idle_grace: Duration,
+    /// Unload the model switched away from explicitly (`keep_alive: 0`).
+    pub unload: bool,
 }
 
 /// One tier of the queue.
@@ -368,6 +385,42 @@ impl Default for QueueConfig {
             overflow_status_code: 503,
             max_queued_mb: 512,
             fair_share: FairShareConfig::default(),
+            model_swap: ModelSwapConfig::default(),
+        }
+    }
+}
+
+impl ModelSwapConfig {
+    /// The longest `idle_grace`.
+    pub const MAX_IDLE_GRACE: Duration = Duration::from_secs(10);
+
+    /// The bound of one tier.
+    pub fn max_defer(&self, tier: Tier) -> Duration {
+        self.max_defer[Self::index(tier)]
+    }
+
+    /// The position of a tier in `max_defer`.
+    pub fn index(tier: Tier) -> usize {
+        match tier {
+            Tier::High => 0,
+            Tier::Normal => 1,
+            Tier::Low => 2,
+        }
+    }
+}
+
+impl Default for ModelSwapConfig {
+    /// On; held back at most 1 s (high), 5 s (normal), 30 s (low); 300 ms grace; explicit unload.
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_defer: [
+                Duration::from_secs(1),
+                Duration::from_secs(5),
+                Duration::from_secs(30),
+            ],
+            idle_grace: Duration::from_millis(300),
+            unload: true,
         }
     }
 }

@@ -18,6 +18,7 @@
 //! GPU boxes ([`nodes`]).
 
 mod nodes;
+mod swap;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -422,7 +423,8 @@ impl AdminService for AdminApi {
                         acc.2 + r.failures,
                     )
                 });
-                api::HostInfo {
+                let owner = nodes::owner_of(&config, &host.name);
+                let mut info = api::HostInfo {
                     name: host.name.clone(),
                     url: host.url.clone(),
                     kind: host.kind,
@@ -436,8 +438,11 @@ impl AdminService for AdminApi {
                     cloud_keys: cloud_pool(host, &nodes),
                     requests,
                     failures,
-                    node: nodes::owner_of(&config, &host.name),
-                }
+                    ..api::HostInfo::default()
+                };
+                swap::fill(&mut info, host, &owner, &nodes);
+                info.node = owner;
+                info
             })
             .collect();
         Ok(Response::new(api::ListHostsResponse { hosts }))

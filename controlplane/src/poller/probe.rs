@@ -1,6 +1,7 @@
-//! One poll of one host: `GET /api/tags` (installed models, which decides
-//! health) and `GET /api/ps` (loaded models, best effort) at the same time,
-//! each within `routing.model_poll_timeout`.
+//! One poll of one host: `GET /api/tags` (installed models and their sizes on
+//! disk, which decides health) and `GET /api/ps` (loaded and loading models
+//! and their VRAM, best effort) at the same time, each within
+//! `routing.model_poll_timeout`.
 
 use std::time::SystemTime;
 
@@ -17,14 +18,18 @@ use crate::outbound::Outbound;
 /// The largest model list read; a real one is a few hundred bytes per model.
 const BODY_LIMIT: usize = 8 * 1024 * 1024;
 
+/// One row of a model list: its name and bytes (`/api/tags`: `size` on disk;
+/// `/api/ps`: `size_vram`, else `size`).
+pub type Listed = (String, u64);
+
 /// What one poll saw.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Observation {
     /// Installed models, or why `/api/tags` failed (the host is then down).
-    pub tags: Result<Vec<String>, String>,
-    /// Loaded models; `None` when `/api/ps` failed, which alone does not make
-    /// a host unhealthy (Ollama Cloud has no `/api/ps`).
-    pub ps: Option<Vec<String>>,
+    pub tags: Result<Vec<Listed>, String>,
+    /// Loaded and loading models; `None` when `/api/ps` failed, which alone
+    /// does not make a host unhealthy (Ollama Cloud has no `/api/ps`).
+    pub ps: Option<Vec<Listed>>,
 }
 
 impl Observation {
@@ -33,21 +38,24 @@ impl Observation {
     /// a failed `/api/ps` on a healthy host keeps the last loaded list, so a
     /// slow `/api/ps` does not flap the snapshot.
     pub fn to_inventory(&self, previous: Option<&Inventory>, now: SystemTime) -> Inventory {
-        let previous_installed = || previous.map(|p| p.installed.clone()).unwrap_or_default();
-        let previous_loaded = || previous.map(|p| p.loaded.clone()).unwrap_or_default();
-        match &self.tags {
-            Ok(installed) => Inventory {
-                healthy: true,
-                installed: installed.clone(),
-                loaded: self.ps.clone().unwrap_or_else(previous_loaded),
-                last_checked: Some(now),
-            },
-            Err(_) => Inventory {
-                healthy: false,
-                installed: previous_installed(),
-                loaded: previous_loaded(),
-                last_checked: Some(now),
-            },
+        let previous_sizes = || previous.map(|p| p.sizes.clone()).unwrap_or_default();
+        let previous_resident = || previous.map(|p| p.resident.clone()).unwrap_or_default();
+        let (healthy, sizes, resident) = match &self.tags {
+            Ok(installed) => (
+                true,
+                installed.clone(),
+                self.ps.clone().unwrap_or_else(previous_resident),
+            ),
+            Err(_) => (false, previous_sizes(), previous_resident()),
+        };
+        let names = |list: &[Listed]| list.iter().map(|(name, _)| name.clone()).collect();
+        Inventory {
+            healthy,
+            installed: names(&sizes),
+            loaded: names(&resident),
+            sizes,
+            resident,
+            last_checked: Some(now),
         }
     }
 }
@@ -64,8 +72,8 @@ pub async fn probe(client: &Outbound, target: &Target) -> Observation {
     Observation { tags, ps: ps.ok() }
 }
 
-/// `GET {url}{path}` → the sorted `models[].name` list.
-async fn models(client: &Outbound, target: &Target, path: &str) -> Result<Vec<String>, String> {
+/// `GET {url}{path}` → the sorted `models[]` list.
+async fn models(client: &Outbound, target: &Target, path: &str) -> Result<Vec<Listed>, String> {
     let mut request = Request::get(format!("{}{path}", target.url))
         .header(ACCEPT, "application/json")
         // Lets an upstream (and a test's fake) tell polls from proxied traffic.
@@ -88,27 +96,31 @@ async fn models(client: &Outbound, target: &Target, path: &str) -> Result<Vec<St
     parse_models(&reply.body).map_err(|e| format!("{path}: {e}"))
 }
 
-/// `{"models": [{"name": …}, …]}` → sorted, deduplicated names. Sorting
-/// keeps the snapshot stable: Ollama orders `/api/ps` by expiry.
-pub fn parse_models(body: &[u8]) -> Result<Vec<String>, String> {
+/// `{"models": [{"name": …, "size": …, "size_vram": …}, …]}` → names with
+/// their bytes, sorted by name, deduplicated. Bytes are `size_vram` when it is
+/// there and not zero (`/api/ps`), else `size`, else 0. Sorting keeps the
+/// snapshot stable: Ollama orders `/api/ps` by expiry.
+pub fn parse_models(body: &[u8]) -> Result<Vec<Listed>, String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|e| format!("not a JSON model list: {e}"))?;
     let Some(entries) = value.get("models").and_then(Value::as_array) else {
         return Err("not a JSON model list: no \"models\" array".to_owned());
     };
-    let mut names: Vec<String> = entries
+    let mut models: Vec<Listed> = entries
         .iter()
         .filter_map(|entry| {
-            entry
+            let name = entry
                 .get("name")
                 .or_else(|| entry.get("model"))
-                .and_then(Value::as_str)
+                .and_then(Value::as_str)?;
+            let bytes = |key: &str| entry.get(key).and_then(Value::as_u64).filter(|&b| b > 0);
+            let size = bytes("size_vram").or_else(|| bytes("size")).unwrap_or(0);
+            Some((name.to_owned(), size))
         })
-        .map(str::to_owned)
         .collect();
-    names.sort();
-    names.dedup();
-    Ok(names)
+    models.sort();
+    models.dedup_by(|later, first| later.0 == first.0);
+    Ok(models)
 }
 
 #[cfg(test)]
@@ -116,16 +128,29 @@ pub fn parse_models(body: &[u8]) -> Result<Vec<String>, String> {
 mod tests {
     use super::*;
 
+    fn listed(models: &[(&str, u64)]) -> Vec<Listed> {
+        models
+            .iter()
+            .map(|(name, bytes)| ((*name).to_owned(), *bytes))
+            .collect()
+    }
+
     #[test]
-    fn model_lists_parse_sorted() {
-        let body = br#"{"models":[{"name":"qwen3:8b","model":"qwen3:8b","size":1},{"name":"llama3:latest"},{"model":"only-model"},{"size":3},{"name":"llama3:latest"}]}"#;
+    fn model_lists_parse_sorted_with_their_bytes() {
+        let body = br#"{"models":[{"name":"qwen3:8b","model":"qwen3:8b","size":1},{"name":"llama3:latest"},{"model":"only-model"},{"size":3},{"name":"llama3:latest","size":7}]}"#;
         assert_eq!(
             parse_models(body).unwrap(),
-            ["llama3:latest", "only-model", "qwen3:8b"]
+            listed(&[("llama3:latest", 0), ("only-model", 0), ("qwen3:8b", 1)])
+        );
+        // /api/ps: VRAM first; a model on the CPU (size_vram 0) counts its size.
+        let ps = br#"{"models":[{"name":"a:1","size":9,"size_vram":6},{"name":"b:1","size":5,"size_vram":0},{"name":"c:1","size":-2}]}"#;
+        assert_eq!(
+            parse_models(ps).unwrap(),
+            listed(&[("a:1", 6), ("b:1", 5), ("c:1", 0)])
         );
         assert_eq!(
             parse_models(br#"{"models":[]}"#).unwrap(),
-            Vec::<String>::new()
+            Vec::<Listed>::new()
         );
     }
 
@@ -142,6 +167,8 @@ mod tests {
             healthy: true,
             installed: vec!["a".into(), "b".into()],
             loaded: vec!["a".into()],
+            sizes: listed(&[("a", 10), ("b", 20)]),
+            resident: listed(&[("a", 12)]),
             last_checked: None,
         }
     }
@@ -157,6 +184,8 @@ mod tests {
         assert!(!inventory.healthy);
         assert_eq!(inventory.installed, ["a", "b"]);
         assert_eq!(inventory.loaded, ["a"]);
+        assert_eq!(inventory.sizes, listed(&[("a", 10), ("b", 20)]));
+        assert_eq!(inventory.resident, listed(&[("a", 12)]));
         assert_eq!(inventory.last_checked, Some(now));
         assert_eq!(observation.to_inventory(None, now).installed.len(), 0);
     }
@@ -165,17 +194,20 @@ mod tests {
     fn a_failed_ps_alone_keeps_the_host_healthy() {
         let now = SystemTime::now();
         let observation = Observation {
-            tags: Ok(vec!["a".into(), "c".into()]),
+            tags: Ok(listed(&[("a", 10), ("c", 30)])),
             ps: None,
         };
         let inventory = observation.to_inventory(Some(&previous()), now);
         assert!(inventory.healthy);
         assert_eq!(inventory.installed, ["a", "c"]);
+        assert_eq!(inventory.sizes, listed(&[("a", 10), ("c", 30)]));
         assert_eq!(inventory.loaded, ["a"]);
+        assert_eq!(inventory.resident, listed(&[("a", 12)]));
         let fresh = Observation {
-            tags: Ok(vec!["a".into()]),
+            tags: Ok(listed(&[("a", 10)])),
             ps: Some(vec![]),
         };
-        assert!(fresh.to_inventory(Some(&previous()), now).loaded.is_empty());
+        let inventory = fresh.to_inventory(Some(&previous()), now);
+        assert!(inventory.loaded.is_empty() && inventory.resident.is_empty());
     }
 }

@@ -50,7 +50,7 @@ fn only_a_new_server_invalidates_what_was_learned() {
 
 fn up(models: &[&str]) -> Observation {
     Observation {
-        tags: Ok(models.iter().map(|m| (*m).to_owned()).collect()),
+        tags: Ok(models.iter().map(|m| ((*m).to_owned(), 1)).collect()),
         ps: Some(Vec::new()),
     }
 }

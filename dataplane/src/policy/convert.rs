@@ -370,7 +370,44 @@ fn convert_queue(queue: wire::QueueSettings) -> Result<QueueSettings, PolicyErro
             "queue.fair_share_half_life_ms",
         )?,
         drain_generation: queue.drain_generation,
-        model_swap: crate::policy::ModelSwap::default(),
+        model_swap: convert_model_swap(queue.model_swap)?,
+    })
+}
+
+/// `queue.model_swap`: unset (an older control plane) = the defaults; a bound of 0 = its
+/// default too (the control plane never sends one).
+fn convert_model_swap(
+    settings: Option<wire::ModelSwapSettings>,
+) -> Result<crate::policy::ModelSwap, PolicyError> {
+    let defaults = crate::policy::ModelSwap::default();
+    let Some(settings) = settings else {
+        return Ok(defaults);
+    };
+    let [high, normal, low] = defaults.max_defer;
+    Ok(crate::policy::ModelSwap {
+        enabled: settings.enabled,
+        max_defer: [
+            millis(
+                settings.max_defer_high_ms,
+                high,
+                "queue.model_swap.max_defer_high_ms",
+            )?,
+            millis(
+                settings.max_defer_normal_ms,
+                normal,
+                "queue.model_swap.max_defer_normal_ms",
+            )?,
+            millis(
+                settings.max_defer_low_ms,
+                low,
+                "queue.model_swap.max_defer_low_ms",
+            )?,
+        ],
+        idle_grace: bounded(
+            Duration::from_millis(settings.idle_grace_ms),
+            "queue.model_swap.idle_grace_ms",
+        )?,
+        unload: settings.unload,
     })
 }
 
@@ -427,7 +464,19 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
             .collect(),
         fallback_models: host.fallback_models,
         owner: (!host.node.is_empty()).then(|| Arc::from(host.node)),
-        vram: crate::policy::Vram::default(),
+        vram: crate::policy::Vram {
+            capacity: (host.vram_bytes > 0).then_some(host.vram_bytes),
+            resident: host
+                .resident
+                .iter()
+                .map(|m| (normalize_model(&m.name), m.bytes))
+                .collect(),
+            sizes: host
+                .sizes
+                .iter()
+                .map(|m| (normalize_model(&m.name), m.bytes))
+                .collect(),
+        },
     })
 }
 
@@ -539,6 +588,30 @@ mod tests {
         ("queue.fair_share_half_life_ms", |s, v| {
             s.queue.get_or_insert_default().fair_share_half_life_ms = v;
         }),
+        ("queue.model_swap.max_defer_high_ms", |s, v| {
+            let swap = s
+                .queue
+                .get_or_insert_default()
+                .model_swap
+                .get_or_insert_default();
+            swap.max_defer_high_ms = v;
+        }),
+        ("queue.model_swap.max_defer_low_ms", |s, v| {
+            let swap = s
+                .queue
+                .get_or_insert_default()
+                .model_swap
+                .get_or_insert_default();
+            swap.max_defer_low_ms = v;
+        }),
+        ("queue.model_swap.idle_grace_ms", |s, v| {
+            let swap = s
+                .queue
+                .get_or_insert_default()
+                .model_swap
+                .get_or_insert_default();
+            swap.idle_grace_ms = v;
+        }),
         ("routing.acquire_timeout_ms", |s, v| {
             s.routing.get_or_insert_default().acquire_timeout_ms = v;
         }),
@@ -601,5 +674,74 @@ mod tests {
             .store(vec![(keys[0].clone(), bytes::Bytes::from_static(b"[1]"))])
             .await;
         assert!(cache.lookup(&keys).await[0].is_some());
+    }
+
+    #[test]
+    fn model_swap_settings_and_host_vram_convert() {
+        use crate::policy::{ModelSwap, Vram};
+        // An older control plane sends no settings: the defaults.
+        let policy = Policy::try_from(crate::policy::minimal_wire()).unwrap();
+        assert_eq!(policy.queue.model_swap, ModelSwap::default());
+
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.queue.get_or_insert_default().model_swap = Some(wire::ModelSwapSettings {
+            enabled: false,
+            max_defer_high_ms: 500,
+            max_defer_normal_ms: 0,
+            max_defer_low_ms: 60_000,
+            idle_grace_ms: 0,
+            unload: false,
+        });
+        let host = &mut snapshot.hosts[0];
+        host.vram_bytes = 24 << 30;
+        host.resident = vec![wire::ModelSize {
+            name: "Llama3".into(),
+            bytes: 5_000,
+        }];
+        host.sizes = vec![
+            wire::ModelSize {
+                name: "llama3:latest".into(),
+                bytes: 4_700,
+            },
+            wire::ModelSize {
+                name: "registry.ollama.ai/library/qwen3:8b".into(),
+                bytes: 5_200,
+            },
+        ];
+        let policy = Policy::try_from(snapshot).unwrap();
+        assert_eq!(
+            policy.queue.model_swap,
+            ModelSwap {
+                enabled: false,
+                max_defer: [
+                    Duration::from_millis(500),
+                    Duration::from_secs(5),
+                    Duration::from_secs(60)
+                ],
+                idle_grace: Duration::ZERO,
+                unload: false,
+            }
+        );
+        let host = policy.hosts.first().map(|h| h.vram.clone());
+        let expected = Vram {
+            capacity: Some(24 << 30),
+            resident: vec![(normalize_model("Llama3"), 5_000)],
+            sizes: [
+                (normalize_model("llama3:latest"), 4_700),
+                (
+                    normalize_model("registry.ollama.ai/library/qwen3:8b"),
+                    5_200,
+                ),
+            ]
+            .into_iter()
+            .collect(),
+        };
+        assert_eq!(host, Some(expected));
+        assert_eq!(normalize_model("Llama3"), normalize_model("llama3:latest"));
+
+        // Unset VRAM fields: capacity learned, nothing known resident.
+        let policy = Policy::try_from(crate::policy::minimal_wire()).unwrap();
+        let host = policy.hosts.first().map(|h| h.vram.clone());
+        assert_eq!(host, Some(Vram::default()));
     }
 }

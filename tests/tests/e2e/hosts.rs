@@ -629,3 +629,76 @@ async fn queue_events_from_the_data_plane_arrive_once_with_the_client_id() {
     assert!(extra.is_err(), "unexpected webhook: {extra:?}");
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn resident_models_reach_the_snapshot_with_their_sizes() {
+    const GIB: u64 = 1 << 30;
+    let fake = FakeOllama::builder()
+        .model("llama3:8b")
+        .model("qwen3:8b")
+        .loaded("llama3:8b")
+        .vram(24 * GIB)
+        .model_size("llama3:8b", 5 * GIB)
+        .model_size("qwen3:8b", 6 * GIB)
+        .spawn()
+        .await;
+    let stack = Stack::start(&format!(
+        "ollama:\n  hosts:\n    \
+         - {{url: \"{}\", name: gpu, model_sync_interval: 1, vram: 24GiB}}\n\
+         routing:\n  model_poll_timeout: 2\n",
+        fake.url()
+    ))
+    .await;
+    let size = |name: &str, bytes: u64| wire::ModelSize {
+        name: name.to_owned(),
+        bytes,
+    };
+
+    // The start-up probe: the preloaded model with its VRAM, every installed
+    // model with its size on disk, the configured capacity.
+    let first = stack.control.hub().current();
+    let gpu = host(&first, "gpu");
+    assert_eq!(gpu.vram_bytes, 24 * GIB);
+    assert_eq!(gpu.resident, [size("llama3:8b", 5 * GIB)]);
+    let installed: Vec<&str> = gpu.sizes.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(installed, ["llama3:8b", "qwen3:8b"]);
+    assert!(gpu.sizes.iter().all(|m| m.bytes > 0), "{:?}", gpu.sizes);
+
+    // The data plane holds them under normalised names.
+    stack.wait_for_version(first.version).await;
+    let policy = stack
+        .control
+        .dataplane()
+        .expect("data plane")
+        .app()
+        .store
+        .load();
+    let vram = &policy.hosts[0].vram;
+    assert_eq!(vram.capacity, Some(24 * GIB));
+    assert_eq!(vram.resident, [("llama3:8b".to_owned(), 5 * GIB)]);
+    assert!(vram.sizes.contains_key("qwen3:8b"), "{vram:?}");
+
+    // A model loaded by a request shows up at a later poll, beside the first.
+    let http = oqp_tests::client::HttpClient::new();
+    let reply = http
+        .post_json(
+            &format!("{}/api/generate", stack.url()),
+            &[],
+            &serde_json::json!({"model": "qwen3:8b", "prompt": "hi", "stream": false}),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let snapshot = wait_snapshot(&stack, "qwen3:8b resident", |s| {
+        host(s, "gpu").resident.len() == 2
+    })
+    .await;
+    assert_eq!(
+        host(&snapshot, "gpu").resident,
+        [size("llama3:8b", 5 * GIB), size("qwen3:8b", 6 * GIB)]
+    );
+    assert_eq!(
+        host(&snapshot, "gpu").loaded_models,
+        ["llama3:8b", "qwen3:8b"]
+    );
+    stack.shutdown().await;
+}

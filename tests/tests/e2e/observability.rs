@@ -1154,3 +1154,37 @@ async fn eight_hundred_long_self_chosen_client_ids_keep_reports_and_status_worki
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn status_shows_each_hosts_vram_with_its_configured_capacity() {
+    const GIB: u64 = 1 << 30;
+    let fake = FakeOllama::builder()
+        .model("llama3:8b")
+        .loaded("llama3:8b")
+        .vram(24 * GIB)
+        .model_size("llama3:8b", 5 * GIB)
+        .spawn()
+        .await;
+    let stack = Stack::start(&format!(
+        "ollama:\n  hosts:\n    - {{url: \"{}\", name: gpu, vram: 24GiB}}\n",
+        fake.url()
+    ))
+    .await;
+    let status = HttpClient::new()
+        .get(&format!("{}/queue/status", stack.url()), &[])
+        .await
+        .json();
+    let vram = &status["hosts"][0]["vram"];
+    assert_eq!(vram["capacity_bytes"], 24 * GIB, "{status}");
+    assert_eq!(vram["capacity_learned"], false);
+    assert_eq!(
+        vram["resident"],
+        json!([{"model": "llama3:8b", "bytes": 5 * GIB}])
+    );
+    assert_eq!(vram["held"], 0);
+    assert_eq!(vram["oldest_held_ms"], Value::Null);
+    assert_eq!(vram["switching_to"], Value::Null);
+    assert_eq!(vram["switches"], 0);
+    assert_eq!(vram["bypassed"], false);
+    stack.shutdown().await;
+}

@@ -1,0 +1,104 @@
+//! `oqpctl hosts` shows each host's VRAM end to end: the real binary against a
+//! real control plane (with its in-process data plane) that polls the fake
+//! Ollama in VRAM mode.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use oqp_controlplane::config::Env;
+use oqp_controlplane::{ControlPlane, Options};
+use oqp_tests::fake::FakeOllama;
+use serde_json::Value;
+
+const GIB: u64 = 1 << 30;
+
+async fn oqpctl(control: &ControlPlane, args: &[&str]) -> String {
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
+        .arg("--control-plane")
+        .arg(format!("http://{}", control.local_addr()))
+        .arg("--no-color")
+        .args(args)
+        .env_remove("OQPCTL_KEY")
+        .env_remove("OQP_CONTROL_PLANE")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "oqpctl {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn hosts_show_the_configured_vram_and_the_resident_model() {
+    let fake = FakeOllama::builder()
+        .model("llama3:8b")
+        .model("qwen3:8b")
+        .loaded("llama3:8b")
+        .vram(24 * GIB)
+        .model_size("llama3:8b", 5 * GIB)
+        .spawn()
+        .await;
+    let learned = FakeOllama::builder().model("phi3:mini").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n\
+             \x20   - {{url: '{}', name: gpu, vram: 24GiB}}\n\
+             \x20   - {{url: '{}', name: spare}}\n\
+             control_plane:\n  state_dir: '{}'\n",
+            fake.url(),
+            learned.url(),
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let control = ControlPlane::start(Options {
+        config_path: config,
+        env: Env::empty(),
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        with_dataplane: true,
+        dataplane_listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        clock: None,
+    })
+    .await
+    .unwrap();
+
+    // The start-up probe ran before the control plane served anything.
+    let text = oqpctl(&control, &["hosts"]).await;
+    let header = text.lines().find(|line| line.contains(" host ")).unwrap();
+    for column in [" resident ", " vram ", " held "] {
+        assert!(header.contains(column), "{text}");
+    }
+    let row = |name: &str| {
+        text.lines()
+            .find(|line| line.starts_with(&format!("| {name} ")))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{text}"))
+            .to_owned()
+    };
+    assert!(row("gpu").contains(" llama3:8b 5 GiB "), "{text}");
+    assert!(row("gpu").contains(" 24 GiB "), "{text}");
+    assert!(row("gpu").contains(" 0 "), "{text}");
+    assert!(row("spare").contains(" ? "), "{text}");
+
+    let json: Value =
+        serde_json::from_str(&oqpctl(&control, &["hosts", "--output", "json"]).await).unwrap();
+    let gpu = &json[0];
+    assert_eq!(gpu["name"], "gpu");
+    assert_eq!(gpu["vram_bytes"], 24 * GIB);
+    assert_eq!(gpu["vram_learned"], false);
+    assert_eq!(
+        gpu["resident"],
+        serde_json::json!([{"model": "llama3:8b", "bytes": 5 * GIB}])
+    );
+    assert_eq!(gpu["held"], 0);
+    assert_eq!(json[1]["vram_bytes"], Value::Null);
+    tokio::time::timeout(Duration::from_secs(10), control.shutdown())
+        .await
+        .expect("control plane stopped");
+}
