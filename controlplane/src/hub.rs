@@ -312,6 +312,24 @@ impl Hub {
             })
             .map(|host| host.name.clone())
             .collect();
+        // A load completed on a host since the node's last report: poll it now, so that the
+        // snapshot learns the model's footprint (size_vram) and what it evicted.
+        let loaded: Vec<String> = report
+            .hosts
+            .iter()
+            .filter(|host| {
+                let loads = host.swap.as_ref().map_or(0, |swap| swap.loads);
+                let before = node
+                    .report
+                    .hosts
+                    .iter()
+                    .find(|before| before.name == host.name)
+                    .and_then(|before| before.swap.as_ref())
+                    .map_or(0, |swap| swap.loads);
+                loads > before
+            })
+            .map(|host| host.name.clone())
+            .collect();
         node.report = report;
         node.reported_at = Some(Instant::now());
         let suspect: Vec<String> = newly_unreachable
@@ -319,7 +337,7 @@ impl Hub {
             .filter(|host| state.inventory.get(host).is_none_or(|seen| seen.healthy))
             .collect();
         drop(state);
-        for host in suspect {
+        for host in suspect.into_iter().chain(loaded) {
             self.request_repoll(&host);
         }
     }

@@ -294,6 +294,7 @@ fn swap_report(stat: &crate::swap::SwapStat) -> wire::HostSwapReport {
         switching_to: stat.switching_to.clone().unwrap_or_default(),
         switches: stat.switches,
         bypassed: stat.bypassed,
+        loads: stat.loads,
     }
 }
 
@@ -424,6 +425,7 @@ mod tests {
             switching_to: Some("qwen3:8b".to_owned()),
             switches: 7,
             bypassed: true,
+            loads: 3,
         };
         assert_eq!(
             swap_report(&stat),
@@ -439,6 +441,7 @@ mod tests {
                 switching_to: "qwen3:8b".to_owned(),
                 switches: 7,
                 bypassed: true,
+                loads: 3,
             }
         );
         // Unknown capacity, nothing held: zeros, as proto3 leaves them.

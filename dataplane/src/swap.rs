@@ -51,6 +51,8 @@ pub const BYPASS_CHANGES: usize = 2;
 pub const BYPASS_WINDOW: Duration = Duration::from_secs(600);
 /// The load cost assumed for a model never seen loading.
 pub const DEFAULT_LOAD_COST: Duration = Duration::from_secs(3);
+/// The largest VRAM-to-disk ratio used to estimate an unseen model's footprint.
+const MAX_FOOTPRINT_RATIO: f64 = 8.0;
 /// A `load_duration` below this is a resident model's warm start, not a load.
 pub const LOAD_SEEN: Duration = Duration::from_millis(100);
 
@@ -75,6 +77,8 @@ pub struct SwapStat {
     pub switches: u64,
     /// Off for this host: residency changed in ways oqp did not cause (clients bypass it).
     pub bypassed: bool,
+    /// Loads seen complete since start (a response's `load_duration` showed one).
+    pub loads: u64,
 }
 
 /// Whether a model can run on a host now, as far as its VRAM goes.
@@ -147,8 +151,10 @@ pub struct HostVram {
     configured: Option<u64>,
     learned: u64,
     resident: Vec<Model>,
-    /// `/api/tags` sizes from the snapshot, then `size_vram` once seen.
+    /// Footprints seen resident (`size_vram`).
     sizes: HashMap<String, u64>,
+    /// Sizes on disk (`/api/tags`), for models not seen resident yet.
+    disk: HashMap<String, u64>,
     load_cost: HashMap<String, Duration>,
     switch: Option<Switch>,
     settled_at: Option<Instant>,
@@ -168,6 +174,7 @@ pub struct HostVram {
     foreign: VecDeque<Instant>,
     bypassed_until: Option<Instant>,
     switches: u64,
+    loads: u64,
     unloads: Vec<String>,
 }
 
@@ -202,12 +209,15 @@ impl HostVram {
     pub fn apply(&mut self, host: &Host, now: Instant, wall: SystemTime) {
         self.cloud = host.kind == HostKind::Cloud;
         self.configured = host.vram.capacity;
-        for (name, bytes) in &host.vram.sizes {
-            self.sizes.entry(name.clone()).or_insert(*bytes);
-        }
+        self.disk.clone_from(&host.vram.sizes);
         for (name, bytes) in &host.vram.resident {
             if *bytes > 0 {
                 self.sizes.insert(name.clone(), *bytes);
+            }
+        }
+        for model in &mut self.resident {
+            if let Some(bytes) = self.sizes.get(&model.name) {
+                model.bytes = *bytes;
             }
         }
         let Some(checked) = host.last_checked else {
@@ -223,7 +233,7 @@ impl HostVram {
         let mut polled: Vec<(String, u64)> = host.vram.resident.clone();
         for name in &host.loaded {
             if !polled.iter().any(|(m, _)| m == name) {
-                polled.push((name.clone(), self.sizes.get(name).copied().unwrap_or(0)));
+                polled.push((name.clone(), self.footprint(name).unwrap_or(0)));
             }
         }
         // Two polls in a row where one model appeared and another went: the host evicts, so
@@ -367,8 +377,24 @@ impl HostVram {
         self.resident.iter().any(|m| m.name == model)
     }
 
+    /// A model's footprint in VRAM: as seen resident, else its size on disk scaled by the
+    /// largest VRAM-to-disk ratio seen on this host (weights plus context take more room than
+    /// the file: a model estimated at its file size would be taken to fit beside one it evicts).
     fn footprint(&self, model: &str) -> Option<u64> {
-        self.sizes.get(model).copied()
+        if let Some(bytes) = self.sizes.get(model) {
+            return Some(*bytes);
+        }
+        let disk = *self.disk.get(model)?;
+        let ratio = self
+            .sizes
+            .iter()
+            .filter_map(|(name, vram)| {
+                let disk = *self.disk.get(name)?;
+                (disk > 0).then(|| *vram as f64 / disk as f64)
+            })
+            .fold(1.0_f64, f64::max)
+            .min(MAX_FOOTPRINT_RATIO);
+        Some((disk as f64 * ratio) as u64)
     }
 
     /// The capacity in force: configured, else learned (`None` while nothing is known).
@@ -520,6 +546,7 @@ impl HostVram {
             m.last_used = Some(now);
         }
         if let Some(load) = load.filter(|load| *load >= LOAD_SEEN) {
+            self.loads += 1;
             let cost = self.load_cost.entry(model.to_owned()).or_insert(load);
             *cost = cost.mul_f64(0.7) + load.mul_f64(0.3);
         }
@@ -557,6 +584,7 @@ impl HostVram {
             switching_to: self.switch.as_ref().map(|s| s.to.clone()),
             switches: self.switches,
             bypassed: self.bypassed(now),
+            loads: self.loads,
         }
     }
 }

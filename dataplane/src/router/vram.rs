@@ -39,11 +39,20 @@ impl Router {
         now: Instant,
     ) -> Offer<Placement> {
         let Some(name) = model.filter(|_| self.swap.enabled) else {
+            // Off: plain placement, the VRAM view still kept (for status and reports).
             return match self.choose(model, strategy, &[], false) {
-                Some(placement) => Offer::Run {
-                    placement,
-                    load: Duration::ZERO,
-                },
+                Some(mut placement) => {
+                    if let Some(name) = model
+                        && let Some(state) = self.state_of(&placement.host.name)
+                    {
+                        let key = ModelKey::new(name);
+                        placement.loads = state.vram.dispatched(&key.local, now, SystemTime::now());
+                    }
+                    Offer::Run {
+                        placement,
+                        load: Duration::ZERO,
+                    }
+                }
                 None => Offer::Wait,
             };
         };

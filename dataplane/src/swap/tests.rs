@@ -249,3 +249,21 @@ fn requests_in_flight_keep_their_model_resident_whatever_a_poll_says() {
     vram.apply(&host(Some(10 * GIB), &[], t1), now, t1);
     assert_eq!(vram.fit("a", now), Fit::Resident);
 }
+
+#[test]
+fn an_unseen_models_footprint_is_its_file_size_scaled_as_the_models_seen_resident() {
+    let now = Instant::now();
+    let mut host = host(Some(10 * GIB), &[("a", 8 * GIB)], SystemTime::now());
+    // On disk a and b take 2 GiB each; a takes 8 GiB once loaded (weights and context).
+    host.vram.sizes = [("a", 2 * GIB), ("b", 2 * GIB), ("d", GIB / 4)]
+        .into_iter()
+        .map(|(m, b)| (m.to_owned(), b))
+        .collect();
+    let mut vram = HostVram::new(&host, now);
+    assert_eq!(
+        vram.fit("b", now),
+        Fit::Switch,
+        "b is taken to need 8 GiB too"
+    );
+    assert_eq!(vram.fit("d", now), Fit::Room, "1 GiB fits beside a");
+}

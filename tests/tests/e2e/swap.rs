@@ -166,6 +166,41 @@ fn show(label: &str, served: &[Served]) {
     );
 }
 
+/// One request for each model, each followed by the poll that shows its footprint in VRAM (a
+/// completed load asks the control plane for an early poll): the runs measure the steady
+/// state, not the minute in which oqp learns the models' sizes.
+async fn warm_up(stack: &Stack) {
+    let http = HttpClient::new();
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    for (model, key) in [
+        ("alpha", "sk-xavier-0123456789"),
+        ("beta", "sk-yvonne-0123456789"),
+    ] {
+        let auth = format!("Bearer {key}");
+        let reply = http
+            .post_json(
+                &format!("{}/api/generate", stack.url()),
+                &[("authorization", &auth)],
+                &json!({"model": model, "prompt": "hi", "stream": false}),
+            )
+            .await;
+        assert!(reply.status.is_success(), "{}", reply.text());
+        let seen = eventually(Duration::from_secs(10), || {
+            dispatcher.swap_stats().iter().any(|stat| {
+                stat.resident
+                    .iter()
+                    .any(|(name, bytes)| name.starts_with(model) && *bytes == 8 * GIB)
+            })
+        })
+        .await;
+        assert!(
+            seen,
+            "{model}'s footprint never reached the data plane: {:?}",
+            dispatcher.swap_stats()
+        );
+    }
+}
+
 /// Straight at the fake, then through oqp with the feature off and on.
 async fn three_runs(inflight: usize) -> [Vec<Served>; 3] {
     let (fake, handle) = fake().await;
@@ -194,6 +229,7 @@ async fn three_runs(inflight: usize) -> [Vec<Served>; 3] {
     let mut runs = Vec::new();
     for enabled in [false, true] {
         let stack = Stack::start(&config(&fake.url(), enabled)).await;
+        warm_up(&stack).await;
         let served = run(
             &stack.url(),
             &[
