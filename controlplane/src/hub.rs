@@ -578,4 +578,28 @@ mod tests {
         let asked = tokio::time::timeout(Duration::ZERO, signal.notified()).await;
         assert!(asked.is_err());
     }
+
+    fn loads_report(loads: u64) -> NodeReport {
+        let mut report = report(true);
+        report.hosts[0].swap = Some(wire::HostSwapReport {
+            loads,
+            ..wire::HostSwapReport::default()
+        });
+        report
+    }
+
+    #[tokio::test]
+    async fn a_load_completed_on_a_host_asks_for_an_early_poll_of_it() {
+        let hub = hub("");
+        let signal = hub.repoll_signal("gpu");
+        hub.set_inventory("gpu", healthy(&[]));
+        hub.record_report(loads_report(0));
+        hub.record_report(loads_report(0));
+        let asked = tokio::time::timeout(Duration::ZERO, signal.notified()).await;
+        assert!(asked.is_err(), "no load, no early poll");
+        hub.record_report(loads_report(1));
+        tokio::time::timeout(Duration::from_secs(1), signal.notified())
+            .await
+            .expect("an early poll was requested");
+    }
 }

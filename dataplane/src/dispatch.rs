@@ -508,10 +508,8 @@ impl Dispatcher {
             if inner.router.swap_enabled() {
                 cost = cost.saturating_sub(load.unwrap_or_default());
             }
-            if let (Some((host, loads)), Some(model)) = (ran, model) {
-                inner
-                    .router
-                    .completed(&host, model, load.filter(|_| loads), now);
+            if let (Some((host, _)), Some(model)) = (ran, model) {
+                inner.router.completed(&host, model, load, now);
             }
             inner.scheduler.complete(id, cost, now);
             let dropped = self.pump(&mut inner, now);

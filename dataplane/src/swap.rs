@@ -120,6 +120,9 @@ struct Model {
     bytes: u64,
     inflight: u32,
     last_used: Option<Instant>,
+    /// The wall-clock time of its last dispatch here: a poll older than that (within
+    /// [`POLL_MARGIN`]) may not show it yet.
+    touched: Option<SystemTime>,
     /// Loaded by this data plane (a dispatch found it not resident).
     ours: bool,
 }
@@ -161,8 +164,12 @@ pub struct HostVram {
     /// When the last request on the host ended with nothing else in flight.
     idle_since: Option<Instant>,
     last_poll: Option<SystemTime>,
-    /// The wall-clock time of this data plane's last change of the resident set.
+    /// The wall-clock time of this data plane's last eviction (a switch, or a load that could
+    /// not fit): a poll taken within [`POLL_MARGIN`] of it may still show the victim, and
+    /// teaches no capacity.
     changed_at: Option<SystemTime>,
+    /// Models this data plane's view evicted, and when (wall clock).
+    gone: HashMap<String, SystemTime>,
     /// The models of the last poll applied.
     last_polled: Vec<String>,
     /// Whether the host has been seen evicting (or its capacity is configured): until then
@@ -248,14 +255,17 @@ impl HostVram {
             tracing::debug!(host = %self.name, "the host evicts models: model-swap holding is on");
         }
         self.last_polled = polled.iter().map(|(m, _)| m.clone()).collect();
-        let recent_change = self.changed_at.is_some_and(|at| checked < at + POLL_MARGIN);
-        if self.switch.is_some() || recent_change {
+        if self.switch.is_some() {
             return;
         }
-        let together: u64 = polled.iter().map(|(_, bytes)| bytes).sum();
-        self.learned = self.learned.max(together);
+        let settled = self.changed_at.is_none_or(|at| checked >= at + POLL_MARGIN);
+        if settled {
+            let together: u64 = polled.iter().map(|(_, bytes)| bytes).sum();
+            self.learned = self.learned.max(together);
+        }
         self.recent
             .retain(|_, at| now.saturating_duration_since(*at) <= BYPASS_WINDOW);
+        let fresh = |at: &SystemTime| checked < *at + POLL_MARGIN;
         let mut foreign = false;
         let mut next: Vec<Model> = Vec::with_capacity(polled.len());
         for (name, bytes) in &polled {
@@ -264,6 +274,8 @@ impl HostVram {
                     bytes: *bytes,
                     ..model.clone()
                 }),
+                // Evicted here just before the poll: it may still show.
+                None if self.gone.get(name).is_some_and(fresh) => {}
                 None => {
                     foreign |= !first && !self.recent.contains_key(name);
                     next.push(Model {
@@ -271,20 +283,47 @@ impl HostVram {
                         bytes: *bytes,
                         inflight: 0,
                         last_used: None,
+                        touched: None,
                         ours: false,
                     });
                 }
             }
         }
-        // A model with requests in flight here is resident whatever the poll says.
+        // A model with requests in flight here, or sent here just before the poll, is resident
+        // whatever the poll says.
         for model in &self.resident {
-            if model.inflight > 0 && !next.iter().any(|m| m.name == model.name) {
+            let keep = model.inflight > 0 || model.touched.as_ref().is_some_and(fresh);
+            if keep && !next.iter().any(|m| m.name == model.name) {
                 next.push(model.clone());
             }
         }
         self.resident = next;
         if foreign {
             self.foreign_change(now, wall);
+        }
+        self.trim(wall);
+    }
+
+    /// Drops idle models, least recently used first, while the view holds more than the
+    /// capacity: models sent here in turn before the host was known to evict, or shown by a
+    /// poll beside the one that replaced them, cannot all be there.
+    fn trim(&mut self, wall: SystemTime) {
+        let Some(capacity) = self.capacity().filter(|_| self.holds_back()) else {
+            return;
+        };
+        while self.resident.iter().map(|m| m.bytes).sum::<u64>() > capacity {
+            let victim = self
+                .resident
+                .iter()
+                .enumerate()
+                .filter(|(_, m)| m.inflight == 0)
+                .min_by_key(|(_, m)| m.last_used)
+                .map(|(i, _)| i);
+            let Some(i) = victim else {
+                return;
+            };
+            let gone = self.resident.remove(i);
+            self.gone.insert(gone.name, wall);
         }
     }
 
@@ -489,6 +528,7 @@ impl HostVram {
         if let Some(m) = self.resident.iter_mut().find(|m| m.name == model) {
             m.inflight += 1;
             m.last_used = Some(now);
+            m.touched = Some(wall);
             return false;
         }
         if self.cloud {
@@ -501,6 +541,8 @@ impl HostVram {
                 self.switches += 1;
                 for victim in &switch.victims {
                     self.recent.insert(victim.clone(), now);
+                    self.gone.insert(victim.clone(), wall);
+                    self.changed_at = Some(wall);
                 }
             }
             other => {
@@ -518,7 +560,9 @@ impl HostVram {
                     match victim {
                         Some(i) => {
                             let gone = self.resident.remove(i);
-                            self.recent.insert(gone.name, now);
+                            self.recent.insert(gone.name.clone(), now);
+                            self.gone.insert(gone.name, wall);
+                            self.changed_at = Some(wall);
                         }
                         None => break,
                     }
@@ -532,14 +576,15 @@ impl HostVram {
             bytes,
             inflight: 1,
             last_used: Some(now),
+            touched: Some(wall),
             ours: true,
         });
-        self.changed_at = Some(wall);
+        self.gone.remove(model);
         true
     }
 
-    /// A request for `model` sent here ended; `load` is its `load_duration` when it started a
-    /// load (learned as the model's load cost).
+    /// A request for `model` sent here ended with this `load_duration`: one of at least
+    /// [`LOAD_SEEN`] counts as a load (whoever started it) and teaches the model's load cost.
     pub fn completed(&mut self, model: &str, load: Option<Duration>, now: Instant) {
         if let Some(m) = self.resident.iter_mut().find(|m| m.name == model) {
             m.inflight = m.inflight.saturating_sub(1);

@@ -135,8 +135,7 @@ impl Router {
         self.switching.insert(name, Arc::from(model));
     }
 
-    /// A request for `model` on `host` ended; `load` is its `load_duration` if its dispatch
-    /// started the load.
+    /// A request for `model` on `host` ended with this `load_duration`.
     pub fn completed(&mut self, host: &str, model: &str, load: Option<Duration>, now: Instant) {
         if let Some(state) = self.state_of_any(host) {
             state.vram.completed(&ModelKey::new(model).local, load, now);

@@ -267,3 +267,26 @@ fn an_unseen_models_footprint_is_its_file_size_scaled_as_the_models_seen_residen
     );
     assert_eq!(vram.fit("d", now), Fit::Room, "1 GiB fits beside a");
 }
+
+#[test]
+fn once_the_host_evicts_the_view_never_holds_more_than_the_capacity() {
+    let now = Instant::now();
+    let t0 = SystemTime::now();
+    let at = |s: u64| t0 + Duration::from_secs(s);
+    let mut vram = HostVram::new(&host(None, &[("a", 6 * GIB)], t0), now);
+    // Sent in turn before the host was known to evict: the view believes both resident.
+    vram.dispatched("b", now, at(9));
+    vram.completed("b", Some(Duration::from_millis(500)), now);
+    vram.dispatched("a", now + Duration::from_secs(1), at(10));
+    vram.completed(
+        "a",
+        Some(Duration::from_millis(500)),
+        now + Duration::from_secs(1),
+    );
+    // The polls show one model, then the other: the host evicts, and b (used longest ago)
+    // is not there any more.
+    vram.apply(&host(None, &[("b", 6 * GIB)], at(10)), now, at(10));
+    assert!(vram.holds_back());
+    assert_eq!(names(&vram), vec!["a"]);
+    assert_eq!(vram.fit("b", now), Fit::Switch);
+}

@@ -166,6 +166,29 @@ fn show(label: &str, served: &[Served]) {
     );
 }
 
+/// Whether `/queue/status` shows a request held back on the host within the run.
+async fn held_seen(base: String) -> bool {
+    let http = HttpClient::new();
+    let auth = "Bearer sk-xavier-0123456789";
+    let deadline = tokio::time::Instant::now() + RUN;
+    while tokio::time::Instant::now() < deadline {
+        let status = http
+            .get(&format!("{base}/queue/status"), &[("authorization", auth)])
+            .await
+            .json();
+        let held = status["hosts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|host| host["vram"]["held"].as_u64().unwrap_or(0) > 0);
+        if held {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 /// One request for each model, each followed by the poll that shows its footprint in VRAM (a
 /// completed load asks the control plane for an early poll): the runs measure the steady
 /// state, not the minute in which oqp learns the models' sizes.
@@ -230,6 +253,8 @@ async fn three_runs(inflight: usize) -> [Vec<Served>; 3] {
     for enabled in [false, true] {
         let stack = Stack::start(&config(&fake.url(), enabled)).await;
         warm_up(&stack).await;
+        // While the run goes, /queue/status shows the request held back for its model.
+        let watch = tokio::spawn(held_seen(stack.url()));
         let served = run(
             &stack.url(),
             &[
@@ -246,6 +271,36 @@ async fn three_runs(inflight: usize) -> [Vec<Served>; 3] {
             ],
         )
         .await;
+        let held = watch.await.unwrap();
+        if enabled {
+            assert!(held, "/queue/status never showed a held request");
+            let metrics = HttpClient::new()
+                .get(
+                    &format!("{}/metrics", stack.url()),
+                    &[("authorization", "Bearer sk-xavier-0123456789")],
+                )
+                .await
+                .text();
+            let value = |name: &str| -> f64 {
+                metrics
+                    .lines()
+                    .find(|line| line.starts_with(name))
+                    .and_then(|line| line.rsplit(' ').next())
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0.0)
+            };
+            assert!(
+                value("oqp_model_switches_total{host=\"gpu\"}") >= 2.0,
+                "{metrics}"
+            );
+            assert!(value("oqp_swap_deferral_seconds_count") >= 2.0, "{metrics}");
+            assert!(
+                value("oqp_model_load_seconds_total{host=\"gpu\"") > 0.0,
+                "{metrics}"
+            );
+        } else {
+            assert!(!held, "nothing is held with the feature off");
+        }
         stack.shutdown().await;
         assert!(
             eventually(Duration::from_secs(30), || handle.in_flight() == 0
@@ -326,4 +381,70 @@ async fn a_client_with_four_requests_in_flight_does_not_starve_the_other_model()
             "client {i}: GPU share {share:.3}"
         );
     }
+}
+
+#[tokio::test]
+async fn without_a_configured_vram_holding_starts_once_the_host_is_seen_evicting() {
+    let _exclusive = crate::support::exclusive().await;
+    let (fake, _handle) = fake().await;
+    let yaml = config(&fake.url(), true).replace("      vram: 10GiB\n", "");
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    assert!(!dispatcher.swap_stats()[0].capacity_learned);
+    // Alternate the two models one request at a time: Ollama's own behaviour at first (every
+    // request loads its model and evicts the other), until the polls that follow the loads
+    // show the host evicting.
+    let http = HttpClient::new();
+    let mut turns = 0;
+    let learned = loop {
+        let learned = dispatcher.swap_stats()[0].capacity_learned
+            && dispatcher.swap_stats()[0].capacity == Some(8 * GIB);
+        if learned || turns == 200 {
+            break learned;
+        }
+        for (model, key) in [
+            ("alpha", "sk-xavier-0123456789"),
+            ("beta", "sk-yvonne-0123456789"),
+        ] {
+            let auth = format!("Bearer {key}");
+            let reply = http
+                .post_json(
+                    &format!("{}/api/generate", stack.url()),
+                    &[("authorization", &auth)],
+                    &json!({"model": model, "prompt": "hi", "stream": false}),
+                )
+                .await;
+            assert!(reply.status.is_success(), "{}", reply.text());
+        }
+        turns += 1;
+    };
+    assert!(
+        learned,
+        "the capacity was never learned: {:?}",
+        dispatcher.swap_stats()
+    );
+    // Now a request for the other model is held while the resident one has work.
+    let served = run(
+        &stack.url(),
+        &[
+            Loop {
+                model: "alpha",
+                key: Some("sk-xavier-0123456789"),
+                inflight: 1,
+            },
+            Loop {
+                model: "beta",
+                key: Some("sk-yvonne-0123456789"),
+                inflight: 1,
+            },
+        ],
+    )
+    .await;
+    show("learned capacity, on", &served);
+    assert!(dispatcher.swap_stats()[0].switches >= 2);
+    assert!(
+        total(&served) as f64 / RUN.as_secs_f64() > 10.0,
+        "{served:?}"
+    );
+    stack.shutdown().await;
 }
