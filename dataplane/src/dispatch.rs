@@ -491,8 +491,9 @@ impl Dispatcher {
     }
 
     /// A request ended. `cost` is its GPU time as Ollama reported it (`total_duration`, which
-    /// includes `load`), or its wall time on the slot. With the swap rule on, the load is left
-    /// out: the scheduler charged it once, at the dispatch that started it.
+    /// includes `load`), or its wall time on the slot. With the swap rule on, only the request
+    /// whose dispatch started its model's load is charged the load: the others of its batch
+    /// waited for the same load, and it is charged once, to the client that caused it.
     fn complete(
         self: &Arc<Self>,
         id: TicketId,
@@ -505,7 +506,8 @@ impl Dispatcher {
             let mut inner = self.lock();
             let now = Instant::now();
             let mut cost = cost;
-            if inner.router.swap_enabled() {
+            let loader = ran.as_ref().is_some_and(|(_, loads)| *loads);
+            if inner.router.swap_enabled() && !loader {
                 cost = cost.saturating_sub(load.unwrap_or_default());
             }
             if let (Some((host, _)), Some(model)) = (ran, model) {

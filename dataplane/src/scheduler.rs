@@ -73,13 +73,37 @@
 //! cannot crowd out that tier's own admissions. `next` runs the expiry pass itself and never
 //! dispatches an expired ticket; what it finds is handed out by the next `expire` call.
 //!
+//! # Model swaps
+//! With [`next_on`](Scheduler::next_on), placement answers in three ways ([`Offer`]): *run* (a
+//! slot is reserved), *wait* (no slot that could take it), or *cold*: the model could run only
+//! if some host's VRAM switched to it, evicting a model there. A cold ticket is **held**: it
+//! keeps its place and its flow's tags, and the pick goes on, in fair order, to the other
+//! candidates of its tier and then the tiers below, so the resident model keeps working. The
+//! ticket is remembered with the instant it was first held, and the rule (`verdict`) says when
+//! to switch:
+//! - when nothing has been in flight on the host for `idle_grace` (a client in a loop sends
+//!   its next request a few milliseconds after the last answer, so its gaps do not count);
+//! - or when the ticket has been held its tier's `max_defer`, and the host's current model has
+//!   stayed at least that long since its own switch (a high-tier ticket at its bound does not
+//!   wait for the stay): without the stay, a third model waiting as long would switch again
+//!   right after the first batch.
+//!
+//! Then [`Placer::switch`] starts the switch and the ticket is offered again; until the
+//! victims' requests have finished it stays held, and once they have, the new model's tickets
+//! run together, up to the host's slots. Nothing is preempted. Otherwise the instant the
+//! answer changes (the bound, the end of the grace or of the stay) joins
+//! [`next_deadline`](Scheduler::next_deadline). Tickets held for the same model in one call
+//! share the fairest one's decision. Cancelling, dispatching or flushing a held ticket forgets
+//! it, so a switch nothing waits for any more is not made ([`waiting_for`](Scheduler::waiting_for)
+//! lets the caller drop one already begun).
+//!
 //! # Cost
 //! `enqueue`, `cancel` and `complete` are O(log n) in waiting tickets; `next` is O(c) in the
 //! clients waiting in the tiers it visits (O(c log c) when `place` refuses someone), plus
 //! O(log n); `expire` is O(log n) per ticket it moves. Nothing scans all tickets but `flush`.
 //!
 //! Code map: this file holds the types, admission and the indexes; `dispatch` the fair pick and
-//! its accounting; `deadline` expiry, aging and the timer; `fair` the virtual-time arithmetic;
+//! its accounting; `swap` the hold rule; `deadline` expiry, aging and the timer; `fair` the virtual-time arithmetic;
 //! `tier` and `client` the per-tier and per-client state.
 
 mod client;
@@ -97,9 +121,6 @@ mod props;
 #[allow(clippy::expect_used)]
 mod sim;
 #[cfg(test)]
-#[allow(clippy::expect_used, clippy::unwrap_used)]
-mod swap_tests;
-#[cfg(test)]
 #[allow(clippy::expect_used)]
 mod tests;
 
@@ -109,7 +130,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use client::{ClientLimits, ClientStat};
-pub use swap::{Cold, Offer, Placer, SwapRule};
+pub use swap::{Cold, Offer, Placer, SwapRule, SwitchReason};
 pub use tier::{Tier, TierLimits, TierStat};
 
 use client::ClientState;
@@ -226,8 +247,6 @@ pub struct Dispatch<T, P> {
     pub placement: P,
     /// How long it was held back for its model (see "Model swaps"); `None` if never.
     pub held: Option<Duration>,
-    /// The model load its dispatch starts, charged to its client (zero: none).
-    pub load: Duration,
 }
 
 /// What an expiry pass did to one ticket.

@@ -42,6 +42,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::policy::{Host, HostKind};
 use crate::scheduler::Cold;
+pub use crate::scheduler::SwitchReason;
 
 /// A poll within this much of the data plane's own last residency change may predate it.
 pub const POLL_MARGIN: Duration = Duration::from_secs(2);
@@ -93,25 +94,6 @@ pub enum Fit {
     Switch,
     /// A switch is under way on this host that this model must wait for.
     Blocked,
-}
-
-/// Why a switch happens (for its log line).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SwitchReason {
-    /// The held request waited its tier's `max_defer`.
-    Bound,
-    /// The resident models had no work for `idle_grace`.
-    Idle,
-}
-
-impl SwitchReason {
-    /// `bound` or `idle`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SwitchReason::Bound => "max_defer reached",
-            SwitchReason::Idle => "resident models idle",
-        }
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -634,6 +616,9 @@ impl HostVram {
     }
 }
 
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod rule_tests;
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests;

@@ -48,10 +48,7 @@ impl Router {
                         let key = ModelKey::new(name);
                         placement.loads = state.vram.dispatched(&key.local, now, SystemTime::now());
                     }
-                    Offer::Run {
-                        placement,
-                        load: Duration::ZERO,
-                    }
+                    Offer::Run(placement)
                 }
                 None => Offer::Wait,
             };
@@ -88,22 +85,13 @@ impl Router {
         }
         if let Some(mut placement) = chosen {
             let wall = SystemTime::now();
-            let load = match self.state_of(&placement.host.name) {
-                Some(state) => {
-                    let loads = state.vram.dispatched(&key.local, now, wall);
-                    placement.loads = loads;
-                    if loads {
-                        state.vram.load_cost(&key.local)
-                    } else {
-                        Duration::ZERO
-                    }
-                }
-                None => Duration::ZERO,
-            };
+            if let Some(state) = self.state_of(&placement.host.name) {
+                placement.loads = state.vram.dispatched(&key.local, now, wall);
+            }
             if placement.loads {
                 self.switching.remove(&placement.host.name);
             }
-            return Offer::Run { placement, load };
+            return Offer::Run(placement);
         }
         if resident_busy {
             return Offer::Wait;

@@ -108,8 +108,8 @@ impl<T> Scheduler<T> {
                         }
                     }
                 }
-                let (placement, load) = match offer {
-                    Offer::Run { placement, load } => (placement, load),
+                let placement = match offer {
+                    Offer::Run(placement) => placement,
                     Offer::Cold(need) => {
                         // Still cold right after a switch began: its victims are draining.
                         if let Some(name) = &model {
@@ -128,7 +128,7 @@ impl<T> Scheduler<T> {
                 let Some(entry) = self.take(head, now) else {
                     continue;
                 };
-                let mut dispatch = self.start(head, entry, start, placement, load, now);
+                let mut dispatch = self.start(head, entry, start, placement, now);
                 dispatch.held = held.map(|since| now.saturating_duration_since(since));
                 return Some(dispatch);
             }
@@ -168,22 +168,14 @@ impl<T> Scheduler<T> {
         entry: Waiting<T>,
         start: f64,
         placement: P,
-        load: Duration,
         now: Instant,
     ) -> Dispatch<T, P> {
         let index = entry.tier.index();
         let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
-        let half_life = self.limits.half_life;
         let client = self.client_mut(&entry.client, now);
         let estimate = client.mean_cost.get().unwrap_or(fallback);
         let weight = client.limits.weight;
-        // A load this dispatch starts is charged to its client once, on top of the estimate;
-        // the correction at completion (of a cost without the load) leaves it in place.
-        let load_secs = load.as_secs_f64();
-        client.flows[index].charge(start, (estimate + load_secs) / weight, now);
-        if load_secs > 0.0 {
-            client.usage.add(now, half_life, load_secs);
-        }
+        client.flows[index].charge(start, estimate / weight, now);
         client.inflight += 1;
         client.processed += 1;
         client.last_active = Some(now);
@@ -208,7 +200,6 @@ impl<T> Scheduler<T> {
             payload: entry.payload,
             placement,
             held: None,
-            load,
         }
     }
 }

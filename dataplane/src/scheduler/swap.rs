@@ -6,6 +6,25 @@ use std::time::{Duration, Instant};
 
 use super::{Scheduler, TicketId, Tier};
 
+/// Why a switch happens (for its log line).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwitchReason {
+    /// The held request waited its tier's `max_defer`.
+    Bound,
+    /// The resident models had no work for `idle_grace`.
+    Idle,
+}
+
+impl SwitchReason {
+    /// `bound` or `idle`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SwitchReason::Bound => "max_defer reached",
+            SwitchReason::Idle => "resident models idle",
+        }
+    }
+}
+
 /// The swap rule's settings (`queue.model_swap`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SwapRule {
@@ -35,9 +54,8 @@ impl Default for SwapRule {
 /// What placement answers for a ticket's model.
 #[derive(Debug)]
 pub enum Offer<P> {
-    /// A host slot is reserved for it: run it. `load` is the model load the dispatch starts
-    /// (zero when the model is resident), charged to the ticket's client.
-    Run { placement: P, load: Duration },
+    /// A host slot is reserved for it: run it.
+    Run(P),
     /// No slot can take it now: every fitting host is busy, or a switch it must wait for is
     /// under way.
     Wait,
@@ -64,7 +82,7 @@ pub trait Placer<P> {
     fn offer(&mut self, model: Option<&str>, now: Instant) -> Offer<P>;
     /// Starts switching `host` to `model` (the switch is under way until the model's first
     /// dispatch there).
-    fn switch(&mut self, host: &str, model: &str, now: Instant, why: crate::swap::SwitchReason);
+    fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason);
 }
 
 /// Placement without VRAM: a free slot or nothing (`Some` reserves it).
@@ -73,15 +91,12 @@ pub(super) struct Slots<F>(pub(super) F);
 impl<P, F: FnMut(Option<&str>) -> Option<P>> Placer<P> for Slots<F> {
     fn offer(&mut self, model: Option<&str>, _now: Instant) -> Offer<P> {
         match (self.0)(model) {
-            Some(placement) => Offer::Run {
-                placement,
-                load: Duration::ZERO,
-            },
+            Some(placement) => Offer::Run(placement),
             None => Offer::Wait,
         }
     }
 
-    fn switch(&mut self, _: &str, _: &str, _: Instant, _: crate::swap::SwitchReason) {}
+    fn switch(&mut self, _: &str, _: &str, _: Instant, _: SwitchReason) {}
 }
 
 /// A held ticket.
@@ -96,7 +111,7 @@ pub(super) struct Held {
 /// What the rule decided for a cold ticket.
 pub(super) enum Verdict {
     /// Switch now.
-    Switch(crate::swap::SwitchReason),
+    Switch(SwitchReason),
     /// Hold; look again at this instant (or at the next event).
     Hold(Option<Instant>),
 }
@@ -166,10 +181,10 @@ impl<T> Scheduler<T> {
             return Verdict::Hold(None);
         }
         if idle {
-            return Verdict::Switch(crate::swap::SwitchReason::Idle);
+            return Verdict::Switch(SwitchReason::Idle);
         }
         if due && (stayed || tier == Tier::High) {
-            return Verdict::Switch(crate::swap::SwitchReason::Bound);
+            return Verdict::Switch(SwitchReason::Bound);
         }
         let wake = [
             (!due).then_some(due_at).flatten(),

@@ -27,10 +27,12 @@ async fn fake() -> (FakeOllama, FakeHandle) {
     let fake = FakeOllama::builder()
         .model("alpha")
         .model("beta")
+        .model("gamma")
         .slots(1)
         .vram(10 * GIB)
         .model_size("alpha", 8 * GIB)
         .model_size("beta", 8 * GIB)
+        .model_size("gamma", 8 * GIB)
         .load_time(LOAD)
         .unload_time(UNLOAD)
         .latency(SERVICE)
@@ -446,5 +448,89 @@ async fn without_a_configured_vram_holding_starts_once_the_host_is_seen_evicting
         total(&served) as f64 / RUN.as_secs_f64() > 10.0,
         "{served:?}"
     );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_host_whose_models_change_around_oqp_falls_back_to_plain_fair_share() {
+    let _exclusive = crate::support::exclusive().await;
+    let (fake, _handle) = fake().await;
+    let yaml = config(&fake.url(), true).replace(
+        "      vram: 10GiB\n",
+        "      vram: 10GiB\n      model_sync_interval: 1\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let http = HttpClient::new();
+    let generate = |base: String, model: &'static str, auth: Option<&'static str>| {
+        let http = http.clone();
+        async move {
+            let headers: Vec<(&str, &str)> =
+                auth.map(|a| vec![("authorization", a)]).unwrap_or_default();
+            let reply = http
+                .post_json(
+                    &format!("{base}/api/generate"),
+                    &headers,
+                    &json!({"model": model, "prompt": "hi", "stream": false}),
+                )
+                .await;
+            assert!(reply.status.is_success(), "{}", reply.text());
+        }
+    };
+    let resident = |model: &str| {
+        dispatcher.swap_stats()[0]
+            .resident
+            .iter()
+            .any(|(name, _)| name.starts_with(model))
+    };
+    generate(stack.url(), "alpha", Some("Bearer sk-xavier-0123456789")).await;
+    assert!(eventually(Duration::from_secs(10), || resident("alpha")).await);
+    // Two models loaded straight at Ollama, one after the other.
+    generate(fake.url(), "gamma", None).await;
+    assert!(eventually(Duration::from_secs(10), || resident("gamma")).await);
+    assert!(
+        !dispatcher.swap_stats()[0].bypassed,
+        "one change is not enough"
+    );
+    generate(fake.url(), "beta", None).await;
+    assert!(
+        eventually(Duration::from_secs(10), || dispatcher.swap_stats()[0]
+            .bypassed)
+        .await,
+        "{:?}",
+        dispatcher.swap_stats()
+    );
+    let status = http
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", "Bearer sk-xavier-0123456789")],
+        )
+        .await
+        .json();
+    assert_eq!(status["hosts"][0]["vram"]["bypassed"], true, "{status}");
+    // Plain fair share from now on: nothing is held, nothing switches.
+    let watch = tokio::spawn(held_seen(stack.url()));
+    let served = run(
+        &stack.url(),
+        &[
+            Loop {
+                model: "alpha",
+                key: Some("sk-xavier-0123456789"),
+                inflight: 1,
+            },
+            Loop {
+                model: "beta",
+                key: Some("sk-yvonne-0123456789"),
+                inflight: 1,
+            },
+        ],
+    )
+    .await;
+    assert!(
+        !watch.await.unwrap(),
+        "a request was held on a bypassed host"
+    );
+    assert!(served.iter().all(|s| s.requests > 0), "{served:?}");
+    assert_eq!(dispatcher.swap_stats()[0].switches, 0);
     stack.shutdown().await;
 }

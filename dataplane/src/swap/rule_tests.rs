@@ -1,12 +1,14 @@
-//! Unit tests of the swap rule ("Model swaps"), time passed in: a simulated host whose VRAM
+//! Unit tests of the scheduler's swap rule ("Model swaps"), time passed in: a simulated host whose VRAM
 //! holds one model at a time ([`HostVram`]), clients in a loop, and the scheduler between them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::*;
-use crate::swap::{Fit, HostVram, SwitchReason};
+use super::{Fit, HostVram};
+use crate::scheduler::{
+    Limits, Offer, Placer, Scheduler, SwapRule, SwitchReason, Ticket, TicketId, Tier,
+};
 
 const GIB: u64 = 1 << 30;
 const SERVICE: Duration = Duration::from_millis(100);
@@ -74,10 +76,7 @@ impl Placer<Slot> for Gpu {
         if loads {
             self.loading_until = Some(now + LOAD);
         }
-        Offer::Run {
-            placement: Slot { loads },
-            load: if loads { LOAD } else { Duration::ZERO },
-        }
+        Offer::Run(Slot { loads })
     }
 
     fn switch(&mut self, _host: &str, model: &str, now: Instant, why: SwitchReason) {
@@ -242,7 +241,9 @@ impl Sim {
                 self.gpu
                     .vram
                     .completed(run.model, run.loads.then_some(LOAD), self.now);
-                self.scheduler.complete(run.id, SERVICE, self.now);
+                // The request that started a load is charged it; its batch is not.
+                let cost = SERVICE + if run.loads { LOAD } else { Duration::ZERO };
+                self.scheduler.complete(run.id, cost, self.now);
                 let served = &mut self.served[run.client];
                 served.requests += 1;
                 served.gpu += SERVICE + if run.loads { LOAD } else { Duration::ZERO };
