@@ -71,6 +71,7 @@ pub fn snapshot(
             description: key.description.clone().unwrap_or_default(),
             expires_unix_ms: key.expires.map_or(0, unix_ms),
             source: "config".to_owned(),
+            budget: None,
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());

@@ -505,6 +505,7 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             description: record.description.clone(),
             expires_unix_ms,
             source: "store".to_owned(),
+            budget: None,
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {

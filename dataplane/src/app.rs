@@ -48,7 +48,9 @@ pub struct App {
     /// The control plane's admin API, for the HTTP queue-control endpoints.
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
+    /// Usage accounting and budgets.
+    pub usage: Arc<crate::usage::Usage>,
     /// Buffered request bodies, counted against `queue.max_queued_mb`.
     pub body_budget: crate::budget::BodyBudget,
     /// Open client connections, counted against the caps by every listener.
@@ -74,7 +76,9 @@ impl App {
     ) -> Self {
         let policy = store.load();
         let timeout = policy.proxy.request_timeout;
+        let metrics = Arc::new(Metrics::new(&policy));
         Self {
+            usage: Arc::new(crate::usage::Usage::new(metrics.clone())),
             dispatcher: Dispatcher::new(&policy),
             embedding_cache: arc_swap::ArcSwapOption::empty(),
             cloud: {
@@ -82,7 +86,7 @@ impl App {
                 pools.update(&policy);
                 pools
             },
-            metrics: Metrics::new(&policy),
+            metrics,
             connections: Arc::default(),
             peers: Arc::new(peers),
             body_budget: crate::budget::BodyBudget::default(),
@@ -153,6 +157,7 @@ impl App {
         crate::status::Sources {
             dispatcher: &self.dispatcher,
             metrics: &self.metrics,
+            usage: &self.usage,
             cloud: &self.cloud,
             control: &self.control,
             store: &self.store,
@@ -178,6 +183,7 @@ impl App {
             cloud: &self.cloud,
             upstream: &self.upstream,
             active: &self.active,
+            usage: &self.usage,
             peers: Some(&self.peers),
         }
     }

@@ -16,6 +16,7 @@
 //! next to `X-Cache`.
 
 use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
@@ -32,6 +33,7 @@ use crate::proxy::{Outbound, RequestBody};
 use crate::queued;
 use crate::rewrite::{self, EncodingFormat};
 use crate::scheduler::Tier;
+use crate::usage::Totals;
 
 /// What an embedding request reads of the data plane.
 #[derive(Debug)]
@@ -97,7 +99,21 @@ pub async fn handle(
             RequestBody::Buffered(bytes) => bytes,
             RequestBody::Streamed(_) => &[],
         });
+        let inputs = match &outbound.body {
+            RequestBody::Buffered(bytes) => input_count(bytes),
+            RequestBody::Streamed(_) => 0,
+        };
+        let usage = queue.usage.clone();
+        let client_id = client.id.clone();
+        let model_name = model.clone().unwrap_or_default();
         let response = queued::send(queue, policy, client, tier, model, outbound).await?;
+        if response.status().is_success() {
+            let totals = Totals {
+                embedding_inputs: inputs,
+                ..Totals::default()
+            };
+            usage.record(&client_id, &model_name, totals, SystemTime::now());
+        }
         return match openai {
             Some(openai) => wrap_openai(response, &openai).await,
             None => Ok(response),
@@ -158,6 +174,18 @@ pub async fn handle(
         }
     };
     let outcome = resolved.outcome;
+    let items = &resolved.items;
+    // The fetch of the misses counted the request and its GPU time; a request the cache (or
+    // another request's fetch) answered whole counts here, without GPU time.
+    let totals = Totals {
+        requests: u64::from(items.fetched == 0),
+        embedding_inputs: items.fetched as u64,
+        cached_inputs: (items.cached + items.coalesced) as u64,
+        ..Totals::default()
+    };
+    queue
+        .usage
+        .record(&client.id, &model, totals, SystemTime::now());
     match outcome {
         cache::Outcome::Hit => queue.metrics.cache_hit(&client.id, &model, &endpoint),
         cache::Outcome::Partial => queue.metrics.cache_partial(&client.id, &model, &endpoint),
@@ -184,6 +212,19 @@ pub async fn handle(
     match openai {
         Some(openai) => wrap_openai(response, &openai).await,
         None => Ok(response),
+    }
+}
+
+/// How many inputs an embedding body carries: `/api/embed`'s `input` (a string or an
+/// array), `/api/embeddings`' one `prompt`.
+fn input_count(body: &[u8]) -> u64 {
+    let Ok(serde_json::Value::Object(request)) = serde_json::from_slice(body) else {
+        return 0;
+    };
+    match request.get("input") {
+        Some(serde_json::Value::Array(inputs)) => inputs.len() as u64,
+        Some(serde_json::Value::String(_)) => 1,
+        _ => u64::from(request.contains_key("prompt")),
     }
 }
 

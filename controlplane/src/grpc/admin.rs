@@ -255,6 +255,7 @@ impl AdminService for AdminApi {
                 last_used_unix_ms: used(&key.client_id),
                 default_priority: tier_to_wire(key.default_priority) as i32,
                 max_queued: key.max_queued,
+                budget: None,
             })
             .collect();
         keys.extend(
@@ -508,6 +509,14 @@ impl AdminService for AdminApi {
             Err(error) => Err(Status::failed_precondition(error)),
         }
     }
+
+    async fn get_usage(
+        &self,
+        request: Request<api::GetUsageRequest>,
+    ) -> Result<Response<api::GetUsageResponse>, Status> {
+        self.authorize(&request, Scope::Read)?;
+        Err(Status::unimplemented("usage totals are not kept yet"))
+    }
 }
 
 /// With auth off, whether a call that changes state is accepted: from this
@@ -637,6 +646,7 @@ fn key_info(record: &Record, last_used_unix_ms: i64) -> api::KeyInfo {
         last_used_unix_ms,
         default_priority: tier_to_wire(record.default_priority) as i32,
         max_queued: record.max_queued,
+        budget: None,
     }
 }
 

@@ -140,6 +140,7 @@ impl PolicyService for PolicyApi {
         Ok(Response::new(ReportAck {
             current_version: self.hub.current().version,
             nodes: self.hub.loads_for(&node),
+            ..ReportAck::default()
         }))
     }
 }

@@ -307,6 +307,26 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .ok()
         .filter(|ms| *ms > 0)
         .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+    let budget = match client.budget {
+        None => None,
+        Some(budget) if budget.gpu_ns == 0 && budget.tokens == 0 => None,
+        Some(budget) if budget.window_seconds == 0 => {
+            return Err(PolicyError::new(format!(
+                "client '{id}': budget window must be at least one second"
+            )));
+        }
+        Some(budget) => Some(UsageBudget {
+            gpu_ns: budget.gpu_ns,
+            tokens: budget.tokens,
+            window_seconds: budget.window_seconds,
+            anchor_unix_s: budget.window_anchor_unix_s,
+            window: budget.window,
+            used: budget
+                .used
+                .map(|used| Used::from_wire(&used))
+                .unwrap_or_default(),
+        }),
+    };
     Ok(Client {
         id: Arc::from(id),
         key_digest,
@@ -318,6 +338,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         max_queued: client.max_queued,
         description: client.description,
         expires,
+        budget,
     })
 }
 

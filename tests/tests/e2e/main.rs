@@ -25,3 +25,4 @@ mod snapshots;
 mod stalls;
 mod support;
 mod tenancy;
+mod usage;

@@ -1,0 +1,236 @@
+//! End to end: usage accounting. The fake reports chosen figures per request
+//! (`x-fake-usage`); the data plane's usage metrics, `/queue/status` and the control plane's
+//! totals (`GetUsage`, kept in `state_dir`) must add up to exactly those, for streamed and
+//! non-streamed chats and generates, embeds (cache hits counted apart, without GPU time)
+//! and OpenAI calls.
+
+use oqp_tests::client::{HttpClient, Reply};
+use oqp_tests::fake::{FakeOllama, USAGE_HEADER};
+use oqp_tests::harness::Stack;
+use serde_json::{Value, json};
+
+pub const CHAT_KEY: &str = "sk-chat-0123456789";
+
+/// Auth on, one host, the in-memory embedding cache; `extra` is appended under `auth.keys`'
+/// level (more keys) or at the top.
+pub fn config(url: &str, state_dir: &str, extra: &str) -> String {
+    format!(
+        r#"control_plane:
+  state_dir: "{state_dir}"
+proxy:
+  max_concurrent: 4
+ollama:
+  hosts:
+    - url: "{url}"
+      name: primary
+      max_concurrent: 4
+embedding_cache:
+  enabled: true
+  backend: memory
+auth:
+  enabled: true
+  keys:
+    - key: "{CHAT_KEY}"
+      client_id: chat
+    - key: "sk-admin-0123456789"
+      client_id: admin
+      scope: management
+{extra}"#
+    )
+}
+
+pub fn fake() -> oqp_tests::fake::FakeBuilder {
+    FakeOllama::builder()
+        .model("llama3")
+        .model("qwen")
+        .embedding_model("nomic-embed-text")
+        .slots(4)
+}
+
+/// POSTs `body` to `path` with the chat key and the figures the fake reports.
+pub async fn post(base: &str, path: &str, reported: &str, body: Value) -> Reply {
+    let auth = format!("Bearer {CHAT_KEY}");
+    let mut headers = vec![("authorization", auth.as_str())];
+    if !reported.is_empty() {
+        headers.push((USAGE_HEADER, reported));
+    }
+    let reply = HttpClient::new()
+        .post_json(&format!("{base}{path}"), &headers, &body)
+        .await;
+    assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+    reply
+}
+
+/// The mix of the issue: chats and generates streamed and not, embeds (one a cache hit),
+/// OpenAI chats (non-streamed, streamed with and without `include_usage`) and an OpenAI
+/// embed. Native figures are the fake's, chosen per request; OpenAI calls carry no
+/// `total_duration`, so their GPU time is the slot's hold time (model `qwen`).
+pub async fn send_mix(base: &str) {
+    let chat = |stream: bool| json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": stream});
+    let generate = |stream: bool| json!({"model": "llama3", "prompt": "hi", "stream": stream});
+    post(
+        base,
+        "/api/chat",
+        "total_duration=1500000000,prompt_eval_count=11,eval_count=22",
+        chat(false),
+    )
+    .await;
+    let streamed = post(
+        base,
+        "/api/chat",
+        "total_duration=2000000000,prompt_eval_count=5,eval_count=7",
+        chat(true),
+    )
+    .await;
+    assert!(streamed.text().lines().count() > 1, "streamed");
+    post(
+        base,
+        "/api/generate",
+        "total_duration=250000000,prompt_eval_count=3,eval_count=4",
+        generate(false),
+    )
+    .await;
+    post(
+        base,
+        "/api/generate",
+        "total_duration=250000000,prompt_eval_count=1,eval_count=2",
+        generate(true),
+    )
+    .await;
+
+    let embed = json!({"model": "nomic-embed-text", "input": ["alpha", "beta"]});
+    post(
+        base,
+        "/api/embed",
+        "total_duration=125000000,prompt_eval_count=6",
+        embed.clone(),
+    )
+    .await;
+    let hit = post(
+        base,
+        "/api/embed",
+        "total_duration=999000000000,prompt_eval_count=999",
+        embed,
+    )
+    .await;
+    assert_eq!(hit.header("x-cache").as_deref(), Some("HIT"));
+    let openai_embed = json!({"model": "nomic-embed-text", "input": ["gamma", "delta", "epsilon"]});
+    post(
+        base,
+        "/v1/embeddings",
+        "total_duration=250000000,prompt_eval_count=4",
+        openai_embed,
+    )
+    .await;
+
+    let openai = |stream: bool, usage: bool| {
+        let mut body = json!({"model": "qwen", "messages": [{"role": "user", "content": "hi"}], "stream": stream});
+        if usage {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body
+    };
+    post(
+        base,
+        "/v1/chat/completions",
+        "prompt_eval_count=8,eval_count=9",
+        openai(false, false),
+    )
+    .await;
+    let sse = post(
+        base,
+        "/v1/chat/completions",
+        "prompt_eval_count=2,eval_count=3",
+        openai(true, true),
+    )
+    .await;
+    assert!(
+        sse.text().contains("\"completion_tokens\":3"),
+        "{}",
+        sse.text()
+    );
+    // Without include_usage the stream carries no counts: no tokens, still GPU time.
+    post(
+        base,
+        "/v1/chat/completions",
+        "prompt_eval_count=50,eval_count=50",
+        openai(true, false),
+    )
+    .await;
+}
+
+/// The value of the sample `series` (name and labels, as `/metrics` prints them).
+pub fn sample(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.parse().ok())
+}
+
+pub async fn metrics(base: &str) -> String {
+    HttpClient::new()
+        .get(
+            &format!("{base}/metrics"),
+            &[("authorization", &format!("Bearer {CHAT_KEY}"))],
+        )
+        .await
+        .text()
+}
+
+#[tokio::test]
+async fn usage_metrics_add_up_to_what_the_fake_reported() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    let base = stack.url();
+    send_mix(&base).await;
+    let text = metrics(&base).await;
+    let gpu = |model: &str| {
+        sample(
+            &text,
+            &format!("oqp_client_gpu_seconds_total{{client=\"chat\",model=\"{model}\"}}"),
+        )
+    };
+    let tokens = |model: &str, kind: &str| {
+        sample(
+            &text,
+            &format!(
+                "oqp_client_tokens_total{{client=\"chat\",kind=\"{kind}\",model=\"{model}\"}}"
+            ),
+        )
+    };
+    assert_eq!(gpu("llama3"), Some(4.0), "{text}");
+    assert_eq!(tokens("llama3", "prompt"), Some(20.0));
+    assert_eq!(tokens("llama3", "completion"), Some(35.0));
+    // The cache hit added nothing: 0.125 s + 0.25 s, 6 + 4 prompt tokens.
+    assert_eq!(gpu("nomic-embed-text"), Some(0.375));
+    assert_eq!(tokens("nomic-embed-text", "prompt"), Some(10.0));
+    assert_eq!(tokens("nomic-embed-text", "completion"), Some(0.0));
+    // OpenAI: the non-streamed usage and the last chunk's; held-slot time as GPU time.
+    assert_eq!(tokens("qwen", "prompt"), Some(10.0));
+    assert_eq!(tokens("qwen", "completion"), Some(12.0));
+    assert!(gpu("qwen").is_some_and(|seconds| seconds > 0.0 && seconds < 30.0));
+    for family in ["oqp_client_gpu_seconds_total", "oqp_client_tokens_total"] {
+        assert!(
+            text.contains(&format!("# TYPE {family} counter")),
+            "{family}"
+        );
+    }
+
+    // /queue/status: the client's usage today.
+    let status = HttpClient::new()
+        .get(
+            &format!("{base}/queue/status"),
+            &[("authorization", &format!("Bearer {CHAT_KEY}"))],
+        )
+        .await
+        .json();
+    let today = &status["clients"]["chat"]["usage_today"];
+    assert_eq!(today["prompt_tokens"], 40, "{today}");
+    assert_eq!(today["completion_tokens"], 47);
+    assert_eq!(today["cached_inputs"], 2);
+    assert_eq!(today["requests"], 10);
+    let seconds = today["gpu_seconds"].as_f64().unwrap();
+    assert!((4.375..34.375).contains(&seconds), "{seconds}");
+    stack.shutdown().await;
+}
