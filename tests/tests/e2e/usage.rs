@@ -4,9 +4,13 @@
 //! non-streamed chats and generates, embeds (cache hits counted apart, without GPU time)
 //! and OpenAI calls.
 
+use std::os::unix::fs::PermissionsExt;
+use std::time::{Duration, Instant, SystemTime};
+
+use oqp_proto::admin::v1::{self as api, admin_service_client::AdminServiceClient};
 use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::{FakeOllama, USAGE_HEADER};
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{self, Stack};
 use serde_json::{Value, json};
 
 pub const CHAT_KEY: &str = "sk-chat-0123456789";
@@ -233,4 +237,135 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
     let seconds = today["gpu_seconds"].as_f64().unwrap();
     assert!((4.375..34.375).contains(&seconds), "{seconds}");
     stack.shutdown().await;
+}
+
+pub const ADMIN_KEY: &str = "sk-admin-0123456789";
+
+/// The control plane's usage totals of the last `since` seconds, grouped.
+pub async fn usage_of(
+    control_url: &str,
+    since_seconds: u64,
+    by_client: bool,
+    by_model: bool,
+) -> api::GetUsageResponse {
+    let mut admin = AdminServiceClient::connect(control_url.to_owned())
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(api::GetUsageRequest {
+        since_seconds,
+        by_client,
+        by_model,
+    });
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {ADMIN_KEY}").parse().unwrap(),
+    );
+    admin.get_usage(request).await.unwrap().into_inner()
+}
+
+/// Waits (bounded) until the control plane's total counts `requests` requests.
+pub async fn wait_for_requests(control_url: &str, requests: u64) -> api::GetUsageResponse {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let usage = usage_of(control_url, 0, true, true).await;
+        let total = usage.total.clone().unwrap_or_default();
+        if total.requests >= requests || Instant::now() >= deadline {
+            assert_eq!(total.requests, requests, "{usage:?}");
+            return usage;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn row<'a>(usage: &'a api::GetUsageResponse, client: &str, model: &str) -> &'a api::UsageTotals {
+    usage
+        .rows
+        .iter()
+        .find(|row| row.client_id == client && row.model == model)
+        .unwrap_or_else(|| panic!("no row {client}/{model} in {usage:?}"))
+}
+
+const SECOND: u64 = 1_000_000_000;
+
+#[tokio::test]
+async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config_path = dir.path().join("config.yml");
+    std::fs::write(
+        &config_path,
+        config(&fake.url(), &state.display().to_string(), ""),
+    )
+    .unwrap();
+    let mut control = harness::start_control_plane(&config_path, harness::loopback().await)
+        .await
+        .unwrap();
+    let control_addr = control.local_addr();
+    let control_url = format!("http://{control_addr}");
+    let mut edge = harness::start_dataplane(&control_url, "edge", None)
+        .await
+        .unwrap();
+    let base = format!("http://{}", edge.local_addr());
+    send_mix(&base).await;
+    let usage = wait_for_requests(&control_url, 10).await;
+    let llama = row(&usage, "chat", "llama3");
+    assert_eq!(llama.gpu_ns, 4 * SECOND);
+    assert_eq!((llama.prompt_tokens, llama.completion_tokens), (20, 35));
+    assert_eq!(llama.requests, 4);
+    let embed = row(&usage, "chat", "nomic-embed-text");
+    assert_eq!(embed.gpu_ns, 375_000_000);
+    assert_eq!(embed.prompt_tokens, 10);
+    assert_eq!(embed.embedding_inputs, 5, "2 + 3 inputs sent upstream");
+    assert_eq!(embed.cached_inputs, 2, "the hit");
+    assert_eq!(embed.requests, 3);
+    let qwen = row(&usage, "chat", "qwen");
+    assert_eq!((qwen.prompt_tokens, qwen.completion_tokens), (10, 12));
+    assert!(qwen.gpu_ns > 0);
+    let day_file = state.join("usage").join(format!(
+        "{}.json",
+        humantime::format_rfc3339_seconds(SystemTime::now())
+            .to_string()
+            .get(..10)
+            .unwrap()
+    ));
+    let mode = std::fs::metadata(&day_file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "{}", day_file.display());
+
+    let generate = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let one_second = "total_duration=1000000000,prompt_eval_count=1,eval_count=1";
+    // The control plane away: the data plane serves on and keeps what it recorded.
+    control.shutdown().await;
+    post(&base, "/api/generate", one_second, generate.clone()).await;
+    control = harness::start_control_plane(
+        &config_path,
+        tokio::net::TcpListener::bind(control_addr).await.unwrap(),
+    )
+    .await
+    .unwrap();
+    let usage = wait_for_requests(&control_url, 11).await;
+    assert_eq!(
+        row(&usage, "chat", "llama3").gpu_ns,
+        5 * SECOND,
+        "loaded and added to"
+    );
+
+    // A data plane restart: a new ledger (a new epoch), the totals kept.
+    edge.shutdown().await;
+    edge = harness::start_dataplane(&control_url, "edge", None)
+        .await
+        .unwrap();
+    let base = format!("http://{}", edge.local_addr());
+    post(&base, "/api/generate", one_second, generate).await;
+    let usage = wait_for_requests(&control_url, 12).await;
+    let llama = row(&usage, "chat", "llama3");
+    assert_eq!(llama.gpu_ns, 6 * SECOND);
+    assert_eq!(llama.requests, 6);
+    // Grouped by client only: one row, the sum.
+    let by_client = usage_of(&control_url, 0, true, false).await;
+    assert_eq!(by_client.rows.len(), 1);
+    assert_eq!(by_client.rows[0].model, "");
+    assert_eq!(by_client.rows[0].requests, 12);
+    edge.shutdown().await;
+    control.shutdown().await;
 }
