@@ -792,6 +792,10 @@ async fn the_dashboard_renders_in_headless_chromium() {
     assert_eq!(element_text(&dom, "tile-queued"), "1");
     assert_ne!(element_text(&dom, "tile-uptime"), "–");
     assert!(dom.contains(">open-webui<"), "the clients table is filled");
+    assert!(
+        dom.contains(">GPU time today<") && dom.contains(">0:00:00<"),
+        "the clients' GPU time today"
+    );
     assert!(dom.contains(">primary<"), "the hosts table is filled");
     assert!(dom.contains("<polyline"), "the chart is drawn");
 
