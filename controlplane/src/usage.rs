@@ -12,6 +12,7 @@
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -32,8 +33,11 @@ pub const MAX_TODAY_CLIENTS: usize = 1_000;
 /// The control plane's usage totals.
 #[derive(Debug)]
 pub struct UsageStore {
+    state_dir: PathBuf,
     dir: PathBuf,
     inner: Mutex<Inner>,
+    /// Whether the missing state directory was reported.
+    warned: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -49,11 +53,13 @@ impl UsageStore {
         let dir = file::dir(state_dir);
         let ledger = file::load(&dir, unix_s(now))?;
         Ok(Arc::new(Self {
+            state_dir: state_dir.to_path_buf(),
             dir,
             inner: Mutex::new(Inner {
                 ledger,
                 announced: HashSet::new(),
             }),
+            warned: AtomicBool::new(false),
         }))
     }
 
@@ -63,8 +69,9 @@ impl UsageStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Applies `node`'s batch at `now` and writes the day it changed (blocking file I/O:
-    /// call it off the async workers). Returns the batch's number when it is applied (now
+    /// Applies `node`'s batch at `now` and writes the day it changed, when the state
+    /// directory exists (as for `state_dir/version`; blocking file I/O: call it off the
+    /// async workers). Returns the batch's number when it is applied (now
     /// or before), for the ack; 0 when there was none.
     pub fn apply(&self, node: &str, batch: Option<&wire::UsageBatch>, now: SystemTime) -> u64 {
         let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
@@ -74,6 +81,16 @@ impl UsageStore {
         let mut inner = self.lock();
         if inner.ledger.apply(node, batch, now) {
             let dropped = inner.ledger.prune(now);
+            if !self.state_dir.is_dir() {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(
+                        state_dir = %self.state_dir.display(),
+                        "the state directory does not exist: usage totals are kept in memory \
+                         only (create it to keep them across restarts)"
+                    );
+                }
+                return batch.seq;
+            }
             file::remove_days(&self.dir, &dropped);
             if let Err(error) = file::write_day(&self.dir, &inner.ledger, now.div_euclid(86_400)) {
                 // The totals stay in memory and the next batch writes the day again.

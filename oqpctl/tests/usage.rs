@@ -73,6 +73,7 @@ async fn usage_shows_gpu_time_tokens_requests_and_cache_hits() {
         .await;
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
     let stack = Stack::start(&config(&fake.url(), &state.display().to_string())).await;
     let chat = |stream: bool, model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream});
     // batch: two long generations (45 min and 1 h 2 min 3 s of GPU time, as the fake reports).

@@ -121,3 +121,13 @@ fn queries_cover_whole_hours_of_the_period() {
     assert_eq!(week.rows[0].client_id, "batch");
     assert_eq!(week.rows[0].gpu_ns, 6 * SECOND);
 }
+
+#[test]
+fn without_a_state_directory_totals_stay_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("not-there");
+    let store = UsageStore::load(&missing, at(NOW)).unwrap();
+    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
+    assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
+    assert!(!missing.exists(), "no directory created");
+}

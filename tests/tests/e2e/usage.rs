@@ -292,6 +292,7 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
     let fake = fake().spawn().await;
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
     let config_path = dir.path().join("config.yml");
     std::fs::write(
         &config_path,
@@ -368,4 +369,261 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
     assert_eq!(by_client.rows[0].requests, 12);
     edge.shutdown().await;
     control.shutdown().await;
+}
+
+const BATCH_KEY: &str = "sk-batch-0123456789";
+
+/// Seconds from `at` to the next midnight UTC.
+fn to_midnight(at: SystemTime) -> u64 {
+    let now = at.duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    86_400 - now % 86_400
+}
+
+async fn send_as(base: &str, key: &str, reported: &str) -> Reply {
+    let auth = format!("Bearer {key}");
+    HttpClient::new()
+        .post_json(
+            &format!("{base}/api/generate"),
+            &[("authorization", &auth), (USAGE_HEADER, reported)],
+            &json!({"model": "llama3", "prompt": "hi", "stream": false}),
+        )
+        .await
+}
+
+#[tokio::test]
+async fn a_spent_budget_refuses_before_queueing_and_is_announced_once() {
+    let mut sink = crate::hosts::Sink::start().await;
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let extra = format!(
+        "    - key: \"{BATCH_KEY}\"\n      client_id: batch\n      budget: {{gpu_seconds: 10, window: 1d}}\n{}",
+        sink.config(&["client.budget_exceeded"])
+    );
+    let stack = Stack::start(&config(
+        &fake.url(),
+        &dir.path().display().to_string(),
+        &extra,
+    ))
+    .await;
+    let base = stack.url();
+    let six_seconds = "total_duration=6000000000,prompt_eval_count=1,eval_count=1";
+
+    // Two requests admitted while 0 of 10 s were used: both finish (12 s in all).
+    fake.handle().hold();
+    let first = tokio::spawn({
+        let base = base.clone();
+        async move { send_as(&base, BATCH_KEY, six_seconds).await }
+    });
+    let second = tokio::spawn({
+        let base = base.clone();
+        async move { send_as(&base, BATCH_KEY, six_seconds).await }
+    });
+    assert!(
+        oqp_tests::client::eventually(Duration::from_secs(10), || fake.handle().in_flight() == 2)
+            .await
+    );
+    fake.handle().release_all();
+    assert_eq!(first.await.unwrap().status, 200);
+    assert_eq!(second.await.unwrap().status, 200);
+
+    // Spent: refused at once, before the queue, with the window's reset as Retry-After.
+    let before = SystemTime::now();
+    let refused = send_as(&base, BATCH_KEY, six_seconds).await;
+    let after = SystemTime::now();
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let body = refused.json();
+    assert_eq!(body["error"], "budget exceeded: gpu_seconds 10 per 1d");
+    assert_eq!(
+        body["request_id"],
+        refused.header("x-request-id").unwrap().as_str()
+    );
+    let retry_after: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!(
+        (to_midnight(after)..=to_midnight(before)).contains(&retry_after),
+        "Retry-After {retry_after}"
+    );
+    assert_eq!(
+        fake.handle().requests_to("/api/generate").len(),
+        2,
+        "never sent upstream"
+    );
+    // Other clients are not concerned.
+    assert_eq!(send_as(&base, CHAT_KEY, "").await.status, 200);
+
+    let notice = sink.next().await;
+    assert_eq!(notice["event"], "client.budget_exceeded");
+    assert_eq!(notice["client_id"], "batch");
+    assert_eq!(
+        notice["budget"],
+        json!({"gpu_seconds": 10.0, "window": "1d"})
+    );
+    assert_eq!(notice["used"], json!({"gpu_seconds": 12.0}));
+    let midnight =
+        humantime::format_rfc3339_seconds(after + Duration::from_secs(to_midnight(after)))
+            .to_string();
+    assert_eq!(notice["resets_at"], midnight.as_str());
+    // Once per window: more refusals and reports, no second notice.
+    assert_eq!(send_as(&base, BATCH_KEY, six_seconds).await.status, 429);
+    assert_eq!(send_as(&base, CHAT_KEY, "").await.status, 200);
+    wait_for_requests(&stack.control_url(), 4).await;
+    assert_eq!(stack.control.hub().webhooks().stats().queued, 1);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stored_key_takes_a_token_budget() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    let mut admin = AdminServiceClient::connect(stack.control_url())
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(api::AddKeyRequest {
+        client_id: "nightly".to_owned(),
+        max_priority: oqp_proto::policy::v1::Tier::Low as i32,
+        budget: Some(api::KeyBudget {
+            tokens: 5,
+            window: "1h".to_owned(),
+            ..api::KeyBudget::default()
+        }),
+        ..api::AddKeyRequest::default()
+    });
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {ADMIN_KEY}").parse().unwrap(),
+    );
+    let added = admin.add_key(request).await.unwrap().into_inner();
+    stack.wait_for_version(added.snapshot_version).await;
+    let reported = "total_duration=1000000,prompt_eval_count=3,eval_count=3";
+    assert_eq!(
+        send_as(&stack.url(), &added.key, reported).await.status,
+        200
+    );
+    let refused = send_as(&stack.url(), &added.key, reported).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.json()["error"], "budget exceeded: tokens 5 per 1h");
+    let retry_after: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=3600).contains(&retry_after), "{retry_after}");
+    // The budget is kept with the key, and listed with what is left.
+    let mut request = tonic::Request::new(api::ListKeysRequest {});
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {ADMIN_KEY}").parse().unwrap(),
+    );
+    wait_for_requests(&stack.control_url(), 1).await;
+    let keys = admin.list_keys(request).await.unwrap().into_inner();
+    let nightly = keys
+        .keys
+        .iter()
+        .find(|key| key.client_id == "nightly")
+        .unwrap();
+    let budget = nightly.budget.as_ref().unwrap();
+    assert_eq!(
+        (budget.tokens, budget.used_tokens, budget.window.as_str()),
+        (5, 6, "1h")
+    );
+    stack.shutdown().await;
+}
+
+/// How often the cluster's data planes report (`oqp-bench dataplane`).
+const REPORT_INTERVAL: Duration = Duration::from_millis(200);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_data_planes_together_overshoot_a_budget_by_at_most_the_stated_bound() {
+    let _exclusive = crate::support::exclusive().await;
+    const TOKEN: &str = "node-token-0123456789";
+    const BUDGET_SECONDS: u64 = 30;
+    // Each request reports 1 s of GPU time and takes at least 50 ms: one client per data
+    // plane sends at most 20 GPU-seconds a second through it.
+    let latency = Duration::from_millis(50);
+    let fake = fake().latency(latency).spawn().await;
+    let state = tempfile::tempdir().unwrap();
+    let yaml = format!(
+        r#"proxy:
+  host: "127.0.0.1"
+  max_concurrent: 4
+ollama:
+  hosts:
+    - url: "{url}"
+      name: box1
+      max_concurrent: 4
+control_plane:
+  node_token: "{TOKEN}"
+  state_dir: "{state}"
+auth:
+  enabled: true
+  keys:
+    - key: "{ADMIN_KEY}"
+      client_id: admin
+      scope: management
+    - key: "{BATCH_KEY}"
+      client_id: batch
+      budget: {{gpu_seconds: {BUDGET_SECONDS}, window: 1d}}
+"#,
+        url = fake.url(),
+        state = state.path().display(),
+    );
+    let cluster = oqp_tests::cluster::Cluster::builder(env!("CARGO_BIN_EXE_oqp-bench"), &yaml)
+        .node("a")
+        .node("b")
+        .node_token(TOKEN)
+        .admin_key(ADMIN_KEY)
+        .start()
+        .await;
+    // One client on each data plane, back to back, until its data plane refuses.
+    let one_second = "total_duration=1000000000,prompt_eval_count=1,eval_count=1";
+    let senders: Vec<_> = ["a", "b"]
+        .into_iter()
+        .map(|node| {
+            let base = cluster.url(node);
+            tokio::spawn(async move {
+                let mut admitted = 0u64;
+                loop {
+                    let reply = send_as(&base, BATCH_KEY, one_second).await;
+                    match reply.status.as_u16() {
+                        200 => admitted += 1,
+                        429 => {
+                            assert_eq!(
+                                reply.json()["error"],
+                                format!("budget exceeded: gpu_seconds {BUDGET_SECONDS} per 1d")
+                            );
+                            return admitted;
+                        }
+                        other => panic!("{other}: {}", reply.text()),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for sender in senders {
+        admitted.push(sender.await.unwrap());
+    }
+    let total: u64 = admitted.iter().sum();
+    let usage = wait_for_requests(&cluster.control_url(), total).await;
+    let used = usage.total.unwrap().gpu_ns / SECOND;
+    assert_eq!(used, total, "1 s each");
+    // The stated bound: the requests in flight when the budget ran out (one per data
+    // plane here) plus what the other data plane ran in about two report intervals
+    // (taken as three, for the scheduling jitter of debug processes on two cores).
+    let rate = 1.0 / latency.as_secs_f64();
+    let bound = 2 + (rate * 3.0 * REPORT_INTERVAL.as_secs_f64()).ceil() as u64;
+    println!(
+        "budget {BUDGET_SECONDS} GPU-s over two data planes: admitted {admitted:?}, used {used} s, overshoot {} s (bound {bound} s)",
+        used.saturating_sub(BUDGET_SECONDS)
+    );
+    assert!(
+        used >= BUDGET_SECONDS,
+        "the budget is there to be used: {used}"
+    );
+    assert!(
+        used <= BUDGET_SECONDS + bound,
+        "overshoot {} s above the bound {bound} s ({admitted:?})",
+        used - BUDGET_SECONDS
+    );
+    assert!(
+        admitted.iter().all(|n| *n > 0),
+        "both data planes served: {admitted:?}"
+    );
+    cluster.shutdown().await;
 }
