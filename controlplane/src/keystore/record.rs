@@ -325,6 +325,25 @@ mod tests {
         let mut short = sample("a", 1);
         short.weight = 0.0;
         assert!(decode(&encode(&[short])).unwrap_err().contains("weight"));
+        let text = String::from_utf8(encode(&[sample("a", 1)])).unwrap();
+        let bad_window = text.replace("\"1d\"", "\"2d\"");
+        assert!(
+            decode(bad_window.as_bytes())
+                .unwrap_err()
+                .contains("budget.window: unknown value '2d'")
+        );
+        let empty = text.replace("7200000000000", "0");
+        assert!(
+            decode(empty.as_bytes())
+                .unwrap_err()
+                .contains("budget sets neither")
+        );
+        // A store written before budgets existed loads, without budgets.
+        let mut old = sample("a", 1);
+        old.budget = None;
+        let bytes = encode(&[old.clone()]);
+        assert!(!String::from_utf8_lossy(&bytes).contains("budget"));
+        assert_eq!(decode(&bytes).unwrap(), [old]);
     }
 
     #[test]
