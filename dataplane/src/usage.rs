@@ -307,7 +307,7 @@ fn used_in(
 
 /// Whole seconds as an integer, else with up to three decimals.
 pub fn seconds(ns: u64) -> String {
-    if ns % 1_000_000_000 == 0 {
+    if ns.is_multiple_of(1_000_000_000) {
         (ns / 1_000_000_000).to_string()
     } else {
         let text = format!("{:.3}", Duration::from_nanos(ns).as_secs_f64());

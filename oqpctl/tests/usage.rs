@@ -192,5 +192,78 @@ async fn usage_shows_gpu_time_tokens_requests_and_cache_hits() {
         .unwrap();
     assert_eq!(batch["budget"]["left_gpu_seconds"], 777.0);
     assert_eq!(batch["budget"]["used_tokens"], 102_000);
+
+    // The README's examples of this section run as written.
+    let commands = readme_commands();
+    assert!(commands.len() >= 6, "{commands:?}");
+    for command in &commands {
+        let args: Vec<&str> = command.split_whitespace().skip(1).collect();
+        let output = stdout(&oqpctl(&stack, &args).await);
+        assert!(!output.is_empty(), "{command}");
+    }
+    let keys = stdout(&oqpctl(&stack, &["keys", "list"]).await);
+    assert!(keys.contains("| nightly "), "{keys}");
+    assert!(keys.contains("2:00:00 GPU, 2000000 tokens / 1d"), "{keys}");
     stack.shutdown().await;
+}
+
+/// The README section "Usage and budgets", from its marker to the next section.
+fn readme_section() -> String {
+    let readme = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"),
+    )
+    .unwrap();
+    let marker = "<!-- usage examples: oqpctl/tests/usage.rs";
+    let after = &readme[readme.find(marker).expect("the README marks the examples")..];
+    after[..after.find("\n## ").unwrap()].to_owned()
+}
+
+/// Every `oqpctl` command line of the section's sh blocks, continuations joined and
+/// comments dropped.
+fn readme_commands() -> Vec<String> {
+    let section = readme_section();
+    let mut commands = Vec::new();
+    let mut in_sh = false;
+    let mut pending = String::new();
+    for line in section.lines() {
+        if line.starts_with("```") {
+            in_sh = line == "```sh";
+            continue;
+        }
+        if !in_sh {
+            continue;
+        }
+        let code = line.split(" #").next().unwrap_or_default().trim_end();
+        if let Some(continued) = code.strip_suffix('\\') {
+            pending.push_str(continued);
+            continue;
+        }
+        pending.push_str(code);
+        if pending.starts_with("oqpctl ") {
+            commands.push(std::mem::take(&mut pending));
+        }
+        pending.clear();
+    }
+    commands
+}
+
+#[test]
+fn the_readme_budget_config_loads() {
+    let section = readme_section();
+    let start = section.find("```yaml\n").unwrap() + 8;
+    let yaml = &section[start..start + section[start..].find("```").unwrap()];
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("oqp-nightly");
+    std::fs::write(&key, "sk-nightly-0123456789\n").unwrap();
+    let yaml = format!(
+        "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: gpu}}\n{}",
+        yaml.replace("/run/secrets/oqp-nightly", &key.display().to_string())
+    );
+    let config = oqp_controlplane::config::load_str(&yaml, &oqp_controlplane::config::Env::empty())
+        .unwrap()
+        .config;
+    let budget = config.auth.keys[0].budget.unwrap();
+    assert_eq!(budget.gpu_ns, 7_200_000_000_000);
+    assert_eq!(budget.tokens, 2_000_000);
+    assert_eq!(budget.window.as_str(), "1d");
 }
