@@ -10,7 +10,6 @@
 //! report's ack ([`UsageStore::budgets`]). A client that reaches a budget raises
 //! `client.budget_exceeded` once per window ([`UsageStore::exceeded`]).
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -43,8 +42,6 @@ pub struct UsageStore {
 #[derive(Debug, Default)]
 struct Inner {
     ledger: Ledger,
-    /// (client, window start) of budgets already announced as exceeded.
-    announced: HashSet<(String, i64)>,
 }
 
 impl UsageStore {
@@ -55,10 +52,7 @@ impl UsageStore {
         Ok(Arc::new(Self {
             state_dir: state_dir.to_path_buf(),
             dir,
-            inner: Mutex::new(Inner {
-                ledger,
-                announced: HashSet::new(),
-            }),
+            inner: Mutex::new(Inner { ledger }),
             warned: AtomicBool::new(false),
         }))
     }
@@ -81,23 +75,29 @@ impl UsageStore {
         let mut inner = self.lock();
         if inner.ledger.apply(node, batch, now) {
             let dropped = inner.ledger.prune(now);
-            if !self.state_dir.is_dir() {
-                if !self.warned.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(
-                        state_dir = %self.state_dir.display(),
-                        "the state directory does not exist: usage totals are kept in memory \
-                         only (create it to keep them across restarts)"
-                    );
-                }
-                return batch.seq;
-            }
-            file::remove_days(&self.dir, &dropped);
-            if let Err(error) = file::write_day(&self.dir, &inner.ledger, now.div_euclid(86_400)) {
-                // The totals stay in memory and the next batch writes the day again.
-                tracing::warn!(dir = %self.dir.display(), %error, "usage totals not saved");
-            }
+            self.save(&inner.ledger, now, &dropped);
         }
         batch.seq
+    }
+
+    /// Writes today's file (and removes the days `dropped`), when the state directory
+    /// exists.
+    fn save(&self, ledger: &Ledger, now: i64, dropped: &[i64]) {
+        if !self.state_dir.is_dir() {
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    state_dir = %self.state_dir.display(),
+                    "the state directory does not exist: usage totals are kept in memory \
+                     only (create it to keep them across restarts)"
+                );
+            }
+            return;
+        }
+        file::remove_days(&self.dir, dropped);
+        if let Err(error) = file::write_day(&self.dir, ledger, now.div_euclid(86_400)) {
+            // The totals stay in memory and the next batch writes the day again.
+            tracing::warn!(dir = %self.dir.display(), %error, "usage totals not saved");
+        }
     }
 
     /// What `client` has used of `budget` in its window at `now`.
@@ -183,7 +183,8 @@ impl UsageStore {
     }
 
     /// The `client.budget_exceeded` notices due at `now`: each client of `clients` at or
-    /// over a budget, once per window.
+    /// over a budget, once per window (kept in the day file, so also across restarts;
+    /// blocking file I/O when there is one).
     pub fn exceeded(&self, clients: &[wire::Client], now: SystemTime) -> Vec<Notice> {
         let seconds = unix_s(now);
         let mut inner = self.lock();
@@ -193,7 +194,11 @@ impl UsageStore {
                 continue;
             };
             let start = window_start(budget, seconds);
-            if inner.announced.contains(&(client.client_id.clone(), start)) {
+            if inner
+                .ledger
+                .announced
+                .contains(&(client.client_id.clone(), start))
+            {
                 continue;
             }
             let used = inner.ledger.client_since(&client.client_id, start);
@@ -211,7 +216,10 @@ impl UsageStore {
             let Some((kind, limit, spent)) = over else {
                 continue;
             };
-            inner.announced.insert((client.client_id.clone(), start));
+            inner
+                .ledger
+                .announced
+                .insert((client.client_id.clone(), start));
             let resets = start.saturating_add(i64::try_from(budget.window_seconds).unwrap_or(0));
             let reset_at = UNIX_EPOCH + std::time::Duration::from_secs(resets.unsigned_abs());
             notices.push(
@@ -230,7 +238,8 @@ impl UsageStore {
             );
         }
         // Windows that ended are forgotten.
-        inner.announced.retain(|(client, start)| {
+        let before = inner.ledger.announced.len();
+        inner.ledger.announced.retain(|(client, start)| {
             clients.iter().any(|known| {
                 known.client_id == *client
                     && known
@@ -239,6 +248,9 @@ impl UsageStore {
                         .is_some_and(|budget| window_start(budget, seconds) == *start)
             })
         });
+        if !notices.is_empty() || inner.ledger.announced.len() != before {
+            self.save(&inner.ledger, seconds, &[]);
+        }
         notices
     }
 }

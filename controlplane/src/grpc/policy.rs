@@ -150,16 +150,19 @@ impl PolicyService for PolicyApi {
         // Applied (and its day written) before the ack, which lets the node forget it.
         let usage = self.usage.clone();
         let from = node.clone();
-        let usage_seq = tokio::task::spawn_blocking(move || {
-            usage.apply(&from, batch.as_ref(), SystemTime::now())
+        let snapshot = self.hub.current();
+        let clients = snapshot.clone();
+        let (usage_seq, notices) = tokio::task::spawn_blocking(move || {
+            let now = SystemTime::now();
+            let seq = usage.apply(&from, batch.as_ref(), now);
+            (seq, usage.exceeded(&clients.clients, now))
         })
         .await
         .map_err(|error| Status::internal(format!("usage task failed: {error}")))?;
-        let snapshot = self.hub.current();
-        let now = SystemTime::now();
-        for notice in self.usage.exceeded(&snapshot.clients, now) {
+        for notice in notices {
             self.hub.webhooks().notify(notice);
         }
+        let now = SystemTime::now();
         Ok(Response::new(ReportAck {
             current_version: snapshot.version,
             nodes: self.hub.loads_for(&node),

@@ -1,15 +1,16 @@
 //! The totals on disk: `state_dir/usage/YYYY-MM-DD.json`, one file per UTC day with its
 //! hours, written atomically with mode 0600 (the key store's writing) whenever a batch
 //! changes it. Each file also carries the last batch applied from each data plane as of
-//! its writing, so that a restarted control plane does not apply a resent batch twice: the
-//! newest file's list is the one in force.
+//! its writing, so that a restarted control plane does not apply a resent batch twice, and
+//! the budgets already announced as exceeded: the newest file's lists are the ones in
+//! force.
 //!
 //! ```json
 //! {"format": 1, "day": "2026-12-02",
 //!  "hours": [{"hour": 6, "client": "batch", "model": "llama3", "gpu_ns": 7200000000000,
 //!             "prompt_tokens": 120, "completion_tokens": 3400, "requests": 12,
 //!             "embedding_inputs": 0, "cached_inputs": 0}],
-//!  "applied": {"gpu-box": [4821937, 1200]}}
+//!  "applied": {"gpu-box": [4821937, 1200]}, "announced": [["batch", 1796169600]]}
 //! ```
 
 use std::collections::BTreeMap;
@@ -31,6 +32,9 @@ struct DayFile {
     hours: Vec<StoredRow>,
     #[serde(default)]
     applied: BTreeMap<String, [u64; 2]>,
+    /// Budgets announced as exceeded: (client, window start).
+    #[serde(default)]
+    announced: Vec<(String, i64)>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -83,6 +87,7 @@ pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
             .iter()
             .map(|(node, (epoch, seq))| (node.clone(), [*epoch, *seq]))
             .collect(),
+        announced: ledger.announced.iter().cloned().collect(),
     };
     let mut bytes = serde_json::to_vec(&file).map_err(io::Error::other)?;
     bytes.push(b'\n');
@@ -145,6 +150,7 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
                 .into_iter()
                 .map(|(node, [epoch, seq])| (node, (epoch, seq)))
                 .collect();
+            ledger.announced = file.announced.into_iter().collect();
         }
     }
     Ok(ledger)
@@ -186,6 +192,7 @@ mod tests {
             }],
         };
         ledger.apply("box", &batch, NOW);
+        ledger.announced.insert(("chat".into(), 1_796_169_600));
         write_day(&dir, &ledger, NOW / 86_400).unwrap();
         let path = dir.join("2026-12-02.json");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;

@@ -2,7 +2,7 @@
 //! time is passed in. Days are groups of hours; budget windows and `--since` periods are
 //! sums of whole hours.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use oqp_proto::policy::v1 as wire;
 use serde::{Deserialize, Serialize};
@@ -121,6 +121,8 @@ pub struct Ledger {
     pub hours: BTreeMap<i64, Hour>,
     /// Node → (epoch, seq) of the last batch applied.
     pub applied: BTreeMap<String, (u64, u64)>,
+    /// (client, window start) of the budgets announced as exceeded.
+    pub announced: BTreeSet<(String, i64)>,
 }
 
 impl Ledger {

@@ -131,3 +131,15 @@ fn without_a_state_directory_totals_stay_in_memory() {
     assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
     assert!(!missing.exists(), "no directory created");
 }
+
+#[test]
+fn an_announcement_is_not_repeated_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clients = [budgeted(10)];
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    store.apply("box", Some(&batch(1, "batch", 11)), at(NOW));
+    assert_eq!(store.exceeded(&clients, at(NOW)).len(), 1);
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW + 5)).unwrap();
+    assert!(store.exceeded(&clients, at(NOW + 5)).is_empty());
+}
