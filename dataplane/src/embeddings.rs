@@ -216,15 +216,60 @@ pub async fn handle(
 }
 
 /// How many inputs an embedding body carries: `/api/embed`'s `input` (a string or an
-/// array), `/api/embeddings`' one `prompt`.
+/// array), `/api/embeddings`' one `prompt`. Counted without building the inputs (a batch
+/// of many long texts is only walked).
 fn input_count(body: &[u8]) -> u64 {
-    let Ok(serde_json::Value::Object(request)) = serde_json::from_slice(body) else {
-        return 0;
-    };
-    match request.get("input") {
-        Some(serde_json::Value::Array(inputs)) => inputs.len() as u64,
-        Some(serde_json::Value::String(_)) => 1,
-        _ => u64::from(request.contains_key("prompt")),
+    #[derive(serde::Deserialize)]
+    struct Request {
+        input: Option<Count>,
+        prompt: Option<serde::de::IgnoredAny>,
+    }
+    match serde_json::from_slice::<Request>(body) {
+        Ok(Request {
+            input: Some(Count(inputs)),
+            ..
+        }) => inputs,
+        Ok(Request { prompt, .. }) => u64::from(prompt.is_some()),
+        Err(_) => 0,
+    }
+}
+
+/// The number of items of a JSON array, or 1 for any other value.
+struct Count(u64);
+
+impl<'de> serde::Deserialize<'de> for Count {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Items;
+        impl<'de> serde::de::Visitor<'de> for Items {
+            type Value = Count;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an input or an array of inputs")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Count, A::Error> {
+                let mut count = 0;
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    count += 1;
+                }
+                Ok(Count(count))
+            }
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Count, E> {
+                Ok(Count(1))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Count, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(Count(1))
+            }
+        }
+        deserializer.deserialize_any(Items)
     }
 }
 
@@ -268,4 +313,19 @@ fn openai_error(status: StatusCode, body: Bytes) -> Response<Body> {
         HeaderValue::from_static("application/json"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::input_count;
+
+    #[test]
+    fn inputs_are_counted_in_every_shape() {
+        assert_eq!(input_count(br#"{"model":"m","input":["a","b","c"]}"#), 3);
+        assert_eq!(input_count(br#"{"model":"m","input":"one"}"#), 1);
+        assert_eq!(input_count(br#"{"model":"m","prompt":"legacy"}"#), 1);
+        assert_eq!(input_count(br#"{"model":"m","input":[]}"#), 0);
+        assert_eq!(input_count(br#"{"model":"m"}"#), 0);
+        assert_eq!(input_count(b"not json"), 0);
+    }
 }
