@@ -829,6 +829,36 @@ mod tests {
         )
     }
 
+    #[test]
+    fn add_key_budgets_are_checked() {
+        let request = |window: &str, gpu_ns: u64, tokens: u64| api::AddKeyRequest {
+            client_id: "nightly".to_owned(),
+            budget: Some(api::KeyBudget {
+                gpu_ns,
+                tokens,
+                window: window.to_owned(),
+                ..api::KeyBudget::default()
+            }),
+            ..api::AddKeyRequest::default()
+        };
+        let budget = new_key(request("7d", 5, 0)).unwrap().budget.unwrap();
+        assert_eq!(
+            (budget.gpu_ns, budget.window),
+            (5, crate::config::BudgetWindow::Week)
+        );
+        let refused = new_key(request("2d", 5, 0)).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            refused.message(),
+            "budget window must be one of 1h, 1d, 7d, 30d, got '2d'"
+        );
+        assert_eq!(
+            new_key(request("1d", 0, 0)).unwrap().budget,
+            None,
+            "no limit, no budget"
+        );
+    }
+
     /// A request as tonic's TCP server hands it over: with the peer address.
     fn from_peer<T>(peer: &str, message: T) -> Request<T> {
         let mut request = Request::new(message);
