@@ -75,6 +75,7 @@ pub fn snapshot(
             description: key.description.clone().unwrap_or_default(),
             expires_unix_ms: key.expires.map_or(0, unix_ms),
             source: "config".to_owned(),
+            budget: key.budget.as_ref().map(budget_to_wire),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
@@ -334,4 +335,17 @@ pub fn unix_ms(time: SystemTime) -> i64 {
     time.duration_since(UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
         .unwrap_or(0)
+}
+
+/// A budget on the wire, without the figure of what was used (the policy stream adds it
+/// as it sends each snapshot, see [`crate::usage`]).
+pub fn budget_to_wire(budget: &crate::config::Budget) -> wire::Budget {
+    wire::Budget {
+        gpu_ns: budget.gpu_ns,
+        tokens: budget.tokens,
+        window_seconds: budget.window.seconds(),
+        window_anchor_unix_s: budget.window.anchor_unix_s(),
+        window: budget.window.as_str().to_owned(),
+        used: None,
+    }
 }

@@ -42,10 +42,10 @@ pub use env::{CONFIG_VAR, Env};
 pub use error::ConfigError;
 pub use secret::Secret;
 pub use types::{
-    AuthConfig, CacheBackend, ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig,
-    DashboardConfig, EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener,
-    KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig, NodeOverride, OllamaConfig,
-    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
+    AuthConfig, Budget, BudgetWindow, CacheBackend, ClientInjectionConfig, CloudKey, Config,
+    ControlPlaneConfig, DashboardConfig, EmbeddingCacheConfig, FairShareConfig, HostConfig,
+    InjectionListener, KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig, NodeOverride,
+    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
     WebhooksConfig,
 };
 

@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::compile::{scope_to_wire, tier_to_wire, unix_ms};
-use crate::config::{Config, Scope, Secret, Tier, WebhookEvent};
+use crate::config::{Budget, Config, Scope, Secret, Tier, WebhookEvent};
 use crate::hub::Hub;
 use crate::webhooks::Notice;
 
@@ -85,6 +85,8 @@ pub struct NewKey {
     pub description: String,
     /// How long the key works; `None` = until revoked.
     pub lifetime: Option<Duration>,
+    /// Its usage budget, if it has one.
+    pub budget: Option<Budget>,
 }
 
 /// A freshly minted key: the one moment its value exists in clear.
@@ -270,6 +272,7 @@ impl KeyStore {
             created_unix_ms: now_ms,
             expires_unix_ms,
             previous: Vec::new(),
+            budget: new.budget,
         };
         let mut next = pruned(&current, now_ms);
         next.push(record.clone());
@@ -505,6 +508,7 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             description: record.description.clone(),
             expires_unix_ms,
             source: "store".to_owned(),
+            budget: record.budget.as_ref().map(crate::compile::budget_to_wire),
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {

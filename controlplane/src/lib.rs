@@ -15,6 +15,7 @@ pub mod hub;
 pub mod keystore;
 pub mod outbound;
 pub mod poller;
+pub mod usage;
 pub mod webhooks;
 
 mod run;

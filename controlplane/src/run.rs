@@ -30,6 +30,7 @@ use crate::hub::{self, Clock, Hub};
 use crate::keystore::{KeyStore, StoreError};
 use crate::outbound::Outbound;
 use crate::poller;
+use crate::usage::UsageStore;
 use crate::webhooks::{self, SsrfError};
 
 /// How to start a control plane.
@@ -167,6 +168,8 @@ impl ControlPlane {
         // A store that exists but does not load stops the start: serving
         // without it would silently lock out every client it holds.
         let keys = KeyStore::load(&state_dir, hub.clone())?;
+        let usage = UsageStore::load(&state_dir, std::time::SystemTime::now())
+            .map_err(|error| StartError::Io(format!("usage totals: {error}")))?;
         let outbound = Outbound::new();
         probe_hosts(&hub, &outbound).await?;
         let reload: Reloader = {
@@ -202,11 +205,13 @@ impl ControlPlane {
         let router = server
             .add_service(PolicyServiceServer::new(PolicyApi::new(
                 hub.clone(),
+                usage.clone(),
                 shutdown.clone(),
             )))
             .add_service(AdminServiceServer::new(AdminApi::new(
                 hub.clone(),
                 keys.clone(),
+                usage.clone(),
                 reload.clone(),
                 shutdown.clone(),
             )));

@@ -49,6 +49,8 @@ pub struct App {
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
     pub metrics: Arc<Metrics>,
+    /// Usage accounting and budgets.
+    pub usage: Arc<crate::usage::Usage>,
     /// Buffered request bodies, counted against `queue.max_queued_mb`.
     pub body_budget: crate::budget::BodyBudget,
     /// Open client connections, counted against the caps by every listener.
@@ -80,7 +82,9 @@ impl App {
             upstream.clone(),
             Arc::downgrade(&dispatcher),
         ));
+        let metrics = Arc::new(Metrics::new(&policy));
         Self {
+            usage: Arc::new(crate::usage::Usage::new(metrics.clone())),
             dispatcher,
             embedding_cache: arc_swap::ArcSwapOption::empty(),
             cloud: {
@@ -88,7 +92,7 @@ impl App {
                 pools.update(&policy);
                 pools
             },
-            metrics: Arc::new(Metrics::new(&policy)),
+            metrics,
             connections: Arc::default(),
             peers: Arc::new(peers),
             body_budget: crate::budget::BodyBudget::default(),
@@ -159,6 +163,7 @@ impl App {
         crate::status::Sources {
             dispatcher: &self.dispatcher,
             metrics: &self.metrics,
+            usage: &self.usage,
             cloud: &self.cloud,
             control: &self.control,
             store: &self.store,
@@ -184,6 +189,7 @@ impl App {
             cloud: &self.cloud,
             upstream: &self.upstream,
             active: &self.active,
+            usage: &self.usage,
             peers: Some(&self.peers),
         }
     }

@@ -325,7 +325,15 @@ pub async fn report_loop(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => {
+                // One last report, so that the usage recorded since the last one is not lost
+                // with a graceful stop.
+                let last = client.report_status(report());
+                if let Ok(Ok(ack)) = tokio::time::timeout(Duration::from_secs(1), last).await {
+                    on_ack(ack.into_inner());
+                }
+                return;
+            }
             _ = ticker.tick() => {}
             _ = changed.changed() => {}
         }

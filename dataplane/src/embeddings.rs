@@ -16,6 +16,7 @@
 //! next to `X-Cache`.
 
 use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
@@ -32,6 +33,7 @@ use crate::proxy::{Outbound, RequestBody};
 use crate::queued;
 use crate::rewrite::{self, EncodingFormat};
 use crate::scheduler::Tier;
+use crate::usage::Totals;
 
 /// What an embedding request reads of the data plane.
 #[derive(Debug)]
@@ -97,7 +99,21 @@ pub async fn handle(
             RequestBody::Buffered(bytes) => bytes,
             RequestBody::Streamed(_) => &[],
         });
+        let inputs = match &outbound.body {
+            RequestBody::Buffered(bytes) => input_count(bytes),
+            RequestBody::Streamed(_) => 0,
+        };
+        let usage = queue.usage.clone();
+        let client_id = client.id.clone();
+        let model_name = model.clone().unwrap_or_default();
         let response = queued::send(queue, policy, client, tier, model, outbound).await?;
+        if response.status().is_success() {
+            let totals = Totals {
+                embedding_inputs: inputs,
+                ..Totals::default()
+            };
+            usage.record(&client_id, &model_name, totals, SystemTime::now());
+        }
         return match openai {
             Some(openai) => wrap_openai(response, &openai).await,
             None => Ok(response),
@@ -158,6 +174,18 @@ pub async fn handle(
         }
     };
     let outcome = resolved.outcome;
+    let items = &resolved.items;
+    // The fetch of the misses counted the request and its GPU time; a request the cache (or
+    // another request's fetch) answered whole counts here, without GPU time.
+    let totals = Totals {
+        requests: u64::from(items.fetched == 0),
+        embedding_inputs: items.fetched as u64,
+        cached_inputs: (items.cached + items.coalesced) as u64,
+        ..Totals::default()
+    };
+    queue
+        .usage
+        .record(&client.id, &model, totals, SystemTime::now());
     match outcome {
         cache::Outcome::Hit => queue.metrics.cache_hit(&client.id, &model, &endpoint),
         cache::Outcome::Partial => queue.metrics.cache_partial(&client.id, &model, &endpoint),
@@ -184,6 +212,64 @@ pub async fn handle(
     match openai {
         Some(openai) => wrap_openai(response, &openai).await,
         None => Ok(response),
+    }
+}
+
+/// How many inputs an embedding body carries: `/api/embed`'s `input` (a string or an
+/// array), `/api/embeddings`' one `prompt`. Counted without building the inputs (a batch
+/// of many long texts is only walked).
+fn input_count(body: &[u8]) -> u64 {
+    #[derive(serde::Deserialize)]
+    struct Request {
+        input: Option<Count>,
+        prompt: Option<serde::de::IgnoredAny>,
+    }
+    match serde_json::from_slice::<Request>(body) {
+        Ok(Request {
+            input: Some(Count(inputs)),
+            ..
+        }) => inputs,
+        Ok(Request { prompt, .. }) => u64::from(prompt.is_some()),
+        Err(_) => 0,
+    }
+}
+
+/// The number of items of a JSON array, or 1 for any other value.
+struct Count(u64);
+
+impl<'de> serde::Deserialize<'de> for Count {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Items;
+        impl<'de> serde::de::Visitor<'de> for Items {
+            type Value = Count;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an input or an array of inputs")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Count, A::Error> {
+                let mut count = 0;
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
+                    count += 1;
+                }
+                Ok(Count(count))
+            }
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Count, E> {
+                Ok(Count(1))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Count, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(Count(1))
+            }
+        }
+        deserializer.deserialize_any(Items)
     }
 }
 
@@ -227,4 +313,19 @@ fn openai_error(status: StatusCode, body: Bytes) -> Response<Body> {
         HeaderValue::from_static("application/json"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::input_count;
+
+    #[test]
+    fn inputs_are_counted_in_every_shape() {
+        assert_eq!(input_count(br#"{"model":"m","input":["a","b","c"]}"#), 3);
+        assert_eq!(input_count(br#"{"model":"m","input":"one"}"#), 1);
+        assert_eq!(input_count(br#"{"model":"m","prompt":"legacy"}"#), 1);
+        assert_eq!(input_count(br#"{"model":"m","input":[]}"#), 0);
+        assert_eq!(input_count(br#"{"model":"m"}"#), 0);
+        assert_eq!(input_count(b"not json"), 0);
+    }
 }

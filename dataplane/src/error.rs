@@ -117,6 +117,14 @@ pub enum ProxyError {
     /// request may have run, so it is not sent anywhere else).
     #[error("node '{0}' failed before answering")]
     PeerFailed(String),
+    /// The client has spent a budget of its window (`auth.keys[].budget`).
+    #[error("budget exceeded: {budget}")]
+    BudgetExceeded {
+        /// Which budget, as "gpu_seconds 7200 per 1d".
+        budget: String,
+        /// Seconds until the window resets.
+        retry_after: u64,
+    },
     /// An embed request with more inputs than `embedding_cache.max_inputs`.
     #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
     TooManyInputs {
@@ -134,7 +142,9 @@ impl ProxyError {
             | Self::KeyRevoked
             | Self::HopUnverified => StatusCode::UNAUTHORIZED,
             Self::PeerFailed(_) => StatusCode::BAD_GATEWAY,
-            Self::TooManyAuthFailures { .. } => StatusCode::TOO_MANY_REQUESTS,
+            Self::TooManyAuthFailures { .. } | Self::BudgetExceeded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             Self::ScopeRequired(_)
             | Self::ModelManagementDisabled
             | Self::RouteNotProxied
@@ -163,7 +173,8 @@ impl ProxyError {
         match self {
             Self::TooManyAuthFailures { retry_after }
             | Self::QueueFull { retry_after, .. }
-            | Self::OverCapacity { retry_after, .. } => Some(*retry_after),
+            | Self::OverCapacity { retry_after, .. }
+            | Self::BudgetExceeded { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
     }

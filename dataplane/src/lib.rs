@@ -61,6 +61,7 @@ pub mod status;
 pub mod supervise;
 pub mod swap;
 pub mod upstream;
+pub mod usage;
 
 mod run;
 

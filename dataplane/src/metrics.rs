@@ -143,6 +143,8 @@ pub struct Metrics {
     client_inflight: IntGaugeVec,
     client_cap_waiting: IntGaugeVec,
     client_recent_share: GaugeVec,
+    client_gpu_seconds: CounterVec,
+    client_tokens: IntCounterVec,
     cache_hits: IntCounterVec,
     cache_misses: IntCounterVec,
     cache_errors: IntCounterVec,
@@ -362,6 +364,24 @@ impl Metrics {
                 &["client_id"],
             ),
             client_recent_share: recent_share,
+            client_gpu_seconds: {
+                let vec = CounterVec::new(
+                    Opts::new(
+                        "oqp_client_gpu_seconds_total",
+                        "GPU time of a client's requests (Ollama's total_duration; the slot's \
+                         hold time when it gave none), by model",
+                    ),
+                    &["client", "model"],
+                )
+                .expect("valid metric");
+                add(Box::new(vec.clone()), "counter");
+                vec
+            },
+            client_tokens: counters(
+                "oqp_client_tokens_total",
+                "Tokens of a client's requests, by model and kind (prompt, completion)",
+                &["client", "model", "kind"],
+            ),
             cache_hits: counters(
                 "oqp_embedding_cache_hits_total",
                 "Embedding requests answered from the cache",
@@ -579,6 +599,40 @@ impl Metrics {
         {
             counter.inc_by(load.as_secs_f64());
         }
+    }
+
+    /// A request of `client` for `model` ended upstream, having used `gpu` of GPU time and
+    /// these tokens. Called by the usage ledger ([`crate::usage`]), which keeps its rows
+    /// under the same bounded labels, returned here.
+    pub fn usage(
+        &self,
+        client: &str,
+        model: &str,
+        gpu: Duration,
+        prompt: u64,
+        completion: u64,
+    ) -> (String, String) {
+        let client = self.client_label(client);
+        let model = if model.is_empty() {
+            Cow::Borrowed("")
+        } else {
+            self.model_label(model)
+        };
+        if let Ok(counter) = self
+            .client_gpu_seconds
+            .get_metric_with_label_values(&[client, &model])
+        {
+            counter.inc_by(gpu.as_secs_f64());
+        }
+        for (kind, count) in [("prompt", prompt), ("completion", completion)] {
+            if let Ok(counter) = self
+                .client_tokens
+                .get_metric_with_label_values(&[client, &model, kind])
+            {
+                counter.inc_by(count);
+            }
+        }
+        (client.to_owned(), model.into_owned())
     }
 
     /// Dispatched requests of `tier` observed so far, and their summed wait

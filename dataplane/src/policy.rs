@@ -208,6 +208,52 @@ pub struct Client {
     pub description: String,
     /// When the key stops working.
     pub expires: Option<SystemTime>,
+    /// Its usage budget, if it has one.
+    pub budget: Option<UsageBudget>,
+}
+
+/// A client's usage budget (`auth.keys[].budget`): GPU time and/or tokens per window
+/// aligned to UTC boundaries. [`crate::usage`] enforces it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageBudget {
+    /// GPU time per window, nanoseconds; 0 = none.
+    pub gpu_ns: u64,
+    /// Tokens (prompt + completion) per window; 0 = none.
+    pub tokens: u64,
+    /// The window's length, seconds (at least 1).
+    pub window_seconds: u64,
+    /// Windows start at this Unix time plus whole multiples of the length.
+    pub anchor_unix_s: i64,
+    /// The window as configured ("1d"), for the refusal's text.
+    pub window: String,
+    /// What the client had used over all data planes when the snapshot was built.
+    pub used: Used,
+}
+
+/// What a client has used of its budget in one window over all data planes, as the control
+/// plane last computed it (in a snapshot or a report's ack).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Used {
+    /// The window's start, Unix seconds.
+    pub window_start_unix_s: i64,
+    /// GPU time, nanoseconds.
+    pub gpu_ns: u64,
+    /// Tokens.
+    pub tokens: u64,
+    /// When the control plane computed it, Unix milliseconds: the newest copy wins.
+    pub as_of_unix_ms: i64,
+}
+
+impl Used {
+    /// From the wire.
+    pub fn from_wire(used: &oqp_proto::policy::v1::BudgetUsed) -> Self {
+        Self {
+            window_start_unix_s: used.window_start_unix_s,
+            gpu_ns: used.gpu_ns,
+            tokens: used.tokens,
+            as_of_unix_ms: used.as_of_unix_ms,
+        }
+    }
 }
 
 impl Client {

@@ -33,6 +33,7 @@ use crate::relay;
 use crate::scheduler::Tier;
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
+use crate::usage::{Totals, Usage};
 
 /// What the queued path reads of the data plane.
 #[derive(Debug, Clone, Copy)]
@@ -49,6 +50,8 @@ pub struct Parts<'a> {
     pub upstream: &'a Upstream,
     /// Requests in flight upstream.
     pub active: &'a Active,
+    /// Usage accounting and budgets.
+    pub usage: &'a Arc<Usage>,
     /// The other data planes; `None` for a request forwarded here, which this node serves
     /// itself.
     pub peers: Option<&'a Arc<Peers>>,
@@ -89,6 +92,10 @@ pub async fn send_then(
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
+    // A spent budget refuses before the request is queued anywhere.
+    if let Some(known) = policy.clients_by_id.get(&client.id) {
+        parts.usage.check(known, std::time::SystemTime::now())?;
+    }
     match parts.peers {
         Some(peers) if !policy.remote.is_empty() => {
             Box::pin(placed(
@@ -222,7 +229,7 @@ async fn local(
     }
     on_granted();
     Box::pin(send_granted(
-        parts, policy, grant, outbound, position, immediate,
+        parts, policy, &client.id, grant, outbound, position, immediate,
     ))
     .await
 }
@@ -232,6 +239,7 @@ async fn local(
 async fn send_granted(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
+    client: &Arc<str>,
     grant: Grant,
     outbound: Outbound,
     position: u32,
@@ -270,7 +278,23 @@ async fn send_granted(
     parts.metrics.host_request(&answer.host.name);
     parts.metrics.observe_ttfb(tier, sent.elapsed());
     let metrics = parts.metrics.clone();
+    let usage = parts.usage.clone();
+    let client = client.clone();
     let completion: Completion = Box::new(move |outcome| {
+        // GPU time: Ollama's figure, else the time the request held its slot.
+        let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
+        usage.record(
+            &client,
+            model.as_deref().unwrap_or_default(),
+            Totals {
+                gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
+                prompt_tokens: outcome.tokens.prompt,
+                completion_tokens: outcome.tokens.completion,
+                requests: 1,
+                ..Totals::default()
+            },
+            std::time::SystemTime::now(),
+        );
         let mut lease = lease;
         if lease.loads()
             && let (Some(host), Some(model), Some(load)) =

@@ -136,12 +136,16 @@ impl DataPlane {
         tasks.spawn(watcher.run(store.clone(), shutdown.clone()));
         let reporter_app = app.clone();
         let peers = app.peers.clone();
+        let usage = app.usage.clone();
         tasks.spawn(control::report_loop(
             client,
             store.clone(),
             options.report_interval,
             move || report(&reporter_app),
-            move |ack| peers.update(ack.nodes),
+            move |ack| {
+                usage.acked(&ack, std::time::SystemTime::now());
+                peers.update(ack.nodes);
+            },
             shutdown.clone(),
         ));
         tasks.spawn(app.dispatcher.clone().run_timer(shutdown.clone()));
@@ -405,6 +409,7 @@ fn report(app: &App) -> NodeReport {
         apply_errors: app.store.failures(),
         stale_version: app.control.stale_version(),
         forwarded: app.peers.report(),
+        usage: app.usage.report(),
     }
 }
 

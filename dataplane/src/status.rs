@@ -50,6 +50,8 @@ pub struct Sources<'a> {
     pub dispatcher: &'a Dispatcher,
     /// Wait totals and per-host answers, which only the request path sees.
     pub metrics: &'a Metrics,
+    /// Usage today.
+    pub usage: &'a crate::usage::Usage,
     /// The Ollama Cloud key pools.
     pub cloud: &'a CloudPools,
     /// The state of the link to the control plane.
@@ -222,6 +224,29 @@ struct ClientStatus {
     recent_share: f64,
     max_priority: Option<&'static str>,
     scope: Option<&'static str>,
+    /// Usage today (UTC) over all data planes, as this node knows it.
+    usage_today: UsageToday,
+}
+
+#[derive(Debug, Serialize)]
+struct UsageToday {
+    gpu_seconds: f64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    requests: u64,
+    cached_inputs: u64,
+}
+
+impl UsageToday {
+    fn of(totals: crate::usage::Totals) -> Self {
+        Self {
+            gpu_seconds: (totals.gpu_ns as f64 / 1e6).round() / 1e3,
+            prompt_tokens: totals.prompt_tokens,
+            completion_tokens: totals.completion_tokens,
+            requests: totals.requests,
+            cached_inputs: totals.cached_inputs,
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -311,7 +336,11 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
         .map(|(client, stat)| {
             (
                 stat.client.to_string(),
-                client_status(client.as_deref(), &stat),
+                client_status(
+                    client.as_deref(),
+                    &stat,
+                    sources.usage.today(&stat.client, SystemTime::now()),
+                ),
             )
         })
         .collect();
@@ -372,7 +401,11 @@ pub fn summary(sources: Sources<'_>, policy: &Policy) -> Summary {
     }
 }
 
-fn client_status(client: Option<&Client>, stat: &ClientStat) -> ClientStatus {
+fn client_status(
+    client: Option<&Client>,
+    stat: &ClientStat,
+    today: crate::usage::Totals,
+) -> ClientStatus {
     ClientStatus {
         description: client
             .map(|c| c.description.clone())
@@ -386,6 +419,7 @@ fn client_status(client: Option<&Client>, stat: &ClientStat) -> ClientStatus {
         recent_share: stat.recent_share,
         max_priority: client.map(|c| c.max_priority.as_str()),
         scope: client.map(|c| c.scope.as_str()),
+        usage_today: UsageToday::of(today),
     }
 }
 

@@ -194,8 +194,37 @@ pub struct Outcome {
     /// Ollama's `load_duration` from the final object, when it had one: the time the request
     /// waited for its model to load (counted from its arrival at Ollama).
     pub load_duration: Option<Duration>,
+    /// The token counts of the final object, when it had them.
+    pub tokens: Tokens,
     /// Time from the response headers to the end of the body.
     pub elapsed: Duration,
+}
+
+/// The token counts of a response's final object: Ollama's `prompt_eval_count` and
+/// `eval_count`, or the OpenAI `usage` object's `prompt_tokens` and `completion_tokens`
+/// (a non-streamed answer, or the last SSE chunk when the client asked for
+/// `stream_options.include_usage`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tokens {
+    /// Tokens of the prompt.
+    pub prompt: u64,
+    /// Tokens generated.
+    pub completion: u64,
+}
+
+impl Tokens {
+    /// The counts in the kept tail of a body; zero where it has none.
+    pub fn of(tail: &[u8]) -> Self {
+        let either = |native: &[u8], openai: &[u8]| {
+            last_number(tail, native)
+                .or_else(|| last_number(tail, openai))
+                .unwrap_or(0)
+        };
+        Self {
+            prompt: either(b"\"prompt_eval_count\":", b"\"prompt_tokens\":"),
+            completion: either(b"\"eval_count\":", b"\"completion_tokens\":"),
+        }
+    }
 }
 
 /// Called once when a response body ends, fails or is dropped.
@@ -308,6 +337,11 @@ impl ResponseBody {
                     .then(|| last_number(&self.tail, b"\"load_duration\":"))
                     .flatten()
                     .map(Duration::from_nanos),
+                tokens: if complete {
+                    Tokens::of(&self.tail)
+                } else {
+                    Tokens::default()
+                },
                 elapsed: self.started.elapsed(),
             });
         }
@@ -452,6 +486,37 @@ mod tests {
             Some(Duration::from_nanos(174_560_334))
         );
         assert_eq!(total_duration(b"{\"done\":true}"), None);
+    }
+
+    #[test]
+    fn reads_token_counts_of_native_and_openai_final_objects() {
+        let native = br#"{"done":false}
+{"done":true,"total_duration":5,"prompt_eval_count":12,"eval_count":30}
+"#;
+        assert_eq!(
+            Tokens::of(native),
+            Tokens {
+                prompt: 12,
+                completion: 30
+            }
+        );
+        let sse = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":9,\"total_tokens\":16}}\n\ndata: [DONE]\n\n";
+        assert_eq!(
+            Tokens::of(sse),
+            Tokens {
+                prompt: 7,
+                completion: 9
+            }
+        );
+        let embed = br#"{"embeddings":[[0.1]],"total_duration":3,"prompt_eval_count":4}"#;
+        assert_eq!(
+            Tokens::of(embed),
+            Tokens {
+                prompt: 4,
+                completion: 0
+            }
+        );
+        assert_eq!(Tokens::of(b"{\"done\":true}"), Tokens::default());
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 mod client;
 mod render;
+mod usage;
 mod watch;
 
 use std::path::PathBuf;
@@ -27,6 +28,8 @@ Examples:
   oqpctl clients --watch 5
   oqpctl keys list
   oqpctl keys add batch --max-priority low --scope inference --max-concurrent 1 --expires 30d
+  oqpctl keys add nightly --max-priority low --scope inference --budget-gpu 2h --budget-tokens 2M --budget-window 1d
+  oqpctl usage --since 7d --by client,model
   oqpctl keys rotate batch --grace 1h
   oqpctl keys revoke batch
   OQPCTL_KEY=sk-admin oqpctl --control-plane https://cp.lan:50051 --ca ca.pem status";
@@ -76,6 +79,8 @@ enum Command {
     /// Consumer keys.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// GPU time, tokens, requests and cache hits per client and/or model.
+    Usage(usage::UsageArgs),
     /// Prints a shell completion script.
     Completions {
         /// The shell.
@@ -190,6 +195,8 @@ struct AddKey {
     /// Lifetime (e.g. 30d, 12h); default: until revoked.
     #[arg(long, value_parser = humantime::parse_duration)]
     expires: Option<std::time::Duration>,
+    #[command(flatten)]
+    budget: usage::BudgetArgs,
 }
 
 /// A failure with its exit code.
@@ -253,6 +260,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Clients(arg) => show(&mut admin, View::Clients, arg, output, style).await?,
         Command::Keys(command) => keys(&mut admin, command, output, style).await?,
         Command::Queue(command) => queue(&mut admin, command, output).await?,
+        Command::Usage(args) => {
+            let request = args.request();
+            let response = admin.get_usage(request).await?.into_inner();
+            println!("{}", usage::render(&response, &request, output, style));
+        }
         Command::Config(_) | Command::Completions { .. } => {}
     }
     Ok(())
@@ -371,7 +383,7 @@ async fn keys(
             println!("{}", render::keys(&response, output, style));
         }
         KeysCommand::Add(add) => {
-            let request = add_request(add);
+            let request = add_request(add).map_err(|message| Failure { code: 2, message })?;
             let response = admin.add_key(request).await?.into_inner();
             println!("{}", render::key_added(&response, output));
         }
@@ -408,8 +420,9 @@ fn tier(name: &str) -> wire::Tier {
     }
 }
 
-fn add_request(add: AddKey) -> api::AddKeyRequest {
-    api::AddKeyRequest {
+fn add_request(add: AddKey) -> Result<api::AddKeyRequest, String> {
+    let budget = add.budget.budget()?;
+    Ok(api::AddKeyRequest {
         client_id: add.client_id,
         scope: match add.scope.as_str() {
             "read" => wire::Scope::Read,
@@ -426,7 +439,8 @@ fn add_request(add: AddKey) -> api::AddKeyRequest {
             .as_deref()
             .map_or(wire::Tier::Unspecified, tier) as i32,
         max_queued: add.max_queued,
-    }
+        budget,
+    })
 }
 
 fn check_config(path: &std::path::Path, output: Output) -> Result<(), Failure> {
@@ -519,7 +533,7 @@ mod tests {
         let Command::Keys(KeysCommand::Add(add)) = cli.command else {
             panic!("not keys add: {:?}", cli.command);
         };
-        let request = add_request(add);
+        let request = add_request(add).unwrap();
         assert_eq!(request.client_id, "batch");
         assert_eq!(request.scope, wire::Scope::Read as i32);
         assert_eq!(request.max_priority, wire::Tier::Low as i32);
@@ -529,6 +543,63 @@ mod tests {
         assert_eq!(request.max_queued, 9);
         assert_eq!(request.description, "nightly");
         assert_eq!(request.expires_in_seconds, 86_401);
+        assert_eq!(request.budget, None);
+    }
+
+    #[test]
+    fn keys_add_takes_a_budget_and_usage_its_period() {
+        let cli = parse(&[
+            "keys",
+            "add",
+            "nightly",
+            "--max-priority",
+            "low",
+            "--scope",
+            "inference",
+            "--budget-gpu",
+            "2h",
+            "--budget-tokens",
+            "2M",
+            "--budget-window",
+            "1d",
+        ])
+        .unwrap();
+        let Command::Keys(KeysCommand::Add(add)) = cli.command else {
+            panic!("not keys add");
+        };
+        let budget = add_request(add).unwrap().budget.unwrap();
+        assert_eq!(budget.gpu_ns, 7_200_000_000_000);
+        assert_eq!(budget.tokens, 2_000_000);
+        assert_eq!(budget.window, "1d");
+        assert!(
+            parse(&[
+                "keys",
+                "add",
+                "x",
+                "--max-priority",
+                "low",
+                "--scope",
+                "read",
+                "--budget-window",
+                "2d"
+            ])
+            .is_err()
+        );
+        let Command::Usage(args) = parse(&["usage", "--since", "7d", "--by", "client,model"])
+            .unwrap()
+            .command
+        else {
+            panic!("not usage");
+        };
+        let request = args.request();
+        assert_eq!(request.since_seconds, 7 * 86_400);
+        assert!(request.by_client && request.by_model);
+        let Command::Usage(args) = parse(&["usage"]).unwrap().command else {
+            panic!("not usage");
+        };
+        assert_eq!(args.request().since_seconds, 86_400);
+        assert!(args.request().by_client && !args.request().by_model);
+        assert!(parse(&["usage", "--by", "host"]).is_err());
     }
 
     #[test]
@@ -546,7 +617,7 @@ mod tests {
         let Command::Keys(KeysCommand::Add(add)) = cli.command else {
             panic!("not keys add");
         };
-        let request = add_request(add);
+        let request = add_request(add).unwrap();
         assert_eq!(request.default_priority, wire::Tier::Unspecified as i32);
         assert_eq!(request.weight, 1.0);
         assert_eq!(request.expires_in_seconds, 0);

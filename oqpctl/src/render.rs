@@ -28,7 +28,7 @@ pub struct Style {
     pub color: bool,
 }
 
-fn table(style: Style, header: &[&str]) -> Table {
+pub(crate) fn table(style: Style, header: &[&str]) -> Table {
     let mut table = Table::new();
     table
         .load_preset(if style.color {
@@ -108,6 +108,8 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     "created",
                     "expires",
                     "last used",
+                    "budget",
+                    "left",
                 ],
             );
             for key in &response.keys {
@@ -122,6 +124,8 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     ago(unix_ms_age(key.created_unix_ms)),
                     expires(key.expires_unix_ms),
                     ago(unix_ms_age(key.last_used_unix_ms)),
+                    crate::usage::budget_cell(key.budget.as_ref()),
+                    crate::usage::left_cell(key.budget.as_ref()),
                 ]);
             }
             let capped = response
@@ -156,6 +160,7 @@ pub fn key_json(key: &api::KeyInfo) -> Value {
         "created_unix_ms": (key.created_unix_ms > 0).then_some(key.created_unix_ms),
         "expires_unix_ms": (key.expires_unix_ms > 0).then_some(key.expires_unix_ms),
         "last_used_unix_ms": (key.last_used_unix_ms > 0).then_some(key.last_used_unix_ms),
+        "budget": crate::usage::budget_json(key.budget.as_ref()),
     })
 }
 
@@ -337,6 +342,7 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                         "recent_share": client.recent_share,
                         "processed": client.processed,
                         "rejected": client.rejected,
+                        "gpu_seconds_today": (client.gpu_ns_today as f64 / 1e6).round() / 1e3,
                     })
                 })
                 .collect(),
@@ -355,6 +361,7 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     "share",
                     "processed",
                     "rejected",
+                    "GPU today",
                 ],
             );
             for client in &response.clients {
@@ -369,6 +376,7 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     format!("{:.0}%", client.recent_share * 100.0),
                     client.processed.to_string(),
                     client.rejected.to_string(),
+                    crate::usage::hms(client.gpu_ns_today),
                 ]);
             }
             if response
@@ -549,7 +557,7 @@ fn rfc3339(unix_ms: i64) -> String {
     humantime::format_rfc3339_seconds(at).to_string()
 }
 
-fn pretty(value: &Value) -> String {
+pub(crate) fn pretty(value: &Value) -> String {
     serde_json::to_string_pretty(value).unwrap_or_default()
 }
 

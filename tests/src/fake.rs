@@ -55,6 +55,7 @@ pub use builder::FakeBuilder;
 pub use cloud::CloudReply;
 pub use handle::{Failure, FakeHandle};
 pub use record::RecordedRequest;
+pub use stream::USAGE_HEADER;
 
 use server::Server;
 

@@ -161,6 +161,7 @@ vocabulary! {
         HostRecovered => "host.recovered",
         KeyRevoked => "key.revoked",
         KeyRotated => "key.rotated",
+        ClientBudgetExceeded => "client.budget_exceeded",
     }
 }
 

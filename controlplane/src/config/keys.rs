@@ -12,9 +12,9 @@ use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
 use super::scalar::Text;
-use super::schema::{RawCloudKey, RawKey};
+use super::schema::{RawBudget, RawCloudKey, RawKey};
 use super::secret::Secret;
-use super::types::{CloudKey, KeyConfig};
+use super::types::{Budget, BudgetWindow, CloudKey, KeyConfig};
 
 /// The three ways of giving one credential, with the field names of this entry.
 pub(crate) struct KeySource<'a> {
@@ -297,6 +297,11 @@ fn resolve_key(
         },
     };
 
+    let budget = raw
+        .budget
+        .as_ref()
+        .and_then(|budget| resolve_budget(budget, &at, problems));
+
     if problems.error_count() != before {
         return None;
     }
@@ -311,6 +316,61 @@ fn resolve_key(
         weight,
         max_queued,
         expires,
+        budget,
+    })
+}
+
+/// `auth.keys[].budget`: `gpu_seconds` and/or `tokens` per `window`.
+fn resolve_budget(raw: &RawBudget, at: &str, problems: &mut Problems) -> Option<Budget> {
+    let windows = || BudgetWindow::ALL.map(BudgetWindow::as_str).join(", ");
+    let window = match raw.window.as_ref().map(|text| text.0.trim()) {
+        None => {
+            problems.error(format!(
+                "{at}.budget.window is required (one of {})",
+                windows()
+            ));
+            return None;
+        }
+        Some(text) => match BudgetWindow::parse(text) {
+            Some(window) => window,
+            None => {
+                problems.error(format!(
+                    "{at}.budget.window must be one of {}, got '{text}'",
+                    windows()
+                ));
+                return None;
+            }
+        },
+    };
+    let gpu_ns = match raw.gpu_seconds {
+        None => 0,
+        Some(seconds) if seconds.0.is_zero() => {
+            problems.error(format!("{at}.budget.gpu_seconds must be > 0"));
+            return None;
+        }
+        Some(seconds) => u64::try_from(seconds.0.as_nanos()).unwrap_or(u64::MAX),
+    };
+    let tokens = match raw.tokens {
+        None => 0,
+        Some(tokens) if tokens.0 <= 0 => {
+            problems.error(format!(
+                "{at}.budget.tokens must be a positive integer, got {}",
+                tokens.0
+            ));
+            return None;
+        }
+        Some(tokens) => tokens.0.unsigned_abs(),
+    };
+    if gpu_ns == 0 && tokens == 0 {
+        problems.error(format!(
+            "{at}.budget sets neither gpu_seconds nor tokens; set one or both, or remove it"
+        ));
+        return None;
+    }
+    Some(Budget {
+        gpu_ns,
+        tokens,
+        window,
     })
 }
 

@@ -209,6 +209,16 @@ pub(crate) struct RawKey {
     pub max_queued: Option<Int>,
     #[serde(default)]
     pub expires: Option<Text>,
+    #[serde(default)]
+    pub budget: Option<RawBudget>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawBudget {
+    pub gpu_seconds: Option<Seconds>,
+    pub tokens: Option<Int>,
+    pub window: Option<Text>,
 }
 
 #[derive(Debug, Default, Deserialize)]

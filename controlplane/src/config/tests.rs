@@ -918,7 +918,7 @@ fn section_value_errors() {
         [
             "queue.overflow_status_code must be 503 or 429, got 500",
             "webhooks.events[0]: unknown value 'queue.exploded' (expected queue.full, queue.high_watermark, queue.drained, \
-         queue.over_capacity, host.unhealthy, host.recovered, key.revoked or key.rotated)",
+         queue.over_capacity, host.unhealthy, host.recovered, key.revoked, key.rotated or client.budget_exceeded)",
             "webhooks.url: Webhook URL must use http or https scheme, got: 'ftp'",
             "logging.format: unknown value 'xml' (expected text or json)",
             "routing.strategy: unknown value 'fastest' (expected model_aware or round_robin)",
@@ -1534,4 +1534,59 @@ fn model_swap_errors_name_their_key() {
         assert_eq!(errors.len(), 1, "{yaml}: {errors:?}");
         assert!(errors[0].starts_with(path), "{yaml}: {errors:?}");
     }
+}
+
+#[test]
+fn key_budgets() {
+    let loaded = load(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: a, budget: {gpu_seconds: 2h, tokens: 2000000, window: 1d}}\n    \
+         - {key: k2, client_id: b, budget: {tokens: 500, window: 7D}}\n    \
+         - {key: k3, client_id: c}\n",
+    ));
+    let keys = &loaded.config.auth.keys;
+    assert_eq!(
+        keys[0].budget,
+        Some(Budget {
+            gpu_ns: 7_200_000_000_000,
+            tokens: 2_000_000,
+            window: BudgetWindow::Day
+        })
+    );
+    let week = keys[1].budget.unwrap();
+    assert_eq!(
+        (week.gpu_ns, week.tokens, week.window),
+        (0, 500, BudgetWindow::Week)
+    );
+    assert_eq!(week.window.seconds(), 604_800);
+    assert_eq!(week.window.anchor_unix_s(), 345_600, "a Monday");
+    assert_eq!(keys[2].budget, None);
+
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: a, budget: {gpu_seconds: 60, window: 2d}}\n    \
+         - {key: k2, client_id: b, budget: {window: 1h}}\n    \
+         - {key: k3, client_id: c, budget: {gpu_seconds: 0, window: 1h}}\n    \
+         - {key: k4, client_id: d, budget: {tokens: -5, window: 1h}}\n    \
+         - {key: k5, client_id: e, budget: {tokens: 5}}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=a].budget.window must be one of 1h, 1d, 7d, 30d, got '2d'",
+            "auth.keys[client_id=b].budget sets neither gpu_seconds nor tokens; set one or both, or remove it",
+            "auth.keys[client_id=c].budget.gpu_seconds must be > 0",
+            "auth.keys[client_id=d].budget.tokens must be a positive integer, got -5",
+            "auth.keys[client_id=e].budget.window is required (one of 1h, 1d, 7d, 30d)",
+        ]
+    );
+    // A misspelt budget field is reported with its path.
+    let warnings = load(&with_host(
+        "auth:\n  keys:\n    - {key: k1, client_id: a, budget: {gpu_second: 60, tokens: 5, window: 1h}}\n",
+    ))
+    .warnings;
+    assert!(
+        warnings.iter().any(|w| w.contains("budget.gpu_second")),
+        "{warnings:?}"
+    );
 }

@@ -209,6 +209,73 @@ pub struct KeyConfig {
     pub max_queued: u32,
     /// After this instant the key no longer authenticates.
     pub expires: Option<SystemTime>,
+    /// Its usage budget, if it has one.
+    pub budget: Option<Budget>,
+}
+
+/// `auth.keys[].budget` (or a store key's): GPU time and/or tokens per window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// GPU time per window, nanoseconds; 0 = no GPU-time budget.
+    pub gpu_ns: u64,
+    /// Prompt + completion tokens per window; 0 = no token budget.
+    pub tokens: u64,
+    /// The window.
+    pub window: BudgetWindow,
+}
+
+/// A budget's window, aligned to UTC boundaries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BudgetWindow {
+    /// Each hour, on the hour.
+    Hour,
+    /// Each UTC day, from midnight.
+    Day,
+    /// Each week, from Monday 00:00 UTC.
+    Week,
+    /// Consecutive 30-day periods counted from 1970-01-01.
+    Days30,
+}
+
+impl BudgetWindow {
+    /// Every window, as written.
+    pub const ALL: [BudgetWindow; 4] = [Self::Hour, Self::Day, Self::Week, Self::Days30];
+
+    /// As written in the config: `1h`, `1d`, `7d`, `30d`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Hour => "1h",
+            Self::Day => "1d",
+            Self::Week => "7d",
+            Self::Days30 => "30d",
+        }
+    }
+
+    /// The window written as `text`, if it is one.
+    pub fn parse(text: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|window| window.as_str().eq_ignore_ascii_case(text.trim()))
+    }
+
+    /// Its length in seconds.
+    pub fn seconds(self) -> u64 {
+        match self {
+            Self::Hour => 3600,
+            Self::Day => 86_400,
+            Self::Week => 7 * 86_400,
+            Self::Days30 => 30 * 86_400,
+        }
+    }
+
+    /// Windows start here plus whole multiples of the length: the epoch, or for weeks
+    /// 1970-01-05, a Monday.
+    pub fn anchor_unix_s(self) -> i64 {
+        match self {
+            Self::Week => 4 * 86_400,
+            _ => 0,
+        }
+    }
 }
 
 /// `logging`.

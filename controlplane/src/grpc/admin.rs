@@ -36,6 +36,7 @@ use crate::compile::{self, scope_to_wire, tier_from_wire, tier_index, tier_to_wi
 use crate::config::{Scope, Tier};
 use crate::hub::Hub;
 use crate::keystore::{self, KeyError, KeyStore, NewKey, Record};
+use crate::usage::UsageStore;
 
 /// Re-reads the config file; returns the new version and the warnings.
 pub type Reloader = Arc<dyn Fn() -> Result<(u64, Vec<String>), String> + Send + Sync>;
@@ -45,6 +46,7 @@ pub type Reloader = Arc<dyn Fn() -> Result<(u64, Vec<String>), String> + Send + 
 pub struct AdminApi {
     hub: Arc<Hub>,
     keys: Arc<KeyStore>,
+    usage: Arc<UsageStore>,
     reload: Reloader,
     shutdown: CancellationToken,
 }
@@ -64,12 +66,14 @@ impl AdminApi {
     pub fn new(
         hub: Arc<Hub>,
         keys: Arc<KeyStore>,
+        usage: Arc<UsageStore>,
         reload: Reloader,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
             hub,
             keys,
+            usage,
             reload,
             shutdown,
         }
@@ -256,14 +260,20 @@ impl AdminService for AdminApi {
                 last_used_unix_ms: used(&key.client_id),
                 default_priority: tier_to_wire(key.default_priority) as i32,
                 max_queued: key.max_queued,
+                budget: key
+                    .budget
+                    .as_ref()
+                    .map(|budget| key_budget(budget, &key.client_id, Some(&self.usage))),
             })
             .collect();
-        keys.extend(
-            self.keys
-                .records()
-                .iter()
-                .map(|record| key_info(record, used(&record.client_id))),
-        );
+        keys.extend(self.keys.records().iter().map(|record| {
+            let mut info = key_info(record, used(&record.client_id));
+            info.budget = record
+                .budget
+                .as_ref()
+                .map(|budget| key_budget(budget, &record.client_id, Some(&self.usage)));
+            info
+        }));
         Ok(Response::new(api::ListKeysResponse { keys }))
     }
 
@@ -455,6 +465,12 @@ impl AdminService for AdminApi {
         self.authorize(&request, Scope::Read)?;
         let snapshot = self.hub.current();
         let nodes = self.hub.nodes();
+        let today: std::collections::HashMap<String, u64> = self
+            .usage
+            .today(std::time::SystemTime::now())
+            .into_iter()
+            .map(|row| (row.client_id, row.gpu_ns))
+            .collect();
         let clients = snapshot
             .clients
             .iter()
@@ -465,6 +481,7 @@ impl AdminService for AdminApi {
                     scope: client.scope,
                     max_concurrent: client.max_concurrent,
                     weight: client.weight,
+                    gpu_ns_today: today.get(&client.client_id).copied().unwrap_or(0),
                     ..api::ClientInfo::default()
                 };
                 let mut shares = Vec::new();
@@ -512,6 +529,17 @@ impl AdminService for AdminApi {
             }
             Err(error) => Err(Status::failed_precondition(error)),
         }
+    }
+
+    async fn get_usage(
+        &self,
+        request: Request<api::GetUsageRequest>,
+    ) -> Result<Response<api::GetUsageResponse>, Status> {
+        self.authorize(&request, Scope::Read)?;
+        let query = request.into_inner();
+        Ok(Response::new(
+            self.usage.query(&query, std::time::SystemTime::now()),
+        ))
     }
 }
 
@@ -609,6 +637,23 @@ fn new_key(request: api::AddKeyRequest) -> Result<NewKey, Status> {
     };
     let max_priority = tier(request.max_priority, "max_priority")?.unwrap_or(Tier::Normal);
     let default_priority = tier(request.default_priority, "default_priority")?;
+    let budget = match request.budget {
+        None => None,
+        Some(budget) if budget.gpu_ns == 0 && budget.tokens == 0 => None,
+        Some(budget) => {
+            let window = crate::config::BudgetWindow::parse(&budget.window).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "budget window must be one of 1h, 1d, 7d, 30d, got '{}'",
+                    budget.window
+                ))
+            })?;
+            Some(crate::config::Budget {
+                gpu_ns: budget.gpu_ns,
+                tokens: budget.tokens,
+                window,
+            })
+        }
+    };
     Ok(NewKey {
         client_id: request.client_id,
         scope,
@@ -624,6 +669,7 @@ fn new_key(request: api::AddKeyRequest) -> Result<NewKey, Status> {
         description: request.description,
         lifetime: (request.expires_in_seconds > 0)
             .then(|| Duration::from_secs(request.expires_in_seconds)),
+        budget,
     })
 }
 
@@ -642,6 +688,32 @@ fn key_info(record: &Record, last_used_unix_ms: i64) -> api::KeyInfo {
         last_used_unix_ms,
         default_priority: tier_to_wire(record.default_priority) as i32,
         max_queued: record.max_queued,
+        budget: record
+            .budget
+            .as_ref()
+            .map(|budget| key_budget(budget, &record.client_id, None)),
+    }
+}
+
+/// A budget on the admin wire, with what `client` used of it in the current window when
+/// `usage` is given.
+fn key_budget(
+    budget: &crate::config::Budget,
+    client: &str,
+    usage: Option<&UsageStore>,
+) -> api::KeyBudget {
+    let now = std::time::SystemTime::now();
+    let wire_budget = compile::budget_to_wire(budget);
+    let used = usage.map(|usage| usage.used(client, &wire_budget, now));
+    let start = crate::usage::window_start(&wire_budget, crate::usage::unix_s(now));
+    api::KeyBudget {
+        gpu_ns: budget.gpu_ns,
+        tokens: budget.tokens,
+        window: budget.window.as_str().to_owned(),
+        used_gpu_ns: used.as_ref().map_or(0, |used| used.gpu_ns),
+        used_tokens: used.as_ref().map_or(0, |used| used.tokens),
+        resets_unix_s: start
+            .saturating_add(i64::try_from(budget.window.seconds()).unwrap_or(i64::MAX)),
     }
 }
 
@@ -747,6 +819,7 @@ mod tests {
         );
         let hub = Hub::new(load_str(&yaml, &Env::empty()).unwrap().config);
         let keys = KeyStore::load(dir, hub.clone()).unwrap();
+        let usage = UsageStore::load(dir, std::time::SystemTime::now()).unwrap();
         let seen = Seen::default();
         let reload: Reloader = {
             let seen = seen.clone();
@@ -756,9 +829,39 @@ mod tests {
             })
         };
         (
-            AdminApi::new(hub, keys, reload, CancellationToken::new()),
+            AdminApi::new(hub, keys, usage, reload, CancellationToken::new()),
             seen,
         )
+    }
+
+    #[test]
+    fn add_key_budgets_are_checked() {
+        let request = |window: &str, gpu_ns: u64, tokens: u64| api::AddKeyRequest {
+            client_id: "nightly".to_owned(),
+            budget: Some(api::KeyBudget {
+                gpu_ns,
+                tokens,
+                window: window.to_owned(),
+                ..api::KeyBudget::default()
+            }),
+            ..api::AddKeyRequest::default()
+        };
+        let budget = new_key(request("7d", 5, 0)).unwrap().budget.unwrap();
+        assert_eq!(
+            (budget.gpu_ns, budget.window),
+            (5, crate::config::BudgetWindow::Week)
+        );
+        let refused = new_key(request("2d", 5, 0)).unwrap_err();
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            refused.message(),
+            "budget window must be one of 1h, 1d, 7d, 30d, got '2d'"
+        );
+        assert_eq!(
+            new_key(request("1d", 0, 0)).unwrap().budget,
+            None,
+            "no limit, no budget"
+        );
     }
 
     /// A request as tonic's TCP server hands it over: with the peer address.

@@ -20,20 +20,26 @@ use tonic::{Request, Response, Status};
 use crate::compile::{self, tier_from_wire};
 use crate::config::WebhookEvent;
 use crate::hub::Hub;
+use crate::usage::UsageStore;
 use crate::webhooks::Notice;
 
 /// Serves the policy stream.
 #[derive(Debug, Clone)]
 pub struct PolicyApi {
     hub: Arc<Hub>,
+    usage: Arc<UsageStore>,
     shutdown: CancellationToken,
 }
 
 impl PolicyApi {
     /// An API over `hub`. Watch streams end when `shutdown` is cancelled,
     /// so that the server's graceful shutdown is not held open by them.
-    pub fn new(hub: Arc<Hub>, shutdown: CancellationToken) -> Self {
-        Self { hub, shutdown }
+    pub fn new(hub: Arc<Hub>, usage: Arc<UsageStore>, shutdown: CancellationToken) -> Self {
+        Self {
+            hub,
+            usage,
+            shutdown,
+        }
     }
 
     fn check_token<T>(&self, request: &Request<T>) -> Result<(), Status> {
@@ -100,10 +106,13 @@ impl PolicyService for PolicyApi {
             node: node.clone(),
         };
         let hub = self.hub.clone();
+        let usage = self.usage.clone();
         let stream = WatchStream::new(self.hub.subscribe())
             .map(move |snapshot| {
                 let _guard = &guard;
-                Ok(compile::for_node(&snapshot, &hub.config(), &node))
+                let mut snapshot = compile::for_node(&snapshot, &hub.config(), &node);
+                usage.fill(&mut snapshot, SystemTime::now());
+                Ok(snapshot)
             })
             .take_until(self.shutdown.clone().cancelled_owned());
         Ok(Response::new(Box::pin(stream)))
@@ -136,10 +145,30 @@ impl PolicyService for PolicyApi {
             );
         }
         let node = report.node.clone();
+        let batch = report.usage.take();
         self.hub.record_report(report);
+        // Applied (and its day written) before the ack, which lets the node forget it.
+        let usage = self.usage.clone();
+        let from = node.clone();
+        let snapshot = self.hub.current();
+        let clients = snapshot.clone();
+        let (usage_seq, notices) = tokio::task::spawn_blocking(move || {
+            let now = SystemTime::now();
+            let seq = usage.apply(&from, batch.as_ref(), now);
+            (seq, usage.exceeded(&clients.clients, now))
+        })
+        .await
+        .map_err(|error| Status::internal(format!("usage task failed: {error}")))?;
+        for notice in notices {
+            self.hub.webhooks().notify(notice);
+        }
+        let now = SystemTime::now();
         Ok(Response::new(ReportAck {
-            current_version: self.hub.current().version,
+            current_version: snapshot.version,
             nodes: self.hub.loads_for(&node),
+            usage_seq,
+            budgets: self.usage.budgets(&snapshot.clients, now),
+            today: self.usage.today(now),
         }))
     }
 }
@@ -165,7 +194,8 @@ fn notice(node: &str, event: &Event) -> Option<Notice> {
         WebhookEvent::HostUnhealthy
         | WebhookEvent::HostRecovered
         | WebhookEvent::KeyRevoked
-        | WebhookEvent::KeyRotated => return None,
+        | WebhookEvent::KeyRotated
+        | WebhookEvent::ClientBudgetExceeded => return None,
     })
 }
 

@@ -17,7 +17,7 @@ use std::collections::HashSet;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Scope, Tier};
+use crate::config::{Budget, BudgetWindow, Scope, Tier};
 
 /// The format this build writes and reads.
 const FORMAT: u32 = 1;
@@ -49,6 +49,8 @@ pub struct Record {
     pub expires_unix_ms: i64,
     /// Replaced keys still in their grace period, oldest first.
     pub previous: Vec<PreviousKey>,
+    /// Its usage budget, if it has one.
+    pub budget: Option<Budget>,
 }
 
 /// A rotated-out key that keeps working until its grace period ends.
@@ -97,6 +99,17 @@ struct StoredRecord {
     expires_unix_ms: i64,
     #[serde(default)]
     previous: Vec<StoredPrevious>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    budget: Option<StoredBudget>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredBudget {
+    #[serde(default)]
+    gpu_ns: u64,
+    #[serde(default)]
+    tokens: u64,
+    window: String,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -132,6 +145,11 @@ pub(super) fn encode(records: &[Record]) -> Vec<u8> {
                         until_unix_ms: old.until_unix_ms,
                     })
                     .collect(),
+                budget: record.budget.map(|budget| StoredBudget {
+                    gpu_ns: budget.gpu_ns,
+                    tokens: budget.tokens,
+                    window: budget.window.as_str().to_owned(),
+                }),
             })
             .collect(),
     };
@@ -194,6 +212,21 @@ fn decode_record(stored: StoredRecord) -> Result<Record, String> {
             })
         })
         .collect::<Result<_, String>>()?;
+    let budget = match stored.budget {
+        None => None,
+        Some(budget) => {
+            let window = BudgetWindow::parse(&budget.window)
+                .ok_or_else(|| format!("budget.window: unknown value '{}'", budget.window))?;
+            if budget.gpu_ns == 0 && budget.tokens == 0 {
+                return Err("budget sets neither gpu_ns nor tokens".to_owned());
+            }
+            Some(Budget {
+                gpu_ns: budget.gpu_ns,
+                tokens: budget.tokens,
+                window,
+            })
+        }
+    };
     Ok(Record {
         client_id: stored.client_id,
         key_sha256: digest(&stored.key_sha256)?,
@@ -207,6 +240,7 @@ fn decode_record(stored: StoredRecord) -> Result<Record, String> {
         created_unix_ms: stored.created_unix_ms,
         expires_unix_ms: stored.expires_unix_ms.max(0),
         previous,
+        budget,
     })
 }
 
@@ -244,6 +278,11 @@ mod tests {
                 key_sha256: [digest_byte.wrapping_add(100); 32],
                 until_unix_ms: 1_760_000_060_000,
             }],
+            budget: Some(Budget {
+                gpu_ns: 7_200_000_000_000,
+                tokens: 0,
+                window: BudgetWindow::Day,
+            }),
         }
     }
 
@@ -286,6 +325,25 @@ mod tests {
         let mut short = sample("a", 1);
         short.weight = 0.0;
         assert!(decode(&encode(&[short])).unwrap_err().contains("weight"));
+        let text = String::from_utf8(encode(&[sample("a", 1)])).unwrap();
+        let bad_window = text.replace("\"1d\"", "\"2d\"");
+        assert!(
+            decode(bad_window.as_bytes())
+                .unwrap_err()
+                .contains("budget.window: unknown value '2d'")
+        );
+        let empty = text.replace("7200000000000", "0");
+        assert!(
+            decode(empty.as_bytes())
+                .unwrap_err()
+                .contains("budget sets neither")
+        );
+        // A store written before budgets existed loads, without budgets.
+        let mut old = sample("a", 1);
+        old.budget = None;
+        let bytes = encode(&[old.clone()]);
+        assert!(!String::from_utf8_lossy(&bytes).contains("budget"));
+        assert_eq!(decode(&bytes).unwrap(), [old]);
     }
 
     #[test]

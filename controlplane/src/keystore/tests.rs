@@ -46,6 +46,7 @@ fn new_key(client_id: &str) -> NewKey {
         max_queued: 5,
         description: "batch jobs".to_owned(),
         lifetime: None,
+        budget: None,
     }
 }
 

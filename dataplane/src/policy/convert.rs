@@ -307,6 +307,26 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .ok()
         .filter(|ms| *ms > 0)
         .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+    let budget = match client.budget {
+        None => None,
+        Some(budget) if budget.gpu_ns == 0 && budget.tokens == 0 => None,
+        Some(budget) if budget.window_seconds == 0 => {
+            return Err(PolicyError::new(format!(
+                "client '{id}': budget window must be at least one second"
+            )));
+        }
+        Some(budget) => Some(UsageBudget {
+            gpu_ns: budget.gpu_ns,
+            tokens: budget.tokens,
+            window_seconds: budget.window_seconds,
+            anchor_unix_s: budget.window_anchor_unix_s,
+            window: budget.window,
+            used: budget
+                .used
+                .map(|used| Used::from_wire(&used))
+                .unwrap_or_default(),
+        }),
+    };
     Ok(Client {
         id: Arc::from(id),
         key_digest,
@@ -318,6 +338,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         max_queued: client.max_queued,
         description: client.description,
         expires,
+        budget,
     })
 }
 
@@ -553,6 +574,54 @@ fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budgets_convert_with_their_used_figure_and_refuse_an_empty_window() {
+        let client = |budget: wire::Budget| wire::Client {
+            client_id: "batch".into(),
+            key_sha256: vec![7; 32],
+            budget: Some(budget),
+            ..wire::Client::default()
+        };
+        let daily = wire::Budget {
+            gpu_ns: 7,
+            window_seconds: 86_400,
+            window: "1d".into(),
+            used: Some(wire::BudgetUsed {
+                gpu_ns: 3,
+                window_start_unix_s: 86_400,
+                ..wire::BudgetUsed::default()
+            }),
+            ..wire::Budget::default()
+        };
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.clients = vec![client(daily.clone())];
+        let policy = Policy::try_from(snapshot).unwrap();
+        let budget = policy.clients_by_id["batch"].budget.clone().unwrap();
+        assert_eq!((budget.gpu_ns, budget.window.as_str()), (7, "1d"));
+        assert_eq!(budget.used.gpu_ns, 3);
+        assert_eq!(budget.used.window_start_unix_s, 86_400);
+        // Neither limit: no budget at all.
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.clients = vec![client(wire::Budget {
+            gpu_ns: 0,
+            ..daily.clone()
+        })];
+        assert_eq!(
+            Policy::try_from(snapshot).unwrap().clients_by_id["batch"].budget,
+            None
+        );
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.clients = vec![client(wire::Budget {
+            window_seconds: 0,
+            ..daily
+        })];
+        let error = Policy::try_from(snapshot).unwrap_err().to_string();
+        assert!(
+            error.contains("client 'batch': budget window must be at least one second"),
+            "{error}"
+        );
+    }
 
     type Edit = fn(&mut wire::PolicySnapshot, u64);
 

@@ -70,7 +70,8 @@ pub(crate) async fn embed(ctx: &mut Ctx, body: &[u8]) -> Handled {
         })
         .collect();
     let prompt_tokens: usize = inputs.iter().map(|input| token_count(input)).sum();
-    let all = metrics(&clock, prompt_tokens, 0);
+    let prompt_tokens = ctx.reported.prompt(prompt_tokens);
+    let all = metrics(&clock, &ctx.reported, prompt_tokens, 0);
     let body = format!(
         r#"{{"model":{},"embeddings":[{}],"total_duration":{},"load_duration":{},"prompt_eval_count":{prompt_tokens}}}"#,
         Value::from(model),

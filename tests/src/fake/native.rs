@@ -11,7 +11,9 @@ use super::gojson::{DecodeError, GoType, KeepAlive, Shape, decode, keep_alive};
 use super::models::Kind;
 use super::record::lock;
 use super::state::Ctx;
-use super::stream::{Clock, Flavor, Script, admit, budget, metrics, refuse, serve, stream, tokens};
+use super::stream::{
+    Clock, Flavor, Reported, Script, admit, budget, metrics, refuse, serve, stream, tokens,
+};
 use super::wire::{NDJSON, Reply, gin_error, gin_json, rfc3339, token_count};
 
 /// A handler's outcome; both sides are sent as they are.
@@ -245,6 +247,7 @@ struct Native {
     tokens: Vec<String>,
     prompt_tokens: usize,
     done_reason: &'static str,
+    reported: Reported,
 }
 
 impl Native {
@@ -263,6 +266,7 @@ impl Native {
             tokens: tokens(count),
             prompt_tokens,
             done_reason: if cut { "length" } else { "stop" },
+            reported: ctx.reported,
         }
     }
 
@@ -304,7 +308,12 @@ impl Native {
                 .collect();
             object.insert("context".into(), json!(context));
         }
-        object.extend(metrics(clock, self.prompt_tokens, self.tokens.len()));
+        object.extend(metrics(
+            clock,
+            &self.reported,
+            self.prompt_tokens,
+            self.tokens.len(),
+        ));
         Value::Object(object)
     }
 }

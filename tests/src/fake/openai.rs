@@ -17,7 +17,7 @@ use super::models::{Kind, openai_entry, with_tag};
 use super::native::{Handled, text};
 use super::record::lock;
 use super::state::Ctx;
-use super::stream::{Clock, Flavor, Script, admit, budget, serve, stream, tokens};
+use super::stream::{Clock, Flavor, Reported, Script, admit, budget, serve, stream, tokens};
 use super::wire::{EVENT_STREAM, Reply, openai_error, openai_json, token_count, unix_seconds};
 
 const CHAT: Shape = Shape {
@@ -129,6 +129,7 @@ pub(crate) async fn embeddings(ctx: &mut Ctx, body: &[u8]) -> Handled {
         })
         .collect();
     let prompt_tokens: usize = inputs.iter().map(|input| token_count(input)).sum();
+    let prompt_tokens = ctx.reported.prompt(prompt_tokens);
     let body = json!({
         "object": "list",
         "data": data,
@@ -203,8 +204,9 @@ async fn generate(
         model,
         tokens: tokens(count),
         finish_reason: if cut { "length" } else { "stop" },
-        prompt_tokens,
+        prompt_tokens: ctx.reported.prompt(prompt_tokens),
         include_usage,
+        reported: ctx.reported,
     };
     if streaming {
         return Ok(stream(ctx, admitted, EVENT_STREAM, script).await);
@@ -224,11 +226,12 @@ struct Sse {
     finish_reason: &'static str,
     prompt_tokens: usize,
     include_usage: bool,
+    reported: Reported,
 }
 
 impl Sse {
     fn usage(&self) -> Value {
-        let completion = self.tokens.len();
+        let completion = self.reported.completion(self.tokens.len());
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,

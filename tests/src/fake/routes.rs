@@ -76,6 +76,9 @@ pub(crate) async fn handle(
         started,
         client_id: header(&parts.headers, "x-client-id"),
         key: bearer(&parts.headers),
+        reported: header(&parts.headers, super::stream::USAGE_HEADER)
+            .map(|value| super::stream::Reported::parse(&value))
+            .unwrap_or_default(),
     };
     let reply = route(&mut ctx, &parts, &body).await;
     if let Some(tracker) = ctx.tracker.take() {

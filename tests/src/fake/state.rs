@@ -67,6 +67,8 @@ pub(crate) struct Ctx {
     pub started: Instant,
     pub client_id: Option<String>,
     pub key: Option<String>,
+    /// What the final object reports instead of the measured figures (`x-fake-usage`).
+    pub reported: super::stream::Reported,
 }
 
 /// Stamps `finished_at` when dropped, and counts the request as abandoned by its client when it

@@ -232,14 +232,64 @@ pub(crate) fn refuse(flavor: Flavor, refused: &Refused) -> Reply {
     }
 }
 
+/// The request header that sets what a request's final object reports, per request:
+/// `total_duration=<ns>, prompt_eval_count=<n>, eval_count=<n>` (any of them). The OpenAI
+/// routes report the counts as `usage.prompt_tokens` and `usage.completion_tokens`; they
+/// never carry `total_duration`, as Ollama's do not.
+pub const USAGE_HEADER: &str = "x-fake-usage";
+
+/// What a request's final object reports instead of the measured figures (`USAGE_HEADER`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Reported {
+    total_duration: Option<u64>,
+    prompt: Option<usize>,
+    completion: Option<usize>,
+}
+
+impl Reported {
+    /// The figures a header value sets; unknown or malformed parts are ignored.
+    pub(crate) fn parse(value: &str) -> Self {
+        let mut reported = Self::default();
+        for part in value.split(',') {
+            let Some((name, number)) = part.split_once('=') else {
+                continue;
+            };
+            let number = number.trim();
+            match name.trim() {
+                "total_duration" => reported.total_duration = number.parse().ok(),
+                "prompt_eval_count" => reported.prompt = number.parse().ok(),
+                "eval_count" => reported.completion = number.parse().ok(),
+                _ => {}
+            }
+        }
+        reported
+    }
+
+    /// The prompt tokens to report, given the counted ones.
+    pub(crate) fn prompt(&self, counted: usize) -> usize {
+        self.prompt.unwrap_or(counted)
+    }
+
+    /// The completion tokens to report, given the generated ones.
+    pub(crate) fn completion(&self, generated: usize) -> usize {
+        self.completion.unwrap_or(generated)
+    }
+}
+
 /// Ollama's metric fields, integer nanoseconds.
 pub(crate) fn metrics(
     clock: &Clock,
+    reported: &Reported,
     prompt_tokens: usize,
     eval_count: usize,
 ) -> Map<String, Value> {
+    let prompt_tokens = reported.prompt(prompt_tokens);
+    let eval_count = reported.completion(eval_count);
+    let total = reported
+        .total_duration
+        .unwrap_or_else(|| nanos(clock.now - clock.started));
     let object = json!({
-        "total_duration": nanos(clock.now - clock.started),
+        "total_duration": total,
         "load_duration": nanos(clock.admitted - clock.started),
         "prompt_eval_count": prompt_tokens,
         "prompt_eval_duration": nanos(clock.first.saturating_duration_since(clock.admitted)),

@@ -32,13 +32,13 @@ const PATIENCE: Duration = Duration::from_secs(15);
 
 /// A webhook receiver on 127.0.0.1:0 that answers 204 and hands over every
 /// POSTed JSON body.
-struct Sink {
+pub(crate) struct Sink {
     url: String,
     received: mpsc::UnboundedReceiver<Value>,
 }
 
 impl Sink {
-    async fn start() -> Sink {
+    pub(crate) async fn start() -> Sink {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind sink");
         let addr = listener.local_addr().expect("sink address");
         let (tx, received) = mpsc::unbounded_channel();
@@ -78,7 +78,7 @@ impl Sink {
     }
 
     /// The next webhook body.
-    async fn next(&mut self) -> Value {
+    pub(crate) async fn next(&mut self) -> Value {
         tokio::time::timeout(PATIENCE, self.received.recv())
             .await
             .expect("no webhook arrived in time")
@@ -86,7 +86,7 @@ impl Sink {
     }
 
     /// `webhooks:` for this sink, subscribed to `events` (default list if empty).
-    fn config(&self, events: &[&str]) -> String {
+    pub(crate) fn config(&self, events: &[&str]) -> String {
         let events = if events.is_empty() {
             String::new()
         } else {

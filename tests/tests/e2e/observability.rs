@@ -319,7 +319,11 @@ async fn status_and_summary_count_traffic_overflow_and_expiry() {
         json!({
             "description": "Status widget", "processed": 0, "rejected": 0, "waiting": 0,
             "inflight": 0, "max_concurrent": 0, "weight": 1.0, "recent_share": 0.0,
-            "max_priority": "normal", "scope": "read"
+            "max_priority": "normal", "scope": "read",
+            "usage_today": {
+                "gpu_seconds": 0.0, "prompt_tokens": 0, "completion_tokens": 0,
+                "requests": 0, "cached_inputs": 0
+            }
         })
     );
     assert_eq!(clients["chat"]["processed"], 1);
@@ -788,6 +792,10 @@ async fn the_dashboard_renders_in_headless_chromium() {
     assert_eq!(element_text(&dom, "tile-queued"), "1");
     assert_ne!(element_text(&dom, "tile-uptime"), "–");
     assert!(dom.contains(">open-webui<"), "the clients table is filled");
+    assert!(
+        dom.contains(">GPU time today<") && dom.contains(">0:00:00<"),
+        "the clients' GPU time today"
+    );
     assert!(dom.contains(">primary<"), "the hosts table is filled");
     assert!(dom.contains("<polyline"), "the chart is drawn");
 

@@ -243,3 +243,74 @@ async fn host_check_refuses_foreign_hosts() {
         Some("proxy.example.com")
     );
 }
+
+#[tokio::test]
+async fn final_objects_report_the_figures_a_request_sets() {
+    use crate::fake::USAGE_HEADER;
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .embedding_model("nomic-embed-text")
+        .spawn()
+        .await;
+    let addr = fake.addr();
+    let reported = [(
+        USAGE_HEADER,
+        "total_duration=7000000000, prompt_eval_count=11, eval_count=22",
+    )];
+    let chat = serde_json::json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": false});
+    let answer = super::call_with(
+        addr,
+        Method::POST,
+        "/api/chat",
+        &chat.to_string(),
+        &reported,
+    )
+    .await
+    .json();
+    assert_eq!(answer["total_duration"], 7_000_000_000_u64);
+    assert_eq!(answer["prompt_eval_count"], 11);
+    assert_eq!(answer["eval_count"], 22);
+    // Streamed: the last line carries them.
+    let mut streamed = chat.clone();
+    streamed["stream"] = serde_json::json!(true);
+    let text = super::call_with(
+        addr,
+        Method::POST,
+        "/api/chat",
+        &streamed.to_string(),
+        &reported,
+    )
+    .await
+    .text();
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["eval_count"], 22);
+    // OpenAI: in the usage object; never a total_duration.
+    let openai = super::call_with(
+        addr,
+        Method::POST,
+        "/v1/chat/completions",
+        &serde_json::json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]})
+            .to_string(),
+        &reported,
+    )
+    .await
+    .json();
+    assert_eq!(openai["usage"]["prompt_tokens"], 11);
+    assert_eq!(openai["usage"]["completion_tokens"], 22);
+    assert!(openai.get("total_duration").is_none());
+    let embed = serde_json::json!({"model": "nomic-embed-text", "input": ["a"]});
+    let answer = super::call_with(
+        addr,
+        Method::POST,
+        "/api/embed",
+        &embed.to_string(),
+        &reported,
+    )
+    .await
+    .json();
+    assert_eq!(answer["total_duration"], 7_000_000_000_u64);
+    assert_eq!(answer["prompt_eval_count"], 11);
+    // Without the header: the measured figures.
+    let answer = super::post(addr, "/api/chat", chat).await.json();
+    assert!(answer["total_duration"].as_u64().unwrap() < 7_000_000_000);
+}

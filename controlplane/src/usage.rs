@@ -1,0 +1,311 @@
+//! Usage totals and budgets on the control plane.
+//!
+//! Each data plane's report carries a batch of usage increments; [`UsageStore::apply`]
+//! adds each batch once (by node, epoch and sequence number) to the hour it arrives in and
+//! writes that UTC day's file in `state_dir/usage/` ([`file`]), before the report is
+//! acknowledged, so that totals survive a restart of either plane. The store answers
+//! `oqpctl usage` ([`UsageStore::query`]), today's figures for `oqpctl clients` and the
+//! data planes' `/queue/status`, and what each client with a budget has used in its current
+//! window: in each snapshot as the policy stream sends it ([`UsageStore::fill`]) and in each
+//! report's ack ([`UsageStore::budgets`]). A client that reaches a budget raises
+//! `client.budget_exceeded` once per window ([`UsageStore::exceeded`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use oqp_proto::admin::v1 as api;
+use oqp_proto::policy::v1 as wire;
+
+use crate::config::WebhookEvent;
+use crate::webhooks::Notice;
+
+pub mod file;
+pub mod ledger;
+
+pub use ledger::{By, Ledger, Totals};
+
+/// Most clients the acks' `today` list carries (the busiest first).
+pub const MAX_TODAY_CLIENTS: usize = 1_000;
+
+/// The control plane's usage totals.
+#[derive(Debug)]
+pub struct UsageStore {
+    state_dir: PathBuf,
+    dir: PathBuf,
+    inner: Mutex<Inner>,
+    /// Whether the missing state directory was reported.
+    warned: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    ledger: Ledger,
+}
+
+impl UsageStore {
+    /// The totals kept in `state_dir` (none yet if it has no `usage/`), at `now`.
+    pub fn load(state_dir: &Path, now: SystemTime) -> Result<Arc<Self>, String> {
+        let dir = file::dir(state_dir);
+        let ledger = file::load(&dir, unix_s(now))?;
+        Ok(Arc::new(Self {
+            state_dir: state_dir.to_path_buf(),
+            dir,
+            inner: Mutex::new(Inner { ledger }),
+            warned: AtomicBool::new(false),
+        }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Applies `node`'s batch at `now` and writes the day it changed, when the state
+    /// directory exists (as for `state_dir/version`; blocking file I/O: call it off the
+    /// async workers). Returns the batch's number when it is applied (now
+    /// or before), for the ack; 0 when there was none.
+    pub fn apply(&self, node: &str, batch: Option<&wire::UsageBatch>, now: SystemTime) -> u64 {
+        let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
+            return 0;
+        };
+        let now = unix_s(now);
+        let mut inner = self.lock();
+        if inner.ledger.apply(node, batch, now) {
+            let dropped = inner.ledger.prune(now);
+            self.save(&inner.ledger, now, &dropped);
+        }
+        batch.seq
+    }
+
+    /// Writes today's file (and removes the days `dropped`), when the state directory
+    /// exists.
+    fn save(&self, ledger: &Ledger, now: i64, dropped: &[i64]) {
+        if !self.state_dir.is_dir() {
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    state_dir = %self.state_dir.display(),
+                    "the state directory does not exist: usage totals are kept in memory \
+                     only (create it to keep them across restarts)"
+                );
+            }
+            return;
+        }
+        file::remove_days(&self.dir, dropped);
+        if let Err(error) = file::write_day(&self.dir, ledger, now.div_euclid(86_400)) {
+            // The totals stay in memory and the next batch writes the day again.
+            tracing::warn!(dir = %self.dir.display(), %error, "usage totals not saved");
+        }
+    }
+
+    /// What `client` has used of `budget` in its window at `now`.
+    pub fn used(&self, client: &str, budget: &wire::Budget, now: SystemTime) -> wire::BudgetUsed {
+        let start = window_start(budget, unix_s(now));
+        let totals = self.lock().ledger.client_since(client, start);
+        used(client, start, &totals, now)
+    }
+
+    /// What each client of `clients` that has a budget used in its window at `now`.
+    pub fn budgets(&self, clients: &[wire::Client], now: SystemTime) -> Vec<wire::BudgetUsed> {
+        let seconds = unix_s(now);
+        let inner = self.lock();
+        clients
+            .iter()
+            .filter_map(|client| {
+                let budget = client.budget.as_ref()?;
+                let start = window_start(budget, seconds);
+                let totals = inner.ledger.client_since(&client.client_id, start);
+                Some(used(&client.client_id, start, &totals, now))
+            })
+            .collect()
+    }
+
+    /// Puts what each budgeted client has used into `snapshot`, as of `now`.
+    pub fn fill(&self, snapshot: &mut wire::PolicySnapshot, now: SystemTime) {
+        let seconds = unix_s(now);
+        let inner = self.lock();
+        for client in &mut snapshot.clients {
+            let id = client.client_id.clone();
+            if let Some(budget) = client.budget.as_mut() {
+                let start = window_start(budget, seconds);
+                let totals = inner.ledger.client_since(&id, start);
+                budget.used = Some(used(&id, start, &totals, now));
+            }
+        }
+    }
+
+    /// Each client's usage today (UTC), the busiest [`MAX_TODAY_CLIENTS`] first.
+    pub fn today(&self, now: SystemTime) -> Vec<wire::UsageRow> {
+        let start = unix_s(now).div_euclid(86_400) * 86_400;
+        let mut clients: Vec<(String, Totals)> = self
+            .lock()
+            .ledger
+            .clients_since(start)
+            .into_iter()
+            .collect();
+        clients.sort_by(|a, b| b.1.gpu_ns.cmp(&a.1.gpu_ns).then_with(|| a.0.cmp(&b.0)));
+        clients.truncate(MAX_TODAY_CLIENTS);
+        clients
+            .into_iter()
+            .map(|(client, totals)| row(&client, "", &totals))
+            .collect()
+    }
+
+    /// The totals of the last `since_seconds` (whole hours, 0 = 24 h) at `now`, grouped.
+    pub fn query(&self, request: &api::GetUsageRequest, now: SystemTime) -> api::GetUsageResponse {
+        let since = if request.since_seconds == 0 {
+            86_400
+        } else {
+            request.since_seconds
+        };
+        let seconds = unix_s(now);
+        let start =
+            (seconds - i64::try_from(since).unwrap_or(i64::MAX / 2)).div_euclid(3600) * 3600;
+        let by = By {
+            client: request.by_client,
+            model: request.by_model,
+        };
+        let rows = self.lock().ledger.query(start, by);
+        let mut total = Totals::default();
+        for group in &rows {
+            total.add(&group.totals);
+        }
+        api::GetUsageResponse {
+            rows: rows
+                .iter()
+                .map(|group| totals(&group.client, &group.model, &group.totals))
+                .collect(),
+            total: Some(totals("", "", &total)),
+            since_unix_s: start,
+        }
+    }
+
+    /// The `client.budget_exceeded` notices due at `now`: each client of `clients` at or
+    /// over a budget, once per window (kept in the day file, so also across restarts;
+    /// blocking file I/O when there is one).
+    pub fn exceeded(&self, clients: &[wire::Client], now: SystemTime) -> Vec<Notice> {
+        let seconds = unix_s(now);
+        let mut inner = self.lock();
+        let mut notices = Vec::new();
+        for client in clients {
+            let Some(budget) = client.budget.as_ref() else {
+                continue;
+            };
+            let start = window_start(budget, seconds);
+            if inner
+                .ledger
+                .announced
+                .contains(&(client.client_id.clone(), start))
+            {
+                continue;
+            }
+            let used = inner.ledger.client_since(&client.client_id, start);
+            let over = if budget.gpu_ns > 0 && used.gpu_ns >= budget.gpu_ns {
+                Some((
+                    "gpu_seconds",
+                    budget.gpu_ns as f64 / 1e9,
+                    used.gpu_ns as f64 / 1e9,
+                ))
+            } else if budget.tokens > 0 && used.tokens() >= budget.tokens {
+                Some(("tokens", budget.tokens as f64, used.tokens() as f64))
+            } else {
+                None
+            };
+            let Some((kind, limit, spent)) = over else {
+                continue;
+            };
+            inner
+                .ledger
+                .announced
+                .insert((client.client_id.clone(), start));
+            let resets = start.saturating_add(i64::try_from(budget.window_seconds).unwrap_or(0));
+            let reset_at = UNIX_EPOCH + std::time::Duration::from_secs(resets.unsigned_abs());
+            notices.push(
+                Notice::new(WebhookEvent::ClientBudgetExceeded)
+                    .at(now)
+                    .field("client_id", client.client_id.as_str())
+                    .field(
+                        "budget",
+                        serde_json::json!({ kind: limit, "window": budget.window }),
+                    )
+                    .field("used", serde_json::json!({ kind: spent }))
+                    .field(
+                        "resets_at",
+                        humantime::format_rfc3339_seconds(reset_at).to_string(),
+                    ),
+            );
+        }
+        // Windows that ended are forgotten.
+        let before = inner.ledger.announced.len();
+        inner.ledger.announced.retain(|(client, start)| {
+            clients.iter().any(|known| {
+                known.client_id == *client
+                    && known
+                        .budget
+                        .as_ref()
+                        .is_some_and(|budget| window_start(budget, seconds) == *start)
+            })
+        });
+        if !notices.is_empty() || inner.ledger.announced.len() != before {
+            self.save(&inner.ledger, seconds, &[]);
+        }
+        notices
+    }
+}
+
+/// The start of `budget`'s window holding `now` (Unix seconds).
+pub fn window_start(budget: &wire::Budget, now: i64) -> i64 {
+    let length = i64::try_from(budget.window_seconds.max(1)).unwrap_or(i64::MAX);
+    let anchor = budget.window_anchor_unix_s;
+    anchor + (now - anchor).div_euclid(length) * length
+}
+
+fn used(client: &str, start: i64, totals: &Totals, now: SystemTime) -> wire::BudgetUsed {
+    wire::BudgetUsed {
+        client_id: client.to_owned(),
+        window_start_unix_s: start,
+        gpu_ns: totals.gpu_ns,
+        tokens: totals.tokens(),
+        as_of_unix_ms: now.duration_since(UNIX_EPOCH).map_or(0, |since| {
+            i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+        }),
+    }
+}
+
+fn row(client: &str, model: &str, totals: &Totals) -> wire::UsageRow {
+    wire::UsageRow {
+        client_id: client.to_owned(),
+        model: model.to_owned(),
+        gpu_ns: totals.gpu_ns,
+        prompt_tokens: totals.prompt_tokens,
+        completion_tokens: totals.completion_tokens,
+        requests: totals.requests,
+        embedding_inputs: totals.embedding_inputs,
+        cached_inputs: totals.cached_inputs,
+    }
+}
+
+fn totals(client: &str, model: &str, totals: &Totals) -> api::UsageTotals {
+    api::UsageTotals {
+        client_id: client.to_owned(),
+        model: model.to_owned(),
+        gpu_ns: totals.gpu_ns,
+        prompt_tokens: totals.prompt_tokens,
+        completion_tokens: totals.completion_tokens,
+        requests: totals.requests,
+        embedding_inputs: totals.embedding_inputs,
+        cached_inputs: totals.cached_inputs,
+    }
+}
+
+/// Unix seconds of `at`.
+pub fn unix_s(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |since| {
+        i64::try_from(since.as_secs()).unwrap_or(i64::MAX)
+    })
+}
+
+#[cfg(test)]
+mod tests;

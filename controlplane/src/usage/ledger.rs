@@ -1,0 +1,356 @@
+//! The usage totals: per UTC hour, client and model, the last [`KEEP_DAYS`] days. Pure: the
+//! time is passed in. Days are groups of hours; budget windows and `--since` periods are
+//! sums of whole hours.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use oqp_proto::policy::v1 as wire;
+use serde::{Deserialize, Serialize};
+
+/// Days of totals kept.
+pub const KEEP_DAYS: i64 = 90;
+
+/// Most client/model rows one hour holds; more are summed under [`OTHER`] (with auth off,
+/// callers name themselves).
+pub const MAX_ROWS_PER_HOUR: usize = 10_000;
+
+/// The client and model of rows past [`MAX_ROWS_PER_HOUR`].
+pub const OTHER: &str = "(other)";
+
+/// What requests used.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Totals {
+    /// GPU time, nanoseconds.
+    #[serde(default)]
+    pub gpu_ns: u64,
+    /// Prompt tokens.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Completion tokens.
+    #[serde(default)]
+    pub completion_tokens: u64,
+    /// Requests.
+    #[serde(default)]
+    pub requests: u64,
+    /// Embedding inputs sent upstream.
+    #[serde(default)]
+    pub embedding_inputs: u64,
+    /// Embedding inputs answered from the cache.
+    #[serde(default)]
+    pub cached_inputs: u64,
+}
+
+impl Totals {
+    /// Adds `other`.
+    pub fn add(&mut self, other: &Totals) {
+        self.gpu_ns = self.gpu_ns.saturating_add(other.gpu_ns);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(other.prompt_tokens);
+        self.completion_tokens = self
+            .completion_tokens
+            .saturating_add(other.completion_tokens);
+        self.requests = self.requests.saturating_add(other.requests);
+        self.embedding_inputs = self.embedding_inputs.saturating_add(other.embedding_inputs);
+        self.cached_inputs = self.cached_inputs.saturating_add(other.cached_inputs);
+    }
+
+    /// Prompt + completion tokens.
+    pub fn tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+
+    /// From a data plane's row.
+    pub fn from_row(row: &wire::UsageRow) -> Self {
+        Self {
+            gpu_ns: row.gpu_ns,
+            prompt_tokens: row.prompt_tokens,
+            completion_tokens: row.completion_tokens,
+            requests: row.requests,
+            embedding_inputs: row.embedding_inputs,
+            cached_inputs: row.cached_inputs,
+        }
+    }
+}
+
+/// One hour's totals.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Hour {
+    /// Per (client, model).
+    pub rows: HashMap<(String, String), Totals>,
+    /// Per client, all models.
+    pub clients: HashMap<String, Totals>,
+}
+
+impl Hour {
+    /// Adds `totals` for `client` and `model`.
+    pub fn add(&mut self, client: &str, model: &str, totals: &Totals) {
+        let key = (client.to_owned(), model.to_owned());
+        let key = if self.rows.contains_key(&key) || self.rows.len() < MAX_ROWS_PER_HOUR {
+            key
+        } else {
+            (OTHER.to_owned(), OTHER.to_owned())
+        };
+        self.clients.entry(key.0.clone()).or_default().add(totals);
+        self.rows.entry(key).or_default().add(totals);
+    }
+}
+
+/// How `query` groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct By {
+    /// One group per client.
+    pub client: bool,
+    /// One group per model.
+    pub model: bool,
+}
+
+/// One group of a query.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    /// The client; empty when not grouped by client.
+    pub client: String,
+    /// The model; empty when not grouped by model.
+    pub model: String,
+    /// The sums.
+    pub totals: Totals,
+}
+
+/// Every hour's totals, and the last batch applied from each data plane.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Ledger {
+    /// Hour number (Unix seconds / 3600) → totals.
+    pub hours: BTreeMap<i64, Hour>,
+    /// Node → (epoch, seq) of the last batch applied.
+    pub applied: BTreeMap<String, (u64, u64)>,
+    /// (client, window start) of the budgets announced as exceeded.
+    pub announced: BTreeSet<(String, i64)>,
+}
+
+impl Ledger {
+    /// Applies a data plane's batch at `now` (Unix seconds) unless it was applied already
+    /// (the same epoch and a seq not above the last); `true` when it was applied now.
+    pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> bool {
+        if batch.seq == 0 {
+            return false;
+        }
+        if let Some((epoch, seq)) = self.applied.get(node)
+            && *epoch == batch.epoch
+            && *seq >= batch.seq
+        {
+            return false;
+        }
+        let hour = self.hours.entry(now.div_euclid(3600)).or_default();
+        for row in &batch.rows {
+            hour.add(&row.client_id, &row.model, &Totals::from_row(row));
+        }
+        self.applied
+            .insert(node.to_owned(), (batch.epoch, batch.seq));
+        true
+    }
+
+    /// Forgets hours before the first day kept at `now`; the days (Unix days) dropped.
+    pub fn prune(&mut self, now: i64) -> Vec<i64> {
+        let first_hour = (now.div_euclid(86_400) - KEEP_DAYS + 1) * 24;
+        let kept = self.hours.split_off(&first_hour);
+        let dropped = std::mem::replace(&mut self.hours, kept);
+        let mut days: Vec<i64> = dropped.keys().map(|hour| hour.div_euclid(24)).collect();
+        days.dedup();
+        days
+    }
+
+    /// What `client` used from `start` (Unix seconds, a whole hour) on.
+    pub fn client_since(&self, client: &str, start: i64) -> Totals {
+        let mut totals = Totals::default();
+        for hour in self
+            .hours
+            .range(start.div_euclid(3600)..)
+            .map(|(_, hour)| hour)
+        {
+            if let Some(used) = hour.clients.get(client) {
+                totals.add(used);
+            }
+        }
+        totals
+    }
+
+    /// Every client's totals from `start` on.
+    pub fn clients_since(&self, start: i64) -> HashMap<String, Totals> {
+        let mut clients: HashMap<String, Totals> = HashMap::new();
+        for hour in self
+            .hours
+            .range(start.div_euclid(3600)..)
+            .map(|(_, hour)| hour)
+        {
+            for (client, used) in &hour.clients {
+                clients.entry(client.clone()).or_default().add(used);
+            }
+        }
+        clients
+    }
+
+    /// The totals from `start` on, grouped `by`, most GPU time first (ties: client, model).
+    pub fn query(&self, start: i64, by: By) -> Vec<Row> {
+        let mut groups: HashMap<(String, String), Totals> = HashMap::new();
+        for hour in self
+            .hours
+            .range(start.div_euclid(3600)..)
+            .map(|(_, hour)| hour)
+        {
+            for ((client, model), used) in &hour.rows {
+                let key = (
+                    if by.client {
+                        client.clone()
+                    } else {
+                        String::new()
+                    },
+                    if by.model {
+                        model.clone()
+                    } else {
+                        String::new()
+                    },
+                );
+                groups.entry(key).or_default().add(used);
+            }
+        }
+        let mut rows: Vec<Row> = groups
+            .into_iter()
+            .map(|((client, model), totals)| Row {
+                client,
+                model,
+                totals,
+            })
+            .collect();
+        rows.sort_by(|a, b| {
+            b.totals
+                .gpu_ns
+                .cmp(&a.totals.gpu_ns)
+                .then_with(|| a.client.cmp(&b.client))
+                .then_with(|| a.model.cmp(&b.model))
+        });
+        rows
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    // 2026-12-02 06:12:42 UTC.
+    const NOW: i64 = 1_796_191_962;
+    const SECOND: u64 = 1_000_000_000;
+
+    fn batch(epoch: u64, seq: u64, rows: &[(&str, &str, u64)]) -> wire::UsageBatch {
+        wire::UsageBatch {
+            epoch,
+            seq,
+            rows: rows
+                .iter()
+                .map(|(client, model, seconds)| wire::UsageRow {
+                    client_id: (*client).to_owned(),
+                    model: (*model).to_owned(),
+                    gpu_ns: seconds * SECOND,
+                    prompt_tokens: 1,
+                    completion_tokens: 2,
+                    requests: 1,
+                    ..wire::UsageRow::default()
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn each_batch_is_applied_once_per_epoch() {
+        let mut ledger = Ledger::default();
+        assert!(ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW));
+        assert!(
+            !ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+            "a resend"
+        );
+        assert!(
+            ledger.apply("b", &batch(7, 1, &[("chat", "llama3", 3)]), NOW),
+            "another node"
+        );
+        assert!(ledger.apply("a", &batch(7, 2, &[("chat", "llama3", 1)]), NOW));
+        // A restarted data plane (new epoch) counts from 1 again.
+        assert!(ledger.apply("a", &batch(9, 1, &[("batch", "qwen", 4)]), NOW));
+        assert!(
+            !ledger.apply("a", &batch(9, 0, &[]), NOW),
+            "seq 0 is no batch"
+        );
+        let chat = ledger.client_since("chat", NOW - NOW % 86_400);
+        assert_eq!(chat.gpu_ns, 6 * SECOND);
+        assert_eq!(chat.requests, 3);
+        assert_eq!(chat.tokens(), 9);
+    }
+
+    #[test]
+    fn queries_group_and_sort_by_gpu_time() {
+        let mut ledger = Ledger::default();
+        ledger.apply(
+            "a",
+            &batch(1, 1, &[("chat", "llama3", 2), ("batch", "llama3", 5)]),
+            NOW - 7200,
+        );
+        ledger.apply("a", &batch(1, 2, &[("chat", "qwen", 4)]), NOW);
+        let by_client = ledger.query(
+            0,
+            By {
+                client: true,
+                model: false,
+            },
+        );
+        let order: Vec<(&str, u64)> = by_client
+            .iter()
+            .map(|row| (row.client.as_str(), row.totals.gpu_ns / SECOND))
+            .collect();
+        assert_eq!(order, [("chat", 6), ("batch", 5)]);
+        let by_model = ledger.query(
+            0,
+            By {
+                client: false,
+                model: true,
+            },
+        );
+        assert_eq!(by_model[0].model, "llama3");
+        assert_eq!(by_model[0].totals.gpu_ns, 7 * SECOND);
+        assert_eq!(by_model[0].client, "");
+        // Only the last hour.
+        let recent = ledger.query(
+            NOW - NOW % 3600,
+            By {
+                client: true,
+                model: true,
+            },
+        );
+        assert_eq!(recent.len(), 1);
+        assert_eq!(
+            (recent[0].client.as_str(), recent[0].model.as_str()),
+            ("chat", "qwen")
+        );
+    }
+
+    #[test]
+    fn ninety_days_are_kept() {
+        let mut ledger = Ledger::default();
+        let day = 86_400;
+        ledger.apply("a", &batch(1, 1, &[("chat", "m", 1)]), NOW - 90 * day);
+        ledger.apply("a", &batch(1, 2, &[("chat", "m", 1)]), NOW - 89 * day);
+        ledger.apply("a", &batch(1, 3, &[("chat", "m", 1)]), NOW);
+        let dropped = ledger.prune(NOW);
+        assert_eq!(dropped, [(NOW - 90 * day).div_euclid(day)]);
+        assert_eq!(ledger.client_since("chat", 0).gpu_ns, 2 * SECOND);
+    }
+
+    #[test]
+    fn an_hour_holds_a_bounded_number_of_rows() {
+        let mut hour = Hour::default();
+        for i in 0..MAX_ROWS_PER_HOUR + 5 {
+            hour.add(&format!("client-{i}"), "m", &Totals::default());
+        }
+        assert_eq!(hour.rows.len(), MAX_ROWS_PER_HOUR + 1);
+        assert!(
+            hour.rows
+                .contains_key(&(OTHER.to_owned(), OTHER.to_owned()))
+        );
+    }
+}

@@ -1,0 +1,145 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use oqp_proto::policy::v1 as wire;
+
+use super::*;
+
+// 2026-12-02 06:12:42 UTC.
+const NOW: u64 = 1_796_191_962;
+const SECOND: u64 = 1_000_000_000;
+
+fn at(unix_s: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(unix_s)
+}
+
+fn batch(seq: u64, client: &str, seconds: u64) -> wire::UsageBatch {
+    wire::UsageBatch {
+        epoch: 1,
+        seq,
+        rows: vec![wire::UsageRow {
+            client_id: client.to_owned(),
+            model: "llama3".to_owned(),
+            gpu_ns: seconds * SECOND,
+            prompt_tokens: 3,
+            completion_tokens: 4,
+            requests: 1,
+            ..wire::UsageRow::default()
+        }],
+    }
+}
+
+fn budgeted(gpu_seconds: u64) -> wire::Client {
+    wire::Client {
+        client_id: "batch".to_owned(),
+        budget: Some(wire::Budget {
+            gpu_ns: gpu_seconds * SECOND,
+            tokens: 0,
+            window_seconds: 86_400,
+            window_anchor_unix_s: 0,
+            window: "1d".to_owned(),
+            used: None,
+        }),
+        ..wire::Client::default()
+    }
+}
+
+#[test]
+fn totals_survive_a_restart_and_resent_batches_count_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
+    assert_eq!(store.apply("box", None, at(NOW)), 0);
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
+    // The batch the node resends after the restart (its ack was lost) is acknowledged,
+    // not counted again.
+    assert_eq!(
+        store.apply("box", Some(&batch(1, "batch", 5)), at(NOW + 1)),
+        1
+    );
+    let used = store.used("batch", budgeted(10).budget.as_ref().unwrap(), at(NOW + 1));
+    assert_eq!(used.gpu_ns, 5 * SECOND);
+    assert_eq!(used.tokens, 7);
+    assert_eq!(used.window_start_unix_s, 1_796_169_600);
+    let today = store.today(at(NOW + 1));
+    assert_eq!(today.len(), 1);
+    assert_eq!(today[0].requests, 1);
+}
+
+#[test]
+fn an_exceeded_budget_is_announced_once_per_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let clients = [budgeted(10)];
+    store.apply("box", Some(&batch(1, "batch", 9)), at(NOW));
+    assert!(store.exceeded(&clients, at(NOW)).is_empty());
+    store.apply("box", Some(&batch(2, "batch", 2)), at(NOW));
+    let notices = store.exceeded(&clients, at(NOW));
+    assert_eq!(notices.len(), 1);
+    let body = notices[0].to_json();
+    assert_eq!(body["event"], "client.budget_exceeded");
+    assert_eq!(body["client_id"], "batch");
+    assert_eq!(
+        body["budget"],
+        serde_json::json!({"gpu_seconds": 10.0, "window": "1d"})
+    );
+    assert_eq!(body["used"], serde_json::json!({"gpu_seconds": 11.0}));
+    assert_eq!(body["resets_at"], "2026-12-03T00:00:00Z");
+    store.apply("box", Some(&batch(3, "batch", 2)), at(NOW));
+    assert!(
+        store.exceeded(&clients, at(NOW)).is_empty(),
+        "once per window"
+    );
+    // The next day is a new window: nothing used there yet.
+    assert!(store.exceeded(&clients, at(NOW + 86_400)).is_empty());
+}
+
+#[test]
+fn queries_cover_whole_hours_of_the_period() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    store.apply("box", Some(&batch(1, "batch", 5)), at(NOW - 3 * 86_400));
+    store.apply("box", Some(&batch(2, "chat", 2)), at(NOW));
+    store.apply("box", Some(&batch(3, "batch", 1)), at(NOW));
+    let request = |since_seconds| api::GetUsageRequest {
+        since_seconds,
+        by_client: true,
+        by_model: false,
+    };
+    let day = store.query(&request(0), at(NOW));
+    let clients: Vec<(&str, u64)> = day
+        .rows
+        .iter()
+        .map(|row| (row.client_id.as_str(), row.gpu_ns / SECOND))
+        .collect();
+    assert_eq!(clients, [("chat", 2), ("batch", 1)]);
+    assert_eq!(day.total.unwrap().gpu_ns, 3 * SECOND);
+    assert_eq!(day.since_unix_s, (NOW as i64 - 86_400) / 3600 * 3600);
+    let week = store.query(&request(7 * 86_400), at(NOW));
+    assert_eq!(week.rows[0].client_id, "batch");
+    assert_eq!(week.rows[0].gpu_ns, 6 * SECOND);
+}
+
+#[test]
+fn without_a_state_directory_totals_stay_in_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("not-there");
+    let store = UsageStore::load(&missing, at(NOW)).unwrap();
+    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
+    assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
+    assert!(!missing.exists(), "no directory created");
+}
+
+#[test]
+fn an_announcement_is_not_repeated_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clients = [budgeted(10)];
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    store.apply("box", Some(&batch(1, "batch", 11)), at(NOW));
+    assert_eq!(store.exceeded(&clients, at(NOW)).len(), 1);
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW + 5)).unwrap();
+    assert!(store.exceeded(&clients, at(NOW + 5)).is_empty());
+}

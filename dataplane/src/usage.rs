@@ -1,0 +1,325 @@
+//! Usage accounting and budgets on the data plane.
+//!
+//! Every upstream response ends in [`Usage::record`] (the queued path's completion hook,
+//! with the request's client and model): GPU time (Ollama's `total_duration`, else the
+//! time the request held its slot), prompt and completion tokens, one request. The
+//! embedding path adds the inputs it sent upstream and those the cache answered.
+//! Recording feeds the two usage metrics and a ledger of increments not yet reported.
+//!
+//! The report loop takes the ledger as a numbered batch ([`Usage::report`]) and resends
+//! that same batch until an ack names it ([`Usage::acked`]); the control plane applies each
+//! batch once, so nothing is counted twice or lost while the control plane is away. What a
+//! data plane recorded and had not had acknowledged when it stopped is lost (at most a
+//! report interval).
+//!
+//! Budgets: the control plane's figure of what a client used in its window (in the
+//! snapshot, refreshed by every ack; the newest wins), plus what this node recorded that is
+//! not acknowledged yet, against the client's limits ([`Usage::check`]), before a request
+//! is queued.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use oqp_proto::policy::v1 as wire;
+
+use crate::error::ProxyError;
+use crate::metrics::Metrics;
+use crate::policy::{Client, UsageBudget, Used};
+
+pub mod window;
+
+/// What requests used: the figures accounting sums.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// GPU time, nanoseconds.
+    pub gpu_ns: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Completion tokens.
+    pub completion_tokens: u64,
+    /// Requests answered (upstream, or whole from the embedding cache).
+    pub requests: u64,
+    /// Embedding inputs sent upstream.
+    pub embedding_inputs: u64,
+    /// Embedding inputs answered from the cache.
+    pub cached_inputs: u64,
+}
+
+impl Totals {
+    /// Prompt and completion tokens: what a token budget counts.
+    pub fn tokens(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+
+    /// Adds `other` to these.
+    pub fn add(&mut self, other: &Totals) {
+        self.gpu_ns = self.gpu_ns.saturating_add(other.gpu_ns);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(other.prompt_tokens);
+        self.completion_tokens = self
+            .completion_tokens
+            .saturating_add(other.completion_tokens);
+        self.requests = self.requests.saturating_add(other.requests);
+        self.embedding_inputs = self.embedding_inputs.saturating_add(other.embedding_inputs);
+        self.cached_inputs = self.cached_inputs.saturating_add(other.cached_inputs);
+    }
+
+    /// The wire row of `client` and `model`.
+    pub fn to_row(&self, client: &str, model: &str) -> wire::UsageRow {
+        wire::UsageRow {
+            client_id: client.to_owned(),
+            model: model.to_owned(),
+            gpu_ns: self.gpu_ns,
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            requests: self.requests,
+            embedding_inputs: self.embedding_inputs,
+            cached_inputs: self.cached_inputs,
+        }
+    }
+
+    /// From a wire row.
+    pub fn from_row(row: &wire::UsageRow) -> Self {
+        Self {
+            gpu_ns: row.gpu_ns,
+            prompt_tokens: row.prompt_tokens,
+            completion_tokens: row.completion_tokens,
+            requests: row.requests,
+            embedding_inputs: row.embedding_inputs,
+            cached_inputs: row.cached_inputs,
+        }
+    }
+}
+
+/// The usage ledger of one data plane.
+#[derive(Debug)]
+pub struct Usage {
+    metrics: Arc<Metrics>,
+    epoch: u64,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Recorded since the last batch was taken.
+    pending: Ledger,
+    /// The batch sent and not acknowledged yet, with its number.
+    sent: Option<(u64, Ledger)>,
+    last_seq: u64,
+    /// The control plane's figures of budgeted clients, from the last ack.
+    used: HashMap<Arc<str>, Used>,
+    /// Each client's usage today over all data planes, from the last ack, and the UTC day
+    /// (Unix days) it is for.
+    today: (i64, HashMap<Arc<str>, Totals>),
+}
+
+/// Increments per client and model (labels bounded like the metrics' labels).
+#[derive(Debug, Default)]
+struct Ledger {
+    rows: HashMap<(Arc<str>, Arc<str>), Totals>,
+    clients: HashMap<Arc<str>, Totals>,
+    /// When the last increment was recorded (Unix seconds): a ledger counts toward a
+    /// window only when it was added to inside it.
+    last_unix_s: i64,
+}
+
+impl Ledger {
+    fn add(&mut self, client: &str, model: &str, totals: &Totals, now: i64) {
+        let client: Arc<str> = Arc::from(client);
+        self.rows
+            .entry((client.clone(), Arc::from(model)))
+            .or_default()
+            .add(totals);
+        self.clients.entry(client).or_default().add(totals);
+        self.last_unix_s = self.last_unix_s.max(now);
+    }
+
+    fn client(&self, client: &str, since: i64) -> Totals {
+        if self.last_unix_s < since {
+            return Totals::default();
+        }
+        self.clients.get(client).copied().unwrap_or_default()
+    }
+}
+
+impl Usage {
+    /// An empty ledger feeding `metrics`, with a new random epoch.
+    pub fn new(metrics: Arc<Metrics>) -> Self {
+        Self {
+            metrics,
+            epoch: rand::random::<u64>().max(1),
+            inner: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records what one response of `client` for `model` used (`model` empty when the
+    /// request named none).
+    pub fn record(&self, client: &str, model: &str, totals: Totals, now: SystemTime) {
+        let (client, model) = self.metrics.usage(
+            client,
+            model,
+            Duration::from_nanos(totals.gpu_ns),
+            totals.prompt_tokens,
+            totals.completion_tokens,
+        );
+        self.lock()
+            .pending
+            .add(&client, &model, &totals, unix_s(now));
+    }
+
+    /// The batch for the next report: the one sent and not acknowledged, else everything
+    /// recorded since, under a new number; `None` when there is nothing to report.
+    pub fn report(&self) -> Option<wire::UsageBatch> {
+        let mut inner = self.lock();
+        if inner.sent.is_none() && !inner.pending.rows.is_empty() {
+            inner.last_seq += 1;
+            let seq = inner.last_seq;
+            let taken = std::mem::take(&mut inner.pending);
+            inner.sent = Some((seq, taken));
+        }
+        let (seq, ledger) = inner.sent.as_ref()?;
+        let mut rows: Vec<wire::UsageRow> = ledger
+            .rows
+            .iter()
+            .map(|((client, model), totals)| totals.to_row(client, model))
+            .collect();
+        rows.sort_by(|a, b| (&a.client_id, &a.model).cmp(&(&b.client_id, &b.model)));
+        Some(wire::UsageBatch {
+            epoch: self.epoch,
+            seq: *seq,
+            rows,
+        })
+    }
+
+    /// Takes in a report's ack: drops the batch it names, keeps the control plane's
+    /// figures of budgets and of today.
+    pub fn acked(&self, ack: &wire::ReportAck, now: SystemTime) {
+        let mut inner = self.lock();
+        if ack.usage_seq != 0
+            && inner
+                .sent
+                .as_ref()
+                .is_some_and(|(seq, _)| *seq == ack.usage_seq)
+        {
+            inner.sent = None;
+        }
+        inner.used = ack
+            .budgets
+            .iter()
+            .map(|used| (Arc::from(used.client_id.as_str()), Used::from_wire(used)))
+            .collect();
+        inner.today = (
+            unix_s(now).div_euclid(86_400),
+            ack.today
+                .iter()
+                .map(|row| (Arc::from(row.client_id.as_str()), Totals::from_row(row)))
+                .collect(),
+        );
+    }
+
+    /// Refuses a request of `client` whose budget is spent at `now` (429, `Retry-After` =
+    /// seconds until its window resets).
+    pub fn check(&self, client: &Client, now: SystemTime) -> Result<(), ProxyError> {
+        let Some(budget) = &client.budget else {
+            return Ok(());
+        };
+        let now = unix_s(now);
+        let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
+        let inner = self.lock();
+        let (gpu_ns, tokens) = used_in(
+            budget,
+            inner.used.get(&client.id),
+            &inner,
+            &client.id,
+            start,
+        );
+        drop(inner);
+        let over = if budget.gpu_ns > 0 && gpu_ns >= budget.gpu_ns {
+            Some(format!("gpu_seconds {}", seconds(budget.gpu_ns)))
+        } else if budget.tokens > 0 && tokens >= budget.tokens {
+            Some(format!("tokens {}", budget.tokens))
+        } else {
+            None
+        };
+        match over {
+            None => Ok(()),
+            Some(what) => {
+                let end = window::end(now, budget.window_seconds, budget.anchor_unix_s);
+                Err(ProxyError::BudgetExceeded {
+                    budget: format!("{what} per {}", budget.window),
+                    retry_after: u64::try_from(end - now).unwrap_or(1).max(1),
+                })
+            }
+        }
+    }
+
+    /// What `client` used today (UTC) over all data planes, as far as this node knows.
+    pub fn today(&self, client: &str, now: SystemTime) -> Totals {
+        let now = unix_s(now);
+        let day = now.div_euclid(86_400);
+        let inner = self.lock();
+        let mut totals = if inner.today.0 == day {
+            inner.today.1.get(client).copied().unwrap_or_default()
+        } else {
+            Totals::default()
+        };
+        let since = day * 86_400;
+        totals.add(&inner.pending.client(client, since));
+        if let Some((_, sent)) = &inner.sent {
+            totals.add(&sent.client(client, since));
+        }
+        totals
+    }
+}
+
+/// GPU time and tokens `client` used in the window starting at `start`: the newest of the
+/// snapshot's and the last ack's figures for that window, plus this node's unacknowledged
+/// increments recorded in it.
+fn used_in(
+    budget: &UsageBudget,
+    acked: Option<&Used>,
+    inner: &Inner,
+    client: &str,
+    start: i64,
+) -> (u64, u64) {
+    let base = [Some(&budget.used), acked]
+        .into_iter()
+        .flatten()
+        .filter(|used| used.window_start_unix_s == start)
+        .max_by_key(|used| used.as_of_unix_ms)
+        .copied()
+        .unwrap_or_default();
+    let mut local = inner.pending.client(client, start);
+    if let Some((_, sent)) = &inner.sent {
+        local.add(&sent.client(client, start));
+    }
+    (
+        base.gpu_ns.saturating_add(local.gpu_ns),
+        base.tokens.saturating_add(local.tokens()),
+    )
+}
+
+/// Whole seconds as an integer, else with up to three decimals.
+pub fn seconds(ns: u64) -> String {
+    if ns.is_multiple_of(1_000_000_000) {
+        (ns / 1_000_000_000).to_string()
+    } else {
+        let text = format!("{:.3}", Duration::from_nanos(ns).as_secs_f64());
+        text.trim_end_matches('0').trim_end_matches('.').to_owned()
+    }
+}
+
+fn unix_s(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |since| {
+        i64::try_from(since.as_secs()).unwrap_or(i64::MAX)
+    })
+}
+
+#[cfg(test)]
+mod tests;

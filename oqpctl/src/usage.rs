@@ -1,0 +1,376 @@
+//! `oqpctl usage` (who used how much GPU time and how many tokens) and the budget pieces of
+//! the other commands: `keys add --budget-*` parsing, the budget columns of `keys list`,
+//! GPU time as `h:mm:ss`. Rendering is pure, from the response to text.
+
+use std::time::Duration;
+
+use oqp_proto::admin::v1 as api;
+use serde_json::{Value, json};
+
+use crate::render::{Output, Style, pretty, table};
+
+/// `oqpctl usage`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UsageArgs {
+    /// The period: the last 24h, 7d, 30d (any duration; whole UTC hours).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
+    pub since: Duration,
+    /// Group rows by client, model, or both (client,model).
+    #[arg(long, value_parser = ["client", "model", "client,model", "model,client"], default_value = "client")]
+    pub by: String,
+}
+
+impl UsageArgs {
+    /// The request for the control plane.
+    pub fn request(&self) -> api::GetUsageRequest {
+        api::GetUsageRequest {
+            since_seconds: self.since.as_secs().max(1),
+            by_client: self.by.contains("client"),
+            by_model: self.by.contains("model"),
+        }
+    }
+}
+
+/// `keys add`'s budget flags.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct BudgetArgs {
+    /// GPU time allowed per window (e.g. 2h, 90m).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub budget_gpu: Option<Duration>,
+    /// Tokens (prompt + completion) allowed per window (e.g. 500k, 2M).
+    #[arg(long, value_parser = parse_count)]
+    pub budget_tokens: Option<u64>,
+    /// The budget's window, aligned to UTC (default 1d).
+    #[arg(long, value_parser = ["1h", "1d", "7d", "30d"])]
+    pub budget_window: Option<String>,
+}
+
+impl BudgetArgs {
+    /// The budget asked for, or why the flags do not make one.
+    pub fn budget(&self) -> Result<Option<api::KeyBudget>, String> {
+        let gpu_ns = self
+            .budget_gpu
+            .map(|gpu| u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX));
+        if gpu_ns == Some(0) || self.budget_tokens == Some(0) {
+            return Err("a budget must be more than 0".to_owned());
+        }
+        match (gpu_ns, self.budget_tokens, &self.budget_window) {
+            (None, None, None) => Ok(None),
+            (None, None, Some(_)) => {
+                Err("--budget-window needs --budget-gpu or --budget-tokens".to_owned())
+            }
+            (gpu_ns, tokens, window) => Ok(Some(api::KeyBudget {
+                gpu_ns: gpu_ns.unwrap_or(0),
+                tokens: tokens.unwrap_or(0),
+                window: window.clone().unwrap_or_else(|| "1d".to_owned()),
+                ..api::KeyBudget::default()
+            })),
+        }
+    }
+}
+
+/// A count with an optional `k`, `M` or `G` suffix: `2M` = 2 000 000.
+pub fn parse_count(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, factor) = match text.char_indices().last() {
+        Some((at, 'k' | 'K')) => (&text[..at], 1_000),
+        Some((at, 'm' | 'M')) => (&text[..at], 1_000_000),
+        Some((at, 'g' | 'G')) => (&text[..at], 1_000_000_000),
+        _ => (text, 1),
+    };
+    let number: f64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}' is not a count (e.g. 500000, 500k, 2M)"))?;
+    if !(number.is_finite() && number >= 0.0) {
+        return Err(format!("'{text}' is not a count (e.g. 500000, 500k, 2M)"));
+    }
+    Ok((number * factor as f64).round() as u64)
+}
+
+/// GPU time as `h:mm:ss`.
+pub fn hms(ns: u64) -> String {
+    let seconds = ns / 1_000_000_000;
+    format!(
+        "{}:{:02}:{:02}",
+        seconds / 3600,
+        (seconds % 3600) / 60,
+        seconds % 60
+    )
+}
+
+fn gpu_seconds(ns: u64) -> f64 {
+    (ns as f64 / 1e6).round() / 1e3
+}
+
+fn totals_json(row: &api::UsageTotals) -> Value {
+    json!({
+        "gpu_seconds": gpu_seconds(row.gpu_ns),
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "requests": row.requests,
+        "embedding_inputs": row.embedding_inputs,
+        "cached_inputs": row.cached_inputs,
+    })
+}
+
+/// `oqpctl usage`: one row per group, most GPU time first, and the total.
+pub fn render(
+    response: &api::GetUsageResponse,
+    request: &api::GetUsageRequest,
+    output: Output,
+    style: Style,
+) -> String {
+    let total = response.total.clone().unwrap_or_default();
+    let since = humantime::format_rfc3339_seconds(
+        std::time::UNIX_EPOCH + Duration::from_secs(response.since_unix_s.max(0).unsigned_abs()),
+    )
+    .to_string();
+    match output {
+        Output::Json => {
+            let rows: Vec<Value> = response
+                .rows
+                .iter()
+                .map(|row| {
+                    let mut value = totals_json(row);
+                    if request.by_client {
+                        value["client_id"] = json!(row.client_id);
+                    }
+                    if request.by_model {
+                        value["model"] = json!(row.model);
+                    }
+                    value
+                })
+                .collect();
+            pretty(&json!({ "since": since, "rows": rows, "total": totals_json(&total) }))
+        }
+        Output::Table => {
+            let mut header = Vec::new();
+            if request.by_client {
+                header.push("client");
+            }
+            if request.by_model {
+                header.push("model");
+            }
+            header.extend([
+                "GPU time",
+                "prompt tokens",
+                "completion tokens",
+                "requests",
+                "cache hits",
+            ]);
+            let mut rows = table(style, &header);
+            let cells = |row: &api::UsageTotals, names: Vec<String>| {
+                let mut cells = names;
+                cells.extend([
+                    hms(row.gpu_ns),
+                    row.prompt_tokens.to_string(),
+                    row.completion_tokens.to_string(),
+                    row.requests.to_string(),
+                    row.cached_inputs.to_string(),
+                ]);
+                cells
+            };
+            for row in &response.rows {
+                let mut names = Vec::new();
+                if request.by_client {
+                    names.push(row.client_id.clone());
+                }
+                if request.by_model {
+                    names.push(if row.model.is_empty() {
+                        "-".to_owned()
+                    } else {
+                        row.model.clone()
+                    });
+                }
+                rows.add_row(cells(row, names));
+            }
+            let mut names = vec!["total".to_owned()];
+            if request.by_client && request.by_model {
+                names.push(String::new());
+            }
+            rows.add_row(cells(&total, names));
+            format!("{rows}\nSince {since} (UTC, whole hours).")
+        }
+    }
+}
+
+/// `keys list`'s budget cell: `2:00:00 GPU, 2000000 tokens / 1d`, or `-`.
+pub fn budget_cell(budget: Option<&api::KeyBudget>) -> String {
+    let Some(budget) = budget else {
+        return "-".to_owned();
+    };
+    let mut parts = Vec::new();
+    if budget.gpu_ns > 0 {
+        parts.push(format!("{} GPU", hms(budget.gpu_ns)));
+    }
+    if budget.tokens > 0 {
+        parts.push(format!("{} tokens", budget.tokens));
+    }
+    format!("{} / {}", parts.join(", "), budget.window)
+}
+
+/// `keys list`'s "left" cell: what is left of each budget this window, or `-`.
+pub fn left_cell(budget: Option<&api::KeyBudget>) -> String {
+    let Some(budget) = budget else {
+        return "-".to_owned();
+    };
+    let mut parts = Vec::new();
+    if budget.gpu_ns > 0 {
+        parts.push(format!(
+            "{} GPU",
+            hms(budget.gpu_ns.saturating_sub(budget.used_gpu_ns))
+        ));
+    }
+    if budget.tokens > 0 {
+        parts.push(format!(
+            "{} tokens",
+            budget.tokens.saturating_sub(budget.used_tokens)
+        ));
+    }
+    parts.join(", ")
+}
+
+/// A key's budget as JSON (`null` without one).
+pub fn budget_json(budget: Option<&api::KeyBudget>) -> Value {
+    let Some(budget) = budget else {
+        return Value::Null;
+    };
+    json!({
+        "gpu_seconds": (budget.gpu_ns > 0).then(|| gpu_seconds(budget.gpu_ns)),
+        "tokens": (budget.tokens > 0).then_some(budget.tokens),
+        "window": budget.window,
+        "used_gpu_seconds": gpu_seconds(budget.used_gpu_ns),
+        "used_tokens": budget.used_tokens,
+        "left_gpu_seconds": (budget.gpu_ns > 0)
+            .then(|| gpu_seconds(budget.gpu_ns.saturating_sub(budget.used_gpu_ns))),
+        "left_tokens": (budget.tokens > 0).then(|| budget.tokens.saturating_sub(budget.used_tokens)),
+        "resets_unix_s": (budget.resets_unix_s > 0).then_some(budget.resets_unix_s),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: u64 = 1_000_000_000;
+
+    fn totals(client: &str, model: &str, gpu_seconds: u64) -> api::UsageTotals {
+        api::UsageTotals {
+            client_id: client.to_owned(),
+            model: model.to_owned(),
+            gpu_ns: gpu_seconds * SECOND,
+            prompt_tokens: 120,
+            completion_tokens: 3400,
+            requests: 12,
+            embedding_inputs: 0,
+            cached_inputs: 3,
+        }
+    }
+
+    fn response() -> api::GetUsageResponse {
+        api::GetUsageResponse {
+            rows: vec![totals("batch", "", 7384), totals("chat", "", 65)],
+            total: Some(totals("", "", 7449)),
+            since_unix_s: 1_796_108_400,
+        }
+    }
+
+    fn by_client() -> api::GetUsageRequest {
+        api::GetUsageRequest {
+            since_seconds: 86_400,
+            by_client: true,
+            by_model: false,
+        }
+    }
+
+    #[test]
+    fn the_table_shows_gpu_time_as_hours_minutes_seconds_with_a_total() {
+        let text = render(
+            &response(),
+            &by_client(),
+            Output::Table,
+            Style { color: false },
+        );
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(
+            lines[1].contains("client") && lines[1].contains("GPU time"),
+            "{text}"
+        );
+        assert!(text.contains("| batch  | 2:03:04  |"), "{text}");
+        assert!(text.contains("| chat   | 0:01:05  |"), "{text}");
+        assert!(text.contains("| total  | 2:04:09  |"), "{text}");
+        assert!(
+            text.ends_with("Since 2026-12-01T07:00:00Z (UTC, whole hours)."),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn json_keeps_the_figures_and_the_groups_asked_for() {
+        let text = render(
+            &response(),
+            &by_client(),
+            Output::Json,
+            Style { color: false },
+        );
+        let value: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(value["rows"][0]["client_id"], "batch");
+        assert_eq!(value["rows"][0]["gpu_seconds"], 7384.0);
+        assert!(value["rows"][0].get("model").is_none());
+        assert_eq!(value["total"]["requests"], 12);
+        assert_eq!(value["since"], "2026-12-01T07:00:00Z");
+    }
+
+    #[test]
+    fn counts_take_suffixes() {
+        assert_eq!(parse_count("2M"), Ok(2_000_000));
+        assert_eq!(parse_count("500k"), Ok(500_000));
+        assert_eq!(parse_count("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_count("42"), Ok(42));
+        assert!(parse_count("lots").unwrap_err().contains("not a count"));
+        assert!(parse_count("-3").is_err());
+    }
+
+    #[test]
+    fn budget_flags_make_one_budget() {
+        let args = BudgetArgs {
+            budget_gpu: Some(Duration::from_secs(7200)),
+            budget_tokens: Some(2_000_000),
+            budget_window: None,
+        };
+        let budget = args.budget().unwrap().unwrap();
+        assert_eq!(budget.gpu_ns, 7200 * SECOND);
+        assert_eq!(budget.tokens, 2_000_000);
+        assert_eq!(budget.window, "1d", "the default window");
+        assert_eq!(BudgetArgs::default().budget(), Ok(None));
+        let window_only = BudgetArgs {
+            budget_window: Some("7d".into()),
+            ..BudgetArgs::default()
+        };
+        assert!(window_only.budget().unwrap_err().contains("--budget-gpu"));
+        let zero = BudgetArgs {
+            budget_gpu: Some(Duration::ZERO),
+            ..BudgetArgs::default()
+        };
+        assert!(zero.budget().is_err());
+    }
+
+    #[test]
+    fn budget_cells_show_the_limit_and_what_is_left() {
+        let budget = api::KeyBudget {
+            gpu_ns: 7200 * SECOND,
+            tokens: 0,
+            window: "1d".into(),
+            used_gpu_ns: 2700 * SECOND,
+            used_tokens: 9,
+            resets_unix_s: 1,
+        };
+        assert_eq!(budget_cell(Some(&budget)), "2:00:00 GPU / 1d");
+        assert_eq!(left_cell(Some(&budget)), "1:15:00 GPU");
+        assert_eq!(budget_cell(None), "-");
+        let json = budget_json(Some(&budget));
+        assert_eq!(json["left_gpu_seconds"], 4500.0);
+        assert_eq!(json["tokens"], Value::Null);
+    }
+}
