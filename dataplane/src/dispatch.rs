@@ -96,6 +96,9 @@ struct Inner {
 pub struct Lease {
     dispatcher: Arc<Dispatcher>,
     id: TicketId,
+    /// The host the VRAM view counts the request on, and whether its dispatch started the
+    /// model's load there; released at the end (or when it moves).
+    ran: Option<(Arc<str>, bool)>,
     placement: Option<Placement>,
     model: Option<Arc<str>>,
     started: Instant,
@@ -366,6 +369,8 @@ impl Dispatcher {
     /// released (dropping a grant takes the lock).
     fn pump(self: &Arc<Self>, inner: &mut Inner, now: Instant) -> Vec<Grant> {
         let mut orphans = Vec::new();
+        // Switches nothing waits for are dropped before anyone is offered a host.
+        self.swap_upkeep(inner);
         loop {
             let Inner {
                 scheduler,
@@ -376,14 +381,23 @@ impl Dispatcher {
             let strategy = *strategy;
             let mut placing = Placing { router, strategy };
             let Some(dispatch) = scheduler.next_on(now, &mut placing) else {
+                // A switch dropped, or an unload that could not be sent, changes what can run.
+                if self.swap_upkeep(inner) {
+                    continue;
+                }
                 break;
             };
             let tier = dispatch.tier;
             inner.drain_rate[tier.index()].record(now);
+            let ran = Some((
+                dispatch.placement.host.name.clone(),
+                dispatch.placement.loads,
+            ));
             let grant = Grant {
                 lease: Lease {
                     dispatcher: self.clone(),
                     id: dispatch.id,
+                    ran,
                     placement: Some(dispatch.placement),
                     model: dispatch.model,
                     started: now,
@@ -399,7 +413,6 @@ impl Dispatcher {
                 orphans.push(grant);
             }
         }
-        self.swap_upkeep(inner);
         for expiry in inner.scheduler.expire(now) {
             match expiry {
                 Expiry::Expired {
@@ -421,13 +434,14 @@ impl Dispatcher {
     }
 
     /// Drops switches nothing waits for any more, and sends the explicit unloads now due.
-    fn swap_upkeep(self: &Arc<Self>, inner: &mut Inner) {
-        if !inner.router.swap_enabled() {
-            return;
-        }
+    /// Returns whether that changed what may run (a switch dropped, or an unload that could
+    /// not be sent taken as done), so that the caller dispatches again.
+    fn swap_upkeep(self: &Arc<Self>, inner: &mut Inner) -> bool {
+        let mut changed = false;
         for (host, model) in inner.router.switches() {
-            if !inner.scheduler.waiting_for(&model) {
+            if !inner.router.swap_enabled() || !inner.scheduler.waiting_for(&model) {
                 inner.router.abort_switch(&host);
+                changed = true;
             }
         }
         for (host, model) in inner.router.take_unloads() {
@@ -435,9 +449,13 @@ impl Dispatcher {
                 Some(UnloadHook(unload)) if unload(host.clone(), model.clone()) => {
                     tracing::debug!(host = %host.name, %model, "unloading the model switched away from");
                 }
-                _ => inner.router.unloaded(&host.name, &model),
+                _ => {
+                    inner.router.unloaded(&host.name, &model);
+                    changed = true;
+                }
             }
         }
+        changed
     }
 
     /// Sets how explicit unloads are sent (once; later calls are ignored).
@@ -450,7 +468,11 @@ impl Dispatcher {
         let dropped = {
             let mut inner = self.lock();
             inner.router.unloaded(host, model);
-            self.pump(&mut inner, Instant::now())
+            let dropped = self.pump(&mut inner, Instant::now());
+            if inner.scheduler.holding() {
+                self.timer.notify_one();
+            }
+            dropped
         };
         drop(dropped);
     }
@@ -485,7 +507,12 @@ impl Dispatcher {
             if cancelled {
                 tracing::debug!(ticket = %id, "client left while queued");
             }
-            self.pump(&mut inner, Instant::now())
+            let dropped = self.pump(&mut inner, Instant::now());
+            if inner.scheduler.holding() {
+                // The held tickets left may have an earlier bound than the one that left.
+                self.timer.notify_one();
+            }
+            dropped
         };
         drop(dropped);
     }
@@ -507,6 +534,7 @@ impl Dispatcher {
             let now = Instant::now();
             let mut cost = cost;
             let loader = ran.as_ref().is_some_and(|(_, loads)| *loads);
+            // `ran` is where the view counted it (its last host, if it failed over).
             if inner.router.swap_enabled() && !loader {
                 cost = cost.saturating_sub(load.unwrap_or_default());
             }
@@ -537,16 +565,16 @@ impl Dispatcher {
             if down && let Some(placement) = &lease.placement {
                 inner.router.mark_down(&placement.host.name);
             }
+            let now = Instant::now();
             match inner
                 .router
-                .failover(lease.model.as_deref(), strategy, tried)
+                .failover_on(lease.model.as_deref(), strategy, tried, now)
             {
                 Some(next) => {
-                    if let (Some(old), Some(model)) = (&lease.placement, &lease.model) {
-                        inner
-                            .router
-                            .moved(&old.host.name, &next.host.name, model, Instant::now());
+                    if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
+                        inner.router.released(&old, model, now);
                     }
+                    lease.ran = Some((next.host.name.clone(), next.loads));
                     lease.placement.replace(next)
                 }
                 None => return false,
@@ -597,6 +625,9 @@ impl Dispatcher {
             // this request ends: waiting here for another host must not
             // keep a host it has left.
             if lease.placement.take().is_some() {
+                if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
+                    self.lock().router.released(&old, model, Instant::now());
+                }
                 lease.dispatcher.dispatch_freed();
             }
             let candidate_left = self
@@ -824,19 +855,15 @@ impl Lease {
 
     /// Whether its dispatch started loading its model on its host.
     pub fn loads(&self) -> bool {
-        self.placement
-            .as_ref()
-            .is_some_and(|placement| placement.loads)
+        self.ran.as_ref().is_some_and(|(_, loads)| *loads)
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // The slot frees first, so that the dispatch below can use it.
-        let ran = self
-            .placement
-            .take()
-            .map(|placement| (placement.host.name.clone(), placement.loads));
+        drop(self.placement.take());
+        let ran = self.ran.take();
         let cost = self.cost.unwrap_or_else(|| self.started.elapsed());
         let dispatcher = self.dispatcher.clone();
         let model = self.model.clone();

@@ -45,6 +45,9 @@ mod vram;
 #[cfg(test)]
 #[allow(clippy::expect_used, clippy::unwrap_used)]
 mod tests;
+#[cfg(test)]
+#[allow(clippy::expect_used, clippy::unwrap_used)]
+mod vram_tests;
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;

@@ -105,8 +105,6 @@ struct Model {
     /// The wall-clock time of its last dispatch here: a poll older than that (within
     /// [`POLL_MARGIN`]) may not show it yet.
     touched: Option<SystemTime>,
-    /// Loaded by this data plane (a dispatch found it not resident).
-    ours: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,6 +171,8 @@ impl HostVram {
         let mut vram = HostVram {
             name: host.name.clone(),
             cloud: host.kind == HostKind::Cloud,
+            // Nothing in flight yet: idle since now.
+            idle_since: Some(now),
             ..HostVram::default()
         };
         vram.apply(host, now, SystemTime::now());
@@ -266,7 +266,6 @@ impl HostVram {
                         inflight: 0,
                         last_used: None,
                         touched: None,
-                        ours: false,
                     });
                 }
             }
@@ -305,6 +304,7 @@ impl HostVram {
                 return;
             };
             let gone = self.resident.remove(i);
+            self.recent.insert(gone.name.clone(), Instant::now());
             self.gone.insert(gone.name, wall);
         }
     }
@@ -491,10 +491,20 @@ impl HostVram {
         }
     }
 
-    /// Drops a switch whose model no longer has anything waiting.
+    /// Drops a switch whose model no longer has anything waiting. Victims already told to
+    /// unload are gone from the view (their next request is a load, and is charged as one);
+    /// those still draining stay resident.
     pub fn abort_switch(&mut self) -> Option<String> {
         let switch = self.switch.take()?;
         self.unloads.clear();
+        if switch.phase != Phase::Draining && switch.unload {
+            let wall = SystemTime::now();
+            self.resident.retain(|m| !switch.victims.contains(&m.name));
+            for victim in switch.victims {
+                self.gone.insert(victim, wall);
+            }
+            self.changed_at = Some(wall);
+        }
         Some(switch.to)
     }
 
@@ -559,7 +569,6 @@ impl HostVram {
             inflight: 1,
             last_used: Some(now),
             touched: Some(wall),
-            ours: true,
         });
         self.gone.remove(model);
         true
@@ -588,11 +597,6 @@ impl HostVram {
             .get(model)
             .copied()
             .unwrap_or(DEFAULT_LOAD_COST)
-    }
-
-    /// Whether this data plane loaded `model` here (rather than finding it loaded).
-    pub fn loaded_by_us(&self, model: &str) -> bool {
-        self.resident.iter().any(|m| m.name == model && m.ours)
     }
 
     /// The state for status pages (held requests are the scheduler's, filled in by the caller).

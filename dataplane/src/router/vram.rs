@@ -27,38 +27,43 @@ impl Router {
         self.swap.enabled
     }
 
-    /// [`place`](Router::place) that knows VRAM: `Run` on a host with a free slot where the
-    /// model is resident or fits (the router's usual order among them); else `Wait` if a busy
-    /// host has it resident; else `Cold` for a host that would have to switch (one with a free
-    /// slot first: a switch on a busy host waits for its victims' requests anyway), or that is
-    /// switching to another model; else `Wait`. A `Run` is recorded as dispatched.
+    /// [`place`](Router::place) that knows VRAM. Among the candidate hosts that have the model
+    /// (installed or resident): `Run` on one with a free slot where the model is resident or
+    /// fits (the router's usual order among them); else, when a switch to this model is under
+    /// way, `Cold` for that host (its batch waits there: no second host switches for it); else
+    /// `Wait` if a busy host has the model resident or room for it (better than a switch);
+    /// else `Cold` for a host that would have to switch (one with a free slot first: a switch
+    /// on a busy host waits for its victims' requests anyway), or that is switching to
+    /// another model; else `Wait`. A model no candidate has is placed as [`place`] does and
+    /// never held (it would only evict others to answer 404). A `Run` is recorded as
+    /// dispatched in the host's VRAM view.
     pub fn offer(
         &mut self,
         model: Option<&str>,
         strategy: Strategy,
         now: Instant,
     ) -> Offer<Placement> {
-        let Some(name) = model.filter(|_| self.swap.enabled) else {
-            // Off: plain placement, the VRAM view still kept (for status and reports).
-            return match self.choose(model, strategy, &[], false) {
-                Some(mut placement) => {
-                    if let Some(name) = model
-                        && let Some(state) = self.state_of(&placement.host.name)
-                    {
-                        let key = ModelKey::new(name);
-                        placement.loads = state.vram.dispatched(&key.local, now, SystemTime::now());
-                    }
-                    Offer::Run(placement)
-                }
-                None => Offer::Wait,
-            };
+        let Some(name) = model else {
+            return self.plain(None, strategy, now);
         };
         let key = ModelKey::new(name);
-        // Hosts that would have to switch (a free slot first), hosts switching to something
-        // else, and whether a busy host already has the model resident (worth waiting for).
+        let any_healthy = self
+            .hosts
+            .iter()
+            .any(|state| state.active && state.healthy());
+        let candidate =
+            |state: &super::HostState| state.active && (!any_healthy || state.healthy());
+        let anyone_has_it = self
+            .hosts
+            .iter()
+            .any(|state| candidate(state) && state.rank(&key, true) > super::Rank::Missing);
+        if !self.swap.enabled || !anyone_has_it {
+            return self.plain(Some(name), strategy, now);
+        }
         let mut cold: Option<(bool, usize)> = None;
         let mut blocked: Option<usize> = None;
-        let mut resident_busy = false;
+        let mut switching_here: Option<usize> = None;
+        let mut worth_waiting = false;
         for (index, state) in self.hosts.iter_mut().enumerate() {
             let fit = if state.active {
                 state.vram.fit(&key.local, now)
@@ -66,16 +71,19 @@ impl Router {
                 Fit::Blocked
             };
             state.unfit = matches!(fit, Fit::Switch | Fit::Blocked);
-            if !state.active || !state.healthy() {
+            if !candidate(state) || state.rank(&key, true) == super::Rank::Missing {
                 continue;
             }
             let free = state.has_free_slot();
+            if state.vram.switching_to() == Some(key.local.as_str()) {
+                switching_here = Some(index);
+            }
             match fit {
+                Fit::Resident | Fit::Room if !free => worth_waiting = true,
                 Fit::Switch if cold.is_none_or(|(had_free, _)| free && !had_free) => {
                     cold = Some((free, index));
                 }
                 Fit::Blocked if blocked.is_none() => blocked = Some(index),
-                Fit::Resident if !free => resident_busy = true,
                 _ => {}
             }
         }
@@ -84,21 +92,86 @@ impl Router {
             state.unfit = false;
         }
         if let Some(mut placement) = chosen {
-            let wall = SystemTime::now();
-            if let Some(state) = self.state_of(&placement.host.name) {
-                placement.loads = state.vram.dispatched(&key.local, now, wall);
-            }
-            if placement.loads {
-                self.switching.remove(&placement.host.name);
-            }
+            self.record(&mut placement, &key, now);
             return Offer::Run(placement);
         }
-        if resident_busy {
+        if let Some(index) = switching_here {
+            return Offer::Cold(self.hosts[index].vram.cold(now));
+        }
+        if worth_waiting {
             return Offer::Wait;
         }
         match cold.map(|(_, index)| index).or(blocked) {
             Some(index) => Offer::Cold(self.hosts[index].vram.cold(now)),
             None => Offer::Wait,
+        }
+    }
+
+    /// Placement as [`place`](Router::place) does it, the VRAM view still kept (for status,
+    /// reports, and holding once the rule is on).
+    fn plain(&mut self, model: Option<&str>, strategy: Strategy, now: Instant) -> Offer<Placement> {
+        match self.choose(model, strategy, &[], false) {
+            Some(mut placement) => {
+                if let Some(name) = model {
+                    self.record(&mut placement, &ModelKey::new(name), now);
+                }
+                Offer::Run(placement)
+            }
+            None => Offer::Wait,
+        }
+    }
+
+    /// Records a request for `key` sent to the placement's host in that host's VRAM view, if
+    /// the host has the model (a model it lacks is answered 404 and never becomes resident);
+    /// sets `loads`. The first dispatch of a switch's model completes the switch.
+    fn record(&mut self, placement: &mut Placement, key: &ModelKey, now: Instant) {
+        let Some(state) = self.state_of(&placement.host.name) else {
+            return;
+        };
+        if state.rank(key, true) == super::Rank::Missing {
+            return;
+        }
+        placement.loads = state.vram.dispatched(&key.local, now, SystemTime::now());
+        if placement.loads {
+            self.switching.remove(&placement.host.name);
+        }
+    }
+
+    /// [`failover`](Router::failover) that knows VRAM: with the rule on, a host where the model
+    /// would have to evict another, or is being switched away from, is not taken. Records the
+    /// new host in its view (the caller releases the old one with
+    /// [`released`](Router::released)).
+    pub fn failover_on(
+        &mut self,
+        model: Option<&str>,
+        strategy: Strategy,
+        tried: &[Arc<str>],
+        now: Instant,
+    ) -> Option<Placement> {
+        let key = model.map(ModelKey::new);
+        let vram = self.swap.enabled && key.is_some();
+        if let Some(key) = key.as_ref().filter(|_| vram) {
+            for state in &mut self.hosts {
+                let fit = state.vram.fit(&key.local, now);
+                state.unfit = state.active && matches!(fit, Fit::Switch | Fit::Blocked);
+            }
+        }
+        let chosen = self.choose(model, strategy, tried, vram);
+        for state in &mut self.hosts {
+            state.unfit = false;
+        }
+        let mut placement = chosen?;
+        if let Some(key) = &key {
+            self.record(&mut placement, key, now);
+        }
+        Some(placement)
+    }
+
+    /// A request for `model` recorded on `host` will not run there after all (it failed over
+    /// before reaching it, or was given up): its in-flight count goes back.
+    pub fn released(&mut self, host: &str, model: &str, now: Instant) {
+        if let Some(state) = self.state_of_any(host) {
+            state.vram.completed(&ModelKey::new(model).local, None, now);
         }
     }
 
@@ -127,17 +200,6 @@ impl Router {
     pub fn completed(&mut self, host: &str, model: &str, load: Option<Duration>, now: Instant) {
         if let Some(state) = self.state_of_any(host) {
             state.vram.completed(&ModelKey::new(model).local, load, now);
-        }
-    }
-
-    /// A request for `model` moved from `from` to `to` before reaching `from` (failover).
-    pub fn moved(&mut self, from: &str, to: &str, model: &str, now: Instant) {
-        let key = ModelKey::new(model);
-        if let Some(state) = self.state_of_any(from) {
-            state.vram.completed(&key.local, None, now);
-        }
-        if let Some(state) = self.state_of(to) {
-            state.vram.dispatched(&key.local, now, SystemTime::now());
         }
     }
 

@@ -103,6 +103,8 @@ impl<T> Scheduler<T> {
                 self.tiers[index].promotion_blocked = true;
                 break;
             }
+            // A held ticket stays held, from when it was first held.
+            let held = self.held.get(&id).cloned();
             let Some(mut entry) = self.take(id, now) else {
                 self.tiers[index].by_entry.remove(&(entered, id));
                 continue;
@@ -112,6 +114,9 @@ impl<T> Scheduler<T> {
             entry.tier = up;
             entry.entered = now;
             self.insert(id, entry, now);
+            if let Some(held) = held {
+                self.held.insert(id, held);
+            }
             self.pending.push(Expiry::Promoted {
                 id,
                 client,

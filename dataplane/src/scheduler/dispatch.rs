@@ -86,8 +86,8 @@ impl<T> Scheduler<T> {
                     && let Some((_, host)) = cold.iter().find(|(m, _)| m == model)
                 {
                     // Held for the same switch as a fairer ticket.
-                    let host = host.clone();
-                    self.hold(head, &host, now);
+                    let (model, host) = (model.clone(), host.clone());
+                    self.hold(head, &model, &host, now);
                     continue;
                 }
                 if refused.contains(&model) {
@@ -95,7 +95,7 @@ impl<T> Scheduler<T> {
                 }
                 let mut offer = placer.offer(model.as_deref(), now);
                 if let (Offer::Cold(need), Some(name)) = (&offer, &model) {
-                    let since = self.hold(head, &need.host, now);
+                    let since = self.hold(head, name, &need.host, now);
                     match self.verdict(tier, since, need, now) {
                         Verdict::Switch(why) => {
                             placer.switch(&need.host, name, now, why);
@@ -113,7 +113,7 @@ impl<T> Scheduler<T> {
                     Offer::Cold(need) => {
                         // Still cold right after a switch began: its victims are draining.
                         if let Some(name) = &model {
-                            self.hold(head, &need.host, now);
+                            self.hold(head, name, &need.host, now);
                             cold.push((name.clone(), need.host));
                         }
                         continue;

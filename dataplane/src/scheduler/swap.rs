@@ -106,6 +106,8 @@ pub(super) struct Held {
     pub(super) since: Instant,
     /// The host it is held for.
     pub(super) host: Arc<str>,
+    /// Its model.
+    pub(super) model: Arc<str>,
 }
 
 /// What the rule decided for a cold ticket.
@@ -156,14 +158,28 @@ impl<T> Scheduler<T> {
         self.by_model.get(model).is_some_and(|n| *n > 0)
     }
 
-    /// Holds `id` for `host` (first time: from `now`); returns when it was first held.
-    pub(super) fn hold(&mut self, id: TicketId, host: &Arc<str>, now: Instant) -> Instant {
+    /// Holds `id` (a ticket for `model`) for `host`, from `now` the first time. Returns since
+    /// when `model` has been held: the earliest of its held tickets, so that a ticket that is
+    /// not the fairest still has its switch at its own bound.
+    pub(super) fn hold(
+        &mut self,
+        id: TicketId,
+        model: &Arc<str>,
+        host: &Arc<str>,
+        now: Instant,
+    ) -> Instant {
         let held = self.held.entry(id).or_insert_with(|| Held {
             since: now,
             host: host.clone(),
+            model: model.clone(),
         });
         held.host = host.clone();
-        held.since
+        self.held
+            .values()
+            .filter(|held| held.model == *model)
+            .map(|held| held.since)
+            .min()
+            .unwrap_or(now)
     }
 
     /// The rule for a ticket of `tier`, first held at `since`, whose model needs `cold`.

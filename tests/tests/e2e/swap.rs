@@ -534,3 +534,75 @@ async fn a_host_whose_models_change_around_oqp_falls_back_to_plain_fair_share() 
     assert_eq!(dispatcher.swap_stats()[0].switches, 0);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_switch_whose_requests_all_left_gives_the_old_model_back_at_once() {
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder()
+        .model("alpha")
+        .model("beta")
+        .slots(2)
+        .vram(10 * GIB)
+        .model_size("alpha", 8 * GIB)
+        .model_size("beta", 8 * GIB)
+        .load_time(LOAD)
+        .latency(SERVICE)
+        .spawn()
+        .await;
+    let handle = fake.handle();
+    let yaml = config(&fake.url(), true).replace("max_concurrent: 1\n", "max_concurrent: 2\n");
+    let stack = Stack::start(&yaml).await;
+    warm_up(&stack).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let send = |model: &'static str, key: &'static str| {
+        let url = format!("{}/api/generate", stack.url());
+        tokio::spawn(async move {
+            HttpClient::new()
+                .post_json(
+                    &url,
+                    &[("authorization", &format!("Bearer {key}"))],
+                    &json!({"model": model, "prompt": "hi", "stream": false}),
+                )
+                .await
+        })
+    };
+    // alpha's request is in flight at Ollama and stays there; beta's is held, then its switch
+    // begins and drains alpha.
+    handle.clear_requests();
+    handle.hold();
+    let first = send("alpha", "sk-xavier-0123456789");
+    handle.wait_in_flight(1).await;
+    let beta = send("beta", "sk-yvonne-0123456789");
+    let switching = eventually(Duration::from_secs(10), || {
+        dispatcher.swap_stats()[0].switching_to.as_deref() == Some("beta:latest")
+    })
+    .await;
+    assert!(switching, "{:?}", dispatcher.swap_stats());
+    // A second alpha request waits: no new work for a model being switched away from.
+    let second = send("alpha", "sk-xavier-0123456789");
+    assert!(eventually(Duration::from_secs(5), || dispatcher.total_depth() == 2).await);
+    // beta's client leaves: the switch is dropped and the second alpha request goes at once.
+    beta.abort();
+    // At once: not at the next snapshot or deadline that happens to run the dispatcher.
+    tokio::time::timeout(Duration::from_secs(5), handle.wait_in_flight(2))
+        .await
+        .expect("the second alpha request never went");
+    assert_eq!(dispatcher.swap_stats()[0].switching_to, None);
+    handle.release_all();
+    for task in [first, second] {
+        assert!(task.await.unwrap().status.is_success());
+    }
+    let bodies: Vec<String> = handle
+        .requests_to("/api/generate")
+        .iter()
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .collect();
+    // (The warm-up left beta resident: alpha's first request switched back, unloading it.)
+    assert!(
+        bodies
+            .iter()
+            .all(|body| !(body.contains("beta") && body.contains("prompt"))),
+        "beta's request never reached Ollama: {bodies:?}"
+    );
+    stack.shutdown().await;
+}
