@@ -155,7 +155,12 @@ fn a_request_that_failed_over_is_counted_on_its_new_host_only() {
     let from = first.host.name.clone();
     drop(first);
     let next = router
-        .failover_on(Some("a"), Strategy::ModelAware, &[from.clone()], now)
+        .failover_on(
+            Some("a"),
+            Strategy::ModelAware,
+            std::slice::from_ref(&from),
+            now,
+        )
         .unwrap();
     router.released(&from, "a", now);
     // The host it left has nothing in flight: a switch there drains at once.
