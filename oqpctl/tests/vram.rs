@@ -102,3 +102,83 @@ async fn hosts_show_the_configured_vram_and_the_resident_model() {
         .await
         .expect("control plane stopped");
 }
+
+#[tokio::test]
+async fn hosts_show_a_request_held_back_for_a_model_switch() {
+    let fake = FakeOllama::builder()
+        .model("alpha")
+        .model("beta")
+        .loaded("alpha")
+        .slots(2)
+        .vram(10 * GIB)
+        .model_size("alpha", 8 * GIB)
+        .model_size("beta", 8 * GIB)
+        .spawn()
+        .await;
+    let handle = fake.handle();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n\
+             \x20   - {{url: '{}', name: gpu, vram: 10GiB, max_concurrent: 2}}\n\
+             queue:\n  model_swap:\n    max_defer: 60\n    idle_grace: 10\n\
+             control_plane:\n  state_dir: '{}'\n",
+            fake.url(),
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let control = ControlPlane::start(Options {
+        config_path: config,
+        env: Env::empty(),
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        with_dataplane: true,
+        dataplane_listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        clock: None,
+    })
+    .await
+    .unwrap();
+    let proxy = format!("http://{}", control.dataplane().unwrap().local_addr());
+    let send = |model: &'static str| {
+        let url = format!("{proxy}/api/generate");
+        tokio::spawn(async move {
+            oqp_tests::client::HttpClient::new()
+                .post_json(
+                    &url,
+                    &[],
+                    &serde_json::json!({"model": model, "prompt": "hi", "stream": false}),
+                )
+                .await
+        })
+    };
+    // alpha is resident and busy at Ollama; beta's request is held back for it.
+    handle.hold();
+    let alpha = send("alpha");
+    handle.wait_in_flight(1).await;
+    let beta = send("beta");
+    // The data plane reports every second; ask until its report shows the held request.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    let mut json = Value::Null;
+    while tokio::time::Instant::now() < deadline {
+        json =
+            serde_json::from_str(&oqpctl(&control, &["hosts", "--output", "json"]).await).unwrap();
+        if json[0]["held"].as_u64().unwrap_or(0) >= 1 {
+            break;
+        }
+    }
+    assert_eq!(json[0]["held"], 1, "{json}");
+    let text = oqpctl(&control, &["hosts"]).await;
+    let row = text
+        .lines()
+        .find(|line| line.starts_with("| gpu "))
+        .unwrap();
+    assert!(row.contains(" 1 ("), "{text}");
+    beta.abort();
+    handle.release_all();
+    assert!(alpha.await.unwrap().status.is_success());
+    tokio::time::timeout(Duration::from_secs(10), control.shutdown())
+        .await
+        .expect("control plane stopped");
+}
