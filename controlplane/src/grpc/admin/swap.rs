@@ -126,6 +126,7 @@ mod tests {
             switching_to: "qwen3:8b".to_owned(),
             switches: 4,
             bypassed: false,
+            loads: 1,
         };
         let other = wire::HostSwapReport {
             held: 7,
