@@ -73,6 +73,10 @@ struct Served {
 struct Run {
     clients: [Served; 2],
     window: Duration,
+    /// Each client's GPU time over the run's whole turns (see [`whole_turns`]).
+    turns_gpu: [Duration; 2],
+    /// How many whole turns those are; `None`: the model never changed, every answer counts.
+    turns: Option<usize>,
 }
 
 impl Timing {
@@ -144,8 +148,8 @@ impl Run {
 
     /// Client `i`'s share of the GPU time; `None` when nothing was served.
     fn share(&self, i: usize) -> Option<f64> {
-        let all: f64 = self.clients.iter().map(|c| c.gpu.as_secs_f64()).sum();
-        (all > 0.0).then(|| self.clients[i].gpu.as_secs_f64() / all)
+        let all: f64 = self.turns_gpu.iter().map(Duration::as_secs_f64).sum();
+        (all > 0.0).then(|| self.turns_gpu[i].as_secs_f64() / all)
     }
 }
 
@@ -243,7 +247,11 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
         Row::new(
             SCENARIO_SWAP,
             format!(
-                "client B's share of GPU time (Σ `total_duration`), A keeping {GREEDY} requests in flight, B 1 (oqp: on); answers A / B: alone {} / {}, on {} / {} (B's largest latency on: {} ms)",
+                "client B's share of GPU time (Σ `total_duration`), A keeping {GREEDY} requests in flight, B 1 (oqp: on; over {}); answers A / B: alone {} / {}, on {} / {} (B's largest latency on: {} ms)",
+                greedy_on.turns.map_or_else(
+                    || "every answer: no whole turn".to_owned(),
+                    |turns| format!("its first {turns} whole turns")
+                ),
                 greedy_alone.clients[0].requests,
                 greedy_alone.clients[1].requests,
                 greedy_on.clients[0].requests,
@@ -406,6 +414,7 @@ async fn loops(
             let request = request(MODELS[client].0, client, keyed);
             tokio::spawn(async move {
                 let mut served = Served::default();
+                let mut answers = Vec::new();
                 loop {
                     let sent = Instant::now();
                     let sending = conn.send(&request);
@@ -417,16 +426,18 @@ async fn loops(
                         Ok(answer) if answer.status.is_success() => {
                             let doc: serde_json::Value =
                                 serde_json::from_slice(&answer.body).unwrap_or_default();
-                            served.requests += 1;
-                            served.gpu += Duration::from_nanos(
+                            let gpu = Duration::from_nanos(
                                 doc["total_duration"].as_u64().unwrap_or_default(),
                             );
+                            served.requests += 1;
+                            served.gpu += gpu;
                             served.worst_latency = served.worst_latency.max(sent.elapsed());
+                            answers.push((Instant::now(), client, gpu));
                         }
                         _ => served.failed += 1,
                     }
                 }
-                (client, served)
+                (client, served, answers)
             })
         })
         .collect();
@@ -434,13 +445,73 @@ async fn loops(
         window,
         ..Run::default()
     };
+    let mut answers = Vec::new();
     for task in tasks {
-        let (client, served) = task.await?;
+        let (client, served, mine) = task.await?;
+        answers.extend(mine);
         let total = &mut run.clients[client];
         total.requests += served.requests;
         total.gpu += served.gpu;
         total.worst_latency = total.worst_latency.max(served.worst_latency);
         total.failed += served.failed;
     }
+    (run.turns_gpu, run.turns) = whole_turns(answers);
     Ok(run)
+}
+
+/// Each client's GPU time over the whole turns among `answers` (when, whose, GPU time): a turn
+/// is a run of answers for one model, the last one is cut by the deadline, and an even number
+/// of them is kept so that each client has as many; every answer when the model never changed
+/// whole. The window starts on a turn (A's: at the start nothing resident has work), but where
+/// it ends would otherwise give one client up to half a turn more.
+fn whole_turns(mut answers: Vec<(Instant, usize, Duration)>) -> ([Duration; 2], Option<usize>) {
+    answers.sort_by_key(|(at, _, _)| *at);
+    let changes: Vec<usize> = (1..answers.len())
+        .filter(|&i| answers[i].1 != answers[i - 1].1)
+        .collect();
+    let whole = changes.len() - changes.len() % 2;
+    let (end, turns) = match whole {
+        0 => (answers.len(), None),
+        _ => (changes[whole - 1], Some(whole)),
+    };
+    let mut gpu = [Duration::ZERO; 2];
+    for (_, client, time) in &answers[..end] {
+        gpu[*client] += *time;
+    }
+    (gpu, turns)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_share_counts_an_even_number_of_whole_turns() {
+        let start = Instant::now();
+        let answers = |clients: &[usize]| -> Vec<(Instant, usize, Duration)> {
+            clients
+                .iter()
+                .enumerate()
+                .map(|(i, client)| {
+                    let at = start + Duration::from_millis(i as u64);
+                    (at, *client, Duration::from_millis(10))
+                })
+                .collect()
+        };
+        let ms = Duration::from_millis;
+        // A A | B B B | A | B (cut): three turns are whole; the first two (one each) count.
+        assert_eq!(
+            whole_turns(answers(&[0, 0, 1, 1, 1, 0, 1])),
+            ([ms(20), ms(30)], Some(2))
+        );
+        // A A | B B | A (cut): two whole turns.
+        assert_eq!(
+            whole_turns(answers(&[0, 0, 1, 1, 0])),
+            ([ms(20), ms(20)], Some(2))
+        );
+        // One change only, or none: every answer counts.
+        assert_eq!(whole_turns(answers(&[0, 0, 1])), ([ms(20), ms(10)], None));
+        assert_eq!(whole_turns(answers(&[0, 0])), ([ms(20), ms(0)], None));
+        assert_eq!(whole_turns(Vec::new()), ([ms(0), ms(0)], None));
+    }
 }
