@@ -8,8 +8,9 @@
 //! The scenarios ([`scenarios`]): added latency (pinned and unpinned),
 //! saturation of the metadata fast path and of the queued path, work
 //! conservation, streaming, embedding-cache hits (memory and Redis), memory,
-//! CPU per 1k req/s, scheduling under a batch flood, fairness, and the
-//! node hop's cost (a request forwarded by one data plane to the owner's).
+//! CPU per 1k req/s, scheduling under a batch flood, fairness, the
+//! node hop's cost (a request forwarded by one data plane to the owner's),
+//! and model-swap-aware scheduling (two models that do not fit together).
 //!
 //! [`run`] is the library entry: the binary calls it, and so does the smoke
 //! test (`--quick`, tiny counts).
@@ -57,9 +58,11 @@ pub const SCENARIO_FAIRNESS: &str = "fairness";
 
 /// Through an edge data plane and the owner's, vs the owner alone.
 pub const SCENARIO_FORWARDED: &str = "forwarded";
+/// Two models that do not fit together: Ollama alone, `queue.model_swap` off and on.
+pub const SCENARIO_SWAP: &str = "model swap";
 
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 13] = [
+pub const SCENARIOS: [&str; 14] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -73,6 +76,7 @@ pub const SCENARIOS: [&str; 13] = [
     SCENARIO_SCHEDULING,
     SCENARIO_FAIRNESS,
     SCENARIO_FORWARDED,
+    SCENARIO_SWAP,
 ];
 
 /// The command documented in the README.
@@ -193,6 +197,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_SCHEDULING], scenarios::scheduling::run);
     scenario!(&[SCENARIO_FAIRNESS], scenarios::fairness::run);
     scenario!(&[SCENARIO_FORWARDED], scenarios::forwarded::run);
+    scenario!(&[SCENARIO_SWAP], scenarios::swap::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);
@@ -266,6 +271,9 @@ fn header(args: &Args, bench: &Bench, took: std::time::Duration) -> Vec<String> 
     if args.no_pin {
         flags.push("--no-pin".to_owned());
     }
+    for word in &args.only {
+        flags.push(format!("--only {word}"));
+    }
     if !flags.is_empty() {
         command = format!("{command} -- {}", flags.join(" "));
     }
@@ -307,6 +315,7 @@ fn notes(report: &Report) -> Vec<String> {
         "- *Scheduling*: wait = response time − the request's own service time; direct to the fake the chats queue in Ollama's FIFO.".to_owned(),
         "- *Fairness*: completions per client in the window; direct, a FIFO shares in proportion to what each client offers.".to_owned(),
         "- *Forwarded*: one control plane (in the benchmark's process; it is not on the request path) and two data planes, each its own `oqp-bench dataplane` process, unpinned; the fake's only host is owned by node b. A request entering at a is forwarded to b over the node hop. The columns are what stands in front of owner b, as each row says: nothing (b alone), the minimal proxy (the floor of any extra hop), or edge a. Added latency as above, each sample paired with the b-alone request taken moments apart; line delays as in *Streaming*. The figure counts only if edge a reports (`/queue/status`) that it forwarded every request it was sent.".to_owned(),
+        "- *Model swap*: the fake in its VRAM mode (10 GiB, two 8 GiB models, one slot; a cold request waits in one FIFO, the victim is unloaded once its requests finish, `load_duration` counts from arrival), a fresh fake for each run, one run per setup (not rounds). Client A loops on `alpha`, client B on `beta`, one request in flight each (A: 4 in the share row); direct there is no key, through oqp they are two normal-tier clients. Each oqp run (in the quick run only those with the feature on) first sends one request per model and waits until `/queue/status` shows its 8 GiB resident, so that it measures the steady state. An answer counts when it arrives inside the window; latency is from send to the whole answer; GPU time is the answers' `total_duration` (counted, as Ollama does, from the request's arrival: its load and its wait in Ollama's own queue included); a share is taken over the run's whole turns (a turn: answers for one model in a row; the one the deadline cuts is left out, and an even number is kept, so that neither client gains from where the window ends). Theory: with the feature on each switch serves `max_defer / S` requests and costs an unload and a load; the bound: a request held `max_defer`, then the unload and the load, its own service and the one that was running.".to_owned(),
     ]
 }
 

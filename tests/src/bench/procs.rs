@@ -49,6 +49,22 @@ pub struct FakeSpec {
     pub token_interval: Duration,
     /// Content chunks per generation.
     pub tokens: usize,
+    /// The fake's VRAM mode (`--vram`), off when `None`.
+    pub vram: Option<VramSpec>,
+}
+
+/// The fake's VRAM mode: room for so many bytes of models, loads and unloads that take time.
+/// `llama3` is then installed but not loaded, like every other model.
+#[derive(Debug, Clone, Copy)]
+pub struct VramSpec {
+    /// Capacity in bytes (`--vram`).
+    pub capacity: u64,
+    /// Chat models to install, each with its size in bytes (`--model`, `--model-size`).
+    pub models: &'static [(&'static str, u64)],
+    /// How long a load takes (`--load-time-ms`).
+    pub load_time: Duration,
+    /// How long an unload takes (`--unload-time-ms`).
+    pub unload_time: Duration,
 }
 
 /// A running child process.
@@ -71,6 +87,7 @@ impl Default for FakeSpec {
             latency: Duration::ZERO,
             token_interval: Duration::ZERO,
             tokens: 5,
+            vram: None,
         }
     }
 }
@@ -143,20 +160,40 @@ impl Proc {
     }
 }
 
-/// Starts `fake-ollama` with the models the scenarios use (`llama3`, loaded;
-/// `all-minilm`, embedding-only).
+/// Starts `fake-ollama` with the models the scenarios use (`llama3`, loaded
+/// unless in VRAM mode; `all-minilm`, embedding-only; those of `spec.vram`).
 pub async fn spawn_fake(binaries: &Binaries, spec: FakeSpec) -> anyhow::Result<Proc> {
     let mut command = Command::new(&binaries.fake);
     command.args([
         "--model",
-        "llama3",
-        "--loaded",
         "llama3",
         "--embedding-model",
         "all-minilm",
         "--record-limit",
         "16",
     ]);
+    match spec.vram {
+        // A model loaded at start would stay resident for ever, taking room.
+        None => {
+            command.args(["--loaded", "llama3"]);
+        }
+        Some(vram) => {
+            command
+                .arg("--vram")
+                .arg(vram.capacity.to_string())
+                .arg("--load-time-ms")
+                .arg(vram.load_time.as_millis().to_string())
+                .arg("--unload-time-ms")
+                .arg(vram.unload_time.as_millis().to_string());
+            for (name, bytes) in vram.models {
+                command
+                    .arg("--model")
+                    .arg(name)
+                    .arg("--model-size")
+                    .arg(format!("{name}={bytes}"));
+            }
+        }
+    }
     command
         .arg("--slots")
         .arg(spec.slots.to_string())

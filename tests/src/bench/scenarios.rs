@@ -10,6 +10,7 @@ pub mod latency;
 pub mod memory;
 pub mod scheduling;
 pub mod streaming;
+pub mod swap;
 pub mod throughput;
 
 use std::net::SocketAddr;
@@ -59,6 +60,21 @@ pub struct OqpConfig {
     pub slots: u32,
     /// `embedding_cache.backend`, when the cache is on.
     pub cache: Option<String>,
+    /// The host's `vram` (`10GiB`), when set.
+    pub vram: Option<String>,
+    /// `queue.model_swap`, when set (else its defaults).
+    pub model_swap: Option<ModelSwap>,
+}
+
+/// `queue.model_swap` of a scenario.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelSwap {
+    /// `enabled`.
+    pub enabled: bool,
+    /// `max_defer` of the normal tier (the others keep their defaults).
+    pub max_defer: Duration,
+    /// `idle_grace`.
+    pub idle_grace: Duration,
 }
 
 impl Target {
@@ -85,11 +101,7 @@ impl Trio {
     pub async fn start(bench: &Bench, spec: FakeSpec, slots: u32) -> anyhow::Result<Trio> {
         let fake = procs::spawn_fake(&bench.binaries, spec).await?;
         let minimal = procs::spawn_minimal(&bench.binaries, &fake.url()).await?;
-        let config = OqpConfig {
-            upstream: fake.url(),
-            slots,
-            cache: None,
-        };
+        let config = OqpConfig::new(&fake.url(), slots);
         let oqp = procs::spawn_oqp(&bench.binaries, &config.render()).await?;
         Ok(Trio { fake, minimal, oqp })
     }
@@ -118,6 +130,8 @@ impl OqpConfig {
             upstream: upstream.to_owned(),
             slots,
             cache: None,
+            vram: None,
+            model_swap: None,
         }
     }
 
@@ -126,6 +140,19 @@ impl OqpConfig {
         let cache = match &self.cache {
             Some(backend) => format!(
                 "embedding_cache:\n  enabled: true\n  backend: \"{backend}\"\n  connect_timeout: 1\n"
+            ),
+            None => String::new(),
+        };
+        let vram = match &self.vram {
+            Some(vram) => format!("      vram: {vram}\n"),
+            None => String::new(),
+        };
+        let model_swap = match &self.model_swap {
+            Some(swap) => format!(
+                "  model_swap:\n    enabled: {}\n    max_defer: {{normal: {}}}\n    idle_grace: {}\n",
+                swap.enabled,
+                swap.max_defer.as_secs_f64(),
+                swap.idle_grace.as_secs_f64()
             ),
             None => String::new(),
         };
@@ -149,7 +176,7 @@ ollama:
     - url: "{upstream}"
       name: fake
       max_concurrent: {slots}
-queue:
+{vram}queue:
   high:
     max_depth: 20000
     max_wait: 900
@@ -160,7 +187,7 @@ queue:
     max_depth: 20000
     max_wait: 900
   max_queued_mb: 1024
-auth:
+{model_swap}auth:
   enabled: true
   rate_limit:
     max_failures: 1000000
