@@ -80,7 +80,9 @@ struct Loop {
 #[derive(Debug, Default, Clone)]
 struct Served {
     requests: usize,
-    /// Summed `total_duration` the fake reported: the GPU time of the client's requests.
+    /// Summed `total_duration` the fake reported (the GPU time of the client's requests) over
+    /// the run's whole turns: where the window ends would otherwise give one client up to half
+    /// a turn more (`oqp_tests::bench::scenarios::swap::whole_turns`).
     gpu: Duration,
     worst_latency: Duration,
 }
@@ -97,6 +99,7 @@ async fn run(base: &str, loops: &[Loop]) -> Vec<Served> {
             let client = client.clone();
             tasks.push(tokio::spawn(async move {
                 let mut served = Served::default();
+                let mut answers = Vec::new();
                 let auth = client.key.map(|key| format!("Bearer {key}"));
                 let headers: Vec<(&str, &str)> = auth
                     .as_deref()
@@ -119,20 +122,26 @@ async fn run(base: &str, loops: &[Loop]) -> Vec<Served> {
                     );
                     let answer = reply.json();
                     served.requests += 1;
-                    served.gpu += Duration::from_nanos(answer["total_duration"].as_u64().unwrap());
+                    let gpu = Duration::from_nanos(answer["total_duration"].as_u64().unwrap());
+                    answers.push((Instant::now(), index, gpu));
                     served.worst_latency = served.worst_latency.max(sent.elapsed());
                 }
-                (index, served)
+                (index, served, answers)
             }));
         }
     }
     let mut served = vec![Served::default(); loops.len()];
+    let mut answers = Vec::new();
     for task in tasks {
-        let (index, part) = task.await.unwrap();
+        let (index, part, mine) = task.await.unwrap();
+        answers.extend(mine);
         let total = &mut served[index];
         total.requests += part.requests;
-        total.gpu += part.gpu;
         total.worst_latency = total.worst_latency.max(part.worst_latency);
+    }
+    let (gpu, _turns) = oqp_tests::bench::scenarios::swap::whole_turns(answers);
+    for (total, gpu) in served.iter_mut().zip(gpu) {
+        total.gpu = gpu;
     }
     served
 }
