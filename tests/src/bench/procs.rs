@@ -261,9 +261,16 @@ pub async fn spawn_oqp(binaries: &Binaries, config: &str) -> anyhow::Result<Proc
     };
     command.arg("--config").arg(&config_path);
     command.env("OQP_LOG", "warn");
-    let addr = SocketAddr::from(([127, 0, 0, 1], proxy_port));
-    let mut proc = spawn_in(dir, "oqp", command, addr)?;
-    proc.control = control.parse().ok();
+    let mut proc = match &binaries.oqp {
+        // Binds its own ports and announces them: no port is picked here and lost to a race.
+        OqpCommand::Bench(_) => spawn_announcing_in(dir, "oqp", command).await?,
+        OqpCommand::ControlPlane(_) => {
+            let addr = SocketAddr::from(([127, 0, 0, 1], proxy_port));
+            let mut proc = spawn_in(dir, "oqp", command, addr)?;
+            proc.control = control.parse().ok();
+            proc
+        }
+    };
     wait_for_health(&mut proc).await?;
     Ok(proc)
 }
@@ -292,8 +299,17 @@ pub async fn spawn_redis() -> anyhow::Result<Proc> {
 }
 
 /// Spawns a program that prints its address on the first line of stdout.
-async fn spawn_announcing(name: &str, mut command: Command) -> anyhow::Result<Proc> {
-    let dir = tempfile::tempdir()?;
+async fn spawn_announcing(name: &str, command: Command) -> anyhow::Result<Proc> {
+    spawn_announcing_in(tempfile::tempdir()?, name, command).await
+}
+
+/// Starts `command`, which prints its address (and, after a space, its control address, if
+/// it has one) on its first stdout line; `dir` holds its log and lives as long as it.
+async fn spawn_announcing_in(
+    dir: tempfile::TempDir,
+    name: &str,
+    mut command: Command,
+) -> anyhow::Result<Proc> {
     let log = dir.path().join("stderr.log");
     command
         .stdin(Stdio::null())
@@ -308,11 +324,18 @@ async fn spawn_announcing(name: &str, mut command: Command) -> anyhow::Result<Pr
     let mut reader = BufReader::new(stdout);
     let mut first = String::new();
     let read = tokio::time::timeout(Duration::from_secs(15), reader.read_line(&mut first)).await;
-    let addr: SocketAddr = match read {
-        Ok(Ok(n)) if n > 0 => first
-            .trim()
-            .parse()
-            .with_context(|| format!("{name} announced {first:?}"))?,
+    let (addr, control): (SocketAddr, Option<SocketAddr>) = match read {
+        Ok(Ok(n)) if n > 0 => {
+            let mut words = first.split_whitespace();
+            let parse = |word: Option<&str>| -> anyhow::Result<Option<SocketAddr>> {
+                word.map(|word| word.parse())
+                    .transpose()
+                    .with_context(|| format!("{name} announced {first:?}"))
+            };
+            let addr =
+                parse(words.next())?.with_context(|| format!("{name} announced {first:?}"))?;
+            (addr, parse(words.next())?)
+        }
         _ => bail!("{name} did not announce its address: {}", tail(&log)),
     };
     Ok(Proc {
@@ -320,7 +343,7 @@ async fn spawn_announcing(name: &str, mut command: Command) -> anyhow::Result<Pr
         child,
         pid,
         addr,
-        control: None,
+        control,
         log,
         _stdout: Some(reader.into_inner()),
         _dir: dir,

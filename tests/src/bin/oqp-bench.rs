@@ -49,7 +49,9 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
     },
-    /// oqp in single-box mode (control plane + in-process data plane).
+    /// oqp in single-box mode (control plane + in-process data plane), both on
+    /// `127.0.0.1:0`; prints the data plane's and the control plane's addresses on the first
+    /// line once it serves (the config's listen addresses are not used).
     SingleBox {
         /// The config file.
         #[arg(long)]
@@ -150,16 +152,35 @@ async fn minimal_proxy(upstream: &str, listen: SocketAddr) -> anyhow::Result<()>
 async fn single_box(config: PathBuf) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+    // Stdout carries the address line only: logs go to stderr.
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let loopback = || async {
+        tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("cannot listen on 127.0.0.1:0")
+    };
     let control_plane = ControlPlane::start(Options {
         config_path: config,
         env: Env::from_process(),
-        listener: None,
+        listener: Some(loopback().await?),
         with_dataplane: true,
-        dataplane_listener: None,
+        dataplane_listener: Some(loopback().await?),
         clock: None,
     })
     .await?;
+    let data = control_plane
+        .dataplane()
+        .context("single-box mode has a data plane")?
+        .local_addr();
+    {
+        use std::io::Write;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "{data} {}", control_plane.local_addr())?;
+        stdout.flush()?;
+    }
     until_signalled().await?;
     control_plane.shutdown().await;
     Ok(())
