@@ -8,9 +8,9 @@
 //!
 //! The report loop takes the ledger as a numbered batch ([`Usage::report`]) and resends
 //! that same batch until an ack names it ([`Usage::acked`]); the control plane applies each
-//! batch once, so nothing is counted twice or lost while the control plane is away. What a
-//! data plane recorded and had not had acknowledged when it stopped is lost (at most a
-//! report interval).
+//! batch once, so nothing is counted twice or lost while the control plane is away. A
+//! graceful stop reports after serving has drained, until everything is acknowledged
+//! (bounded); only what is still unacknowledged then, or when a data plane dies, is lost.
 //!
 //! Budgets: the control plane's figure of what a client used in its window (in the
 //! snapshot, refreshed by every ack; the newest wins), plus what this node recorded that is
@@ -195,6 +195,12 @@ impl Usage {
             seq: *seq,
             rows,
         })
+    }
+
+    /// Whether everything recorded has been acknowledged.
+    pub fn settled(&self) -> bool {
+        let inner = self.lock();
+        inner.sent.is_none() && inner.pending.rows.is_empty()
     }
 
     /// Takes in a report's ack: drops the batch it names, keeps the control plane's

@@ -1,0 +1,67 @@
+//! End to end: the edges of usage accounting and budgets — a graceful stop, embeddings
+//! with the cache off, budgets re-checked when a queued request is granted, model
+//! management, failed writes and cut-short streams.
+
+use std::time::Duration;
+
+use oqp_tests::client::eventually;
+use oqp_tests::harness;
+use serde_json::json;
+
+use super::{SECOND, config, fake, post, usage_of};
+
+/// A control plane alone on `yaml` (written under `dir`), and its URL.
+async fn control_plane(
+    dir: &std::path::Path,
+    yaml: &str,
+) -> (oqp_controlplane::ControlPlane, String) {
+    let config_path = dir.join("config.yml");
+    std::fs::write(&config_path, yaml).unwrap();
+    let control = harness::start_control_plane(&config_path, harness::loopback().await)
+        .await
+        .unwrap();
+    let url = format!("http://{}", control.local_addr());
+    (control, url)
+}
+
+#[tokio::test]
+async fn a_request_streaming_through_a_graceful_stop_is_in_the_totals() {
+    // 20 chunks 50 ms apart: the stream runs on for about a second after the stop begins.
+    let fake = fake()
+        .tokens(20)
+        .token_interval(Duration::from_millis(50))
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let (control, control_url) = control_plane(
+        dir.path(),
+        &config(&fake.url(), &state.display().to_string(), ""),
+    )
+    .await;
+    let edge = harness::start_dataplane(&control_url, "edge", None)
+        .await
+        .unwrap();
+    let base = format!("http://{}", edge.local_addr());
+    let streaming = tokio::spawn(async move {
+        post(
+            &base,
+            "/api/chat",
+            "total_duration=3000000000,prompt_eval_count=2,eval_count=20",
+            json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": true}),
+        )
+        .await
+    });
+    assert!(eventually(Duration::from_secs(10), || fake.handle().in_flight() == 1).await);
+    edge.shutdown().await;
+    let reply = streaming.await.unwrap();
+    assert!(reply.text().contains("\"done\":true"), "{}", reply.text());
+    // Reported before the stop returned: no waiting here.
+    let usage = usage_of(&control_url, 0, true, true).await;
+    let total = usage.total.clone().unwrap_or_default();
+    assert_eq!(total.requests, 1, "{usage:?}");
+    assert_eq!(total.gpu_ns, 3 * SECOND);
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (2, 20));
+    control.shutdown().await;
+}
