@@ -404,6 +404,12 @@ async fn forward(
     } else {
         body
     };
+    if inference.is_embedding() {
+        // Counted by the same walk as the embedding handler's, without building the inputs.
+        let inputs = embeddings::input_count(&body);
+        outbound.body = RequestBody::Buffered(body);
+        return embeddings::send_uncached(queue, policy, client, tier, outbound, inputs).await;
+    }
     let model = rewrite::model_of(&body);
     outbound.body = RequestBody::Buffered(body);
     queued::send(queue, policy, client, tier, model, outbound).await

@@ -65,3 +65,32 @@ async fn a_request_streaming_through_a_graceful_stop_is_in_the_totals() {
     assert_eq!((total.prompt_tokens, total.completion_tokens), (2, 20));
     control.shutdown().await;
 }
+
+#[tokio::test]
+async fn native_embeddings_with_the_cache_off_count_their_inputs() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = config(&fake.url(), &dir.path().display().to_string(), "").replace(
+        "embedding_cache:\n  enabled: true\n  backend: memory\n",
+        "embedding_cache:\n  enabled: false\n",
+    );
+    assert!(yaml.contains("enabled: false"));
+    let stack = harness::Stack::start(&yaml).await;
+    let base = stack.url();
+    let reported = "total_duration=1000000,prompt_eval_count=1";
+    let embed = json!({"model": "nomic-embed-text", "input": ["alpha", "beta", "gamma"]});
+    post(&base, "/api/embed", reported, embed.clone()).await;
+    let again = post(&base, "/api/embed", reported, embed).await;
+    assert_eq!(again.header("x-cache"), None, "the cache is off");
+    let legacy = json!({"model": "nomic-embed-text", "prompt": "delta"});
+    post(&base, "/api/embeddings", reported, legacy).await;
+    let usage = super::wait_for_requests(&stack.control_url(), 3).await;
+    let row = usage
+        .rows
+        .iter()
+        .find(|row| row.client_id == "chat" && row.model == "nomic-embed-text")
+        .unwrap_or_else(|| panic!("{usage:?}"));
+    assert_eq!(row.embedding_inputs, 7, "3 + 3 + 1 inputs sent upstream");
+    assert_eq!(row.cached_inputs, 0);
+    stack.shutdown().await;
+}
