@@ -218,15 +218,21 @@ async fn local(
     let grant = pending.granted().await?;
     // The key may have been revoked or have expired while the request waited
     // (between snapshots, an expiry is only seen here): never send it then.
-    if client.verified
-        && !parts
-            .store
-            .load()
-            .admits(&client.id, std::time::SystemTime::now())
-    {
+    let now = std::time::SystemTime::now();
+    let current = parts.store.load();
+    if client.verified && !current.admits(&client.id, now) {
         drop(grant);
         return Err(ProxyError::KeyRevoked);
     }
+    // The budget may have been spent while the request waited (by the requests ahead of
+    // it): refused as at admission, the slot going to the next request.
+    if let Some(known) = current.clients_by_id.get(&client.id)
+        && let Err(refusal) = parts.usage.check(known, now)
+    {
+        drop(grant);
+        return Err(refusal);
+    }
+    drop(current);
     on_granted();
     Box::pin(send_granted(
         parts, policy, &client.id, grant, outbound, position, immediate,

@@ -94,3 +94,88 @@ async fn native_embeddings_with_the_cache_off_count_their_inputs() {
     assert_eq!(row.cached_inputs, 0);
     stack.shutdown().await;
 }
+
+const BATCH_KEY: &str = "sk-batch-0123456789";
+
+async fn generate_as(base: &str, key: &str, reported: &str) -> oqp_tests::client::Reply {
+    let auth = format!("Bearer {key}");
+    oqp_tests::client::HttpClient::new()
+        .post_json(
+            &format!("{base}/api/generate"),
+            &[
+                ("authorization", auth.as_str()),
+                (oqp_tests::fake::USAGE_HEADER, reported),
+            ],
+            &json!({"model": "llama3", "prompt": "hi", "stream": false}),
+        )
+        .await
+}
+
+/// One slot, and `batch` with a budget of 10 GPU seconds a day.
+fn one_slot_budgeted(url: &str, state_dir: &str, proxy_extra: &str) -> String {
+    config(
+        url,
+        state_dir,
+        &format!(
+            "    - key: \"{BATCH_KEY}\"\n      client_id: batch\n      budget: {{gpu_seconds: 10, window: 1d}}\n"
+        ),
+    )
+    .replace(
+        "proxy:\n  max_concurrent: 4\n",
+        &format!("proxy:\n  max_concurrent: 1\n{proxy_extra}"),
+    )
+    .replace("      max_concurrent: 4\n", "      max_concurrent: 1\n")
+}
+
+#[tokio::test]
+async fn requests_granted_after_the_budget_is_spent_are_refused() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = one_slot_budgeted(&fake.url(), &dir.path().display().to_string(), "");
+    assert!(yaml.contains("max_concurrent: 1\n"), "{yaml}");
+    let stack = harness::Stack::start(&yaml).await;
+    let base = stack.url();
+    let dataplane = stack.control.dataplane().unwrap();
+    fake.handle().hold();
+    // The slow one: 20 s of GPU time, twice the budget, reported when it ends.
+    let slow = tokio::spawn({
+        let base = base.clone();
+        async move { generate_as(&base, BATCH_KEY, "total_duration=20000000000").await }
+    });
+    assert!(eventually(Duration::from_secs(10), || fake.handle().in_flight() == 1).await);
+    // Three more, admitted (nothing used yet) and queued behind it.
+    let queued: Vec<_> = (0..3)
+        .map(|_| {
+            let base = base.clone();
+            tokio::spawn(
+                async move { generate_as(&base, BATCH_KEY, "total_duration=1000000000").await },
+            )
+        })
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(10), || dataplane
+            .app()
+            .dispatcher
+            .total_depth()
+            == 3)
+        .await
+    );
+    fake.handle().release_all();
+    assert_eq!(slow.await.unwrap().status, 200);
+    for waiting in queued {
+        let refused = waiting.await.unwrap();
+        assert_eq!(refused.status, 429, "{}", refused.text());
+        assert_eq!(
+            refused.json()["error"],
+            "budget exceeded: gpu_seconds 10 per 1d"
+        );
+        let retry_after: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+        assert!((1..=86_400).contains(&retry_after), "{retry_after}");
+    }
+    assert_eq!(
+        fake.handle().requests_to("/api/generate").len(),
+        1,
+        "none of the queued ones was sent upstream"
+    );
+    stack.shutdown().await;
+}
