@@ -52,6 +52,9 @@ pub struct Parts<'a> {
     pub active: &'a Active,
     /// Usage accounting and budgets.
     pub usage: &'a Arc<Usage>,
+    /// Whether the request is accounted and budgeted: inference only (a model pull is
+    /// neither GPU time nor refused for a budget).
+    pub accounted: bool,
     /// The other data planes; `None` for a request forwarded here, which this node serves
     /// itself.
     pub peers: Option<&'a Arc<Peers>>,
@@ -93,7 +96,9 @@ pub async fn send_then(
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
-    if let Some(known) = policy.clients_by_id.get(&client.id) {
+    if parts.accounted
+        && let Some(known) = policy.clients_by_id.get(&client.id)
+    {
         parts.usage.check(known, std::time::SystemTime::now())?;
     }
     match parts.peers {
@@ -226,7 +231,8 @@ async fn local(
     }
     // The budget may have been spent while the request waited (by the requests ahead of
     // it): refused as at admission, the slot going to the next request.
-    if let Some(known) = current.clients_by_id.get(&client.id)
+    if parts.accounted
+        && let Some(known) = current.clients_by_id.get(&client.id)
         && let Err(refusal) = parts.usage.check(known, now)
     {
         drop(grant);
@@ -284,12 +290,13 @@ async fn send_granted(
     parts.metrics.host_request(&answer.host.name);
     parts.metrics.observe_ttfb(tier, sent.elapsed());
     let metrics = parts.metrics.clone();
-    let usage = parts.usage.clone();
+    let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
     let completion: Completion = Box::new(move |outcome| {
         // GPU time: Ollama's figure, else the time the request held its slot.
         let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
-        usage.record(
+        if let Some(usage) = usage {
+            usage.record(
             &client,
             model.as_deref().unwrap_or_default(),
             Totals {
@@ -301,6 +308,7 @@ async fn send_granted(
             },
             std::time::SystemTime::now(),
         );
+        }
         let mut lease = lease;
         if lease.loads()
             && let (Some(host), Some(model), Some(load)) =

@@ -366,7 +366,9 @@ async fn forward(
         queue.peers = None;
     }
     let Endpoint::Inference(inference) = endpoint else {
-        // Anything else is queued with its body streamed through.
+        // Anything else is queued with its body streamed through, neither accounted nor
+        // budgeted (a model pull holds a slot, not the GPU).
+        queue.accounted = false;
         return queued::send(queue, policy, client, tier, None, outbound).await;
     };
     let RequestBody::Buffered(body) =

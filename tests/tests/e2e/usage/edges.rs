@@ -179,3 +179,59 @@ async fn requests_granted_after_the_budget_is_spent_are_refused() {
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn model_management_is_neither_accounted_nor_refused_for_a_budget() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = one_slot_budgeted(
+        &fake.url(),
+        &dir.path().display().to_string(),
+        "  allow_model_management: true\n",
+    );
+    let stack = harness::Stack::start(&yaml).await;
+    let base = stack.url();
+    let pull = |key: &'static str| {
+        let base = base.clone();
+        async move {
+            oqp_tests::client::HttpClient::new()
+                .post_json(
+                    &format!("{base}/api/pull"),
+                    &[("authorization", format!("Bearer {key}").as_str())],
+                    &json!({"model": "mistral", "stream": false}),
+                )
+                .await
+        }
+    };
+    // The budget spent.
+    assert_eq!(
+        generate_as(&base, BATCH_KEY, "total_duration=20000000000")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        generate_as(&base, BATCH_KEY, "total_duration=1").await.status,
+        429
+    );
+    // A pull still goes through, for the budgeted client and another one.
+    let pulled = pull(BATCH_KEY).await;
+    assert_eq!(pulled.status, 200, "{}", pulled.text());
+    assert_eq!(pull(super::CHAT_KEY).await.status, 200);
+    // And counts nothing: only the generates are in the totals (the last one reported
+    // after the pulls).
+    assert_eq!(
+        generate_as(&base, super::CHAT_KEY, "total_duration=1000000000")
+            .await
+            .status,
+        200
+    );
+    let usage = super::wait_for_requests(&stack.control_url(), 2).await;
+    assert_eq!(usage.total.unwrap().gpu_ns, 21 * SECOND, "{:?}", usage.rows);
+    assert!(
+        usage.rows.iter().all(|row| row.model == "llama3"),
+        "{:?}",
+        usage.rows
+    );
+    stack.shutdown().await;
+}
