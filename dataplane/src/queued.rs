@@ -297,17 +297,17 @@ async fn send_granted(
         let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
         if let Some(usage) = usage {
             usage.record(
-            &client,
-            model.as_deref().unwrap_or_default(),
-            Totals {
-                gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
-                prompt_tokens: outcome.tokens.prompt,
-                completion_tokens: outcome.tokens.completion,
-                requests: 1,
-                ..Totals::default()
-            },
-            std::time::SystemTime::now(),
-        );
+                &client,
+                model.as_deref().unwrap_or_default(),
+                Totals {
+                    gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
+                    prompt_tokens: outcome.tokens.prompt,
+                    completion_tokens: outcome.tokens.completion,
+                    requests: 1,
+                    ..Totals::default()
+                },
+                std::time::SystemTime::now(),
+            );
         }
         let mut lease = lease;
         if lease.loads()

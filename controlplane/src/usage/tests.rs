@@ -161,5 +161,9 @@ fn a_batch_whose_day_file_cannot_be_written_is_not_acknowledged() {
     assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
     drop(store);
     let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
-    assert_eq!(store.today(at(NOW + 1))[0].gpu_ns, 5 * SECOND, "kept on disk");
+    assert_eq!(
+        store.today(at(NOW + 1))[0].gpu_ns,
+        5 * SECOND,
+        "kept on disk"
+    );
 }

@@ -211,7 +211,9 @@ async fn model_management_is_neither_accounted_nor_refused_for_a_budget() {
         200
     );
     assert_eq!(
-        generate_as(&base, BATCH_KEY, "total_duration=1").await.status,
+        generate_as(&base, BATCH_KEY, "total_duration=1")
+            .await
+            .status,
         429
     );
     // A pull still goes through, for the budgeted client and another one.
@@ -233,5 +235,29 @@ async fn model_management_is_neither_accounted_nor_refused_for_a_budget() {
         "{:?}",
         usage.rows
     );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stream_cut_short_counts_the_chunks_it_sent() {
+    let fake = fake().tokens(10).spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack =
+        harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    fake.handle()
+        .fail_next(oqp_tests::fake::Failure::DieMidStream { after_lines: 3 });
+    let cut = post(
+        &stack.url(),
+        "/api/chat",
+        "total_duration=5000000000,prompt_eval_count=4,eval_count=10",
+        json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": true}),
+    )
+    .await;
+    assert!(cut.text().contains("\"error\""), "{}", cut.text());
+    let usage = super::wait_for_requests(&stack.control_url(), 1).await;
+    let total = usage.total.unwrap();
+    // No final object: the three chunks stand for the completion tokens.
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 3));
+    assert!(total.gpu_ns > 0, "the time the slot was held");
     stack.shutdown().await;
 }
