@@ -10,12 +10,18 @@ use serde::{Deserialize, Serialize};
 /// Days of totals kept.
 pub const KEEP_DAYS: i64 = 90;
 
-/// Most client/model rows one hour holds; more are summed under [`OTHER`] (with auth off,
-/// callers name themselves).
+/// Most client/model rows one hour holds; past it a new row's model is summed under
+/// [`OTHER`], its client kept (a budget counts a client's usage whatever the model). The
+/// data planes bound the clients (configured, or a bounded few named by callers with
+/// auth off) and the models (hosted, else [`OTHER`]).
 pub const MAX_ROWS_PER_HOUR: usize = 10_000;
 
-/// The client and model of rows past [`MAX_ROWS_PER_HOUR`].
+/// The model of rows past [`MAX_ROWS_PER_HOUR`], and of a model name too long to keep.
 pub const OTHER: &str = "(other)";
+
+/// The longest model name kept (bytes, as the data planes' labels); longer ones are
+/// [`OTHER`].
+pub const MAX_MODEL_BYTES: usize = 256;
 
 /// What requests used.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,11 +89,16 @@ pub struct Hour {
 impl Hour {
     /// Adds `totals` for `client` and `model`.
     pub fn add(&mut self, client: &str, model: &str, totals: &Totals) {
+        let model = if model.len() > MAX_MODEL_BYTES {
+            OTHER
+        } else {
+            model
+        };
         let key = (client.to_owned(), model.to_owned());
         let key = if self.rows.contains_key(&key) || self.rows.len() < MAX_ROWS_PER_HOUR {
             key
         } else {
-            (OTHER.to_owned(), OTHER.to_owned())
+            (client.to_owned(), OTHER.to_owned())
         };
         self.clients.entry(key.0.clone()).or_default().add(totals);
         self.rows.entry(key).or_default().add(totals);
@@ -344,13 +355,40 @@ mod tests {
     #[test]
     fn an_hour_holds_a_bounded_number_of_rows() {
         let mut hour = Hour::default();
-        for i in 0..MAX_ROWS_PER_HOUR + 5 {
-            hour.add(&format!("client-{i}"), "m", &Totals::default());
+        let used = Totals {
+            gpu_ns: 1,
+            ..Totals::default()
+        };
+        for i in 0..MAX_ROWS_PER_HOUR {
+            hour.add("chat", &format!("model-{i}"), &used);
+        }
+        assert_eq!(hour.rows.len(), MAX_ROWS_PER_HOUR);
+        // Past the cap the model is summed under (other), the client kept: a budgeted
+        // client's usage still counts as its own.
+        for i in 0..5 {
+            hour.add("batch", &format!("more-{i}"), &used);
         }
         assert_eq!(hour.rows.len(), MAX_ROWS_PER_HOUR + 1);
+        let other = &hour.rows[&("batch".to_owned(), OTHER.to_owned())];
+        assert_eq!(other.gpu_ns, 5);
+        assert_eq!(hour.clients["batch"].gpu_ns, 5);
+        assert_eq!(hour.clients["chat"].gpu_ns, MAX_ROWS_PER_HOUR as u64);
+        hour.add("chat", "model-7", &used);
+        assert_eq!(
+            hour.rows[&("chat".to_owned(), "model-7".to_owned())].gpu_ns,
+            2
+        );
+    }
+
+    #[test]
+    fn too_long_a_model_name_is_kept_as_other() {
+        let mut hour = Hour::default();
+        hour.add("chat", &"m".repeat(MAX_MODEL_BYTES + 1), &Totals::default());
+        hour.add("chat", &"m".repeat(MAX_MODEL_BYTES), &Totals::default());
         assert!(
             hour.rows
-                .contains_key(&(OTHER.to_owned(), OTHER.to_owned()))
+                .contains_key(&("chat".to_owned(), OTHER.to_owned()))
         );
+        assert_eq!(hour.rows.len(), 2);
     }
 }
