@@ -24,7 +24,7 @@ use crate::webhooks::Notice;
 pub mod file;
 pub mod ledger;
 
-pub use ledger::{By, Ledger, Totals};
+pub use ledger::{Applied, By, Ledger, Totals};
 
 /// Most clients the acks' `today` list carries (the busiest first).
 pub const MAX_TODAY_CLIENTS: usize = 1_000;
@@ -81,8 +81,17 @@ impl UsageStore {
         };
         let now = unix_s(now);
         let mut inner = self.lock();
-        let fresh = inner.ledger.apply(node, batch, now);
-        if fresh || inner.unsaved {
+        let applied = inner.ledger.apply(node, batch, now);
+        if applied == Applied::Stale {
+            tracing::warn!(
+                node,
+                epoch = batch.epoch,
+                "a usage batch from an earlier run of this data plane (or a second data plane \
+                 under its name) was refused"
+            );
+            return 0;
+        }
+        if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
             let saved = self.save(&inner.ledger, now, &dropped);
             inner.unsaved = !saved;

@@ -143,11 +143,21 @@ impl Ledger {
 }
 
 impl Usage {
-    /// An empty ledger feeding `metrics`, with a new random epoch.
+    /// An empty ledger feeding `metrics`, whose epoch is now (Unix ms).
     pub fn new(metrics: Arc<Metrics>) -> Self {
+        Self::with_epoch(metrics, SystemTime::now())
+    }
+
+    /// An empty ledger whose epoch is `started` (Unix ms): epochs grow from one run of a
+    /// data plane to the next, and the control plane refuses a batch from an epoch below
+    /// the last it applied for the node.
+    pub fn with_epoch(metrics: Arc<Metrics>, started: SystemTime) -> Self {
+        let ms = started.duration_since(UNIX_EPOCH).map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        });
         Self {
             metrics,
-            epoch: rand::random::<u64>().max(1),
+            epoch: ms.max(1),
             inner: Mutex::default(),
         }
     }

@@ -136,18 +136,33 @@ pub struct Ledger {
     pub announced: BTreeSet<(String, i64)>,
 }
 
+/// What [`Ledger::apply`] did with a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Added to the totals now.
+    Now,
+    /// Added before (a resend), or no batch (seq 0): nothing to add.
+    Already,
+    /// From an epoch below the last one applied for its node (an earlier run of that data
+    /// plane, or another one under its name): refused, never added.
+    Stale,
+}
+
 impl Ledger {
     /// Applies a data plane's batch at `now` (Unix seconds) unless it was applied already
-    /// (the same epoch and a seq not above the last); `true` when it was applied now.
-    pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> bool {
+    /// (the same epoch and a seq not above the last) or comes from an epoch below the
+    /// node's last (epochs are the data planes' start times, in ms: they only grow).
+    pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> Applied {
         if batch.seq == 0 {
-            return false;
+            return Applied::Already;
         }
-        if let Some((epoch, seq)) = self.applied.get(node)
-            && *epoch == batch.epoch
-            && *seq >= batch.seq
-        {
-            return false;
+        if let Some((epoch, seq)) = self.applied.get(node) {
+            if batch.epoch < *epoch {
+                return Applied::Stale;
+            }
+            if *epoch == batch.epoch && *seq >= batch.seq {
+                return Applied::Already;
+            }
         }
         let hour = self.hours.entry(now.div_euclid(3600)).or_default();
         for row in &batch.rows {
@@ -155,7 +170,7 @@ impl Ledger {
         }
         self.applied
             .insert(node.to_owned(), (batch.epoch, batch.seq));
-        true
+        Applied::Now
     }
 
     /// Forgets hours before the first day kept at `now`; the days (Unix days) dropped.
@@ -272,21 +287,47 @@ mod tests {
     #[test]
     fn each_batch_is_applied_once_per_epoch() {
         let mut ledger = Ledger::default();
-        assert!(ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW));
-        assert!(
-            !ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+        let now = Applied::Now;
+        assert_eq!(
+            ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+            now
+        );
+        assert_eq!(
+            ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+            Applied::Already,
             "a resend"
         );
-        assert!(
+        assert_eq!(
             ledger.apply("b", &batch(7, 1, &[("chat", "llama3", 3)]), NOW),
+            now,
             "another node"
         );
-        assert!(ledger.apply("a", &batch(7, 2, &[("chat", "llama3", 1)]), NOW));
-        // A restarted data plane (new epoch) counts from 1 again.
-        assert!(ledger.apply("a", &batch(9, 1, &[("batch", "qwen", 4)]), NOW));
-        assert!(
-            !ledger.apply("a", &batch(9, 0, &[]), NOW),
+        assert_eq!(
+            ledger.apply("a", &batch(7, 2, &[("chat", "llama3", 1)]), NOW),
+            now
+        );
+        // A restarted data plane (a later epoch) counts from 1 again.
+        assert_eq!(
+            ledger.apply("a", &batch(9, 1, &[("batch", "qwen", 4)]), NOW),
+            now
+        );
+        assert_eq!(
+            ledger.apply("a", &batch(9, 0, &[]), NOW),
+            Applied::Already,
             "seq 0 is no batch"
+        );
+        // The earlier run's batches, late (its resend after the restart): refused, whatever
+        // their seq, and not counted.
+        for seq in [2, 3, 100] {
+            assert_eq!(
+                ledger.apply("a", &batch(7, seq, &[("chat", "llama3", 50)]), NOW),
+                Applied::Stale
+            );
+        }
+        assert_eq!(
+            ledger.applied["a"],
+            (9, 1),
+            "the last applied is the later epoch's"
         );
         let chat = ledger.client_since("chat", NOW - NOW % 86_400);
         assert_eq!(chat.gpu_ns, 6 * SECOND);

@@ -167,3 +167,23 @@ fn a_batch_whose_day_file_cannot_be_written_is_not_acknowledged() {
         "kept on disk"
     );
 }
+
+#[test]
+fn a_batch_from_an_earlier_epoch_of_a_node_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let from = |epoch: u64, seq: u64| wire::UsageBatch {
+        epoch,
+        ..batch(seq, "batch", 5)
+    };
+    assert_eq!(store.apply("box", Some(&from(2_000, 1)), at(NOW)), 1);
+    // The earlier run's batch arrives late: not applied, not acknowledged.
+    assert_eq!(store.apply("box", Some(&from(1_000, 4)), at(NOW)), 0);
+    assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
+    // Still refused after a restart (the epoch is kept with the totals).
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
+    assert_eq!(store.apply("box", Some(&from(1_000, 5)), at(NOW + 1)), 0);
+    assert_eq!(store.apply("box", Some(&from(3_000, 1)), at(NOW + 1)), 1);
+    assert_eq!(store.today(at(NOW + 1))[0].gpu_ns, 10 * SECOND);
+}
