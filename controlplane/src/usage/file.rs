@@ -146,7 +146,7 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
     let first_day = now.div_euclid(86_400) - KEEP_DAYS + 1;
     // Without a state file (a directory written by an earlier version), the lists of the
     // newest day that has them.
-    let mut newest: Option<(i64, BTreeMap<String, [u64; 2]>, Vec<(String, i64)>)> = None;
+    let mut newest: Option<(i64, StateFile)> = None;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(day) = name.strip_suffix(".json").and_then(day_of) else {
@@ -178,13 +178,18 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
                 .add(&row.client, &row.model, &row.totals);
         }
         let has_lists = !file.applied.is_empty() || !file.announced.is_empty();
-        if has_lists && newest.as_ref().is_none_or(|(newest, _, _)| day > *newest) {
-            newest = Some((day, file.applied, file.announced));
+        if has_lists && newest.as_ref().is_none_or(|(newest, _)| day > *newest) {
+            let lists = StateFile {
+                format: FORMAT,
+                applied: file.applied,
+                announced: file.announced,
+            };
+            newest = Some((day, lists));
         }
     }
     let state_path = dir.join(STATE_FILE);
     remove_temporaries(&state_path);
-    let (applied, announced) = match read(&state_path)
+    let state = match read(&state_path)
         .map_err(|error| format!("{}: {error}", state_path.display()))?
     {
         Some(bytes) => {
@@ -197,17 +202,19 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
                     state.format
                 ));
             }
-            (state.applied, state.announced)
+            state
         }
-        None => newest
-            .map(|(_, applied, announced)| (applied, announced))
-            .unwrap_or_default(),
+        None => match newest {
+            Some((_, lists)) => lists,
+            None => return Ok(ledger),
+        },
     };
-    ledger.applied = applied
+    ledger.applied = state
+        .applied
         .into_iter()
         .map(|(node, [epoch, seq])| (node, (epoch, seq)))
         .collect();
-    ledger.announced = announced.into_iter().collect();
+    ledger.announced = state.announced.into_iter().collect();
     Ok(ledger)
 }
 
