@@ -316,7 +316,8 @@ pub const FINAL_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// policy changes, until `shutdown`, handing each acknowledgement (with the
 /// other nodes' loads) to `on_ack`. Failures only mark the link down. On
 /// `shutdown` it goes on reporting until `settled()` (every usage batch
-/// acknowledged), for at most [`FINAL_REPORT_TIMEOUT`].
+/// acknowledged), for at most [`FINAL_REPORT_TIMEOUT`], or until the control
+/// plane is found unreachable.
 pub async fn report_loop(
     mut client: Client,
     store: Arc<PolicyStore>,
@@ -350,6 +351,11 @@ pub async fn report_loop(
         let call = client.report_status(report());
         match tokio::time::timeout_at(deadline, call).await {
             Ok(Ok(ack)) => on_ack(ack.into_inner()),
+            Ok(Err(status)) if status.code() == Code::Unavailable => {
+                // Unreachable: waiting out the bound would only delay the stop.
+                tracing::debug!(error = %describe(&status), "last report: no control plane");
+                break;
+            }
             Ok(Err(status)) => {
                 tracing::debug!(error = %describe(&status), "last report failed");
                 let retry = tokio::time::Instant::now() + Duration::from_millis(100);

@@ -75,7 +75,8 @@ pub struct DataPlane {
     /// Stops the report loop, after serving has drained (so the usage of the requests
     /// that finished while draining is reported too).
     stop_reports: CancellationToken,
-    reports: tokio::task::JoinHandle<()>,
+    /// The report loop (a set of one, so that dropping the data plane aborts it).
+    reports: JoinSet<()>,
 }
 
 impl DataPlane {
@@ -143,7 +144,8 @@ impl DataPlane {
         let usage = app.usage.clone();
         let settled_usage = app.usage.clone();
         let stop_reports = CancellationToken::new();
-        let reports = tokio::spawn(control::report_loop(
+        let mut reports = JoinSet::new();
+        reports.spawn(control::report_loop(
             client,
             store.clone(),
             options.report_interval,
@@ -200,7 +202,7 @@ impl DataPlane {
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
         self.stop_reports.cancel();
-        let _ = self.reports.await;
+        while self.reports.join_next().await.is_some() {}
     }
 }
 
