@@ -2,9 +2,11 @@
 //!
 //! Every upstream response ends in [`Usage::record`] (the queued path's completion hook,
 //! with the request's client and model): GPU time (Ollama's `total_duration`, else the
-//! time the request held its slot), prompt and completion tokens, one request. The
-//! embedding path adds the inputs it sent upstream and those the cache answered.
-//! Recording feeds the two usage metrics and a ledger of increments not yet reported.
+//! time the request held its slot), prompt and completion tokens (a stream cut short:
+//! its chunks as completion tokens), one request; inference only. The embedding path adds
+//! the inputs it sent upstream and those the cache answered. Recording feeds the two usage
+//! metrics and a ledger of increments not yet reported, under the metrics' bounded labels
+//! (a model no host lists is `(other)` in the ledger).
 //!
 //! The report loop takes the ledger as a numbered batch ([`Usage::report`]) and resends
 //! that same batch until an ack names it ([`Usage::acked`]); the control plane applies each
@@ -15,7 +17,7 @@
 //! Budgets: the control plane's figure of what a client used in its window (in the
 //! snapshot, refreshed by every ack; the newest wins), plus what this node recorded that is
 //! not acknowledged yet, against the client's limits ([`Usage::check`]), before a request
-//! is queued.
+//! is queued and again when it is granted its slot.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
