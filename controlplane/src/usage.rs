@@ -24,7 +24,7 @@ use crate::webhooks::Notice;
 pub mod file;
 pub mod ledger;
 
-pub use ledger::{By, Ledger, Totals};
+pub use ledger::{Applied, By, Ledger, Totals};
 
 /// Most clients the acks' `today` list carries (the busiest first).
 pub const MAX_TODAY_CLIENTS: usize = 1_000;
@@ -42,6 +42,9 @@ pub struct UsageStore {
 #[derive(Debug, Default)]
 struct Inner {
     ledger: Ledger,
+    /// A batch applied in memory whose day file could not be written: no batch is
+    /// acknowledged until a write succeeds (the data plane resends meanwhile).
+    unsaved: bool,
 }
 
 impl UsageStore {
@@ -52,7 +55,10 @@ impl UsageStore {
         Ok(Arc::new(Self {
             state_dir: state_dir.to_path_buf(),
             dir,
-            inner: Mutex::new(Inner { ledger }),
+            inner: Mutex::new(Inner {
+                ledger,
+                unsaved: false,
+            }),
             warned: AtomicBool::new(false),
         }))
     }
@@ -66,23 +72,39 @@ impl UsageStore {
     /// Applies `node`'s batch at `now` and writes the day it changed, when the state
     /// directory exists (as for `state_dir/version`; blocking file I/O: call it off the
     /// async workers). Returns the batch's number when it is applied (now
-    /// or before), for the ack; 0 when there was none.
+    /// or before) and kept, for the ack; 0 when there was none or when the day file could
+    /// not be written (the batch is kept in memory, counted once, and acknowledged when it
+    /// is resent after a write succeeds).
     pub fn apply(&self, node: &str, batch: Option<&wire::UsageBatch>, now: SystemTime) -> u64 {
         let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
             return 0;
         };
         let now = unix_s(now);
         let mut inner = self.lock();
-        if inner.ledger.apply(node, batch, now) {
+        let applied = inner.ledger.apply(node, batch, now);
+        if applied == Applied::Stale {
+            tracing::warn!(
+                node,
+                epoch = batch.epoch,
+                "a usage batch from an earlier run of this data plane (or a second data plane \
+                 under its name) was refused"
+            );
+            return 0;
+        }
+        if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
-            self.save(&inner.ledger, now, &dropped);
+            let saved = self.save(&inner.ledger, now, &dropped);
+            inner.unsaved = !saved;
+        }
+        if inner.unsaved {
+            return 0;
         }
         batch.seq
     }
 
     /// Writes today's file (and removes the days `dropped`), when the state directory
-    /// exists.
-    fn save(&self, ledger: &Ledger, now: i64, dropped: &[i64]) {
+    /// exists; `false` when the write failed.
+    fn save(&self, ledger: &Ledger, now: i64, dropped: &[i64]) -> bool {
         if !self.state_dir.is_dir() {
             if !self.warned.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
@@ -91,12 +113,20 @@ impl UsageStore {
                      only (create it to keep them across restarts)"
                 );
             }
-            return;
+            return true;
         }
         file::remove_days(&self.dir, dropped);
-        if let Err(error) = file::write_day(&self.dir, ledger, now.div_euclid(86_400)) {
-            // The totals stay in memory and the next batch writes the day again.
-            tracing::warn!(dir = %self.dir.display(), %error, "usage totals not saved");
+        match file::write_day(&self.dir, ledger, now.div_euclid(86_400)) {
+            Ok(()) => true,
+            Err(error) => {
+                // The totals stay in memory and the next report writes the day again.
+                tracing::warn!(
+                    dir = %self.dir.display(),
+                    %error,
+                    "usage totals not saved; the batch is not acknowledged"
+                );
+                false
+            }
         }
     }
 

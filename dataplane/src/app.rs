@@ -190,6 +190,7 @@ impl App {
             upstream: &self.upstream,
             active: &self.active,
             usage: &self.usage,
+            accounted: true,
             peers: Some(&self.peers),
         }
     }

@@ -309,15 +309,22 @@ fn describe(status: &Status) -> String {
     format!("{:?}: {}", status.code(), status.message())
 }
 
+/// How long a stopping data plane keeps reporting until its usage is acknowledged.
+pub const FINAL_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Sends `report()` to the control plane every `interval` and whenever the
 /// policy changes, until `shutdown`, handing each acknowledgement (with the
-/// other nodes' loads) to `on_ack`. Failures only mark the link down.
+/// other nodes' loads) to `on_ack`. Failures only mark the link down. On
+/// `shutdown` it goes on reporting until `settled()` (every usage batch
+/// acknowledged), for at most [`FINAL_REPORT_TIMEOUT`], or until the control
+/// plane is found unreachable.
 pub async fn report_loop(
     mut client: Client,
     store: Arc<PolicyStore>,
     interval: Duration,
     report: impl Fn() -> NodeReport,
     on_ack: impl Fn(oqp_proto::policy::v1::ReportAck),
+    settled: impl Fn() -> bool,
     shutdown: CancellationToken,
 ) {
     let mut changed = store.subscribe();
@@ -325,15 +332,7 @@ pub async fn report_loop(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            () = shutdown.cancelled() => {
-                // One last report, so that the usage recorded since the last one is not lost
-                // with a graceful stop.
-                let last = client.report_status(report());
-                if let Ok(Ok(ack)) = tokio::time::timeout(Duration::from_secs(1), last).await {
-                    on_ack(ack.into_inner());
-                }
-                return;
-            }
+            () = shutdown.cancelled() => break,
             _ = ticker.tick() => {}
             _ = changed.changed() => {}
         }
@@ -343,6 +342,33 @@ pub async fn report_loop(
             Ok(Err(status)) => tracing::debug!(error = %describe(&status), "report failed"),
             Err(_) => tracing::debug!("report timed out"),
         }
+    }
+    // The last reports: the batch sent and not acknowledged, then what was recorded since
+    // (the requests that finished while serving drained), so that a graceful stop loses
+    // no usage while the control plane answers.
+    let deadline = tokio::time::Instant::now() + FINAL_REPORT_TIMEOUT;
+    while !settled() {
+        let call = client.report_status(report());
+        match tokio::time::timeout_at(deadline, call).await {
+            Ok(Ok(ack)) => on_ack(ack.into_inner()),
+            Ok(Err(status)) if status.code() == Code::Unavailable => {
+                // Unreachable: waiting out the bound would only delay the stop.
+                tracing::debug!(error = %describe(&status), "last report: no control plane");
+                break;
+            }
+            Ok(Err(status)) => {
+                tracing::debug!(error = %describe(&status), "last report failed");
+                let retry = tokio::time::Instant::now() + Duration::from_millis(100);
+                if retry >= deadline {
+                    break;
+                }
+                tokio::time::sleep_until(retry).await;
+            }
+            Err(_) => break,
+        }
+    }
+    if !settled() {
+        tracing::warn!("stopping with usage the control plane has not acknowledged; it is lost");
     }
 }
 

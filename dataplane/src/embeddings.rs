@@ -94,26 +94,9 @@ pub async fn handle(
     };
     let (Some(cache), Some(plan)) = (cache, plan) else {
         // Not cacheable: the ordinary queued path, then the OpenAI wrap.
+        let inputs = input_count(&body);
         outbound.body = RequestBody::Buffered(body);
-        let model = rewrite::model_of(match &outbound.body {
-            RequestBody::Buffered(bytes) => bytes,
-            RequestBody::Streamed(_) => &[],
-        });
-        let inputs = match &outbound.body {
-            RequestBody::Buffered(bytes) => input_count(bytes),
-            RequestBody::Streamed(_) => 0,
-        };
-        let usage = queue.usage.clone();
-        let client_id = client.id.clone();
-        let model_name = model.clone().unwrap_or_default();
-        let response = queued::send(queue, policy, client, tier, model, outbound).await?;
-        if response.status().is_success() {
-            let totals = Totals {
-                embedding_inputs: inputs,
-                ..Totals::default()
-            };
-            usage.record(&client_id, &model_name, totals, SystemTime::now());
-        }
+        let response = send_uncached(queue, policy, client, tier, outbound, inputs).await?;
         return match openai {
             Some(openai) => wrap_openai(response, &openai).await,
             None => Ok(response),
@@ -215,10 +198,38 @@ pub async fn handle(
     }
 }
 
+/// Sends an embedding request upstream through the queue, without the cache, and counts
+/// its `inputs` as embedding inputs sent upstream when it is answered.
+pub async fn send_uncached(
+    queue: queued::Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    outbound: Outbound,
+    inputs: u64,
+) -> Result<Response<Body>, ProxyError> {
+    let model = match &outbound.body {
+        RequestBody::Buffered(bytes) => rewrite::model_of(bytes),
+        RequestBody::Streamed(_) => None,
+    };
+    let usage = queue.usage.clone();
+    let client_id = client.id.clone();
+    let model_name = model.clone().unwrap_or_default();
+    let response = queued::send(queue, policy, client, tier, model, outbound).await?;
+    if response.status().is_success() {
+        let totals = Totals {
+            embedding_inputs: inputs,
+            ..Totals::default()
+        };
+        usage.record(&client_id, &model_name, totals, SystemTime::now());
+    }
+    Ok(response)
+}
+
 /// How many inputs an embedding body carries: `/api/embed`'s `input` (a string or an
 /// array), `/api/embeddings`' one `prompt`. Counted without building the inputs (a batch
 /// of many long texts is only walked).
-fn input_count(body: &[u8]) -> u64 {
+pub fn input_count(body: &[u8]) -> u64 {
     #[derive(serde::Deserialize)]
     struct Request {
         input: Option<Count>,

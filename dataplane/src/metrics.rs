@@ -55,6 +55,10 @@ pub const MAX_OTHER_LABELS: usize = 100;
 /// The label value that stands for every value past the bound.
 pub const OTHER: &str = "(other)";
 
+/// The longest model name kept as a label (bytes); a longer one is counted under
+/// [`OTHER`], so that a client cannot fill the metrics or the usage files with names.
+pub const MAX_MODEL_LABEL_BYTES: usize = 256;
+
 /// The content type of the text exposition format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -603,7 +607,9 @@ impl Metrics {
 
     /// A request of `client` for `model` ended upstream, having used `gpu` of GPU time and
     /// these tokens. Called by the usage ledger ([`crate::usage`]), which keeps its rows
-    /// under the same bounded labels, returned here.
+    /// under the labels returned here: the client's, and the model's when a host lists it,
+    /// else [`OTHER`] (the usage files keep 90 days of rows: a name a client made up must
+    /// not take a row in them).
     pub fn usage(
         &self,
         client: &str,
@@ -613,10 +619,13 @@ impl Metrics {
         completion: u64,
     ) -> (String, String) {
         let client = self.client_label(client);
-        let model = if model.is_empty() {
-            Cow::Borrowed("")
+        let (model, hosted) = if model.is_empty() {
+            (Cow::Borrowed(""), true)
         } else {
-            self.model_label(model)
+            match self.hosted_label(model) {
+                Some(label) => (label, true),
+                None => (Cow::Borrowed(self.unlisted_label(model)), false),
+            }
         };
         if let Ok(counter) = self
             .client_gpu_seconds
@@ -632,7 +641,12 @@ impl Metrics {
                 counter.inc_by(count);
             }
         }
-        (client.to_owned(), model.into_owned())
+        let row_model = if hosted {
+            model.into_owned()
+        } else {
+            OTHER.to_owned()
+        };
+        (client.to_owned(), row_model)
     }
 
     /// Dispatched requests of `tier` observed so far, and their summed wait
@@ -655,12 +669,32 @@ impl Metrics {
     /// A model the hosts list keeps its own label (one per model, whatever the spelling, so
     /// they stay bounded by the inventory); any other name takes a place in the budget.
     fn model_label<'a>(&self, model: &'a str) -> Cow<'a, str> {
+        self.hosted_label(model)
+            .unwrap_or_else(|| Cow::Borrowed(self.unlisted_label(model)))
+    }
+
+    /// A model no host lists: its own label while the budget has room and the name is
+    /// not over [`MAX_MODEL_LABEL_BYTES`], else [`OTHER`].
+    fn unlisted_label<'a>(&self, model: &'a str) -> &'a str {
+        if model.len() > MAX_MODEL_LABEL_BYTES {
+            OTHER
+        } else {
+            self.models.admit(model)
+        }
+    }
+
+    /// The label of a model a host lists (one per model, whatever the spelling); `None`
+    /// for any other name, or one over [`MAX_MODEL_LABEL_BYTES`].
+    fn hosted_label<'a>(&self, model: &'a str) -> Option<Cow<'a, str>> {
+        if model.len() > MAX_MODEL_LABEL_BYTES {
+            return None;
+        }
         let hosted = self.hosted_models.load();
         let mut key = crate::policy::normalize_model(model);
         if !hosted.contains(&key) {
             key = crate::policy::normalize_model(crate::router::strip_cloud_suffix(model));
             if !hosted.contains(&key) {
-                return Cow::Borrowed(self.models.admit(model));
+                return None;
             }
         }
         if let Some(label) = self
@@ -669,9 +703,9 @@ impl Metrics {
             .ok()
             .and_then(|labels| labels.get(&key).cloned())
         {
-            return Cow::Owned(label.to_string());
+            return Some(Cow::Owned(label.to_string()));
         }
-        match self.hosted_labels.write() {
+        Some(match self.hosted_labels.write() {
             Ok(mut labels) => Cow::Owned(
                 labels
                     .entry(key)
@@ -679,7 +713,7 @@ impl Metrics {
                     .to_string(),
             ),
             Err(_) => Cow::Borrowed(model),
-        }
+        })
     }
 
     fn client_label<'a>(&self, client: &'a str) -> &'a str {
@@ -943,6 +977,27 @@ mod tests {
             "nomic-embed-text"
         );
         assert_eq!(metrics.model_label("llama3:latest"), "llama3:latest");
+    }
+
+    #[test]
+    fn usage_rows_keep_listed_models_only_and_labels_are_short() {
+        let mut snapshot = crate::policy::minimal_wire();
+        snapshot.hosts[0].installed_models = vec!["llama3:latest".into()];
+        let policy = Policy::try_from(snapshot).unwrap();
+        let metrics = Metrics::new(&policy);
+        let row = |model: &str| metrics.usage("chat", model, Duration::ZERO, 1, 1).1;
+        assert_eq!(row("llama3"), "llama3");
+        assert_eq!(row(""), "", "no model named");
+        // A name no host lists: (other) in the rows, its own metric label while there is
+        // room.
+        assert_eq!(row("made-up"), OTHER);
+        assert_eq!(metrics.model_label("made-up"), "made-up");
+        // Too long a name is (other) everywhere, listed or not.
+        let long = "m".repeat(MAX_MODEL_LABEL_BYTES + 1);
+        assert_eq!(row(&long), OTHER);
+        assert_eq!(metrics.model_label(&long), OTHER);
+        let just = "m".repeat(MAX_MODEL_LABEL_BYTES);
+        assert_eq!(metrics.model_label(&just), just.as_str());
     }
 
     #[test]

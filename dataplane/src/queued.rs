@@ -52,6 +52,9 @@ pub struct Parts<'a> {
     pub active: &'a Active,
     /// Usage accounting and budgets.
     pub usage: &'a Arc<Usage>,
+    /// Whether the request is accounted and budgeted: inference only (a model pull is
+    /// neither GPU time nor refused for a budget).
+    pub accounted: bool,
     /// The other data planes; `None` for a request forwarded here, which this node serves
     /// itself.
     pub peers: Option<&'a Arc<Peers>>,
@@ -93,7 +96,9 @@ pub async fn send_then(
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
-    if let Some(known) = policy.clients_by_id.get(&client.id) {
+    if parts.accounted
+        && let Some(known) = policy.clients_by_id.get(&client.id)
+    {
         parts.usage.check(known, std::time::SystemTime::now())?;
     }
     match parts.peers {
@@ -218,15 +223,22 @@ async fn local(
     let grant = pending.granted().await?;
     // The key may have been revoked or have expired while the request waited
     // (between snapshots, an expiry is only seen here): never send it then.
-    if client.verified
-        && !parts
-            .store
-            .load()
-            .admits(&client.id, std::time::SystemTime::now())
-    {
+    let now = std::time::SystemTime::now();
+    let current = parts.store.load();
+    if client.verified && !current.admits(&client.id, now) {
         drop(grant);
         return Err(ProxyError::KeyRevoked);
     }
+    // The budget may have been spent while the request waited (by the requests ahead of
+    // it): refused as at admission, the slot going to the next request.
+    if parts.accounted
+        && let Some(known) = current.clients_by_id.get(&client.id)
+        && let Err(refusal) = parts.usage.check(known, now)
+    {
+        drop(grant);
+        return Err(refusal);
+    }
+    drop(current);
     on_granted();
     Box::pin(send_granted(
         parts, policy, &client.id, grant, outbound, position, immediate,
@@ -278,23 +290,25 @@ async fn send_granted(
     parts.metrics.host_request(&answer.host.name);
     parts.metrics.observe_ttfb(tier, sent.elapsed());
     let metrics = parts.metrics.clone();
-    let usage = parts.usage.clone();
+    let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
     let completion: Completion = Box::new(move |outcome| {
         // GPU time: Ollama's figure, else the time the request held its slot.
         let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
-        usage.record(
-            &client,
-            model.as_deref().unwrap_or_default(),
-            Totals {
-                gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
-                prompt_tokens: outcome.tokens.prompt,
-                completion_tokens: outcome.tokens.completion,
-                requests: 1,
-                ..Totals::default()
-            },
-            std::time::SystemTime::now(),
-        );
+        if let Some(usage) = usage {
+            usage.record(
+                &client,
+                model.as_deref().unwrap_or_default(),
+                Totals {
+                    gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
+                    prompt_tokens: outcome.tokens.prompt,
+                    completion_tokens: outcome.tokens.completion,
+                    requests: 1,
+                    ..Totals::default()
+                },
+                std::time::SystemTime::now(),
+            );
+        }
         let mut lease = lease;
         if lease.loads()
             && let (Some(host), Some(model), Some(load)) =

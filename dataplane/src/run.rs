@@ -72,6 +72,11 @@ pub struct DataPlane {
     addr: SocketAddr,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
+    /// Stops the report loop, after serving has drained (so the usage of the requests
+    /// that finished while draining is reported too).
+    stop_reports: CancellationToken,
+    /// The report loop (a set of one, so that dropping the data plane aborts it).
+    reports: JoinSet<()>,
 }
 
 impl DataPlane {
@@ -137,7 +142,10 @@ impl DataPlane {
         let reporter_app = app.clone();
         let peers = app.peers.clone();
         let usage = app.usage.clone();
-        tasks.spawn(control::report_loop(
+        let settled_usage = app.usage.clone();
+        let stop_reports = CancellationToken::new();
+        let mut reports = JoinSet::new();
+        reports.spawn(control::report_loop(
             client,
             store.clone(),
             options.report_interval,
@@ -146,7 +154,8 @@ impl DataPlane {
                 usage.acked(&ack, std::time::SystemTime::now());
                 peers.update(ack.nodes);
             },
-            shutdown.clone(),
+            move || settled_usage.settled(),
+            stop_reports.clone(),
         ));
         tasks.spawn(app.dispatcher.clone().run_timer(shutdown.clone()));
         tasks.spawn(follow_policy(
@@ -170,6 +179,8 @@ impl DataPlane {
             addr,
             shutdown,
             tasks,
+            stop_reports,
+            reports,
         })
     }
 
@@ -184,11 +195,14 @@ impl DataPlane {
     }
 
     /// Stops accepting, lets in-flight requests finish (bounded by the drain
-    /// timeout) and stops the background tasks.
+    /// timeout), stops the background tasks, then reports until all the usage recorded is
+    /// acknowledged (bounded by [`control::FINAL_REPORT_TIMEOUT`]).
     pub async fn shutdown(mut self) {
         self.app.begin_shutdown();
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
+        self.stop_reports.cancel();
+        while self.reports.join_next().await.is_some() {}
     }
 }
 

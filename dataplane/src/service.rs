@@ -366,7 +366,9 @@ async fn forward(
         queue.peers = None;
     }
     let Endpoint::Inference(inference) = endpoint else {
-        // Anything else is queued with its body streamed through.
+        // Anything else is queued with its body streamed through, neither accounted nor
+        // budgeted (a model pull holds a slot, not the GPU).
+        queue.accounted = false;
         return queued::send(queue, policy, client, tier, None, outbound).await;
     };
     let RequestBody::Buffered(body) =
@@ -404,6 +406,12 @@ async fn forward(
     } else {
         body
     };
+    if inference.is_embedding() {
+        // Counted by the same walk as the embedding handler's, without building the inputs.
+        let inputs = embeddings::input_count(&body);
+        outbound.body = RequestBody::Buffered(body);
+        return embeddings::send_uncached(queue, policy, client, tier, outbound, inputs).await;
+    }
     let model = rewrite::model_of(&body);
     outbound.body = RequestBody::Buffered(body);
     queued::send(queue, policy, client, tier, model, outbound).await

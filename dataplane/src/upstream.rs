@@ -244,6 +244,9 @@ pub struct ResponseBody {
     done: bool,
     last_byte: Option<u8>,
     tail: Vec<u8>,
+    /// NDJSON lines or SSE events seen whole: a stream cut short counts them as its
+    /// completion tokens (about one a chunk), having no final object.
+    chunks: u64,
     started: Instant,
     completion: Option<Completion>,
     guard: Option<Box<dyn Send + Sync>>,
@@ -287,6 +290,7 @@ impl ResponseBody {
             done: false,
             last_byte: None,
             tail: Vec::new(),
+            chunks: 0,
             started: Instant::now(),
             completion,
             guard,
@@ -313,6 +317,9 @@ impl ResponseBody {
     }
 
     fn observe(&mut self, data: &Bytes) {
+        self.chunks = self
+            .chunks
+            .saturating_add(chunk_ends(self.framing, self.last_byte, data));
         if let Some(last) = data.last() {
             self.last_byte = Some(*last);
         }
@@ -340,7 +347,13 @@ impl ResponseBody {
                 tokens: if complete {
                     Tokens::of(&self.tail)
                 } else {
-                    Tokens::default()
+                    // Cut short (the upstream died, the client went away): no final
+                    // object, so the chunks seen stand for the tokens generated, and a
+                    // token budget is not dodged by disconnecting.
+                    Tokens {
+                        prompt: 0,
+                        completion: self.chunks,
+                    }
                 },
                 elapsed: self.started.elapsed(),
             });
@@ -450,6 +463,35 @@ impl Drop for ResponseBody {
     }
 }
 
+/// How many NDJSON lines (a newline after a non-empty line) or SSE events (a blank line
+/// after a line) end in `data`, given the byte before it; none for opaque bodies.
+fn chunk_ends(framing: Framing, before: Option<u8>, data: &[u8]) -> u64 {
+    let ends_record = |previous: Option<u8>| match framing {
+        Framing::Ndjson => previous.is_some_and(|byte| byte != b'\n'),
+        Framing::Sse => previous == Some(b'\n'),
+        Framing::Opaque => false,
+    };
+    if framing == Framing::Opaque {
+        return 0;
+    }
+    let mut previous = before;
+    let mut ends = 0;
+    for &byte in data {
+        if byte == b'\n' && ends_record(previous) {
+            ends += 1;
+            // A third newline does not end another event.
+            previous = if framing == Framing::Sse {
+                None
+            } else {
+                Some(byte)
+            };
+        } else {
+            previous = Some(byte);
+        }
+    }
+    ends
+}
+
 /// Ollama's `total_duration` (nanoseconds) in the final object, if the tail
 /// of the body has one.
 pub fn total_duration(tail: &[u8]) -> Option<Duration> {
@@ -517,6 +559,83 @@ mod tests {
             }
         );
         assert_eq!(Tokens::of(b"{\"done\":true}"), Tokens::default());
+    }
+
+    /// The tokens a body of `framing` reports when it is dropped after `frames`.
+    fn tokens_when_cut_after(framing: Framing, frames: &[&'static str]) -> Tokens {
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let completion: Completion = Box::new({
+            let seen = seen.clone();
+            move |outcome| *seen.lock().unwrap() = Some(outcome)
+        });
+        let chunks: Vec<Result<Frame<Bytes>, BoxError>> = frames
+            .iter()
+            .map(|text| Ok(Frame::data(Bytes::from_static(text.as_bytes()))))
+            .chain(std::iter::once(Err::<Frame<Bytes>, BoxError>(
+                "connection reset".into(),
+            )))
+            .collect();
+        let inner = http_body_util::BodyExt::boxed(http_body_util::StreamBody::new(
+            futures_util::stream::iter(chunks),
+        ));
+        let mut body = ResponseBody::new(
+            inner,
+            framing,
+            Arc::from("box"),
+            None,
+            Some(completion),
+            Duration::from_secs(60),
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            // An opaque body passes the error on; the others end with an error line.
+            while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut body).await {}
+        });
+        let outcome = seen.lock().unwrap().take().unwrap();
+        assert!(!outcome.complete);
+        outcome.tokens
+    }
+
+    #[test]
+    fn a_stream_cut_short_counts_its_chunks_as_completion_tokens() {
+        // Four whole lines (one split over two frames), a fifth cut off.
+        let ndjson = tokens_when_cut_after(
+            Framing::Ndjson,
+            &[
+                "{\"response\":\"a\"}\n{\"response\":\"b\"}\n",
+                "{\"resp",
+                "onse\":\"c\"}\n{\"response\":\"d\"}\n{\"res",
+            ],
+        );
+        assert_eq!(
+            ndjson,
+            Tokens {
+                prompt: 0,
+                completion: 4
+            }
+        );
+        // Three whole events (one ending across frames), a fourth cut off.
+        let sse = tokens_when_cut_after(
+            Framing::Sse,
+            &[
+                "data: {\"choices\":[]}\n\ndata: {\"choices\":[]}\n",
+                "\ndata: {\"choices\":[]}\n\n",
+                "data: {\"cho",
+            ],
+        );
+        assert_eq!(
+            sse,
+            Tokens {
+                prompt: 0,
+                completion: 3
+            }
+        );
+        // An opaque body has no chunks to count.
+        let opaque = tokens_when_cut_after(Framing::Opaque, &["{\"a\":1}\n{\"b\":2}\n"]);
+        assert_eq!(opaque, Tokens::default());
     }
 
     #[test]

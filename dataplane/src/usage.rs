@@ -2,20 +2,22 @@
 //!
 //! Every upstream response ends in [`Usage::record`] (the queued path's completion hook,
 //! with the request's client and model): GPU time (Ollama's `total_duration`, else the
-//! time the request held its slot), prompt and completion tokens, one request. The
-//! embedding path adds the inputs it sent upstream and those the cache answered.
-//! Recording feeds the two usage metrics and a ledger of increments not yet reported.
+//! time the request held its slot), prompt and completion tokens (a stream cut short:
+//! its chunks as completion tokens), one request; inference only. The embedding path adds
+//! the inputs it sent upstream and those the cache answered. Recording feeds the two usage
+//! metrics and a ledger of increments not yet reported, under the metrics' bounded labels
+//! (a model no host lists is `(other)` in the ledger).
 //!
 //! The report loop takes the ledger as a numbered batch ([`Usage::report`]) and resends
 //! that same batch until an ack names it ([`Usage::acked`]); the control plane applies each
-//! batch once, so nothing is counted twice or lost while the control plane is away. What a
-//! data plane recorded and had not had acknowledged when it stopped is lost (at most a
-//! report interval).
+//! batch once, so nothing is counted twice or lost while the control plane is away. A
+//! graceful stop reports after serving has drained, until everything is acknowledged
+//! (bounded); only what is still unacknowledged then, or when a data plane dies, is lost.
 //!
 //! Budgets: the control plane's figure of what a client used in its window (in the
 //! snapshot, refreshed by every ack; the newest wins), plus what this node recorded that is
 //! not acknowledged yet, against the client's limits ([`Usage::check`]), before a request
-//! is queued.
+//! is queued and again when it is granted its slot.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -143,11 +145,21 @@ impl Ledger {
 }
 
 impl Usage {
-    /// An empty ledger feeding `metrics`, with a new random epoch.
+    /// An empty ledger feeding `metrics`, whose epoch is now (Unix ms).
     pub fn new(metrics: Arc<Metrics>) -> Self {
+        Self::with_epoch(metrics, SystemTime::now())
+    }
+
+    /// An empty ledger whose epoch is `started` (Unix ms): epochs grow from one run of a
+    /// data plane to the next, and the control plane refuses a batch from an epoch below
+    /// the last it applied for the node.
+    pub fn with_epoch(metrics: Arc<Metrics>, started: SystemTime) -> Self {
+        let ms = started.duration_since(UNIX_EPOCH).map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        });
         Self {
             metrics,
-            epoch: rand::random::<u64>().max(1),
+            epoch: ms.max(1),
             inner: Mutex::default(),
         }
     }
@@ -195,6 +207,12 @@ impl Usage {
             seq: *seq,
             rows,
         })
+    }
+
+    /// Whether everything recorded has been acknowledged.
+    pub fn settled(&self) -> bool {
+        let inner = self.lock();
+        inner.sent.is_none() && inner.pending.rows.is_empty()
     }
 
     /// Takes in a report's ack: drops the batch it names, keeps the control plane's

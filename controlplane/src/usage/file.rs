@@ -1,16 +1,21 @@
 //! The totals on disk: `state_dir/usage/YYYY-MM-DD.json`, one file per UTC day with its
 //! hours, written atomically with mode 0600 (the key store's writing) whenever a batch
-//! changes it. Each file also carries the last batch applied from each data plane as of
-//! its writing, so that a restarted control plane does not apply a resent batch twice, and
-//! the budgets already announced as exceeded: the newest file's lists are the ones in
-//! force.
+//! changes it. Beside them, `state_dir/usage/state.json` (the same writing) carries the
+//! last batch applied from each data plane, so that a restarted control plane does not
+//! apply a resent batch twice, and the budgets already announced as exceeded. It is a file
+//! of its own so that no day file (one dated in the future by a clock that was wrong, say)
+//! decides them; a directory written before it existed takes them from its newest day.
 //!
 //! ```json
 //! {"format": 1, "day": "2026-12-02",
 //!  "hours": [{"hour": 6, "client": "batch", "model": "llama3", "gpu_ns": 7200000000000,
 //!             "prompt_tokens": 120, "completion_tokens": 3400, "requests": 12,
-//!             "embedding_inputs": 0, "cached_inputs": 0}],
-//!  "applied": {"gpu-box": [4821937, 1200]}, "announced": [["batch", 1796169600]]}
+//!             "embedding_inputs": 0, "cached_inputs": 0}]}
+//! ```
+//!
+//! ```json
+//! {"format": 1, "applied": {"gpu-box": [1796191962000, 1200]},
+//!  "announced": [["batch", 1796169600]]}
 //! ```
 
 use std::collections::BTreeMap;
@@ -25,15 +30,28 @@ use crate::keystore::file::{read, remove_temporaries, write_atomic};
 
 const FORMAT: u32 = 1;
 
+/// The name of the state file in the usage directory.
+const STATE_FILE: &str = "state.json";
+
 #[derive(Serialize, Deserialize)]
 struct DayFile {
     format: u32,
     day: String,
     hours: Vec<StoredRow>,
-    #[serde(default)]
+    /// Written by earlier versions only (now in the state file): read when there is no
+    /// state file.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    applied: BTreeMap<String, [u64; 2]>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    announced: Vec<(String, i64)>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StateFile {
+    format: u32,
+    /// Node → [epoch, seq] of the last batch applied.
     applied: BTreeMap<String, [u64; 2]>,
     /// Budgets announced as exceeded: (client, window start).
-    #[serde(default)]
     announced: Vec<(String, i64)>,
 }
 
@@ -63,7 +81,8 @@ fn day_of(name: &str) -> Option<i64> {
     i64::try_from(seconds / 86_400).ok()
 }
 
-/// Writes day `day` of `ledger` (its hours and the batches applied so far).
+/// Writes day `day` of `ledger` (its hours), then the state file (the batches applied
+/// so far and the budgets announced).
 pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
     let mut hours = Vec::new();
     for (hour, totals) in ledger.hours.range(day * 24..(day + 1) * 24) {
@@ -82,6 +101,19 @@ pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
         format: FORMAT,
         day: day_name(day),
         hours,
+        applied: BTreeMap::new(),
+        announced: Vec::new(),
+    };
+    let mut bytes = serde_json::to_vec(&file).map_err(io::Error::other)?;
+    bytes.push(b'\n');
+    write_atomic(&dir.join(format!("{}.json", day_name(day))), &bytes)?;
+    write_state(dir, ledger)
+}
+
+/// Writes the state file: the batches applied so far and the budgets announced.
+pub fn write_state(dir: &Path, ledger: &Ledger) -> io::Result<()> {
+    let state = StateFile {
+        format: FORMAT,
         applied: ledger
             .applied
             .iter()
@@ -89,9 +121,9 @@ pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
             .collect(),
         announced: ledger.announced.iter().cloned().collect(),
     };
-    let mut bytes = serde_json::to_vec(&file).map_err(io::Error::other)?;
+    let mut bytes = serde_json::to_vec(&state).map_err(io::Error::other)?;
     bytes.push(b'\n');
-    write_atomic(&dir.join(format!("{}.json", day_name(day))), &bytes)
+    write_atomic(&dir.join(STATE_FILE), &bytes)
 }
 
 /// Removes the files of `days`.
@@ -112,7 +144,9 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
         Err(error) => return Err(format!("{}: {error}", dir.display())),
     };
     let first_day = now.div_euclid(86_400) - KEEP_DAYS + 1;
-    let mut newest: Option<i64> = None;
+    // Without a state file (a directory written by an earlier version), the lists of the
+    // newest day that has them.
+    let mut newest: Option<(i64, StateFile)> = None;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(day) = name.strip_suffix(".json").and_then(day_of) else {
@@ -143,16 +177,44 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
                 .or_insert_with(Hour::default)
                 .add(&row.client, &row.model, &row.totals);
         }
-        if newest.is_none_or(|newest| day > newest) {
-            newest = Some(day);
-            ledger.applied = file
-                .applied
-                .into_iter()
-                .map(|(node, [epoch, seq])| (node, (epoch, seq)))
-                .collect();
-            ledger.announced = file.announced.into_iter().collect();
+        let has_lists = !file.applied.is_empty() || !file.announced.is_empty();
+        if has_lists && newest.as_ref().is_none_or(|(newest, _)| day > *newest) {
+            let lists = StateFile {
+                format: FORMAT,
+                applied: file.applied,
+                announced: file.announced,
+            };
+            newest = Some((day, lists));
         }
     }
+    let state_path = dir.join(STATE_FILE);
+    remove_temporaries(&state_path);
+    let state = match read(&state_path)
+        .map_err(|error| format!("{}: {error}", state_path.display()))?
+    {
+        Some(bytes) => {
+            let state: StateFile = serde_json::from_slice(&bytes)
+                .map_err(|error| format!("{}: {error}", state_path.display()))?;
+            if state.format != FORMAT {
+                return Err(format!(
+                    "{}: format {} is not understood by this version (it reads format {FORMAT})",
+                    state_path.display(),
+                    state.format
+                ));
+            }
+            state
+        }
+        None => match newest {
+            Some((_, lists)) => lists,
+            None => return Ok(ledger),
+        },
+    };
+    ledger.applied = state
+        .applied
+        .into_iter()
+        .map(|(node, [epoch, seq])| (node, (epoch, seq)))
+        .collect();
+    ledger.announced = state.announced.into_iter().collect();
     Ok(ledger)
 }
 
@@ -199,10 +261,55 @@ mod tests {
         assert_eq!(mode, 0o600);
         let loaded = load(&dir, NOW).unwrap();
         assert_eq!(loaded, ledger);
-        // 90 days later the file is gone.
+        // 90 days later the day file is gone; what was applied and announced is kept.
         let later = NOW + 90 * 86_400;
-        assert_eq!(load(&dir, later).unwrap(), Ledger::default());
+        let loaded = load(&dir, later).unwrap();
+        assert!(loaded.hours.is_empty());
+        assert_eq!(loaded.applied, ledger.applied);
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_day_file_from_the_future_does_not_decide_what_was_applied() {
+        let state = tempfile::tempdir().unwrap();
+        let dir = dir(state.path());
+        let mut ledger = Ledger::default();
+        let batch = |epoch, seq| wire::UsageBatch {
+            epoch,
+            seq,
+            rows: vec![wire::UsageRow {
+                client_id: "chat".into(),
+                model: "llama3".into(),
+                requests: 1,
+                ..wire::UsageRow::default()
+            }],
+        };
+        // Written a week ahead by a clock that was wrong, when node box was at (5, 3).
+        let ahead = NOW + 7 * 86_400;
+        ledger.apply("box", &batch(5, 3), ahead);
+        write_day(&dir, &ledger, ahead / 86_400).unwrap();
+        // The clock right again: box moves on to (5, 9), written today.
+        ledger.apply("box", &batch(5, 9), NOW);
+        ledger.announced.insert(("chat".into(), 1_796_169_600));
+        write_day(&dir, &ledger, NOW / 86_400).unwrap();
+        let loaded = load(&dir, NOW).unwrap();
+        assert_eq!(
+            loaded.applied["box"],
+            (5, 9),
+            "the state file's, not the newest day's"
+        );
+        assert_eq!(loaded.announced.len(), 1);
+        let path = dir.join(STATE_FILE);
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        // A directory from before the state file: the newest day's lists.
+        std::fs::remove_file(&path).unwrap();
+        let legacy = serde_json::json!({"format": 1, "day": "2026-12-03", "hours": [],
+            "applied": {"box": [5, 4]}, "announced": [["chat", 1_796_169_600]]});
+        std::fs::write(dir.join("2026-12-03.json"), legacy.to_string()).unwrap();
+        let loaded = load(&dir, NOW).unwrap();
+        assert_eq!(loaded.applied["box"], (5, 4));
+        assert_eq!(loaded.announced.len(), 1);
     }
 
     #[test]

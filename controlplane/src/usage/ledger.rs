@@ -10,12 +10,18 @@ use serde::{Deserialize, Serialize};
 /// Days of totals kept.
 pub const KEEP_DAYS: i64 = 90;
 
-/// Most client/model rows one hour holds; more are summed under [`OTHER`] (with auth off,
-/// callers name themselves).
+/// Most client/model rows one hour holds; past it a new row's model is summed under
+/// [`OTHER`], its client kept (a budget counts a client's usage whatever the model). The
+/// data planes bound the clients (configured, or a bounded few named by callers with
+/// auth off) and the models (hosted, else [`OTHER`]).
 pub const MAX_ROWS_PER_HOUR: usize = 10_000;
 
-/// The client and model of rows past [`MAX_ROWS_PER_HOUR`].
+/// The model of rows past [`MAX_ROWS_PER_HOUR`], and of a model name too long to keep.
 pub const OTHER: &str = "(other)";
+
+/// The longest model name kept (bytes, as the data planes' labels); longer ones are
+/// [`OTHER`].
+pub const MAX_MODEL_BYTES: usize = 256;
 
 /// What requests used.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,11 +89,16 @@ pub struct Hour {
 impl Hour {
     /// Adds `totals` for `client` and `model`.
     pub fn add(&mut self, client: &str, model: &str, totals: &Totals) {
+        let model = if model.len() > MAX_MODEL_BYTES {
+            OTHER
+        } else {
+            model
+        };
         let key = (client.to_owned(), model.to_owned());
         let key = if self.rows.contains_key(&key) || self.rows.len() < MAX_ROWS_PER_HOUR {
             key
         } else {
-            (OTHER.to_owned(), OTHER.to_owned())
+            (client.to_owned(), OTHER.to_owned())
         };
         self.clients.entry(key.0.clone()).or_default().add(totals);
         self.rows.entry(key).or_default().add(totals);
@@ -125,18 +136,33 @@ pub struct Ledger {
     pub announced: BTreeSet<(String, i64)>,
 }
 
+/// What [`Ledger::apply`] did with a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Applied {
+    /// Added to the totals now.
+    Now,
+    /// Added before (a resend), or no batch (seq 0): nothing to add.
+    Already,
+    /// From an epoch below the last one applied for its node (an earlier run of that data
+    /// plane, or another one under its name): refused, never added.
+    Stale,
+}
+
 impl Ledger {
     /// Applies a data plane's batch at `now` (Unix seconds) unless it was applied already
-    /// (the same epoch and a seq not above the last); `true` when it was applied now.
-    pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> bool {
+    /// (the same epoch and a seq not above the last) or comes from an epoch below the
+    /// node's last (epochs are the data planes' start times, in ms: they only grow).
+    pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> Applied {
         if batch.seq == 0 {
-            return false;
+            return Applied::Already;
         }
-        if let Some((epoch, seq)) = self.applied.get(node)
-            && *epoch == batch.epoch
-            && *seq >= batch.seq
-        {
-            return false;
+        if let Some((epoch, seq)) = self.applied.get(node) {
+            if batch.epoch < *epoch {
+                return Applied::Stale;
+            }
+            if *epoch == batch.epoch && *seq >= batch.seq {
+                return Applied::Already;
+            }
         }
         let hour = self.hours.entry(now.div_euclid(3600)).or_default();
         for row in &batch.rows {
@@ -144,7 +170,7 @@ impl Ledger {
         }
         self.applied
             .insert(node.to_owned(), (batch.epoch, batch.seq));
-        true
+        Applied::Now
     }
 
     /// Forgets hours before the first day kept at `now`; the days (Unix days) dropped.
@@ -261,21 +287,47 @@ mod tests {
     #[test]
     fn each_batch_is_applied_once_per_epoch() {
         let mut ledger = Ledger::default();
-        assert!(ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW));
-        assert!(
-            !ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+        let now = Applied::Now;
+        assert_eq!(
+            ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+            now
+        );
+        assert_eq!(
+            ledger.apply("a", &batch(7, 1, &[("chat", "llama3", 2)]), NOW),
+            Applied::Already,
             "a resend"
         );
-        assert!(
+        assert_eq!(
             ledger.apply("b", &batch(7, 1, &[("chat", "llama3", 3)]), NOW),
+            now,
             "another node"
         );
-        assert!(ledger.apply("a", &batch(7, 2, &[("chat", "llama3", 1)]), NOW));
-        // A restarted data plane (new epoch) counts from 1 again.
-        assert!(ledger.apply("a", &batch(9, 1, &[("batch", "qwen", 4)]), NOW));
-        assert!(
-            !ledger.apply("a", &batch(9, 0, &[]), NOW),
+        assert_eq!(
+            ledger.apply("a", &batch(7, 2, &[("chat", "llama3", 1)]), NOW),
+            now
+        );
+        // A restarted data plane (a later epoch) counts from 1 again.
+        assert_eq!(
+            ledger.apply("a", &batch(9, 1, &[("batch", "qwen", 4)]), NOW),
+            now
+        );
+        assert_eq!(
+            ledger.apply("a", &batch(9, 0, &[]), NOW),
+            Applied::Already,
             "seq 0 is no batch"
+        );
+        // The earlier run's batches, late (its resend after the restart): refused, whatever
+        // their seq, and not counted.
+        for seq in [2, 3, 100] {
+            assert_eq!(
+                ledger.apply("a", &batch(7, seq, &[("chat", "llama3", 50)]), NOW),
+                Applied::Stale
+            );
+        }
+        assert_eq!(
+            ledger.applied["a"],
+            (9, 1),
+            "the last applied is the later epoch's"
         );
         let chat = ledger.client_since("chat", NOW - NOW % 86_400);
         assert_eq!(chat.gpu_ns, 6 * SECOND);
@@ -344,13 +396,40 @@ mod tests {
     #[test]
     fn an_hour_holds_a_bounded_number_of_rows() {
         let mut hour = Hour::default();
-        for i in 0..MAX_ROWS_PER_HOUR + 5 {
-            hour.add(&format!("client-{i}"), "m", &Totals::default());
+        let used = Totals {
+            gpu_ns: 1,
+            ..Totals::default()
+        };
+        for i in 0..MAX_ROWS_PER_HOUR {
+            hour.add("chat", &format!("model-{i}"), &used);
+        }
+        assert_eq!(hour.rows.len(), MAX_ROWS_PER_HOUR);
+        // Past the cap the model is summed under (other), the client kept: a budgeted
+        // client's usage still counts as its own.
+        for i in 0..5 {
+            hour.add("batch", &format!("more-{i}"), &used);
         }
         assert_eq!(hour.rows.len(), MAX_ROWS_PER_HOUR + 1);
+        let other = &hour.rows[&("batch".to_owned(), OTHER.to_owned())];
+        assert_eq!(other.gpu_ns, 5);
+        assert_eq!(hour.clients["batch"].gpu_ns, 5);
+        assert_eq!(hour.clients["chat"].gpu_ns, MAX_ROWS_PER_HOUR as u64);
+        hour.add("chat", "model-7", &used);
+        assert_eq!(
+            hour.rows[&("chat".to_owned(), "model-7".to_owned())].gpu_ns,
+            2
+        );
+    }
+
+    #[test]
+    fn too_long_a_model_name_is_kept_as_other() {
+        let mut hour = Hour::default();
+        hour.add("chat", &"m".repeat(MAX_MODEL_BYTES + 1), &Totals::default());
+        hour.add("chat", &"m".repeat(MAX_MODEL_BYTES), &Totals::default());
         assert!(
             hour.rows
-                .contains_key(&(OTHER.to_owned(), OTHER.to_owned()))
+                .contains_key(&("chat".to_owned(), OTHER.to_owned()))
         );
+        assert_eq!(hour.rows.len(), 2);
     }
 }

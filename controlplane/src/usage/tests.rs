@@ -143,3 +143,47 @@ fn an_announcement_is_not_repeated_after_a_restart() {
     let store = UsageStore::load(dir.path(), at(NOW + 5)).unwrap();
     assert!(store.exceeded(&clients, at(NOW + 5)).is_empty());
 }
+
+#[test]
+fn a_batch_whose_day_file_cannot_be_written_is_not_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    // `usage` a plain file: no day file can be written under it (even as root).
+    let usage_dir = file::dir(dir.path());
+    std::fs::write(&usage_dir, b"in the way").unwrap();
+    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 0);
+    // Resent: still not written, not acknowledged, and counted once.
+    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 0);
+    assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
+    // The directory back: the resent batch is written and acknowledged, still once.
+    std::fs::remove_file(&usage_dir).unwrap();
+    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
+    assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
+    assert_eq!(
+        store.today(at(NOW + 1))[0].gpu_ns,
+        5 * SECOND,
+        "kept on disk"
+    );
+}
+
+#[test]
+fn a_batch_from_an_earlier_epoch_of_a_node_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let from = |epoch: u64, seq: u64| wire::UsageBatch {
+        epoch,
+        ..batch(seq, "batch", 5)
+    };
+    assert_eq!(store.apply("box", Some(&from(2_000, 1)), at(NOW)), 1);
+    // The earlier run's batch arrives late: not applied, not acknowledged.
+    assert_eq!(store.apply("box", Some(&from(1_000, 4)), at(NOW)), 0);
+    assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
+    // Still refused after a restart (the epoch is kept with the totals).
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
+    assert_eq!(store.apply("box", Some(&from(1_000, 5)), at(NOW + 1)), 0);
+    assert_eq!(store.apply("box", Some(&from(3_000, 1)), at(NOW + 1)), 1);
+    assert_eq!(store.today(at(NOW + 1))[0].gpu_ns, 10 * SECOND);
+}

@@ -216,3 +216,18 @@ fn seconds_read_as_integers_when_whole() {
     assert_eq!(seconds(1_500_000_000), "1.5");
     assert_eq!(seconds(1), "0");
 }
+
+#[test]
+fn the_epoch_is_the_start_time_in_ms_and_grows_from_run_to_run() {
+    let policy = Policy::try_from(crate::policy::minimal_wire()).unwrap();
+    let metrics = Arc::new(Metrics::new(&policy));
+    let started = at(NOW) + Duration::from_millis(250);
+    let run = |at: SystemTime| {
+        let usage = Usage::with_epoch(metrics.clone(), at);
+        usage.record("chat", "", gpu(1), at);
+        usage.report().unwrap().epoch
+    };
+    let first = run(started);
+    assert_eq!(first, NOW.unsigned_abs() * 1000 + 250);
+    assert!(run(started + Duration::from_millis(1)) > first);
+}

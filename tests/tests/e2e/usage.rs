@@ -13,6 +13,8 @@ use oqp_tests::fake::{FakeOllama, USAGE_HEADER};
 use oqp_tests::harness::{self, Stack};
 use serde_json::{Value, json};
 
+mod edges;
+
 pub const CHAT_KEY: &str = "sk-chat-0123456789";
 
 /// Auth on, one host, the in-memory embedding cache; `extra` is appended under `auth.keys`'

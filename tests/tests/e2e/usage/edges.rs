@@ -1,0 +1,263 @@
+//! End to end: the edges of usage accounting and budgets — a graceful stop, embeddings
+//! with the cache off, budgets re-checked when a queued request is granted, model
+//! management, failed writes and cut-short streams.
+
+use std::time::Duration;
+
+use oqp_tests::client::eventually;
+use oqp_tests::harness;
+use serde_json::json;
+
+use super::{SECOND, config, fake, post, usage_of};
+
+/// A control plane alone on `yaml` (written under `dir`), and its URL.
+async fn control_plane(
+    dir: &std::path::Path,
+    yaml: &str,
+) -> (oqp_controlplane::ControlPlane, String) {
+    let config_path = dir.join("config.yml");
+    std::fs::write(&config_path, yaml).unwrap();
+    let control = harness::start_control_plane(&config_path, harness::loopback().await)
+        .await
+        .unwrap();
+    let url = format!("http://{}", control.local_addr());
+    (control, url)
+}
+
+#[tokio::test]
+async fn a_request_streaming_through_a_graceful_stop_is_in_the_totals() {
+    // 20 chunks 50 ms apart: the stream runs on for about a second after the stop begins.
+    let fake = fake()
+        .tokens(20)
+        .token_interval(Duration::from_millis(50))
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let (control, control_url) = control_plane(
+        dir.path(),
+        &config(&fake.url(), &state.display().to_string(), ""),
+    )
+    .await;
+    let edge = harness::start_dataplane(&control_url, "edge", None)
+        .await
+        .unwrap();
+    let base = format!("http://{}", edge.local_addr());
+    let streaming = tokio::spawn(async move {
+        post(
+            &base,
+            "/api/chat",
+            "total_duration=3000000000,prompt_eval_count=2,eval_count=20",
+            json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": true}),
+        )
+        .await
+    });
+    assert!(eventually(Duration::from_secs(10), || fake.handle().in_flight() == 1).await);
+    edge.shutdown().await;
+    let reply = streaming.await.unwrap();
+    assert!(reply.text().contains("\"done\":true"), "{}", reply.text());
+    // Reported before the stop returned: no waiting here.
+    let usage = usage_of(&control_url, 0, true, true).await;
+    let total = usage.total.clone().unwrap_or_default();
+    assert_eq!(total.requests, 1, "{usage:?}");
+    assert_eq!(total.gpu_ns, 3 * SECOND);
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (2, 20));
+    control.shutdown().await;
+}
+
+#[tokio::test]
+async fn native_embeddings_with_the_cache_off_count_their_inputs() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = config(&fake.url(), &dir.path().display().to_string(), "").replace(
+        "embedding_cache:\n  enabled: true\n  backend: memory\n",
+        "embedding_cache:\n  enabled: false\n",
+    );
+    assert!(yaml.contains("enabled: false"));
+    let stack = harness::Stack::start(&yaml).await;
+    let base = stack.url();
+    let reported = "total_duration=1000000,prompt_eval_count=1";
+    let embed = json!({"model": "nomic-embed-text", "input": ["alpha", "beta", "gamma"]});
+    post(&base, "/api/embed", reported, embed.clone()).await;
+    let again = post(&base, "/api/embed", reported, embed).await;
+    assert_eq!(again.header("x-cache"), None, "the cache is off");
+    let legacy = json!({"model": "nomic-embed-text", "prompt": "delta"});
+    post(&base, "/api/embeddings", reported, legacy).await;
+    let usage = super::wait_for_requests(&stack.control_url(), 3).await;
+    let row = usage
+        .rows
+        .iter()
+        .find(|row| row.client_id == "chat" && row.model == "nomic-embed-text")
+        .unwrap_or_else(|| panic!("{usage:?}"));
+    assert_eq!(row.embedding_inputs, 7, "3 + 3 + 1 inputs sent upstream");
+    assert_eq!(row.cached_inputs, 0);
+    stack.shutdown().await;
+}
+
+const BATCH_KEY: &str = "sk-batch-0123456789";
+
+async fn generate_as(base: &str, key: &str, reported: &str) -> oqp_tests::client::Reply {
+    let auth = format!("Bearer {key}");
+    oqp_tests::client::HttpClient::new()
+        .post_json(
+            &format!("{base}/api/generate"),
+            &[
+                ("authorization", auth.as_str()),
+                (oqp_tests::fake::USAGE_HEADER, reported),
+            ],
+            &json!({"model": "llama3", "prompt": "hi", "stream": false}),
+        )
+        .await
+}
+
+/// One slot, and `batch` with a budget of 10 GPU seconds a day.
+fn one_slot_budgeted(url: &str, state_dir: &str, proxy_extra: &str) -> String {
+    config(
+        url,
+        state_dir,
+        &format!(
+            "    - key: \"{BATCH_KEY}\"\n      client_id: batch\n      budget: {{gpu_seconds: 10, window: 1d}}\n"
+        ),
+    )
+    .replace(
+        "proxy:\n  max_concurrent: 4\n",
+        &format!("proxy:\n  max_concurrent: 1\n{proxy_extra}"),
+    )
+    .replace("      max_concurrent: 4\n", "      max_concurrent: 1\n")
+}
+
+#[tokio::test]
+async fn requests_granted_after_the_budget_is_spent_are_refused() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = one_slot_budgeted(&fake.url(), &dir.path().display().to_string(), "");
+    assert!(yaml.contains("max_concurrent: 1\n"), "{yaml}");
+    let stack = harness::Stack::start(&yaml).await;
+    let base = stack.url();
+    let dataplane = stack.control.dataplane().unwrap();
+    fake.handle().hold();
+    // The slow one: 20 s of GPU time, twice the budget, reported when it ends.
+    let slow = tokio::spawn({
+        let base = base.clone();
+        async move { generate_as(&base, BATCH_KEY, "total_duration=20000000000").await }
+    });
+    assert!(eventually(Duration::from_secs(10), || fake.handle().in_flight() == 1).await);
+    // Three more, admitted (nothing used yet) and queued behind it.
+    let queued: Vec<_> = (0..3)
+        .map(|_| {
+            let base = base.clone();
+            tokio::spawn(
+                async move { generate_as(&base, BATCH_KEY, "total_duration=1000000000").await },
+            )
+        })
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(10), || dataplane
+            .app()
+            .dispatcher
+            .total_depth()
+            == 3)
+        .await
+    );
+    fake.handle().release_all();
+    assert_eq!(slow.await.unwrap().status, 200);
+    for waiting in queued {
+        let refused = waiting.await.unwrap();
+        assert_eq!(refused.status, 429, "{}", refused.text());
+        assert_eq!(
+            refused.json()["error"],
+            "budget exceeded: gpu_seconds 10 per 1d"
+        );
+        let retry_after: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+        assert!((1..=86_400).contains(&retry_after), "{retry_after}");
+    }
+    assert_eq!(
+        fake.handle().requests_to("/api/generate").len(),
+        1,
+        "none of the queued ones was sent upstream"
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn model_management_is_neither_accounted_nor_refused_for_a_budget() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = one_slot_budgeted(
+        &fake.url(),
+        &dir.path().display().to_string(),
+        "  allow_model_management: true\n",
+    );
+    let stack = harness::Stack::start(&yaml).await;
+    let base = stack.url();
+    let pull = |key: &'static str| {
+        let base = base.clone();
+        async move {
+            oqp_tests::client::HttpClient::new()
+                .post_json(
+                    &format!("{base}/api/pull"),
+                    &[("authorization", format!("Bearer {key}").as_str())],
+                    &json!({"model": "mistral", "stream": false}),
+                )
+                .await
+        }
+    };
+    // The budget spent.
+    assert_eq!(
+        generate_as(&base, BATCH_KEY, "total_duration=20000000000")
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        generate_as(&base, BATCH_KEY, "total_duration=1")
+            .await
+            .status,
+        429
+    );
+    // A pull still goes through, for the budgeted client and another one.
+    let pulled = pull(BATCH_KEY).await;
+    assert_eq!(pulled.status, 200, "{}", pulled.text());
+    assert_eq!(pull(super::CHAT_KEY).await.status, 200);
+    // And counts nothing: only the generates are in the totals (the last one reported
+    // after the pulls).
+    assert_eq!(
+        generate_as(&base, super::CHAT_KEY, "total_duration=1000000000")
+            .await
+            .status,
+        200
+    );
+    let usage = super::wait_for_requests(&stack.control_url(), 2).await;
+    assert_eq!(usage.total.unwrap().gpu_ns, 21 * SECOND, "{:?}", usage.rows);
+    assert!(
+        usage.rows.iter().all(|row| row.model == "llama3"),
+        "{:?}",
+        usage.rows
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stream_cut_short_counts_the_chunks_it_sent() {
+    let fake = fake().tokens(10).spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack =
+        harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    fake.handle()
+        .fail_next(oqp_tests::fake::Failure::DieMidStream { after_lines: 3 });
+    let cut = post(
+        &stack.url(),
+        "/api/chat",
+        "total_duration=5000000000,prompt_eval_count=4,eval_count=10",
+        json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": true}),
+    )
+    .await;
+    assert!(cut.text().contains("\"error\""), "{}", cut.text());
+    let usage = super::wait_for_requests(&stack.control_url(), 1).await;
+    let total = usage.total.unwrap();
+    // No final object: the three chunks stand for the completion tokens.
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 3));
+    assert!(total.gpu_ns > 0, "the time the slot was held");
+    stack.shutdown().await;
+}
