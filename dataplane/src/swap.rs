@@ -292,21 +292,29 @@ impl HostVram {
         let Some(capacity) = self.capacity().filter(|_| self.holds_back()) else {
             return;
         };
-        while self.resident.iter().map(|m| m.bytes).sum::<u64>() > capacity {
-            let victim = self
-                .resident
-                .iter()
-                .enumerate()
-                .filter(|(_, m)| m.inflight == 0)
-                .min_by_key(|(_, m)| m.last_used)
-                .map(|(i, _)| i);
-            let Some(i) = victim else {
-                return;
-            };
-            let gone = self.resident.remove(i);
-            self.recent.insert(gone.name.clone(), Instant::now());
-            self.gone.insert(gone.name, wall);
+        while self.resident.iter().map(|m| m.bytes).sum::<u64>() > capacity && self.evict_idle(wall)
+        {
         }
+    }
+
+    /// Drops the least recently used model with nothing in flight from the view, as Ollama
+    /// evicts one; false when every resident model is busy.
+    fn evict_idle(&mut self, wall: SystemTime) -> bool {
+        let victim = self
+            .resident
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.inflight == 0)
+            .min_by_key(|(_, m)| m.last_used)
+            .map(|(i, _)| i);
+        let Some(i) = victim else {
+            return false;
+        };
+        let gone = self.resident.remove(i);
+        self.recent.insert(gone.name.clone(), Instant::now());
+        self.gone.insert(gone.name, wall);
+        self.changed_at = Some(wall);
+        true
     }
 
     fn foreign_change(&mut self, now: Instant, _wall: SystemTime) {
@@ -541,24 +549,7 @@ impl HostVram {
                 self.switch = other;
                 // Sent without a switch (holding is off, or a failover): Ollama evicts what it
                 // must; assume the least recently used idle models go.
-                while !self.fits(model) {
-                    let victim = self
-                        .resident
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, m)| m.inflight == 0)
-                        .min_by_key(|(_, m)| m.last_used)
-                        .map(|(i, _)| i);
-                    match victim {
-                        Some(i) => {
-                            let gone = self.resident.remove(i);
-                            self.recent.insert(gone.name.clone(), now);
-                            self.gone.insert(gone.name, wall);
-                            self.changed_at = Some(wall);
-                        }
-                        None => break,
-                    }
-                }
+                while !self.fits(model) && self.evict_idle(wall) {}
             }
         }
         self.recent.insert(model.to_owned(), now);

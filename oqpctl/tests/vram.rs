@@ -32,6 +32,20 @@ async fn oqpctl(control: &ControlPlane, args: &[&str]) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
+/// A control plane with its in-process data plane on `config`, both on `127.0.0.1:0`.
+async fn single_box(config: std::path::PathBuf) -> ControlPlane {
+    ControlPlane::start(Options {
+        config_path: config,
+        env: Env::empty(),
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        with_dataplane: true,
+        dataplane_listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        clock: None,
+    })
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn hosts_show_the_configured_vram_and_the_resident_model() {
     let fake = FakeOllama::builder()
@@ -58,16 +72,7 @@ async fn hosts_show_the_configured_vram_and_the_resident_model() {
         ),
     )
     .unwrap();
-    let control = ControlPlane::start(Options {
-        config_path: config,
-        env: Env::empty(),
-        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        with_dataplane: true,
-        dataplane_listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        clock: None,
-    })
-    .await
-    .unwrap();
+    let control = single_box(config).await;
 
     // The start-up probe ran before the control plane served anything.
     let text = oqpctl(&control, &["hosts"]).await;
@@ -130,16 +135,7 @@ async fn hosts_show_a_request_held_back_for_a_model_switch() {
         ),
     )
     .unwrap();
-    let control = ControlPlane::start(Options {
-        config_path: config,
-        env: Env::empty(),
-        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        with_dataplane: true,
-        dataplane_listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        clock: None,
-    })
-    .await
-    .unwrap();
+    let control = single_box(config).await;
     let proxy = format!("http://{}", control.dataplane().unwrap().local_addr());
     let send = |model: &'static str| {
         let url = format!("{proxy}/api/generate");

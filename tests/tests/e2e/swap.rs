@@ -87,6 +87,22 @@ struct Served {
     worst_latency: Duration,
 }
 
+/// The two clients through oqp, A keeping `inflight` requests in flight, B one.
+fn through_oqp(inflight: usize) -> [Loop; 2] {
+    [
+        Loop {
+            model: "alpha",
+            key: Some("sk-xavier-0123456789"),
+            inflight,
+        },
+        Loop {
+            model: "beta",
+            key: Some("sk-yvonne-0123456789"),
+            inflight: 1,
+        },
+    ]
+}
+
 /// Runs the loops against `base` for [`RUN`]; only requests answered within it count.
 async fn run(base: &str, loops: &[Loop]) -> Vec<Served> {
     let http = HttpClient::new();
@@ -266,22 +282,7 @@ async fn three_runs(inflight: usize) -> [Vec<Served>; 3] {
         warm_up(&stack).await;
         // While the run goes, /queue/status shows the request held back for its model.
         let watch = tokio::spawn(held_seen(stack.url()));
-        let served = run(
-            &stack.url(),
-            &[
-                Loop {
-                    model: "alpha",
-                    key: Some("sk-xavier-0123456789"),
-                    inflight,
-                },
-                Loop {
-                    model: "beta",
-                    key: Some("sk-yvonne-0123456789"),
-                    inflight: 1,
-                },
-            ],
-        )
-        .await;
+        let served = run(&stack.url(), &through_oqp(inflight)).await;
         let held = watch.await.unwrap();
         if enabled {
             assert!(held, "/queue/status never showed a held request");
@@ -435,22 +436,7 @@ async fn without_a_configured_vram_holding_starts_once_the_host_is_seen_evicting
         dispatcher.swap_stats()
     );
     // Now a request for the other model is held while the resident one has work.
-    let served = run(
-        &stack.url(),
-        &[
-            Loop {
-                model: "alpha",
-                key: Some("sk-xavier-0123456789"),
-                inflight: 1,
-            },
-            Loop {
-                model: "beta",
-                key: Some("sk-yvonne-0123456789"),
-                inflight: 1,
-            },
-        ],
-    )
-    .await;
+    let served = run(&stack.url(), &through_oqp(1)).await;
     show("learned capacity, on", &served);
     assert!(dispatcher.swap_stats()[0].switches >= 2);
     assert!(
@@ -519,22 +505,7 @@ async fn a_host_whose_models_change_around_oqp_falls_back_to_plain_fair_share() 
     assert_eq!(status["hosts"][0]["vram"]["bypassed"], true, "{status}");
     // Plain fair share from now on: nothing is held, nothing switches.
     let watch = tokio::spawn(held_seen(stack.url()));
-    let served = run(
-        &stack.url(),
-        &[
-            Loop {
-                model: "alpha",
-                key: Some("sk-xavier-0123456789"),
-                inflight: 1,
-            },
-            Loop {
-                model: "beta",
-                key: Some("sk-yvonne-0123456789"),
-                inflight: 1,
-            },
-        ],
-    )
-    .await;
+    let served = run(&stack.url(), &through_oqp(1)).await;
     assert!(
         !watch.await.unwrap(),
         "a request was held on a bypassed host"
