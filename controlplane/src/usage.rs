@@ -132,7 +132,7 @@ impl UsageStore {
 
     /// What `client` has used of `budget` in its window at `now`.
     pub fn used(&self, client: &str, budget: &wire::Budget, now: SystemTime) -> wire::BudgetUsed {
-        let start = window_start(budget, unix_s(now));
+        let start = budget.window_start(unix_s(now));
         let totals = self.lock().ledger.client_since(client, start);
         used(client, start, &totals, now)
     }
@@ -145,7 +145,7 @@ impl UsageStore {
             .iter()
             .filter_map(|client| {
                 let budget = client.budget.as_ref()?;
-                let start = window_start(budget, seconds);
+                let start = budget.window_start(seconds);
                 let totals = inner.ledger.client_since(&client.client_id, start);
                 Some(used(&client.client_id, start, &totals, now))
             })
@@ -159,7 +159,7 @@ impl UsageStore {
         for client in &mut snapshot.clients {
             let id = client.client_id.clone();
             if let Some(budget) = client.budget.as_mut() {
-                let start = window_start(budget, seconds);
+                let start = budget.window_start(seconds);
                 let totals = inner.ledger.client_since(&id, start);
                 budget.used = Some(used(&id, start, &totals, now));
             }
@@ -223,7 +223,7 @@ impl UsageStore {
             let Some(budget) = client.budget.as_ref() else {
                 continue;
             };
-            let start = window_start(budget, seconds);
+            let start = budget.window_start(seconds);
             if inner
                 .ledger
                 .announced
@@ -275,7 +275,7 @@ impl UsageStore {
                     && known
                         .budget
                         .as_ref()
-                        .is_some_and(|budget| window_start(budget, seconds) == *start)
+                        .is_some_and(|budget| budget.window_start(seconds) == *start)
             })
         });
         if !notices.is_empty() || inner.ledger.announced.len() != before {
@@ -283,13 +283,6 @@ impl UsageStore {
         }
         notices
     }
-}
-
-/// The start of `budget`'s window holding `now` (Unix seconds).
-pub fn window_start(budget: &wire::Budget, now: i64) -> i64 {
-    let length = i64::try_from(budget.window_seconds.max(1)).unwrap_or(i64::MAX);
-    let anchor = budget.window_anchor_unix_s;
-    anchor + (now - anchor).div_euclid(length) * length
 }
 
 fn used(client: &str, start: i64, totals: &Totals, now: SystemTime) -> wire::BudgetUsed {

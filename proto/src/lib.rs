@@ -1,7 +1,8 @@
 //! The wire contract of oqp: the policy stream between the control plane and
 //! its data planes (`oqp.policy.v1`), and the administration API used by
-//! `oqpctl` (`oqp.admin.v1`). Generated from `proto/oqp/**.proto`; nothing
-//! else lives here.
+//! `oqpctl` (`oqp.admin.v1`). Generated from `proto/oqp/**.proto`; beside the
+//! generated code only what both ends must compute alike (where a budget
+//! window starts) and redacting `Debug` impls live here.
 
 #![allow(missing_docs, missing_debug_implementations, clippy::all)]
 
@@ -18,6 +19,22 @@ pub mod admin {
     /// Version 1.
     pub mod v1 {
         tonic::include_proto!("oqp.admin.v1");
+    }
+}
+
+/// The start (Unix seconds) of the budget window of `length` seconds anchored at `anchor`
+/// that holds `now`: `anchor` plus whole multiples of `length` (`Budget.window_seconds` and
+/// `Budget.window_anchor_unix_s`). The control plane sums usage and the data planes refuse
+/// over budget by the same windows.
+pub fn window_start(now: i64, length: u64, anchor: i64) -> i64 {
+    let length = i64::try_from(length.max(1)).unwrap_or(i64::MAX);
+    anchor + (now - anchor).div_euclid(length) * length
+}
+
+impl policy::v1::Budget {
+    /// The start of this budget's window holding `now` (Unix seconds).
+    pub fn window_start(&self, now: i64) -> i64 {
+        window_start(now, self.window_seconds, self.window_anchor_unix_s)
     }
 }
 

@@ -705,7 +705,7 @@ fn key_budget(
     let now = std::time::SystemTime::now();
     let wire_budget = compile::budget_to_wire(budget);
     let used = usage.map(|usage| usage.used(client, &wire_budget, now));
-    let start = crate::usage::window_start(&wire_budget, crate::usage::unix_s(now));
+    let start = wire_budget.window_start(crate::usage::unix_s(now));
     api::KeyBudget {
         gpu_ns: budget.gpu_ns,
         tokens: budget.tokens,

@@ -2,10 +2,9 @@
 //! hours and days from the Unix epoch, weeks from a Monday). Pure: the time is passed in.
 
 /// The start (Unix seconds) of the window of `length` seconds, anchored at `anchor`, that
-/// holds `now`.
+/// holds `now`: the control plane's windows ([`oqp_proto::window_start`]).
 pub fn start(now: i64, length: u64, anchor: i64) -> i64 {
-    let length = i64::try_from(length.max(1)).unwrap_or(i64::MAX);
-    anchor + (now - anchor).div_euclid(length) * length
+    oqp_proto::window_start(now, length, anchor)
 }
 
 /// The end of that window: when it resets.

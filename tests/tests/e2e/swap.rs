@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use oqp_tests::client::{HttpClient, eventually};
+use oqp_tests::client::{HttpClient, Reply, eventually};
 use oqp_tests::fake::{FakeHandle, FakeOllama};
 use oqp_tests::harness::Stack;
 use serde_json::json;
@@ -85,6 +85,22 @@ struct Served {
     /// a turn more (`oqp_tests::bench::scenarios::swap::whole_turns`).
     gpu: Duration,
     worst_latency: Duration,
+}
+
+/// One non-streamed generate for `model` at `base`, with `key` (none: straight at the fake).
+async fn generate(base: String, model: &'static str, key: Option<&'static str>) -> Reply {
+    let auth = key.map(|key| format!("Bearer {key}"));
+    let headers: Vec<(&str, &str)> = auth
+        .as_deref()
+        .map(|auth| vec![("authorization", auth)])
+        .unwrap_or_default();
+    HttpClient::new()
+        .post_json(
+            &format!("{base}/api/generate"),
+            &headers,
+            &json!({"model": model, "prompt": "hi", "stream": false}),
+        )
+        .await
 }
 
 /// The two clients through oqp, A keeping `inflight` requests in flight, B one.
@@ -220,20 +236,12 @@ async fn held_seen(base: String) -> bool {
 /// completed load asks the control plane for an early poll): the runs measure the steady
 /// state, not the minute in which oqp learns the models' sizes.
 async fn warm_up(stack: &Stack) {
-    let http = HttpClient::new();
     let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
     for (model, key) in [
         ("alpha", "sk-xavier-0123456789"),
         ("beta", "sk-yvonne-0123456789"),
     ] {
-        let auth = format!("Bearer {key}");
-        let reply = http
-            .post_json(
-                &format!("{}/api/generate", stack.url()),
-                &[("authorization", &auth)],
-                &json!({"model": model, "prompt": "hi", "stream": false}),
-            )
-            .await;
+        let reply = generate(stack.url(), model, Some(key)).await;
         assert!(reply.status.is_success(), "{}", reply.text());
         let seen = eventually(Duration::from_secs(10), || {
             dispatcher.swap_stats().iter().any(|stat| {
@@ -406,7 +414,6 @@ async fn without_a_configured_vram_holding_starts_once_the_host_is_seen_evicting
     // Alternate the two models one request at a time: Ollama's own behaviour at first (every
     // request loads its model and evicts the other), until the polls that follow the loads
     // show the host evicting.
-    let http = HttpClient::new();
     let mut turns = 0;
     let learned = loop {
         let learned = dispatcher.swap_stats()[0].capacity_learned
@@ -418,14 +425,7 @@ async fn without_a_configured_vram_holding_starts_once_the_host_is_seen_evicting
             ("alpha", "sk-xavier-0123456789"),
             ("beta", "sk-yvonne-0123456789"),
         ] {
-            let auth = format!("Bearer {key}");
-            let reply = http
-                .post_json(
-                    &format!("{}/api/generate", stack.url()),
-                    &[("authorization", &auth)],
-                    &json!({"model": model, "prompt": "hi", "stream": false}),
-                )
-                .await;
+            let reply = generate(stack.url(), model, Some(key)).await;
             assert!(reply.status.is_success(), "{}", reply.text());
         }
         turns += 1;
@@ -457,20 +457,9 @@ async fn a_host_whose_models_change_around_oqp_falls_back_to_plain_fair_share() 
     let stack = Stack::start(&yaml).await;
     let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
     let http = HttpClient::new();
-    let generate = |base: String, model: &'static str, auth: Option<&'static str>| {
-        let http = http.clone();
-        async move {
-            let headers: Vec<(&str, &str)> =
-                auth.map(|a| vec![("authorization", a)]).unwrap_or_default();
-            let reply = http
-                .post_json(
-                    &format!("{base}/api/generate"),
-                    &headers,
-                    &json!({"model": model, "prompt": "hi", "stream": false}),
-                )
-                .await;
-            assert!(reply.status.is_success(), "{}", reply.text());
-        }
+    let generate = |base: String, model: &'static str, key: Option<&'static str>| async move {
+        let reply = generate(base, model, key).await;
+        assert!(reply.status.is_success(), "{}", reply.text());
     };
     let resident = |model: &str| {
         dispatcher.swap_stats()[0]
@@ -478,7 +467,7 @@ async fn a_host_whose_models_change_around_oqp_falls_back_to_plain_fair_share() 
             .iter()
             .any(|(name, _)| name.starts_with(model))
     };
-    generate(stack.url(), "alpha", Some("Bearer sk-xavier-0123456789")).await;
+    generate(stack.url(), "alpha", Some("sk-xavier-0123456789")).await;
     assert!(eventually(Duration::from_secs(10), || resident("alpha")).await);
     // Two models loaded straight at Ollama, one after the other.
     generate(fake.url(), "gamma", None).await;
@@ -535,16 +524,7 @@ async fn a_switch_whose_requests_all_left_gives_the_old_model_back_at_once() {
     warm_up(&stack).await;
     let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
     let send = |model: &'static str, key: &'static str| {
-        let url = format!("{}/api/generate", stack.url());
-        tokio::spawn(async move {
-            HttpClient::new()
-                .post_json(
-                    &url,
-                    &[("authorization", &format!("Bearer {key}"))],
-                    &json!({"model": model, "prompt": "hi", "stream": false}),
-                )
-                .await
-        })
+        tokio::spawn(generate(stack.url(), model, Some(key)))
     };
     // alpha's request is in flight at Ollama and stays there; beta's is held, then its switch
     // begins and drains alpha.
