@@ -152,10 +152,17 @@ pub fn identify(
     }
     let window = policy.auth.window;
     throttle.check(peer, policy.auth.max_failures, window)?;
-    let key = bearer(headers).ok_or_else(|| {
-        throttle.fail(peer, window);
-        ProxyError::MissingCredentials
-    })?;
+    let key = match presented_key(headers) {
+        Presented::Key(key) => key,
+        Presented::Missing => {
+            throttle.fail(peer, window);
+            return Err(ProxyError::MissingCredentials);
+        }
+        Presented::Conflicting => {
+            throttle.fail(peer, window);
+            return Err(ProxyError::UnknownKey);
+        }
+    };
     // A success does not clear the address's failures: whoever holds one key
     // must not be able to guess others without limit.
     match policy.client_by_key(key) {
@@ -226,6 +233,31 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !key.is_empty()).then_some(key)
 }
 
+/// What a request presents as its key.
+#[derive(Debug, PartialEq, Eq)]
+enum Presented<'a> {
+    Key(&'a str),
+    Missing,
+    /// `Authorization: Bearer` and `x-api-key` both present, and different.
+    Conflicting,
+}
+
+/// The key a request presents: `Authorization: Bearer <key>`, or Anthropic's
+/// `x-api-key: <key>` (what `ANTHROPIC_API_KEY` sets). Both may be sent only
+/// when they are the same key.
+fn presented_key(headers: &HeaderMap) -> Presented<'_> {
+    let api_key = headers
+        .get(headers::API_KEY)
+        .and_then(|value| value.to_str().ok())
+        .map(str::trim)
+        .filter(|key| !key.is_empty());
+    match (bearer(headers), api_key) {
+        (Some(bearer), Some(api_key)) if bearer != api_key => Presented::Conflicting,
+        (Some(key), _) | (None, Some(key)) => Presented::Key(key),
+        (None, None) => Presented::Missing,
+    }
+}
+
 pub use throttle::Throttle;
 
 #[cfg(test)]
@@ -280,6 +312,20 @@ mod tests {
             ),
             "2001:db8::1".parse::<IpAddr>().unwrap()
         );
+    }
+
+    #[test]
+    fn x_api_key_identifies_like_bearer_and_must_agree_with_it() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(presented_key(&headers), Presented::Missing);
+        headers.insert(headers::API_KEY, "abc".parse().unwrap());
+        assert_eq!(presented_key(&headers), Presented::Key("abc"));
+        headers.insert(http::header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+        assert_eq!(presented_key(&headers), Presented::Key("abc"));
+        headers.insert(http::header::AUTHORIZATION, "Bearer other".parse().unwrap());
+        assert_eq!(presented_key(&headers), Presented::Conflicting);
+        headers.remove(headers::API_KEY);
+        assert_eq!(presented_key(&headers), Presented::Key("other"));
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub enum Inference {
     OpenAiCompletion,
     /// `/v1/embeddings`, translated to `/api/embed`.
     OpenAiEmbeddings,
+    /// `/v1/messages`: Anthropic's Messages API (Claude Code, the anthropic SDKs).
+    AnthropicMessages,
+    /// `/v1/responses`: OpenAI's Responses API (Codex-style tools).
+    OpenAiResponses,
 }
 
 impl Inference {
@@ -76,6 +80,8 @@ impl Endpoint {
                 Self::Inference(Inference::OpenAiCompletion)
             }
             "/v1/embeddings" => Self::Inference(Inference::OpenAiEmbeddings),
+            "/v1/messages" => Self::Inference(Inference::AnthropicMessages),
+            "/v1/responses" => Self::Inference(Inference::OpenAiResponses),
             "/api/pull" | "/api/push" | "/api/delete" | "/api/create" | "/api/copy" | "/api/me"
             | "/api/signout" => Self::ModelManagement,
             _ if path.starts_with("/api/blobs/") || path.starts_with("/api/user/keys/") => {
@@ -171,6 +177,14 @@ mod tests {
         );
         assert_eq!(Endpoint::of("/api/user/keys/k"), Endpoint::ModelManagement);
         assert_eq!(Endpoint::of("/api/blob"), Endpoint::Other);
+        assert_eq!(
+            Endpoint::of("/v1/messages"),
+            Endpoint::Inference(Inference::AnthropicMessages)
+        );
+        assert_eq!(
+            Endpoint::of("/v1/responses"),
+            Endpoint::Inference(Inference::OpenAiResponses)
+        );
     }
 
     #[test]

@@ -31,6 +31,23 @@ pub const HOP_ELAPSED: HeaderName = HeaderName::from_static("x-oqp-hop-elapsed-u
 /// The client address chain a reverse proxy appends to (believed only from `auth.trusted_proxies`).
 pub const FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 
+/// `x-api-key`: Anthropic's way of sending a key (`ANTHROPIC_API_KEY`), read like a bearer key.
+pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+
+/// A client's own headers that never reach an upstream: every way the SDKs send a key
+/// (`Authorization` is removed beside them), the client's cookies, and the client address
+/// chain (which only oqp reads, for the throttle and logs). Ollama ignores all of them; a
+/// cloud upstream must see oqp's key alone.
+const CLIENT_ONLY: [HeaderName; 7] = [
+    API_KEY,
+    HeaderName::from_static("api-key"),
+    HeaderName::from_static("x-goog-api-key"),
+    header::COOKIE,
+    FORWARDED_FOR,
+    header::FORWARDED,
+    HeaderName::from_static("x-real-ip"),
+];
+
 /// Headers that describe one connection and never cross a proxy (RFC 9110
 /// §7.6.1), plus the non-standard ones clients still send.
 const HOP_BY_HOP: [HeaderName; 8] = [
@@ -67,6 +84,9 @@ pub fn for_upstream(headers: &mut HeaderMap, client_id: Option<&str>) {
     strip_hop_by_hop(headers);
     headers.remove(header::HOST);
     headers.remove(header::AUTHORIZATION);
+    for name in CLIENT_ONLY {
+        headers.remove(name);
+    }
     headers.remove(QUEUE_PRIORITY);
     headers.remove(CLIENT_ID);
     for internal in [HOP, HOP_REFUSED, HOP_ELAPSED] {
@@ -98,11 +118,18 @@ mod tests {
     fn upstream_never_sees_credentials_or_priority() {
         let mut headers = HeaderMap::new();
         headers.insert(header::AUTHORIZATION, "Bearer secret".parse().unwrap());
+        headers.insert(API_KEY, "secret".parse().unwrap());
+        headers.insert("api-key", "secret".parse().unwrap());
+        headers.insert(header::COOKIE, "session=secret".parse().unwrap());
+        headers.insert(FORWARDED_FOR, "10.0.0.1".parse().unwrap());
         headers.insert(QUEUE_PRIORITY, "high".parse().unwrap());
         headers.insert(CLIENT_ID, "spoofed".parse().unwrap());
         headers.insert(header::HOST, "proxy:11435".parse().unwrap());
         for_upstream(&mut headers, Some("batch"));
         assert!(headers.get(header::AUTHORIZATION).is_none());
+        for name in CLIENT_ONLY {
+            assert!(headers.get(&name).is_none(), "{name}");
+        }
         assert!(headers.get(QUEUE_PRIORITY).is_none());
         assert!(headers.get(header::HOST).is_none());
         assert_eq!(headers.get(CLIENT_ID).unwrap(), "batch");

@@ -201,9 +201,12 @@ pub struct Outcome {
 }
 
 /// The token counts of a response's final object: Ollama's `prompt_eval_count` and
-/// `eval_count`, or the OpenAI `usage` object's `prompt_tokens` and `completion_tokens`
+/// `eval_count`, the OpenAI `usage` object's `prompt_tokens` and `completion_tokens`
 /// (a non-streamed answer, or the last SSE chunk when the client asked for
-/// `stream_options.include_usage`).
+/// `stream_options.include_usage`), or the agents' layers' `input_tokens` and
+/// `output_tokens` (a Messages or Responses answer, the last `message_delta`, the
+/// `usage` of `response.completed`). A Messages stream gives its `input_tokens` only in
+/// its first event, `message_start`: the body's head supplies them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Tokens {
     /// Tokens of the prompt.
@@ -214,17 +217,35 @@ pub struct Tokens {
 
 impl Tokens {
     /// The counts in the kept tail of a body; zero where it has none.
-    pub fn of(tail: &[u8]) -> Self {
-        let either = |native: &[u8], openai: &[u8]| {
-            last_number(tail, native)
-                .or_else(|| last_number(tail, openai))
-                .unwrap_or(0)
+    pub fn of(tail: &[u8], head_prompt: Option<u64>) -> Self {
+        let any = |fields: [&[u8]; 3]| {
+            fields
+                .into_iter()
+                .find_map(|field| last_number(tail, field))
         };
         Self {
-            prompt: either(b"\"prompt_eval_count\":", b"\"prompt_tokens\":"),
-            completion: either(b"\"eval_count\":", b"\"completion_tokens\":"),
+            prompt: any(PROMPT_FIELDS).or(head_prompt).unwrap_or(0),
+            completion: any([
+                b"\"eval_count\":",
+                b"\"completion_tokens\":",
+                b"\"output_tokens\":",
+            ])
+            .unwrap_or(0),
         }
     }
+}
+
+/// The fields that count a prompt's tokens: Ollama's, OpenAI's, the agents' layers'.
+const PROMPT_FIELDS: [&[u8]; 3] = [
+    b"\"prompt_eval_count\":",
+    b"\"prompt_tokens\":",
+    b"\"input_tokens\":",
+];
+
+/// The prompt's tokens as the head of a body states them (a Messages stream's
+/// `message_start`), if it does.
+fn head_prompt(head: &[u8]) -> Option<u64> {
+    last_number(head, PROMPT_FIELDS[2])
 }
 
 /// Called once when a response body ends, fails or is dropped.
@@ -247,6 +268,10 @@ pub struct ResponseBody {
     /// NDJSON lines or SSE events seen whole: a stream cut short counts them as its
     /// completion tokens (about one a chunk), having no final object.
     chunks: u64,
+    /// Bytes seen so far, while the tail still holds the whole body.
+    seen: usize,
+    /// The prompt's tokens as the body's head states them (see [`Tokens::of`]).
+    head_prompt: Option<u64>,
     started: Instant,
     completion: Option<Completion>,
     guard: Option<Box<dyn Send + Sync>>,
@@ -291,6 +316,8 @@ impl ResponseBody {
             last_byte: None,
             tail: Vec::new(),
             chunks: 0,
+            seen: 0,
+            head_prompt: None,
             started: Instant::now(),
             completion,
             guard,
@@ -332,6 +359,12 @@ impl ResponseBody {
             self.tail.drain(..overflow);
             self.tail.extend_from_slice(data);
         }
+        // Only while the tail is the body's head too, and only for event streams (a
+        // whole answer states its counts at its end).
+        if self.framing == Framing::Sse && self.head_prompt.is_none() && self.seen < TAIL_BYTES {
+            self.seen = self.seen.saturating_add(data.len());
+            self.head_prompt = head_prompt(&self.tail);
+        }
     }
 
     fn finish(&mut self, complete: bool, cancelled: bool) {
@@ -345,13 +378,13 @@ impl ResponseBody {
                     .flatten()
                     .map(Duration::from_nanos),
                 tokens: if complete {
-                    Tokens::of(&self.tail)
+                    Tokens::of(&self.tail, self.head_prompt)
                 } else {
                     // Cut short (the upstream died, the client went away): no final
                     // object, so the chunks seen stand for the tokens generated, and a
                     // token budget is not dodged by disconnecting.
                     Tokens {
-                        prompt: 0,
+                        prompt: self.head_prompt.unwrap_or(0),
                         completion: self.chunks,
                     }
                 },
@@ -536,7 +569,7 @@ mod tests {
 {"done":true,"total_duration":5,"prompt_eval_count":12,"eval_count":30}
 "#;
         assert_eq!(
-            Tokens::of(native),
+            Tokens::of(native, None),
             Tokens {
                 prompt: 12,
                 completion: 30
@@ -544,7 +577,7 @@ mod tests {
         );
         let sse = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":9,\"total_tokens\":16}}\n\ndata: [DONE]\n\n";
         assert_eq!(
-            Tokens::of(sse),
+            Tokens::of(sse, None),
             Tokens {
                 prompt: 7,
                 completion: 9
@@ -552,13 +585,46 @@ mod tests {
         );
         let embed = br#"{"embeddings":[[0.1]],"total_duration":3,"prompt_eval_count":4}"#;
         assert_eq!(
-            Tokens::of(embed),
+            Tokens::of(embed, None),
             Tokens {
                 prompt: 4,
                 completion: 0
             }
         );
-        assert_eq!(Tokens::of(b"{\"done\":true}"), Tokens::default());
+        assert_eq!(Tokens::of(b"{\"done\":true}", None), Tokens::default());
+    }
+
+    #[test]
+    fn reads_token_counts_of_the_agents_layers() {
+        let message =
+            br#"{"type":"message","content":[],"usage":{"input_tokens":11,"output_tokens":5}}"#;
+        assert_eq!(
+            Tokens::of(message, None),
+            Tokens {
+                prompt: 11,
+                completion: 5
+            }
+        );
+        // A Messages stream: input_tokens in message_start (the head), output_tokens in
+        // the last message_delta.
+        let start = b"event: message_start\ndata: {\"message\":{\"usage\":{\"input_tokens\":21,\"output_tokens\":0}}}\n\n";
+        let end = b"event: message_delta\ndata: {\"usage\":{\"output_tokens\":8}}\n\nevent: message_stop\ndata: {}\n\n";
+        assert_eq!(head_prompt(start), Some(21));
+        assert_eq!(
+            Tokens::of(end, head_prompt(start)),
+            Tokens {
+                prompt: 21,
+                completion: 8
+            }
+        );
+        let completed = br#"data: {"type":"response.completed","response":{"usage":{"input_tokens":3,"input_tokens_details":{"cached_tokens":0},"output_tokens":4,"total_tokens":7}}}"#;
+        assert_eq!(
+            Tokens::of(completed, None),
+            Tokens {
+                prompt: 3,
+                completion: 4
+            }
+        );
     }
 
     /// The tokens a body of `framing` reports when it is dropped after `frames`.

@@ -28,6 +28,7 @@
 #![allow(clippy::result_large_err)]
 
 mod admin;
+mod agents;
 mod builder;
 mod cloud;
 mod embed;

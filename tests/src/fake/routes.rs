@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 use super::record::{RecordedRequest, bearer};
 use super::state::{ConnCtl, Ctx, Shared, Tracker};
 use super::wire::{Reply, empty, method_not_allowed, route_not_found};
-use super::{admin, embed, native, openai};
+use super::{admin, agents, embed, native, openai};
 
 /// The routes the fake serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +41,8 @@ enum Endpoint {
     Usage,
     ChatCompletions,
     Completions,
+    Messages,
+    Responses,
     OpenAiEmbeddings,
     Models,
     Model(String),
@@ -144,6 +146,8 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
         },
         Endpoint::ChatCompletions => openai::chat_completions(ctx, body).await,
         Endpoint::Completions => openai::completions(ctx, body).await,
+        Endpoint::Messages => agents::messages(ctx, body).await,
+        Endpoint::Responses => agents::responses(ctx, body).await,
         Endpoint::OpenAiEmbeddings => openai::embeddings(ctx, body).await,
         Endpoint::Models => Ok(openai::models(ctx)),
         Endpoint::Model(id) => Ok(openai::model(ctx, &id)),
@@ -162,6 +166,8 @@ fn names_a_model(endpoint: &Endpoint) -> bool {
             | Endpoint::Embeddings
             | Endpoint::ChatCompletions
             | Endpoint::Completions
+            | Endpoint::Messages
+            | Endpoint::Responses
             | Endpoint::OpenAiEmbeddings
     )
 }
@@ -186,6 +192,8 @@ fn endpoint(path: &str, cloud: bool) -> Option<Endpoint> {
         "/api/usage" if cloud => Endpoint::Usage,
         "/v1/chat/completions" => Endpoint::ChatCompletions,
         "/v1/completions" => Endpoint::Completions,
+        "/v1/messages" => Endpoint::Messages,
+        "/v1/responses" => Endpoint::Responses,
         "/v1/embeddings" => Endpoint::OpenAiEmbeddings,
         "/v1/models" => Endpoint::Models,
         _ => {

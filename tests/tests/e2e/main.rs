@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod agents;
 mod bench_smoke;
 mod connections;
 mod embeddings;
