@@ -194,12 +194,29 @@ impl ProxyError {
     }
 
     /// The response for this error, carrying `request_id` in the body and in
-    /// `X-Request-ID`.
-    pub fn into_response(self, request_id: &str) -> Response<Body> {
-        let body = match &self {
+    /// `X-Request-ID`, in the error shape of the route asked for (`shape`), so that an
+    /// SDK shows the reason and backs off as it would with the real API.
+    pub fn into_response(self, request_id: &str, shape: Shape) -> Response<Body> {
+        let body = match (&self, shape) {
             // The reference answers a disabled dashboard like an unknown route.
-            Self::NotFound => serde_json::json!({ "detail": "Not Found" }),
-            other => serde_json::json!({ "error": other.to_string(), "request_id": request_id }),
+            (Self::NotFound, _) => serde_json::json!({ "detail": "Not Found" }),
+            (other, Shape::Native) => {
+                serde_json::json!({ "error": other.to_string(), "request_id": request_id })
+            }
+            (other, Shape::Anthropic) => serde_json::json!({
+                "type": "error",
+                "error": { "type": anthropic_type(other.status()), "message": other.to_string() },
+                "request_id": request_id,
+            }),
+            (other, Shape::OpenAi) => serde_json::json!({
+                "error": {
+                    "message": other.to_string(),
+                    "type": openai_type(other.status()),
+                    "param": null,
+                    "code": other.code(),
+                },
+                "request_id": request_id,
+            }),
         };
         let mut response = Response::new(body::json(&body));
         *response.status_mut() = self.status();
@@ -230,13 +247,77 @@ impl ProxyError {
     }
 }
 
+/// The error body's shape: oqp's own (Ollama's `{"error": "…"}`), or the one of the API
+/// layer the route belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// `{"error": "…", "request_id": …}`: the native API and oqp's own routes.
+    Native,
+    /// `{"type":"error","error":{"type":…,"message":…}}`: `/v1/messages`.
+    Anthropic,
+    /// `{"error":{"message":…,"type":…,"param":null,"code":…}}`: `/v1/responses`.
+    OpenAi,
+}
+
+impl Shape {
+    /// The shape of the route a request path names (as received: a path that is not
+    /// canonical is refused in oqp's own shape anyway).
+    pub fn of(path: &str) -> Self {
+        match path {
+            "/v1/messages" => Self::Anthropic,
+            "/v1/responses" => Self::OpenAi,
+            _ => Self::Native,
+        }
+    }
+}
+
+/// Anthropic's error type for a status, as its SDKs map them to exceptions.
+fn anthropic_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    }
+}
+
+/// OpenAI's error type for a status.
+fn openai_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    }
+}
+
+impl ProxyError {
+    /// A stable machine-readable code for the OpenAI shape, where one helps a client.
+    fn code(&self) -> Option<&'static str> {
+        match self {
+            Self::BudgetExceeded { .. } => Some("budget_exceeded"),
+            Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked => {
+                Some("invalid_api_key")
+            }
+            Self::QueueFull { .. } | Self::OverCapacity { .. } => Some("queue_full"),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
 
     async fn body_of(error: ProxyError) -> (StatusCode, http::HeaderMap, serde_json::Value) {
-        let response = error.into_response("rid-1");
+        let response = error.into_response("rid-1", Shape::Native);
         let (parts, body) = response.into_parts();
         let bytes = body.collect().await.unwrap().to_bytes();
         (

@@ -30,7 +30,7 @@ use crate::auth::{self, ANONYMOUS, Identity, ListenerKind};
 use crate::body::{self, Body};
 use crate::embeddings;
 use crate::endpoint::{self, Access, Endpoint, Inference};
-use crate::error::ProxyError;
+use crate::error::{self, ProxyError};
 use crate::headers;
 use crate::hop;
 use crate::metrics;
@@ -52,6 +52,7 @@ pub async fn handle(
 ) -> Response<Body> {
     let started = std::time::Instant::now();
     let request_id = request_id::from_headers(request.headers());
+    let shape = error::Shape::of(request.uri().path());
     // Set on the request too, so that what goes upstream or to the owner of
     // the chosen host carries the same id as the answer and both logs.
     if let Ok(id) = HeaderValue::from_str(&request_id) {
@@ -82,7 +83,7 @@ pub async fn handle(
         Ok(response) => response,
         Err(error) => {
             refused = error.worth_another_box();
-            error.into_response(&request_id)
+            error.into_response(&request_id, shape)
         }
     };
     if hopped {

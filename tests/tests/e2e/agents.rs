@@ -213,6 +213,14 @@ async fn a_wrong_or_conflicting_key_reaches_nothing_and_a_spent_budget_is_refuse
     ] {
         let wrong = post(&base, path, &[("x-api-key", "sk-wrong-0123456789")], &body).await;
         assert_eq!(wrong.status, 401, "{path}");
+        let error = wrong.json();
+        if path == "/v1/messages" {
+            assert_eq!(error["type"], "error");
+            assert_eq!(error["error"]["type"], "authentication_error");
+        } else {
+            assert_eq!(error["error"]["type"], "authentication_error");
+            assert_eq!(error["error"]["code"], "invalid_api_key");
+        }
         let conflicting = post(
             &base,
             path,
@@ -244,10 +252,15 @@ async fn a_wrong_or_conflicting_key_reaches_nothing_and_a_spent_budget_is_refuse
         let refused = post(&base, path, &[("x-api-key", SPENT_KEY)], &body).await;
         assert_eq!(refused.status, 429, "{path}: {}", refused.text());
         assert!(refused.header("retry-after").is_some());
-        assert!(
-            refused.text().contains("budget exceeded: tokens 1 per 1d"),
-            "{}",
-            refused.text()
+        let error = refused.json();
+        assert_eq!(error["error"]["type"], "rate_limit_error", "{path}");
+        assert_eq!(
+            error["error"]["message"],
+            "budget exceeded: tokens 1 per 1d"
+        );
+        assert_eq!(
+            error["request_id"],
+            refused.header("x-request-id").unwrap().as_str()
         );
     }
     assert_eq!(inference(), 1);
