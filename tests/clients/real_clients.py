@@ -3,11 +3,13 @@
 Run by tests/clients/run.sh against oqp in single-box mode in front of the
 fake Ollama, with auth on. It uses only what a user would set:
 OLLAMA_HOST and OLLAMA_API_KEY for ollama-python, base_url and api_key for
-openai-python. Every check runs; any failure makes the exit status 1.
+openai-python, base_url with api_key (x-api-key) or auth_token (Bearer) for
+anthropic-python. Every check runs; any failure makes the exit status 1.
 
 Environment: OLLAMA_HOST (http://127.0.0.1:PORT of oqp), OLLAMA_API_KEY (an
 oqp key), OQP_CHAT_MODEL (default llama3.2), OQP_EMBED_MODEL (default
-all-minilm).
+all-minilm), OQP_SPENT_KEY (an oqp key whose token budget is spent after one
+answer).
 """
 
 import base64
@@ -18,6 +20,7 @@ import struct
 import sys
 import traceback
 
+import anthropic
 import ollama
 import openai
 
@@ -25,6 +28,7 @@ HOST = os.environ["OLLAMA_HOST"]
 KEY = os.environ["OLLAMA_API_KEY"]
 CHAT = os.environ.get("OQP_CHAT_MODEL", "llama3.2")
 EMBED = os.environ.get("OQP_EMBED_MODEL", "all-minilm")
+SPENT = os.environ.get("OQP_SPENT_KEY", "")
 TEXTS = ["The sky is blue because of Rayleigh scattering.", "Grass is green."]
 
 CHECKS = []
@@ -201,9 +205,89 @@ def openai_wrong_key():
     raise AssertionError("a wrong key was served")
 
 
+# ---- the agents' APIs: anthropic-python on /v1/messages, openai on /v1/responses ----
+
+
+def anthropic_client(**credentials):
+    # What Claude Code does with ANTHROPIC_BASE_URL: the root, not /v1.
+    credentials = credentials or {"api_key": KEY}
+    return anthropic.Anthropic(base_url=HOST.rstrip("/"), max_retries=0, **credentials)
+
+
+@check("anthropic: messages, x-api-key")
+def anthropic_messages():
+    message = anthropic_client().messages.create(
+        model=CHAT, max_tokens=64, messages=[{"role": "user", "content": "Hello!"}]
+    )
+    expect(message.content and message.content[0].text, "no text")
+    expect(message.usage.output_tokens > 0, f"usage {message.usage}")
+
+
+@check("anthropic: messages streamed, Bearer (auth_token)")
+def anthropic_messages_streamed():
+    client = anthropic_client(auth_token=KEY)
+    with client.messages.stream(
+        model=CHAT, max_tokens=64, messages=[{"role": "user", "content": "Hello!"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    expect(text, "no text")
+    expect(final.usage.output_tokens > 0, f"usage {final.usage}")
+
+
+@check("anthropic: a wrong key is refused")
+def anthropic_wrong_key():
+    try:
+        anthropic_client(api_key="sk-wrong").messages.create(
+            model=CHAT, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+        )
+    except anthropic.AuthenticationError:
+        return
+    raise AssertionError("a wrong key was served")
+
+
+@check("openai: responses")
+def openai_responses():
+    response = openai_client().responses.create(model=CHAT, input="Hello!")
+    expect(response.output_text, "no text")
+    expect(response.usage.output_tokens > 0, f"usage {response.usage}")
+
+
+@check("openai: responses streamed")
+def openai_responses_streamed():
+    events = list(openai_client().responses.create(model=CHAT, input="Hello!", stream=True))
+    kinds = [event.type for event in events]
+    expect(kinds[0] == "response.created", f"events {kinds}")
+    expect(kinds[-1] == "response.completed", f"events {kinds}")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    expect(text, "no text")
+
+
+@check("a spent budget raises each SDK's rate-limit error")
+def spent_budget():
+    expect(SPENT, "OQP_SPENT_KEY is not set")
+    first = anthropic_client(api_key=SPENT)
+    # The first answer spends the budget of one token; the next requests are refused.
+    first.messages.create(model=CHAT, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    try:
+        first.messages.create(model=CHAT, max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+        raise AssertionError("anthropic: a spent budget was served")
+    except anthropic.RateLimitError as error:
+        expect("budget exceeded" in str(error), str(error))
+    client = openai.OpenAI(base_url=HOST.rstrip("/") + "/v1", api_key=SPENT, max_retries=0)
+    try:
+        client.responses.create(model=CHAT, input="hi")
+        raise AssertionError("openai: a spent budget was served")
+    except openai.RateLimitError as error:
+        expect("budget exceeded" in str(error), str(error))
+
+
 def main():
-    versions = {name: metadata.version(name) for name in ("ollama", "openai")}
-    print(f"ollama-python {versions['ollama']}, openai-python {versions['openai']}, through {HOST}")
+    versions = {name: metadata.version(name) for name in ("ollama", "openai", "anthropic")}
+    print(
+        f"ollama-python {versions['ollama']}, openai-python {versions['openai']}, "
+        f"anthropic-python {versions['anthropic']}, through {HOST}"
+    )
     failed = []
     for name, function in CHECKS:
         try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The real-client step: the official Python clients (ollama, openai; pinned in
+# The real-client step: the official Python clients (ollama, openai, anthropic; pinned in
 # requirements.txt) run tests/clients/real_clients.py through oqp in
 # single-box mode, auth on, in front of the fake Ollama. Everything runs on
 # free loopback ports and is stopped on exit, whatever happens.
@@ -59,6 +59,7 @@ fake=$(head -n 1 "$work/fake.addr")
 proxy_port=$(free_port)
 control_port=$(free_port)
 key="sk-real-clients-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
+spent_key="sk-spent-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
 cat >"$work/config.yml" <<YAML
 proxy:
   host: "127.0.0.1"
@@ -72,6 +73,9 @@ auth:
   keys:
     - key: "$key"
       client_id: real-clients
+    - key: "$spent_key"
+      client_id: spent
+      budget: {tokens: 1, window: 1d}
 control_plane:
   listen: "127.0.0.1:$control_port"
   state_dir: "$work/state"
@@ -98,6 +102,6 @@ while True:
 PY
 
 echo "-- running the clients"
-OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" \
+OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" OQP_SPENT_KEY="$spent_key" \
   OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
   "$python" tests/clients/real_clients.py
