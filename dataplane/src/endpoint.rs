@@ -16,7 +16,8 @@ use http::Method;
 /// The class of a proxied path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
-    /// `/`, `/api/version`, `/api/tags`, `/api/ps`, `/api/show`: never queued.
+    /// `/`, `/api/version`, `/api/tags`, `/api/ps`, `/api/show`, `/api/status`,
+    /// `/v1/models`, `/v1/models/{model}`: never queued.
     Metadata,
     /// Generation and embeddings: queued, body read whole.
     Inference(Inference),
@@ -71,7 +72,9 @@ impl Endpoint {
     /// Ollama's router is: `/api/tags/` is not `/api/tags`.
     pub fn of(path: &str) -> Self {
         match path {
-            "/" | "/api/version" | "/api/tags" | "/api/ps" | "/api/show" => Self::Metadata,
+            "/" | "/api/version" | "/api/tags" | "/api/ps" | "/api/show" | "/api/status"
+            | "/v1/models" => Self::Metadata,
+            _ if is_model_retrieve(path) => Self::Metadata,
             "/api/generate" => Self::Inference(Inference::Generate),
             "/api/chat" => Self::Inference(Inference::Chat),
             "/api/embed" => Self::Inference(Inference::Embed),
@@ -177,6 +180,9 @@ mod tests {
         );
         assert_eq!(Endpoint::of("/api/user/keys/k"), Endpoint::ModelManagement);
         assert_eq!(Endpoint::of("/api/blob"), Endpoint::Other);
+        assert_eq!(Endpoint::of("/v1/models"), Endpoint::Metadata);
+        assert_eq!(Endpoint::of("/v1/models/llama3:8b"), Endpoint::Metadata);
+        assert_eq!(Endpoint::of("/v1/models/a/b"), Endpoint::Other);
         assert_eq!(
             Endpoint::of("/v1/messages"),
             Endpoint::Inference(Inference::AnthropicMessages)

@@ -283,6 +283,10 @@ async fn forward(
     let path = endpoint::path::canonical(request.uri().path())
         .map_err(|_| ProxyError::PathNotCanonical)?;
     let endpoint = Endpoint::of(path);
+    let retrieved = path
+        .strip_prefix("/v1/models/")
+        .filter(|_| endpoint == Endpoint::Metadata)
+        .map(str::to_owned);
     if !policy.proxy.allow_model_management {
         match endpoint::access(request.method(), path) {
             Access::Proxied => {}
@@ -355,9 +359,11 @@ async fn forward(
 
     if endpoint == Endpoint::Metadata {
         // The fast path: never queued, never capped, no slot.
-        let model = match &outbound.body {
-            RequestBody::Buffered(bytes) => rewrite::model_of(bytes),
-            RequestBody::Streamed(_) => None,
+        // `/v1/models/{model}` names its model in the path; the others in the body.
+        let model = match (retrieved, &outbound.body) {
+            (Some(model), _) => Some(model),
+            (None, RequestBody::Buffered(bytes)) => rewrite::model_of(bytes),
+            (None, RequestBody::Streamed(_)) => None,
         };
         return Box::pin(metadata(app, policy, outbound, model.as_deref())).await;
     }

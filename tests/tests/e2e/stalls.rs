@@ -378,7 +378,7 @@ async fn a_streamed_body_that_stops_half_way_frees_the_slot() {
     let mut trickle = TcpStream::connect(stack.proxy_addr()).await.unwrap();
     trickle
         .write_all(
-            b"POST /v1/messages HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
+            b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
         )
         .await
         .unwrap();
