@@ -266,3 +266,69 @@ async fn a_wrong_or_conflicting_key_reaches_nothing_and_a_spent_budget_is_refuse
     assert_eq!(inference(), 1);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn both_streams_arrive_event_by_event_not_buffered() {
+    let fake = FakeOllama::builder()
+        .model("qwen3-coder")
+        .tokens(5)
+        .token_interval(std::time::Duration::from_millis(150))
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(
+        &host(&fake.url(), "box"),
+        &dir.path().display().to_string(),
+    ))
+    .await;
+    let http = HttpClient::new();
+    for (path, body) in [
+        ("/v1/messages", messages("qwen3-coder", true)),
+        ("/v1/responses", responses("qwen3-coder", true)),
+    ] {
+        // The same stream through oqp and straight from the fake: each event's arrival,
+        // counted from the stream's first event, is compared between the two.
+        let offsets = |lines: Vec<oqp_tests::client::TimedLine>| {
+            let data: Vec<_> = lines
+                .into_iter()
+                .filter(|line| line.line.starts_with("data: "))
+                .collect();
+            let first = data[0].at;
+            data.into_iter()
+                .map(|line| line.at - first)
+                .collect::<Vec<_>>()
+        };
+        let (status, headers, proxied) = http
+            .post_lines(
+                &format!("{}{path}", stack.url()),
+                &[("x-api-key", AGENT_KEY)],
+                &body,
+            )
+            .await;
+        assert_eq!(status, 200, "{path}");
+        assert_eq!(headers["content-type"], "text/event-stream");
+        let (_, _, direct) = http
+            .post_lines(&format!("{}{path}", fake.url()), &[], &body)
+            .await;
+        let (proxied, direct) = (offsets(proxied), offsets(direct));
+        assert_eq!(proxied.len(), direct.len(), "{path}");
+        // The fake spaces its deltas 150 ms apart: a buffering proxy would deliver the
+        // events together.
+        let spread = *proxied.last().unwrap();
+        assert!(
+            spread >= std::time::Duration::from_millis(500),
+            "{path}: events arrived within {spread:?}"
+        );
+        let lags: Vec<f64> = proxied
+            .iter()
+            .zip(&direct)
+            .map(|(through, straight)| (through.as_secs_f64() - straight.as_secs_f64()) * 1e3)
+            .collect();
+        let worst = lags.iter().fold(0.0_f64, |worst, lag| worst.max(lag.abs()));
+        eprintln!(
+            "{path}: {} events, per-event lag against direct (ms): {lags:.2?}, worst {worst:.2}",
+            lags.len()
+        );
+    }
+    stack.shutdown().await;
+}
