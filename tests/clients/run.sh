@@ -12,8 +12,9 @@ cd "$(dirname "$0")/../.."
 target=${CARGO_TARGET_DIR:-target}/debug
 venv=${OQP_VENV:-.venv}
 
-echo "-- building oqp-controlplane and fake-ollama"
-cargo build --locked -q -p oqp-controlplane --bin oqp-controlplane -p oqp-tests --bin fake-ollama
+echo "-- building oqp-controlplane, fake-ollama and oqpctl"
+cargo build --locked -q -p oqp-controlplane --bin oqp-controlplane -p oqp-tests --bin fake-ollama \
+  -p oqpctl --bin oqpctl
 
 echo "-- python environment ($venv)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -105,3 +106,15 @@ echo "-- running the clients"
 OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" OQP_SPENT_KEY="$spent_key" \
   OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
   "$python" tests/clients/real_clients.py
+
+# What the clients used, as the operator sees it: the data plane reports about once a
+# second, so the table is asked for until the agents' routes are in it (bounded).
+echo "-- oqpctl usage after the clients"
+for _ in $(seq 100); do
+  table=$(OQPCTL_KEY="$key" OQP_CONTROL_PLANE="http://127.0.0.1:$control_port" NO_COLOR=1 \
+    "$target/oqpctl" usage --by client,model 2>&1) || true
+  grep -q "real-clients" <<<"$table" && grep -q "spent" <<<"$table" && break
+  sleep 0.1
+done
+echo "$table"
+grep -q "real-clients" <<<"$table" && grep -q "spent" <<<"$table"
