@@ -265,6 +265,8 @@ impl Shape {
     pub fn of(path: &str) -> Self {
         match path {
             "/v1/messages" => Self::Anthropic,
+            // The other OpenAI-compatible routes keep oqp's own shape, which their
+            // clients already read (`/v1/embeddings` documents it).
             "/v1/responses" => Self::OpenAi,
             _ => Self::Native,
         }
@@ -317,7 +319,14 @@ mod tests {
     use http_body_util::BodyExt;
 
     async fn body_of(error: ProxyError) -> (StatusCode, http::HeaderMap, serde_json::Value) {
-        let response = error.into_response("rid-1", Shape::Native);
+        shaped(error, Shape::Native).await
+    }
+
+    async fn shaped(
+        error: ProxyError,
+        shape: Shape,
+    ) -> (StatusCode, http::HeaderMap, serde_json::Value) {
+        let response = error.into_response("rid-1", shape);
         let (parts, body) = response.into_parts();
         let bytes = body.collect().await.unwrap().to_bytes();
         (
@@ -325,6 +334,37 @@ mod tests {
             parts.headers,
             serde_json::from_slice(&bytes).unwrap(),
         )
+    }
+
+    #[test]
+    fn each_api_layer_has_its_shape() {
+        assert_eq!(Shape::of("/v1/messages"), Shape::Anthropic);
+        assert_eq!(Shape::of("/v1/responses"), Shape::OpenAi);
+        assert_eq!(Shape::of("/v1/chat/completions"), Shape::Native);
+        assert_eq!(Shape::of("/api/chat"), Shape::Native);
+        assert_eq!(Shape::of("/queue/status"), Shape::Native);
+    }
+
+    #[tokio::test]
+    async fn the_agents_layers_get_refusals_in_their_own_shape() {
+        let spent = || ProxyError::QueueFull {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            retry_after: 3,
+        };
+        let (status, headers, body) = shaped(spent(), Shape::Anthropic).await;
+        assert_eq!(status, 503);
+        assert_eq!(headers["retry-after"], "3");
+        assert_eq!(body["type"], "error");
+        assert_eq!(body["error"]["type"], "overloaded_error");
+        assert_eq!(body["error"]["message"], "queue full");
+        assert_eq!(body["request_id"], "rid-1");
+        let (_, _, body) = shaped(spent(), Shape::OpenAi).await;
+        assert_eq!(body["error"]["message"], "queue full");
+        assert_eq!(body["error"]["type"], "server_error");
+        assert_eq!(body["error"]["code"], "queue_full");
+        let (status, _, body) = shaped(ProxyError::UnknownKey, Shape::Anthropic).await;
+        assert_eq!(status, 401);
+        assert_eq!(body["error"]["type"], "authentication_error");
     }
 
     #[tokio::test]
