@@ -5,7 +5,7 @@
 //! tenant credential reaches Ollama.
 
 use oqp_tests::client::{HttpClient, Reply};
-use oqp_tests::fake::{FakeOllama, USAGE_HEADER};
+use oqp_tests::fake::{Failure, FakeOllama, USAGE_HEADER};
 use oqp_tests::harness::Stack;
 use serde_json::{Value, json};
 
@@ -194,6 +194,35 @@ async fn a_stale_inventory_is_retried_on_the_host_that_has_the_model() {
         }
     }
     stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_host_that_fails_before_the_first_byte_is_failed_over() {
+    for (path, body) in [
+        ("/v1/messages", messages("qwen3-coder", true)),
+        ("/v1/responses", responses("qwen3-coder", false)),
+    ] {
+        // The model is loaded on `first`, so it is tried first; installed on `second`.
+        let first = FakeOllama::builder()
+            .model("qwen3-coder")
+            .loaded("qwen3-coder")
+            .spawn()
+            .await;
+        let second = FakeOllama::builder().model("qwen3-coder").spawn().await;
+        let dir = tempfile::tempdir().unwrap();
+        let hosts = [host(&first.url(), "first"), host(&second.url(), "second")].concat();
+        let stack = Stack::start(&config(&hosts, &dir.path().display().to_string())).await;
+        first.handle().fail_next(Failure::Refuse);
+        let reply = post(&stack.url(), path, &[("x-api-key", AGENT_KEY)], &body).await;
+        assert_eq!(reply.status, 200, "{path}: {}", reply.text());
+        assert_eq!(
+            reply.header("x-failover-host").as_deref(),
+            Some("second"),
+            "{path}"
+        );
+        assert_eq!(second.handle().requests_to(path).len(), 1, "{path}");
+        stack.shutdown().await;
+    }
 }
 
 #[tokio::test]
