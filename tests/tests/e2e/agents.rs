@@ -361,3 +361,37 @@ async fn both_streams_arrive_event_by_event_not_buffered() {
     }
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn wrong_x_api_keys_count_for_the_failed_auth_throttle() {
+    let fake = FakeOllama::builder().model("qwen3-coder").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = config(&host(&fake.url(), "box"), &dir.path().display().to_string()).replace(
+        "auth:\n  enabled: true\n",
+        "auth:\n  enabled: true\n  rate_limit:\n    max_failures: 2\n    window_seconds: 60\n",
+    );
+    let stack = Stack::start(&config).await;
+    let body = messages("qwen3-coder", false);
+    let wrong = [("x-api-key", "sk-guess-0123456789")];
+    for _ in 0..2 {
+        assert_eq!(
+            post(&stack.url(), "/v1/messages", &wrong, &body)
+                .await
+                .status,
+            401
+        );
+    }
+    // Throttled now, even with the right key from the same address.
+    let throttled = post(
+        &stack.url(),
+        "/v1/messages",
+        &[("x-api-key", AGENT_KEY)],
+        &body,
+    )
+    .await;
+    assert_eq!(throttled.status, 429, "{}", throttled.text());
+    assert!(throttled.header("retry-after").is_some());
+    assert_eq!(throttled.json()["error"]["type"], "rate_limit_error");
+    assert!(fake.handle().requests_to("/v1/messages").is_empty());
+    stack.shutdown().await;
+}
