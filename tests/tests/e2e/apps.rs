@@ -227,7 +227,10 @@ async fn a_models_list_refuses_other_models_on_every_route_and_filters_the_listi
         names(&ps.json(), "models", "name"),
         ["llama3.2:3b", "nomic-embed-text:latest"]
     );
-    assert_eq!(names(&get(&base, "/api/ps", OPEN).await.json(), "models", "name").len(), 4);
+    assert_eq!(
+        names(&get(&base, "/api/ps", OPEN).await.json(), "models", "name").len(),
+        4
+    );
     let models = get(&base, "/v1/models", STUDENTS).await;
     assert_eq!(
         names(&models.json(), "data", "id"),
