@@ -37,6 +37,22 @@ pub struct Inventory {
     pub resident: Vec<(String, u64)>,
     /// When it was last polled.
     pub last_checked: Option<SystemTime>,
+    /// Installed models whose runner Ollama forces to one slot (from `/api/show`), by
+    /// normalised name, with the reason.
+    pub forced: Vec<(String, String)>,
+    /// What `/api/show` said of each installed model, at the digest it was asked for.
+    pub shown: Vec<crate::poller::Shown>,
+}
+
+/// A model name as Ollama compares names: lowercase, `:latest` when it has no tag.
+pub fn normalize_model(name: &str) -> String {
+    let lower = name.trim().to_ascii_lowercase();
+    let last_segment = lower.rsplit('/').next().unwrap_or(&lower);
+    if last_segment.contains(':') {
+        lower
+    } else {
+        format!("{lower}:latest")
+    }
 }
 
 /// Builds the snapshot for `version`.
@@ -119,6 +135,26 @@ pub fn snapshot(
                 vram_bytes: host.vram.unwrap_or(0),
                 resident: seen.map(|s| model_sizes(&s.resident)).unwrap_or_default(),
                 sizes: seen.map(|s| model_sizes(&s.sizes)).unwrap_or_default(),
+                num_parallel: host.num_parallel,
+                runner_slots: host
+                    .runner_overrides
+                    .iter()
+                    .map(|(pattern, num_parallel)| wire::RunnerSlots {
+                        pattern: pattern.clone(),
+                        num_parallel: *num_parallel,
+                    })
+                    .collect(),
+                forced_runners: seen
+                    .map(|s| {
+                        s.forced
+                            .iter()
+                            .map(|(model, reason)| wire::ForcedRunner {
+                                model: model.clone(),
+                                reason: reason.clone(),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
             }
         })
         .collect();

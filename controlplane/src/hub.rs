@@ -504,6 +504,8 @@ mod tests {
             sizes: installed.iter().map(|m| ((*m).to_owned(), 1)).collect(),
             resident: Vec::new(),
             last_checked: Some(SystemTime::now()),
+            forced: Vec::new(),
+            shown: Vec::new(),
         }
     }
 

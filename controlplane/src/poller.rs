@@ -17,6 +17,7 @@
 //! ([`Hub::request_repoll`]), at most once a [`REPOLL_MIN_GAP`].
 
 mod probe;
+pub mod runners;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,6 +34,7 @@ use crate::outbound::Outbound;
 use crate::webhooks::Notice;
 
 pub use probe::{Observation, parse_models};
+pub use runners::Shown;
 
 /// The shortest time between two polls of one host woken by re-poll requests.
 pub const REPOLL_MIN_GAP: Duration = Duration::from_secs(1);
@@ -99,11 +101,13 @@ impl Target {
 /// without webhooks; hosts that do not answer are logged at WARN.
 pub async fn probe_all(hub: &Hub, client: &Outbound) -> usize {
     let targets = Target::all(&hub.config());
-    let observations = futures_util::future::join_all(
-        targets
-            .iter()
-            .map(|target| async move { (target, probe::probe(client, target).await) }),
-    )
+    let observations = futures_util::future::join_all(targets.iter().map(|target| async move {
+        let previous = hub.inventory_of(&target.name);
+        (
+            target,
+            probe::probe(client, target, previous.as_ref()).await,
+        )
+    }))
     .await;
     let mut healthy = 0;
     for (target, observation) in observations {
@@ -208,9 +212,10 @@ async fn poll_host(
         let started = Instant::now();
         last_poll = Some(started);
         due = started + target.interval;
+        let previous = hub.inventory_of(&target.name);
         let observation = tokio::select! {
             () = stop.cancelled() => return,
-            observation = probe::probe(&client, &target) => observation,
+            observation = probe::probe(&client, &target, previous.as_ref()) => observation,
         };
         if stop.is_cancelled() {
             return;

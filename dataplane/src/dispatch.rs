@@ -104,6 +104,10 @@ pub struct Lease {
     started: Instant,
     cost: Option<Duration>,
     load: Option<Duration>,
+    /// Whether its client was identified, for a ticket that waits again.
+    verified: bool,
+    /// Its ticket went back to the queue: dropping it completes nothing.
+    settled: bool,
 }
 
 /// Permission to send a request to `host` now.
@@ -406,6 +410,8 @@ impl Dispatcher {
                     started: now,
                     cost: None,
                     load: None,
+                    verified: dispatch.payload.verified,
+                    settled: false,
                 },
                 waited: dispatch.waited,
                 tier,
@@ -599,10 +605,12 @@ impl Dispatcher {
         drop(dropped);
     }
 
-    /// Like [`fail_over`](Self::fail_over), but when the other hosts are
-    /// only busy, waits (at most `timeout`) for one of their slots to free
-    /// instead of giving up, having released the failed host's slot. False
-    /// when no other host can ever take it (the lease then holds no slot).
+    /// Like [`fail_over`](Self::fail_over), but when the other hosts are only busy, the
+    /// request goes back to the queue instead of giving up: it holds no slot of any kind while
+    /// it waits (not the failed host's, not its client's in-flight count), and waits as the
+    /// ticket it was, at its own tier and place, its wait so far counting toward its
+    /// deadline; the next grant (at most `timeout` away) becomes the lease. False when no
+    /// other host can ever take it, or none did in time (the lease then holds no slot).
     pub async fn fail_over_wait(
         &self,
         lease: &mut Lease,
@@ -610,42 +618,68 @@ impl Dispatcher {
         down: bool,
         timeout: Duration,
     ) -> bool {
-        let now = tokio::time::Instant::now();
-        // The snapshot bounds the timeout; still, never panic on the request path.
-        let deadline = now
-            .checked_add(timeout)
-            .unwrap_or(now + Duration::from_secs(86_400));
-        let mut mark_down = down;
-        loop {
-            let freed = self.slot_freed.notified();
-            tokio::pin!(freed);
-            freed.as_mut().enable();
-            if self.fail_over(lease, tried, mark_down) {
-                return true;
-            }
-            mark_down = false;
-            // The failed host's slot is free for others at once, not when
-            // this request ends: waiting here for another host must not
-            // keep a host it has left.
-            if lease.placement.take().is_some() {
-                if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
-                    self.lock().router.released(&old, model, Instant::now());
-                }
-                lease.dispatcher.dispatch_freed();
-            }
-            let candidate_left = self
-                .lock()
-                .router
-                .stats()
-                .iter()
-                .any(|stat| !tried.contains(&stat.name) && !stat.marked_down);
-            if !candidate_left {
-                return false;
-            }
-            if tokio::time::timeout_at(deadline, freed).await.is_err() {
-                return false;
-            }
+        if self.fail_over(lease, tried, down) {
+            return true;
         }
+        let this = lease.dispatcher.clone();
+        // The failed host's slot is free for others at once.
+        if lease.placement.take().is_some() {
+            if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
+                self.lock().router.released(&old, model, Instant::now());
+            }
+            this.dispatch_freed();
+        }
+        let candidate_left = self
+            .lock()
+            .router
+            .stats()
+            .iter()
+            .any(|stat| !tried.contains(&stat.name) && !stat.marked_down);
+        if !candidate_left {
+            return false;
+        }
+        let (sender, receiver) = oneshot::channel();
+        let id = lease.id;
+        let requeued = {
+            let mut inner = self.lock();
+            let now = Instant::now();
+            let waiter = Waiter {
+                sender,
+                verified: lease.verified,
+            };
+            let requeued = inner
+                .scheduler
+                .requeue(id, waiter, tried.to_vec(), now)
+                .is_ok();
+            let dropped = if requeued {
+                this.pump(&mut inner, now)
+            } else {
+                Vec::new()
+            };
+            (requeued, dropped)
+        };
+        let (requeued, dropped) = requeued;
+        drop(dropped);
+        if !requeued {
+            return false;
+        }
+        // The ticket is the lease's no more: this lease must not complete it.
+        lease.settled = true;
+        self.timer.notify_one();
+        let pending = Pending {
+            dispatcher: this,
+            id,
+            receiver: Some(receiver),
+            position: 0,
+            immediate: false,
+        };
+        // Expired, flushed, revoked, or no grant in time: the request gives up (the timeout
+        // drops `pending`, which takes it out of the queue if it still waits).
+        let Ok(Ok(grant)) = tokio::time::timeout(timeout, pending.granted()).await else {
+            return false;
+        };
+        *lease = grant.lease;
+        true
     }
 
     /// The refusal of a request whose body does not fit the byte budget of
@@ -866,6 +900,9 @@ impl Drop for Lease {
     fn drop(&mut self) {
         // The slot frees first, so that the dispatch below can use it.
         drop(self.placement.take());
+        if self.settled {
+            return;
+        }
         let ran = self.ran.take();
         let cost = self.cost.unwrap_or_else(|| self.started.elapsed());
         let dispatcher = self.dispatcher.clone();

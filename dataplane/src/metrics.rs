@@ -138,6 +138,9 @@ pub struct Metrics {
     host_requests: IntCounterVec,
     host_failures: IntCounterVec,
     host_slots_in_use: IntGaugeVec,
+    runner_slots: IntGaugeVec,
+    runner_in_flight: IntGaugeVec,
+    ollama_queued_estimate: IntGauge,
     host_models_installed: IntGaugeVec,
     host_models_loaded: IntGaugeVec,
     upstream_ttfb: HistogramVec,
@@ -327,6 +330,20 @@ impl Metrics {
                 "oqp_host_slots_in_use",
                 "Upstream slots of the host in use",
                 &["name"],
+            ),
+            runner_slots: int_gauges(
+                "oqp_runner_slots",
+                "Slots of a model runner on the host (num_parallel, or 1 where Ollama forces it): resident runners and those with requests in flight",
+                &["host", "model"],
+            ),
+            runner_in_flight: int_gauges(
+                "oqp_runner_in_flight",
+                "Requests in flight on a model runner of the host",
+                &["host", "model"],
+            ),
+            ollama_queued_estimate: int_gauge(
+                "oqp_ollama_queued_estimate",
+                "Requests oqp knows are waiting inside Ollama (sent beyond a runner's or a host's slots); 0 when every runner is sent only what it runs",
             ),
             host_models_installed: int_gauges(
                 "oqp_host_models_installed",
@@ -786,9 +803,29 @@ impl Metrics {
             &self.host_slots_in_use,
             &self.host_models_installed,
             &self.host_models_loaded,
+            &self.runner_slots,
+            &self.runner_in_flight,
         ] {
             vec.reset();
         }
+        let mut inside_ollama: u64 = 0;
+        for stat in stats.slots.values() {
+            inside_ollama += u64::from(stat.slots_in_use.saturating_sub(stat.max_concurrent));
+            // Labels bounded by the host's own inventory: the resident runners and those
+            // with requests in flight.
+            for runner in &stat.runners {
+                let labels = [&*stat.name, runner.model.as_str()];
+                if let Ok(gauge) = self.runner_slots.get_metric_with_label_values(&labels) {
+                    gauge.set(i64::from(runner.slots.min(i32::MAX as u32)));
+                }
+                if let Ok(gauge) = self.runner_in_flight.get_metric_with_label_values(&labels) {
+                    gauge.set(i64::from(runner.in_flight));
+                }
+                inside_ollama += u64::from(runner.in_flight.saturating_sub(runner.slots));
+            }
+        }
+        self.ollama_queued_estimate
+            .set(i64::try_from(inside_ollama).unwrap_or(i64::MAX));
         for host in &policy.hosts {
             let name: &str = &host.name;
             let healthy = is_healthy(host, &stats);

@@ -168,6 +168,7 @@ mod tests {
 
     fn host(name: &str, slots: u32, installed: &[&str], loaded: &[&str]) -> Host {
         Host {
+            runners: Default::default(),
             name: Arc::from(name),
             url: format!("http://{name}:11434"),
             scheme: http::uri::Scheme::HTTP,

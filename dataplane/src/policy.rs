@@ -484,6 +484,36 @@ pub struct Host {
     pub owner: Option<Arc<str>>,
     /// What its VRAM holds and can hold.
     pub vram: Vram,
+    /// Its model runners' slots.
+    pub runners: Runners,
+}
+
+/// How many requests each model runner of a host runs at once: Ollama runs every loaded model
+/// as its own runner with `OLLAMA_NUM_PARALLEL` slots, except those it forces to one.
+#[derive(Debug, Default)]
+pub struct Runners {
+    /// `ollama.hosts[].num_parallel`; 0 = no limit of its own (the host's slots alone).
+    pub num_parallel: u32,
+    /// `ollama.hosts[].models."<glob>".num_parallel`, the first match winning.
+    pub overrides: Vec<(wildmatch::WildMatch, u32)>,
+    /// Models Ollama runs with one slot, learned from `/api/show`, with the reason.
+    pub forced: std::collections::HashMap<String, Arc<str>>,
+}
+
+impl Runners {
+    /// The slots of `model`'s runner (a normalised name), and why it has one, if Ollama
+    /// forces it.
+    pub fn slots(&self, model: &str) -> (u32, Option<&Arc<str>>) {
+        if let Some(reason) = self.forced.get(model) {
+            return (1, Some(reason));
+        }
+        let slots = self
+            .overrides
+            .iter()
+            .find(|(pattern, _)| pattern.matches(model))
+            .map_or(self.num_parallel, |(_, slots)| *slots);
+        (if slots == 0 { u32::MAX } else { slots }, None)
+    }
 }
 
 /// What a host's VRAM holds and can hold, as the control plane last saw it.

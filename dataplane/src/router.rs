@@ -10,9 +10,11 @@
 //!    has marked the host down since the last poll ([`mark_down`](Router::mark_down)). If no host
 //!    is healthy, every host is a candidate: health is a cached observation and must not
 //!    black-hole the proxy.
-//! 2. **A free slot is required.** A host with `max_concurrent` requests in flight is never
-//!    chosen; the request waits in the proxy's queue (where tiers and fair share apply), not in
-//!    Ollama's FIFO. [`place`](Router::place) then returns `None` and the scheduler tries another
+//! 2. **A free slot is required, on the host and on the model's runner.** A host with
+//!    `max_concurrent` requests in flight is never chosen, nor one whose runner for the model
+//!    (Ollama runs each loaded model with its own `num_parallel` slots, one for embedding models
+//!    and the architectures it forces) has all its slots taken; the request waits in the proxy's
+//!    queue (where tiers and fair share apply), not in Ollama's FIFO. [`place`](Router::place) then returns `None` and the scheduler tries another
 //!    ticket or waits for a [`SlotGuard`] to drop.
 //! 3. **Model preference** (`model_aware` with a model): among candidates with a free slot, a host
 //!    where the model is loaded (`/api/ps`), else one where it is installed (`/api/tags`). A
@@ -120,6 +122,19 @@ pub struct Decisions {
     pub round_robin: u64,
 }
 
+/// One model runner of a host (for status, reports and metrics).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunnerStat {
+    /// The model, normalised.
+    pub model: String,
+    /// Its slots.
+    pub slots: u32,
+    /// Requests in flight on it.
+    pub in_flight: u32,
+    /// Why Ollama runs it with one slot, if it forces that.
+    pub forced: Option<Arc<str>>,
+}
+
 /// One host as the router sees it (for status and metrics).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostStat {
@@ -133,6 +148,8 @@ pub struct HostStat {
     pub marked_down: bool,
     /// Models removed locally after a 404 since the last poll.
     pub forgotten_models: usize,
+    /// Its runners: those resident at the last poll and those used from here, by model.
+    pub runners: Vec<RunnerStat>,
 }
 
 /// Host choice state that lives across snapshots. See the module documentation.
@@ -156,6 +173,8 @@ struct HostState {
     /// Smooth weighted round-robin position.
     current: i64,
     in_use: Arc<AtomicU32>,
+    /// Requests in flight per model runner (normalised name), for the models the host lists.
+    runners: HashMap<String, Arc<AtomicU32>>,
     /// Marked down by a request since the last poll.
     down: bool,
     /// Normalised models removed after a 404 since the last poll.
@@ -270,6 +289,11 @@ impl Router {
                         state.forgotten.clear();
                     }
                     state.vram.apply(host, now, wall);
+                    state.runners.retain(|model, in_use| {
+                        in_use.load(Ordering::Acquire) > 0
+                            || host.installed.contains(model)
+                            || host.loaded.contains(model)
+                    });
                     state.host = host.clone();
                     state.active = true;
                     state
@@ -356,6 +380,7 @@ impl Router {
                 max_concurrent: state.host.max_concurrent,
                 marked_down: state.down,
                 forgotten_models: state.forgotten.len(),
+                runners: state.runner_stats(),
             })
             .collect()
     }
@@ -384,6 +409,9 @@ impl Router {
                 && (!any_healthy || state.healthy())
                 && !tried.iter().any(|name| *name == state.host.name)
         };
+        // The runner counts whatever the strategy: round-robin hosts run models too.
+        let runner = model.map(|name| ModelKey::new(name).local);
+        let runner = runner.as_deref();
         let model = match strategy {
             Strategy::ModelAware => model.map(ModelKey::new),
             Strategy::RoundRobin => None,
@@ -400,7 +428,7 @@ impl Router {
                     let rank = state.rank(key, vram);
                     state.rank = rank;
                     anyone_has_it |= rank > Rank::Missing;
-                    if state.has_free_slot() && !state.unfit {
+                    if state.has_free_slot_for(runner) && !state.unfit {
                         best_free = best_free.max(Some(rank));
                     }
                 }
@@ -420,7 +448,7 @@ impl Router {
         let mut total: i64 = 0;
         let mut best: Option<(usize, i64)> = None;
         for (index, state) in self.hosts.iter_mut().enumerate() {
-            if !candidate(state) || !state.has_free_slot() || state.unfit {
+            if !candidate(state) || !state.has_free_slot_for(runner) || state.unfit {
                 continue;
             }
             // `rank` was set by the pass above for every candidate.
@@ -439,12 +467,14 @@ impl Router {
         let state = self.hosts.get_mut(index)?;
         state.current -= total;
         state.in_use.fetch_add(1, Ordering::AcqRel);
+        let runner = runner.and_then(|model| state.take_runner_slot(model));
         self.decisions.count(reason);
         Some(Placement {
             host: state.host.clone(),
             reason,
             slot: SlotGuard {
                 in_use: state.in_use.clone(),
+                runner,
                 on_release,
             },
             loads: false,
@@ -470,6 +500,7 @@ impl HostState {
             active: true,
             current: 0,
             in_use: Arc::new(AtomicU32::new(0)),
+            runners: HashMap::new(),
             down: false,
             forgotten: HashSet::new(),
             rank: Rank::Missing,
@@ -482,6 +513,67 @@ impl HostState {
 
     fn has_free_slot(&self) -> bool {
         self.in_use.load(Ordering::Acquire) < self.host.max_concurrent
+    }
+
+    /// A free slot on the host and, for a request for `runner` (a normalised model name),
+    /// on that model's runner there. A cloud host has no runners of ours to count.
+    fn has_free_slot_for(&self, runner: Option<&str>) -> bool {
+        self.has_free_slot()
+            && runner.is_none_or(|model| {
+                self.host.kind == HostKind::Cloud
+                    || self
+                        .runners
+                        .get(model)
+                        .map_or(0, |in_use| in_use.load(Ordering::Acquire))
+                        < self.host.runners.slots(model).0
+            })
+    }
+
+    /// Counts one request on `model`'s runner, for a model the host lists (one it lacks is
+    /// answered 404 and starts no runner); the counter the slot guard releases.
+    fn take_runner_slot(&mut self, model: &str) -> Option<Arc<AtomicU32>> {
+        if self.host.kind == HostKind::Cloud
+            || !(self.host.installed.contains(model) || self.host.loaded.contains(model))
+        {
+            return None;
+        }
+        let in_use = self
+            .runners
+            .entry(model.to_owned())
+            .or_insert_with(|| Arc::new(AtomicU32::new(0)))
+            .clone();
+        in_use.fetch_add(1, Ordering::AcqRel);
+        Some(in_use)
+    }
+
+    /// The runners worth showing: resident at the last poll, or used from here since (a
+    /// model the host lists: the set stays bounded by its inventory).
+    fn runner_stats(&self) -> Vec<RunnerStat> {
+        if self.host.kind == HostKind::Cloud {
+            return Vec::new();
+        }
+        let mut models: Vec<&String> = self.host.loaded.iter().collect();
+        for model in self.runners.keys() {
+            if !self.host.loaded.contains(model) {
+                models.push(model);
+            }
+        }
+        models.sort();
+        models
+            .into_iter()
+            .map(|model| {
+                let (slots, forced) = self.host.runners.slots(model);
+                RunnerStat {
+                    model: model.clone(),
+                    slots,
+                    in_flight: self
+                        .runners
+                        .get(model)
+                        .map_or(0, |in_use| in_use.load(Ordering::Acquire)),
+                    forced: forced.cloned(),
+                }
+            })
+            .collect()
     }
 
     fn rank(&self, model: &ModelKey, vram: bool) -> Rank {

@@ -362,6 +362,19 @@ fn report(app: &App) -> NodeReport {
             let (requests, failures) = app.metrics.host_counts(&host.name);
             let stat = queue.slots.get(&host.name);
             wire::HostReport {
+                runners: stat
+                    .map(|s| {
+                        s.runners
+                            .iter()
+                            .map(|runner| wire::RunnerReport {
+                                model: runner.model.clone(),
+                                slots: runner.slots,
+                                in_flight: runner.in_flight,
+                                forced: runner.forced.as_deref().unwrap_or_default().to_owned(),
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default(),
                 swap: swaps.remove(&host.name).map(|stat| swap_report(&stat)),
                 name: host.name.to_string(),
                 slots_in_use: stat.map_or(0, |s| s.slots_in_use),

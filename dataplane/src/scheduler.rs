@@ -17,7 +17,10 @@
 //!    whose model has no free host slot does not stop a lower tier from using *another* host.
 //!    It only waits for capacity it can actually use; nothing is held for it.
 //! 2. **Fair share inside a tier**, between clients, weighted (below).
-//! 3. **FIFO inside a client** (per tier, by admission order).
+//! 3. **FIFO inside a client for each model** (per tier, by admission order). A client whose
+//!    head ticket cannot be placed (its model's runner has no free slot) has its next tickets
+//!    for other models offered, in order (32 at most): a busy runner
+//!    holds back nothing of the client's for an idle one.
 //!
 //! A client at its `max_concurrent` cap is simply not a candidate: it holds no slot and blocks
 //! nobody (fix of the Python proxy, where a capped request sat on a global worker slot). A client
@@ -327,6 +330,9 @@ struct Waiting<T> {
     client: Arc<str>,
     /// The app it is a member of.
     group: Option<Arc<str>>,
+    /// Hosts it must not be placed on: those it failed on before it was put back
+    /// ([`Scheduler::requeue`]); empty for a fresh ticket.
+    avoid: Vec<Arc<str>>,
     tier: Tier,
     bytes: u64,
     model: Option<Arc<str>>,
@@ -347,6 +353,17 @@ struct Running {
     weight: f64,
     /// The app it ran for, with the app's weight at dispatch.
     group: Option<(Arc<str>, f64)>,
+    /// What it waited as, to wait again as the same ticket ([`Scheduler::requeue`]).
+    was: Was,
+}
+
+/// A dispatched ticket's place in the queue, kept until it completes.
+#[derive(Debug, Clone)]
+struct Was {
+    bytes: u64,
+    model: Option<Arc<str>>,
+    enqueued: Instant,
+    entered: Instant,
 }
 
 impl<T> fmt::Debug for Scheduler<T> {
@@ -476,6 +493,7 @@ impl<T> Scheduler<T> {
             Waiting {
                 client: ticket.client,
                 group: ticket.member.map(|member| member.app),
+                avoid: Vec::new(),
                 tier: ticket.tier,
                 bytes: ticket.bytes,
                 model: ticket.model,
@@ -496,6 +514,56 @@ impl<T> Scheduler<T> {
             position: u32::try_from(depth).unwrap_or(u32::MAX),
             watermark_crossed,
         })
+    }
+
+    /// Puts a dispatched ticket back in the queue, waiting again as what it was: the same id
+    /// (so the same place among its client's tickets), tier, admission and tier-entry instants
+    /// (so its wait so far counts toward its deadline), bytes and model, with `payload` for its
+    /// next dispatch. What it was charged at dispatch is refunded, and it holds nothing while
+    /// it waits: its client's in-flight count is released. For a request whose host failed
+    /// before it ran and that has nowhere to go now. The payload comes back for an id that is
+    /// not running.
+    pub fn requeue(
+        &mut self,
+        id: TicketId,
+        payload: T,
+        avoid: Vec<Arc<str>>,
+        now: Instant,
+    ) -> Result<(), T> {
+        self.observe(now);
+        let Some(run) = self.running.remove(&id) else {
+            return Err(payload);
+        };
+        let index = run.tier.index();
+        let client = self.client_mut(&run.client, now);
+        client.inflight = client.inflight.saturating_sub(1);
+        client.processed = client.processed.saturating_sub(1);
+        client.flows[index].complete(-run.estimate / run.weight);
+        if let Some((app, weight)) = &run.group
+            && let Some(group) = self.groups.get_mut(app)
+        {
+            group.inflight = group.inflight.saturating_sub(1);
+            group.flows[index].complete(-run.estimate / weight);
+        }
+        let stat = &mut self.tiers[index].stat;
+        stat.processed = stat.processed.saturating_sub(1);
+        let group = run.group.map(|(app, _)| app);
+        self.insert(
+            id,
+            Waiting {
+                client: run.client,
+                group,
+                avoid,
+                tier: run.tier,
+                bytes: run.was.bytes,
+                model: run.was.model,
+                enqueued: run.was.enqueued,
+                entered: run.was.entered,
+                payload,
+            },
+            now,
+        );
+        Ok(())
     }
 
     /// Removes a waiting ticket whose client went away; frees its bytes. `None` if it is not

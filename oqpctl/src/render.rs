@@ -255,6 +255,35 @@ pub fn key_revoked(client_id: &str, response: &api::RevokeKeyResponse, output: O
 }
 
 /// `oqpctl hosts`.
+/// Each model runner: requests in flight over its slots, `forced` where Ollama runs it with
+/// one slot whatever the setting (`llama3.2:3b 2/4`, `all-minilm 1/1 forced`).
+fn runners(host: &api::HostInfo) -> String {
+    if host.runners.is_empty() {
+        return "-".to_owned();
+    }
+    host.runners
+        .iter()
+        .map(|runner| {
+            let slots = if runner.slots == u32::MAX {
+                "-".to_owned()
+            } else {
+                runner.slots.to_string()
+            };
+            let forced = if runner.forced.is_empty() {
+                ""
+            } else {
+                " forced"
+            };
+            let model = runner
+                .model
+                .strip_suffix(":latest")
+                .unwrap_or(&runner.model);
+            format!("{model} {}/{slots}{forced}", runner.in_flight)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) -> String {
     match output {
         Output::Json => pretty(&Value::Array(
@@ -283,6 +312,12 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                         "swap_bypassed": host.swap_bypassed,
                         "requests": host.requests,
                         "failures": host.failures,
+                        "runners": host.runners.iter().map(|r| json!({
+                            "model": r.model,
+                            "slots": r.slots,
+                            "in_flight": r.in_flight,
+                            "forced": (!r.forced.is_empty()).then_some(&r.forced),
+                        })).collect::<Vec<_>>(),
                         "cloud_keys": host.cloud_keys.iter().map(|k| json!({
                             "label": k.label,
                             "bound_model": (!k.bound_model.is_empty()).then_some(&k.bound_model),
@@ -295,7 +330,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                 .collect(),
         )),
         Output::Table => {
-            let mut hosts = table(style, &["host", "owner", "url", "health", "slots", "resident", "vram", "held", "installed", "requests", "failures"]);
+            let mut hosts = table(style, &["host", "owner", "url", "health", "slots", "runners", "resident", "vram", "held", "installed", "requests", "failures"]);
             for host in &response.hosts {
                 hosts.add_row(vec![
                     host.name.clone(),
@@ -303,6 +338,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                     host.url.clone(),
                     if host.healthy { "up" } else { "DOWN" }.to_owned(),
                     format!("{}/{}", host.slots_in_use, host.max_concurrent),
+                    runners(host),
                     resident(host),
                     vram(host),
                     held(host),

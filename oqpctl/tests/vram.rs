@@ -178,3 +178,55 @@ async fn hosts_show_a_request_held_back_for_a_model_switch() {
         .await
         .expect("control plane stopped");
 }
+
+#[tokio::test]
+async fn hosts_show_each_runners_slots_and_the_ones_ollama_forces_to_one() {
+    let fake = FakeOllama::builder()
+        .model("llama3.2:3b")
+        .loaded("llama3.2:3b")
+        .embedding_model("all-minilm")
+        .loaded("all-minilm")
+        .runners(4)
+        .slots(8)
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n\
+             \x20   - {{url: '{}', name: gpu, max_concurrent: 8, num_parallel: 4}}\n\
+             control_plane:\n  state_dir: '{}'\n",
+            fake.url(),
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let control = single_box(config).await;
+    // The data plane reports its runners about once a second.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = oqpctl(&control, &["hosts"]).await;
+        if text.contains("forced") || std::time::Instant::now() >= deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("oqpctl hosts\n{text}");
+    assert!(text.contains(" runners "), "{text}");
+    assert!(text.contains("llama3.2:3b 0/4"), "{text}");
+    assert!(text.contains("all-minilm 0/1 forced"), "{text}");
+    let json: Value =
+        serde_json::from_str(&oqpctl(&control, &["hosts", "--output", "json"]).await).unwrap();
+    let runners = json[0]["runners"].as_array().unwrap();
+    assert!(
+        runners.iter().any(|r| r["model"] == "all-minilm:latest"
+            && r["slots"] == 1
+            && r["forced"] == "embedding"),
+        "{json}"
+    );
+    tokio::time::timeout(Duration::from_secs(10), control.shutdown())
+        .await
+        .expect("control plane stopped");
+}

@@ -39,6 +39,7 @@ mod native;
 mod openai;
 mod record;
 mod routes;
+mod runners;
 mod server;
 mod slots;
 mod state;
@@ -56,6 +57,7 @@ pub use builder::FakeBuilder;
 pub use cloud::CloudReply;
 pub use handle::{Failure, FakeHandle};
 pub use record::RecordedRequest;
+pub use runners::RunnerEntry;
 pub use stream::USAGE_HEADER;
 
 use server::Server;

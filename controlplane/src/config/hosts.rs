@@ -10,6 +10,7 @@ use super::keys;
 use super::net::{self, UrlError};
 use super::resolve::{DAY, checked, duration_within, ranged};
 use super::scalar::Bytes;
+use super::scalar::Int;
 use super::schema::{RawHost, RawOllama};
 use super::types::{HostConfig, OllamaConfig};
 
@@ -154,6 +155,36 @@ fn host(
         let vram = raw
             .vram
             .and_then(|bytes| vram(bytes, kind, &path, problems));
+        let slots = |value: Option<Int>, default: u32, at: &str, problems: &mut Problems| {
+            ranged(value, default, 1..=i64::from(u32::MAX), problems, |n| {
+                format!("{at} must be >= 1, got {n}")
+            })
+        };
+        let max_concurrent = slots(
+            raw.max_concurrent,
+            proxy_max,
+            &format!("{path}.max_concurrent"),
+            problems,
+        );
+        let num_parallel = slots(
+            raw.num_parallel,
+            max_concurrent,
+            &format!("{path}.num_parallel"),
+            problems,
+        );
+        let runner_overrides: Vec<(String, u32)> = raw
+            .models
+            .iter()
+            .flatten()
+            .map(|(pattern, model)| {
+                let at = format!("{path}.models.\"{pattern}\".num_parallel");
+                if pattern.trim().is_empty() {
+                    problems.error(format!("{path}.models has an empty model pattern"));
+                }
+                let n = slots(model.num_parallel, num_parallel, &at, problems);
+                (pattern.trim().to_owned(), n)
+            })
+            .collect();
         HostConfig {
             url: url.map(|url| url.normalized).unwrap_or_default(),
             name,
@@ -172,18 +203,14 @@ fn host(
                 &format!("{path}.model_sync_interval"),
                 problems,
             ),
-            max_concurrent: ranged(
-                raw.max_concurrent,
-                proxy_max,
-                1..=i64::from(u32::MAX),
-                problems,
-                |n| format!("{path}.max_concurrent must be >= 1, got {n}"),
-            ),
+            max_concurrent,
             kind,
             api_keys,
             fallback_models,
             node,
             vram,
+            num_parallel,
+            runner_overrides,
         }
     })
 }

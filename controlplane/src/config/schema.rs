@@ -107,6 +107,17 @@ pub(crate) struct RawHost {
     pub node: Option<Text>,
     #[serde(default)]
     pub vram: Option<Bytes>,
+    #[serde(default)]
+    pub num_parallel: Option<Int>,
+    /// `"<glob>": {num_parallel: N}`, read entry by entry.
+    #[serde(default)]
+    pub models: Option<std::collections::BTreeMap<String, RawHostModel>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawHostModel {
+    pub num_parallel: Option<Int>,
 }
 
 /// A key given three possible ways; exactly one must be set.

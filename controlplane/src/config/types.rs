@@ -95,6 +95,11 @@ pub struct HostConfig {
     pub node: Option<String>,
     /// VRAM capacity in bytes (`vram`); `None` = learned from what is seen resident together.
     pub vram: Option<u64>,
+    /// Slots of each model runner on the box (its `OLLAMA_NUM_PARALLEL`); defaults to
+    /// `max_concurrent`.
+    pub num_parallel: u32,
+    /// Per-model runner slots (`models."<glob>".num_parallel`), in the order written.
+    pub runner_overrides: Vec<(String, u32)>,
 }
 
 /// A key of a cloud host's pool.

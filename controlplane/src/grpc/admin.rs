@@ -459,6 +459,7 @@ impl AdminService for AdminApi {
                     ..api::HostInfo::default()
                 };
                 swap::fill(&mut info, host, &owner, &nodes);
+                info.runners = runners_of(&host.name, &nodes);
                 info.node = owner;
                 info
             })
@@ -628,6 +629,31 @@ fn last_used_by_client(hub: &Hub) -> std::collections::HashMap<String, i64> {
         }
     }
     last_used
+}
+
+/// A host's model runners from the data planes' reports (only its owner dispatches to an
+/// owned host, so the sum is the owner's): requests in flight summed, slots as reported.
+fn runners_of(
+    host: &str,
+    nodes: &std::collections::BTreeMap<String, crate::hub::Node>,
+) -> Vec<wire::RunnerReport> {
+    let mut runners: Vec<wire::RunnerReport> = Vec::new();
+    let reported = nodes
+        .values()
+        .flat_map(|node| node.report.hosts.iter())
+        .filter(|report| report.name == host)
+        .flat_map(|report| report.runners.iter());
+    for runner in reported {
+        match runners.iter_mut().find(|seen| seen.model == runner.model) {
+            Some(seen) => {
+                seen.in_flight += runner.in_flight;
+                seen.slots = seen.slots.max(runner.slots);
+            }
+            None => runners.push(runner.clone()),
+        }
+    }
+    runners.sort_by(|a, b| a.model.cmp(&b.model));
+    runners
 }
 
 /// `AddKey`'s request in config terms; unset fields take the config file's

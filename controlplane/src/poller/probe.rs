@@ -12,6 +12,7 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use super::Target;
+use super::runners::{self, Shown};
 use crate::compile::Inventory;
 use crate::outbound::Outbound;
 
@@ -30,6 +31,9 @@ pub struct Observation {
     /// Loaded and loading models; `None` when `/api/ps` failed, which alone
     /// does not make a host unhealthy (Ollama Cloud has no `/api/ps`).
     pub ps: Option<Vec<Listed>>,
+    /// What `/api/show` said of the installed models (kept from earlier polls while their
+    /// digest stays); `None` when not asked this time (the last known is kept).
+    pub shown: Option<Vec<Shown>>,
 }
 
 impl Observation {
@@ -49,7 +53,20 @@ impl Observation {
             Err(_) => (false, previous_sizes(), previous_resident()),
         };
         let names = |list: &[Listed]| list.iter().map(|(name, _)| name.clone()).collect();
+        let shown = self
+            .shown
+            .clone()
+            .or_else(|| previous.map(|p| p.shown.clone()))
+            .unwrap_or_default();
         Inventory {
+            forced: shown
+                .iter()
+                .filter_map(|seen| {
+                    let reason = seen.forced.clone()?;
+                    Some((crate::compile::normalize_model(&seen.model), reason))
+                })
+                .collect(),
+            shown,
             healthy,
             installed: names(&sizes),
             loaded: names(&resident),
@@ -60,8 +77,12 @@ impl Observation {
     }
 }
 
-/// Polls `target` once.
-pub async fn probe(client: &Outbound, target: &Target) -> Observation {
+/// Polls `target` once; `previous` is what the last poll recorded (the models already shown).
+pub async fn probe(
+    client: &Outbound,
+    target: &Target,
+    previous: Option<&Inventory>,
+) -> Observation {
     let (tags, ps) = tokio::join!(
         models(client, target, "/api/tags"),
         models(client, target, "/api/ps")
@@ -69,11 +90,26 @@ pub async fn probe(client: &Outbound, target: &Target) -> Observation {
     if let Err(error) = &ps {
         tracing::debug!(host = %target.name, %error, "/api/ps failed; loaded models unknown");
     }
-    Observation { tags, ps: ps.ok() }
+    let shown = match (&tags, target.kind) {
+        (Ok((_, digests)), crate::config::HostKind::Ollama) => {
+            let known = previous.map(|p| p.shown.as_slice()).unwrap_or_default();
+            Some(runners::learn(client, target, digests, known).await)
+        }
+        _ => None,
+    };
+    Observation {
+        tags: tags.map(|(listed, _)| listed),
+        ps: ps.ok().map(|(listed, _)| listed),
+        shown,
+    }
 }
 
-/// `GET {url}{path}` → the sorted `models[]` list.
-async fn models(client: &Outbound, target: &Target, path: &str) -> Result<Vec<Listed>, String> {
+/// `GET {url}{path}` → the sorted `models[]` list, and each model's digest.
+async fn models(
+    client: &Outbound,
+    target: &Target,
+    path: &str,
+) -> Result<(Vec<Listed>, Vec<(String, String)>), String> {
     let mut request = Request::get(format!("{}{path}", target.url))
         .header(ACCEPT, "application/json")
         // Lets an upstream (and a test's fake) tell polls from proxied traffic.
@@ -93,7 +129,32 @@ async fn models(client: &Outbound, target: &Target, path: &str) -> Result<Vec<Li
     if !reply.status.is_success() {
         return Err(format!("{path}: answered {}", reply.status));
     }
-    parse_models(&reply.body).map_err(|e| format!("{path}: {e}"))
+    let listed = parse_models(&reply.body).map_err(|e| format!("{path}: {e}"))?;
+    Ok((listed, parse_digests(&reply.body)))
+}
+
+/// Each listed model's `digest` (empty when it has none), in list order.
+fn parse_digests(body: &[u8]) -> Vec<(String, String)> {
+    let Ok(value) = serde_json::from_slice::<Value>(body) else {
+        return Vec::new();
+    };
+    value
+        .get("models")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry
+                .get("name")
+                .or_else(|| entry.get("model"))
+                .and_then(Value::as_str)?;
+            let digest = entry
+                .get("digest")
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            Some((name.to_owned(), digest.to_owned()))
+        })
+        .collect()
 }
 
 /// `{"models": [{"name": …, "size": …, "size_vram": …}, …]}` → names with
@@ -170,6 +231,8 @@ mod tests {
             sizes: listed(&[("a", 10), ("b", 20)]),
             resident: listed(&[("a", 12)]),
             last_checked: None,
+            forced: Vec::new(),
+            shown: Vec::new(),
         }
     }
 
@@ -179,6 +242,7 @@ mod tests {
         let observation = Observation {
             tags: Err("connection refused".into()),
             ps: None,
+            shown: None,
         };
         let inventory = observation.to_inventory(Some(&previous()), now);
         assert!(!inventory.healthy);
@@ -196,6 +260,7 @@ mod tests {
         let observation = Observation {
             tags: Ok(listed(&[("a", 10), ("c", 30)])),
             ps: None,
+            shown: None,
         };
         let inventory = observation.to_inventory(Some(&previous()), now);
         assert!(inventory.healthy);
@@ -206,6 +271,7 @@ mod tests {
         let fresh = Observation {
             tags: Ok(listed(&[("a", 10)])),
             ps: Some(vec![]),
+            shown: None,
         };
         let inventory = fresh.to_inventory(Some(&previous()), now);
         assert!(inventory.loaded.is_empty() && inventory.resident.is_empty());

@@ -52,6 +52,7 @@ fn up(models: &[&str]) -> Observation {
     Observation {
         tags: Ok(models.iter().map(|m| ((*m).to_owned(), 1)).collect()),
         ps: Some(Vec::new()),
+        shown: None,
     }
 }
 
@@ -59,6 +60,7 @@ fn down() -> Observation {
     Observation {
         tags: Err("connection refused".to_owned()),
         ps: None,
+        shown: None,
     }
 }
 

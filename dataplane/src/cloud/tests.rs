@@ -14,6 +14,7 @@ const HOUR: Duration = Duration::from_secs(3600);
 fn host(keys: &[(&str, &str)], fallback: &[&str]) -> Host {
     let uri: http::Uri = "https://ollama.com".parse().unwrap();
     Host {
+        runners: Default::default(),
         name: "cloud".into(),
         url: "https://ollama.com".into(),
         scheme: uri.scheme().unwrap().clone(),

@@ -529,17 +529,18 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
         .ok()
         .filter(|ms| *ms > 0)
         .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
+    let max_concurrent = if host.max_concurrent == 0 {
+        default_slots
+    } else {
+        host.max_concurrent
+    };
     Ok(Host {
         name: Arc::from(name),
         scheme,
         authority,
         url,
         weight: host.weight.max(1),
-        max_concurrent: if host.max_concurrent == 0 {
-            default_slots
-        } else {
-            host.max_concurrent
-        },
+        max_concurrent,
         kind,
         healthy: host.healthy,
         installed: host
@@ -576,6 +577,35 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
                 .sizes
                 .iter()
                 .map(|m| (normalize_model(&m.name), m.bytes))
+                .collect(),
+        },
+        runners: Runners {
+            num_parallel: match host.num_parallel {
+                0 => max_concurrent,
+                n => n,
+            },
+            overrides: host
+                .runner_slots
+                .iter()
+                .map(|slots| {
+                    let pattern = slots.pattern.trim();
+                    let text = if pattern.contains(['*', '?']) {
+                        pattern.to_ascii_lowercase()
+                    } else {
+                        normalize_model(pattern)
+                    };
+                    (wildmatch::WildMatch::new(&text), slots.num_parallel.max(1))
+                })
+                .collect(),
+            forced: host
+                .forced_runners
+                .iter()
+                .map(|forced| {
+                    (
+                        normalize_model(&forced.model),
+                        Arc::from(forced.reason.as_str()),
+                    )
+                })
                 .collect(),
         },
     })

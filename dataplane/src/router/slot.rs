@@ -11,6 +11,8 @@ pub type ReleaseHook = Arc<dyn Fn() + Send + Sync>;
 /// One reserved upstream slot; dropping it frees the slot and calls the release hook.
 pub struct SlotGuard {
     pub(super) in_use: Arc<AtomicU32>,
+    /// The slot of the model's runner on that host, when it counts one.
+    pub(super) runner: Option<Arc<AtomicU32>>,
     pub(super) on_release: Option<ReleaseHook>,
 }
 
@@ -25,6 +27,9 @@ impl Drop for SlotGuard {
         let _ = self
             .in_use
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        if let Some(runner) = &self.runner {
+            let _ = runner.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
+        }
         if let Some(hook) = &self.on_release {
             hook();
         }

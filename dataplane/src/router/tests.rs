@@ -63,6 +63,7 @@ impl Spec {
         let uri: http::Uri = url.parse().unwrap();
         let set = |models: &[&str]| models.iter().map(|m| normalize_model(m)).collect();
         Arc::new(Host {
+            runners: Default::default(),
             name: self.name.into(),
             url,
             scheme: uri.scheme().unwrap().clone(),

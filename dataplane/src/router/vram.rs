@@ -74,7 +74,7 @@ impl Router {
             if !candidate(state) || state.rank(&key, true) == super::Rank::Missing {
                 continue;
             }
-            let free = state.has_free_slot();
+            let free = state.has_free_slot_for(Some(&key.local));
             if state.vram.switching_to() == Some(key.local.as_str()) {
                 switching_here = Some(index);
             }
@@ -278,5 +278,17 @@ impl Placer<Placement> for Placing<'_> {
 
     fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason) {
         self.router.switch(host, model, now, why);
+    }
+
+    fn offer_avoiding(
+        &mut self,
+        model: Option<&str>,
+        avoid: &[Arc<str>],
+        now: Instant,
+    ) -> Offer<Placement> {
+        match self.router.failover_on(model, self.strategy, avoid, now) {
+            Some(placement) => Offer::Run(placement),
+            None => Offer::Wait,
+        }
     }
 }

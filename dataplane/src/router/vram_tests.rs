@@ -27,6 +27,7 @@ fn sized(
     let uri: http::Uri = url.parse().unwrap();
     let models = |list: &[&str]| list.iter().map(|m| normalize_model(m)).collect();
     Arc::new(Host {
+        runners: Default::default(),
         name: name.into(),
         url,
         scheme: uri.scheme().unwrap().clone(),

@@ -8,6 +8,9 @@ use super::fair::DEFAULT_COST_SECS;
 use super::swap::{Offer, Placer, Slots, Verdict};
 use super::{Dispatch, Running, Scheduler, TicketId, Tier, Waiting};
 
+/// Most tickets behind a client's unplaceable head that one pick looks at.
+const MAX_BEHIND: usize = 32;
+
 impl<T> Scheduler<T> {
     /// Picks the next ticket to run, or `None` when nothing waiting can be placed now.
     ///
@@ -131,6 +134,34 @@ impl<T> Scheduler<T> {
                     continue;
                 };
                 let model = entry.model.clone();
+                if !entry.avoid.is_empty() {
+                    // Put back after failing on its hosts: only another host, as it is now.
+                    let avoid = entry.avoid.clone();
+                    if let Offer::Run(placement) =
+                        placer.offer_avoiding(model.as_deref(), &avoid, now)
+                        && let Some(entry) = self.take(head, now)
+                    {
+                        return Some(self.start(
+                            head,
+                            entry,
+                            (start, member_start),
+                            placement,
+                            now,
+                        ));
+                    }
+                    if let Some(dispatch) = self.behind(
+                        head,
+                        tier,
+                        (start, member_start),
+                        &mut refused,
+                        &cold,
+                        placer,
+                        now,
+                    ) {
+                        return Some(dispatch);
+                    }
+                    continue;
+                }
                 if let Some(model) = &model
                     && let Some((_, host)) = cold.iter().find(|(m, _)| m == model)
                 {
@@ -140,6 +171,17 @@ impl<T> Scheduler<T> {
                     continue;
                 }
                 if refused.contains(&model) {
+                    if let Some(dispatch) = self.behind(
+                        head,
+                        tier,
+                        (start, member_start),
+                        &mut refused,
+                        &cold,
+                        placer,
+                        now,
+                    ) {
+                        return Some(dispatch);
+                    }
                     continue;
                 }
                 let mut offer = placer.offer(model.as_deref(), now);
@@ -169,6 +211,17 @@ impl<T> Scheduler<T> {
                     }
                     Offer::Wait => {
                         refused.push(model);
+                        if let Some(dispatch) = self.behind(
+                            head,
+                            tier,
+                            (start, member_start),
+                            &mut refused,
+                            &cold,
+                            placer,
+                            now,
+                        ) {
+                            return Some(dispatch);
+                        }
                         continue;
                     }
                 };
@@ -180,6 +233,67 @@ impl<T> Scheduler<T> {
                 let mut dispatch = self.start(head, entry, (start, member_start), placement, now);
                 dispatch.held = held.map(|since| now.saturating_duration_since(since));
                 return Some(dispatch);
+            }
+        }
+        None
+    }
+
+    /// The client's head `head` cannot be placed now (no free slot for its model): its next
+    /// tickets in `tier` for other models, in order, are offered instead, so that a client's
+    /// queue for a busy runner never holds back its request for an idle one. Only a ticket
+    /// that can run now is taken (one that would need a model switch waits for its turn as a
+    /// head); at most [`MAX_BEHIND`] tickets are looked at. Within one model, FIFO holds.
+    #[allow(clippy::too_many_arguments)]
+    fn behind<P>(
+        &mut self,
+        head: TicketId,
+        tier: Tier,
+        tags: (f64, f64),
+        refused: &mut Vec<Option<Arc<str>>>,
+        cold: &[(Arc<str>, Arc<str>)],
+        placer: &mut impl Placer<P>,
+        now: Instant,
+    ) -> Option<Dispatch<T, P>> {
+        let index = tier.index();
+        let client = self.waiting.get(&head)?.client.clone();
+        let queue = &self.clients.get(&client)?.queues[index];
+        let behind: Vec<TicketId> = queue
+            .range((std::ops::Bound::Excluded(head), std::ops::Bound::Unbounded))
+            .take(MAX_BEHIND)
+            .copied()
+            .collect();
+        let mut skipped: Vec<Option<Arc<str>>> = Vec::new();
+        for ticket in behind {
+            let Some(entry) = self.waiting.get(&ticket) else {
+                continue;
+            };
+            let model = entry.model.clone();
+            let held_model = model
+                .as_ref()
+                .is_some_and(|model| cold.iter().any(|(m, _)| m == model));
+            if held_model
+                || self.held.contains_key(&ticket)
+                || refused.contains(&model)
+                || skipped.contains(&model)
+            {
+                continue;
+            }
+            if !entry.avoid.is_empty() {
+                let avoid = entry.avoid.clone();
+                if let Offer::Run(placement) = placer.offer_avoiding(model.as_deref(), &avoid, now)
+                {
+                    let entry = self.take(ticket, now)?;
+                    return Some(self.start(ticket, entry, tags, placement, now));
+                }
+                continue;
+            }
+            match placer.offer(model.as_deref(), now) {
+                Offer::Run(placement) => {
+                    let entry = self.take(ticket, now)?;
+                    return Some(self.start(ticket, entry, tags, placement, now));
+                }
+                Offer::Wait => refused.push(model),
+                Offer::Cold(_) => skipped.push(model),
             }
         }
         None
@@ -277,6 +391,12 @@ impl<T> Scheduler<T> {
                 estimate,
                 weight,
                 group,
+                was: super::Was {
+                    bytes: entry.bytes,
+                    model: entry.model.clone(),
+                    enqueued: entry.enqueued,
+                    entered: entry.entered,
+                },
             },
         );
         Dispatch {

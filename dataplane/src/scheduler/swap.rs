@@ -83,6 +83,21 @@ pub trait Placer<P> {
     /// Starts switching `host` to `model` (the switch is under way until the model's first
     /// dispatch there).
     fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason);
+    /// Whether a ticket for `model` that must not go to the hosts `avoid` (those it failed on)
+    /// can run now on another host, without a switch; a placer that knows no hosts ignores
+    /// `avoid`.
+    fn offer_avoiding(
+        &mut self,
+        model: Option<&str>,
+        avoid: &[Arc<str>],
+        now: Instant,
+    ) -> Offer<P> {
+        let _ = avoid;
+        match self.offer(model, now) {
+            Offer::Run(placement) => Offer::Run(placement),
+            Offer::Wait | Offer::Cold(_) => Offer::Wait,
+        }
+    }
 }
 
 /// Placement without VRAM: a free slot or nothing (`Some` reserves it).

@@ -109,7 +109,7 @@ fn fifo_inside_a_client() {
 }
 
 #[test]
-fn placement_refusal_skips_a_client_without_losing_its_tickets() {
+fn placement_refusal_skips_a_clients_head_without_losing_its_tickets() {
     let now = Instant::now();
     let mut scheduler = Scheduler::new(Limits::default());
     admit(
@@ -132,12 +132,14 @@ fn placement_refusal_skips_a_client_without_losing_its_tickets() {
         asked.push(model.map(str::to_owned));
         (model == Some("y")).then_some(())
     });
-    // Only the head of a is asked about: a's second ticket (model y) does not overtake its first.
-    assert_eq!(dispatch.map(|d| d.payload), Some(3));
+    // a's head (model x) has no slot: a's next ticket, for another model that has one, runs
+    // in its place (a busy runner holds back nothing of a's for an idle one); x keeps its
+    // ticket and its place.
+    assert_eq!(dispatch.map(|d| d.payload), Some(2));
     assert_eq!(asked, vec![Some("x".to_owned()), Some("y".to_owned())]);
     assert_eq!(scheduler.depth(Tier::Normal), 2);
     assert_eq!(scheduler.queued_bytes(), 20);
-    assert_eq!(drain(&mut scheduler, now), vec![1, 2]);
+    assert_eq!(drain(&mut scheduler, now), vec![3, 1]);
 }
 
 #[test]
@@ -900,4 +902,73 @@ fn an_apps_max_queued_counts_all_its_users_and_a_users_its_own() {
     admit(&mut scheduler, now, ticket("other", Tier::Normal, 0, 6));
     assert_eq!(drain(&mut scheduler, now).len(), 4);
     admit(&mut scheduler, now, member("webui/c", "webui", 0, 7));
+}
+
+#[test]
+fn a_clients_ticket_for_an_idle_runner_is_not_held_back_by_its_busy_one() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    for (payload, model) in [
+        (1, "busy"),
+        (2, "busy"),
+        (3, "idle"),
+        (4, "busy"),
+        (5, "idle"),
+    ] {
+        admit(
+            &mut scheduler,
+            now,
+            with_model(ticket("batch", Tier::Low, 0, payload), model),
+        );
+    }
+    let only_idle = |model: Option<&str>| (model == Some("idle")).then_some(());
+    let order: Vec<u32> =
+        std::iter::from_fn(|| scheduler.next(now, only_idle).map(|d| d.payload)).collect();
+    assert_eq!(
+        order,
+        [3, 5],
+        "the idle runner's tickets run, in their order"
+    );
+    // The busy runner's keep their order once it frees.
+    assert_eq!(drain(&mut scheduler, now), [1, 2, 4]);
+}
+
+#[test]
+fn a_requeued_ticket_waits_again_at_its_place_holding_nothing() {
+    let start = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    scheduler.set_client(
+        "a",
+        ClientLimits {
+            max_concurrent: 1,
+            ..ClientLimits::default()
+        },
+    );
+    admit(&mut scheduler, start, ticket("a", Tier::Normal, 10, 1));
+    admit(&mut scheduler, start, ticket("a", Tier::Normal, 10, 2));
+    let first = scheduler.next(start, anywhere).unwrap();
+    assert_eq!(first.payload, 1);
+    // Its host failed and none is free: it goes back, its cap's place free for nobody else of
+    // its own (it is first again), and its bytes count as waiting again.
+    let later = start + secs(5);
+    assert!(
+        scheduler
+            .requeue(first.id, 11, vec![Arc::from("gpu1")], later)
+            .is_ok()
+    );
+    assert_eq!(scheduler.total_depth(), 2);
+    assert_eq!(scheduler.queued_bytes(), 20);
+    assert_eq!(scheduler.running(), 0);
+    let again = scheduler.next(later, anywhere).unwrap();
+    assert_eq!(
+        again.payload, 11,
+        "the same ticket, first in its client's order"
+    );
+    assert_eq!(again.id, first.id);
+    assert_eq!(again.waited, secs(5), "its wait counts from its admission");
+    assert!(
+        scheduler
+            .requeue(TicketId(99), 0, Vec::new(), later)
+            .is_err()
+    );
 }

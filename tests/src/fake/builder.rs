@@ -21,6 +21,17 @@ use super::slots::Slots;
 use super::state::{Shared, Timing};
 use super::vram::{self, Vram};
 
+/// The architectures Ollama runs with one slot whatever `OLLAMA_NUM_PARALLEL` (its
+/// `server/sched.go`).
+const FORCED_ARCHITECTURES: &[&str] = &[
+    "mllama",
+    "qwen3vl",
+    "qwen35",
+    "qwen3next",
+    "lfm2",
+    "nemotron_h",
+];
+
 /// The configuration of a fake Ollama; every setter takes and returns the builder.
 #[derive(Debug, Clone)]
 pub struct FakeBuilder {
@@ -36,6 +47,8 @@ pub struct FakeBuilder {
     record_limit: Option<usize>,
     vram: Option<u64>,
     vram_config: vram::Config,
+    runners: Option<usize>,
+    architectures: Vec<(String, String)>,
 }
 
 impl Default for FakeBuilder {
@@ -58,6 +71,8 @@ impl Default for FakeBuilder {
             record_limit: None,
             vram: None,
             vram_config: vram::Config::default(),
+            runners: None,
+            architectures: Vec::new(),
         }
     }
 }
@@ -85,6 +100,23 @@ impl FakeBuilder {
             Some(model) => model.2 = true,
             None => self.models.push((name.to_owned(), Kind::Chat, true)),
         }
+        self
+    }
+
+    /// Runs each model as its own runner with `num_parallel` slots (`OLLAMA_NUM_PARALLEL`, as
+    /// Ollama 0.30 and later do): one for embedding models and for the architectures Ollama
+    /// forces (qwen3vl, qwen35, qwen3next, lfm2, nemotron_h, mllama). A request beyond its
+    /// runner's slots waits inside the fake, which logs its wait ([`FakeHandle::runner_log`]).
+    /// `slots` then bounds the whole box (set it to the sum you want, or high).
+    pub fn runners(mut self, num_parallel: usize) -> Self {
+        self.runners = Some(num_parallel.max(1));
+        self
+    }
+
+    /// Sets an installed model's architecture (`/api/show` `model_info."general.architecture"`).
+    pub fn architecture(mut self, model: &str, architecture: &str) -> Self {
+        self.architectures
+            .push((model.to_owned(), architecture.to_owned()));
         self
     }
 
@@ -243,6 +275,18 @@ impl FakeBuilder {
                 models.touch(name, Some(KeepAlive::Forever));
             }
         }
+        for (model, architecture) in &self.architectures {
+            models.set_architecture(model, architecture);
+        }
+        let forced: Vec<String> = self
+            .architectures
+            .iter()
+            .filter(|(_, architecture)| FORCED_ARCHITECTURES.contains(&architecture.as_str()))
+            .map(|(model, _)| super::models::canonical(model))
+            .collect();
+        let runners = self
+            .runners
+            .map(|num_parallel| Arc::new(super::runners::Runners::new(num_parallel, forced)));
         let vram = self.vram.map(|capacity| {
             let preloaded: Vec<String> = self
                 .models
@@ -269,6 +313,7 @@ impl FakeBuilder {
                 self.max_queue.filter(|_| vram.is_none()),
             )),
             vram,
+            runners,
             recorder: Recorder::new(self.record_limit),
             failures: Mutex::new(VecDeque::new()),
             cancelled: watch::Sender::new(0),

@@ -157,6 +157,38 @@ impl FakeHandle {
             .await;
     }
 
+    /// With runners on: every request's time at its model's runner (its wait inside Ollama),
+    /// in the order their slots started; empty otherwise.
+    pub fn runner_log(&self) -> Vec<super::RunnerEntry> {
+        self.shared
+            .runners
+            .as_ref()
+            .map(|runners| runners.log())
+            .unwrap_or_default()
+    }
+
+    /// With runners on: the most requests `model`'s runner ran at once.
+    pub fn runner_peak(&self, model: &str) -> usize {
+        self.shared
+            .runners
+            .as_ref()
+            .map_or(0, |runners| runners.peak(&super::models::canonical(model)))
+    }
+
+    /// With runners on: the most requests that waited inside `model`'s runner at once.
+    pub fn runner_peak_waiting(&self, model: &str) -> usize {
+        self.shared.runners.as_ref().map_or(0, |runners| {
+            runners.peak_waiting(&super::models::canonical(model))
+        })
+    }
+
+    /// With runners on: requests running on `model`'s runner now.
+    pub fn runner_in_flight(&self, model: &str) -> usize {
+        self.shared.runners.as_ref().map_or(0, |runners| {
+            runners.in_flight(&super::models::canonical(model))
+        })
+    }
+
     /// Scripts the next inference request (FIFO) to fail this way.
     pub fn fail_next(&self, failure: Failure) {
         lock(&self.shared.failures).push_back(failure);

@@ -29,6 +29,8 @@ pub(crate) struct Shared {
     pub slots: Arc<Slots>,
     /// The VRAM mode, when on.
     pub vram: Option<Arc<Vram>>,
+    /// Per-model runners with their own slots, when on.
+    pub runners: Option<Arc<super::runners::Runners>>,
     pub recorder: Recorder,
     pub failures: Mutex<VecDeque<Failure>>,
     pub cancelled: watch::Sender<usize>,

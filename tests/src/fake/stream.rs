@@ -19,6 +19,7 @@ use serde_json::{Map, Value, json};
 
 use super::gojson::KeepAlive;
 use super::handle::Failure;
+use super::record::lock;
 use super::slots::{Busy, SlotGuard};
 use super::state::{ConnCtl, Ctx, Shared, Tracker};
 use super::vram::{Refused, Resident};
@@ -40,6 +41,8 @@ pub(crate) enum Flavor {
 #[derive(Debug)]
 pub(crate) struct Admitted {
     slot: SlotGuard,
+    // Held as long as the slot: the model's runner slot, when runners are on.
+    runner: Option<super::runners::RunnerSlot>,
     // Released with the slot: a request holds its model as long as it runs.
     resident: Option<Resident>,
     cut: Option<Cut>,
@@ -127,6 +130,20 @@ pub(crate) async fn admit(
         ),
         None => None,
     };
+    let runner = match &shared.runners {
+        Some(runners) => {
+            let canonical = super::models::canonical(model);
+            let embedding = lock(&shared.models)
+                .find(model)
+                .is_some_and(|found| found.kind == super::models::Kind::Embedding);
+            Some(
+                runners
+                    .acquire(&canonical, embedding, ctx.client_id.clone())
+                    .await,
+            )
+        }
+        None => None,
+    };
     let slot = match shared
         .slots
         .acquire(ctx.client_id.clone(), ctx.key.clone())
@@ -150,6 +167,7 @@ pub(crate) async fn admit(
     };
     Ok(Admitted {
         slot,
+        runner,
         resident,
         cut,
         flavor,
@@ -198,6 +216,7 @@ pub(crate) async fn stream(
     let run = Run {
         script,
         next: 0,
+        runner: admitted.runner,
         slot: Some(admitted.slot),
         resident: admitted.resident,
         tracker: ctx.tracker.take(),
@@ -334,6 +353,7 @@ async fn abort(ctx: &mut Ctx, reset: bool) -> Reply {
 struct Run<S> {
     script: S,
     next: usize,
+    runner: Option<super::runners::RunnerSlot>,
     slot: Option<SlotGuard>,
     resident: Option<Resident>,
     tracker: Option<Tracker>,
@@ -346,6 +366,7 @@ struct Run<S> {
 impl<S> Run<S> {
     // The response is complete: release the slot, then mark the request answered.
     fn finish(&mut self) {
+        self.runner = None;
         self.slot = None;
         self.resident = None;
         if let Some(tracker) = self.tracker.take() {

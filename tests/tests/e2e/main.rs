@@ -22,6 +22,7 @@ mod ownership;
 mod paths;
 mod reliability;
 mod routing;
+mod runners;
 mod scheduling;
 mod snapshots;
 mod stalls;

@@ -1052,3 +1052,66 @@ async fn an_apps_user_keeps_its_identity_across_the_hop() {
     assert!(seen[0].header("x-openwebui-user-id").is_none());
     cluster.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_data_planes_keep_each_runner_within_its_slots() {
+    let _exclusive = crate::support::exclusive().await;
+    // The box runs each model with one slot; it would take more at once if sent.
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .model("qwen")
+        .runners(1)
+        .slots(12)
+        .spawn()
+        .await;
+    let yaml = config(
+        &[Host {
+            url: &fake.url(),
+            name: "box1",
+            slots: 4,
+            node: Some("a"),
+        }],
+        true,
+        "",
+    )
+    .replace(
+        "      max_concurrent: 4\n      node: a\n",
+        "      max_concurrent: 4\n      num_parallel: 1\n      node: a\n",
+    );
+    assert!(yaml.contains("num_parallel: 1"));
+    let cluster = cluster(&yaml).start().await;
+    cluster.wait_peer("b", "a").await;
+    let http = HttpClient::new();
+    let handle = fake.handle();
+    handle.hold();
+    let body = |model: &str| format!(r#"{{"model":"{model}","prompt":"hi","stream":false}}"#);
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (http, url) = (
+                http.clone(),
+                cluster.url(if i % 2 == 0 { "a" } else { "b" }),
+            );
+            let body = body(if i < 4 { "llama3" } else { "qwen" });
+            tokio::spawn(async move { post(&http, &url, "/api/generate", USER, &[], &body).await })
+        })
+        .collect();
+    // One per runner at the box; the rest wait in the owner's queue, wherever they entered.
+    tokio::time::timeout(oqp_tests::cluster::WAIT, handle.wait_in_flight(2))
+        .await
+        .expect("one request per runner at the box");
+    cluster
+        .wait_queue_status("a", "six requests queued at the owner", |status| {
+            depth(status) == 6
+        })
+        .await;
+    handle.release_all();
+    for task in tasks {
+        let reply = task.await.unwrap();
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    assert_eq!(handle.runner_peak("llama3"), 1);
+    assert_eq!(handle.runner_peak("qwen"), 1);
+    assert_eq!(handle.runner_peak_waiting("llama3"), 0);
+    assert_eq!(handle.runner_peak_waiting("qwen"), 0);
+    cluster.shutdown().await;
+}

@@ -21,6 +21,13 @@ fn proxied(fake: &FakeHandle) -> Vec<String> {
                     "/api/tags" | "/api/ps" | "/api/version"
                 ))
         })
+        // The control plane's own calls (its polls and `/api/show` of each model) say who
+        // they are.
+        .filter(|request| {
+            !request
+                .header("user-agent")
+                .is_some_and(|agent| agent.starts_with("oqp/"))
+        })
         .map(|request| format!("{} {}", request.method, request.path))
         .collect()
 }
