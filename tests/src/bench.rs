@@ -60,9 +60,11 @@ pub const SCENARIO_FAIRNESS: &str = "fairness";
 pub const SCENARIO_FORWARDED: &str = "forwarded";
 /// Two models that do not fit together: Ollama alone, `queue.model_swap` off and on.
 pub const SCENARIO_SWAP: &str = "model swap";
+/// A three-model mix on per-model runners: Ollama alone, oqp with per-box and per-runner slots.
+pub const SCENARIO_RUNNERS: &str = "runners";
 
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 14] = [
+pub const SCENARIOS: [&str; 15] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -77,6 +79,7 @@ pub const SCENARIOS: [&str; 14] = [
     SCENARIO_FAIRNESS,
     SCENARIO_FORWARDED,
     SCENARIO_SWAP,
+    SCENARIO_RUNNERS,
 ];
 
 /// The command documented in the README.
@@ -198,6 +201,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_FAIRNESS], scenarios::fairness::run);
     scenario!(&[SCENARIO_FORWARDED], scenarios::forwarded::run);
     scenario!(&[SCENARIO_SWAP], scenarios::swap::run);
+    scenario!(&[SCENARIO_RUNNERS], scenarios::runners::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);

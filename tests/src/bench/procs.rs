@@ -51,6 +51,9 @@ pub struct FakeSpec {
     pub tokens: usize,
     /// The fake's VRAM mode (`--vram`), off when `None`.
     pub vram: Option<VramSpec>,
+    /// Per-model runners with this many slots each (`--runners`), off when `None`; the chat
+    /// model `qwen` is installed too.
+    pub runners: Option<usize>,
 }
 
 /// The fake's VRAM mode: room for so many bytes of models, loads and unloads that take time.
@@ -88,6 +91,7 @@ impl Default for FakeSpec {
             token_interval: Duration::ZERO,
             tokens: 5,
             vram: None,
+            runners: None,
         }
     }
 }
@@ -203,6 +207,19 @@ pub async fn spawn_fake(binaries: &Binaries, spec: FakeSpec) -> anyhow::Result<P
         .arg(spec.token_interval.as_millis().to_string())
         .arg("--tokens")
         .arg(spec.tokens.to_string());
+    if let Some(num_parallel) = spec.runners {
+        command
+            .arg("--runners")
+            .arg(num_parallel.to_string())
+            .args([
+                "--model",
+                "qwen",
+                "--loaded",
+                "qwen",
+                "--loaded",
+                "all-minilm",
+            ]);
+    }
     spawn_announcing("fake-ollama", command).await
 }
 

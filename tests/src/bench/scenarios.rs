@@ -8,6 +8,7 @@ pub mod fairness;
 pub mod forwarded;
 pub mod latency;
 pub mod memory;
+pub mod runners;
 pub mod scheduling;
 pub mod streaming;
 pub mod swap;
@@ -64,6 +65,8 @@ pub struct OqpConfig {
     pub vram: Option<String>,
     /// `queue.model_swap`, when set (else its defaults).
     pub model_swap: Option<ModelSwap>,
+    /// The host's `num_parallel` (each runner's slots), when set (else `max_concurrent`).
+    pub num_parallel: Option<u32>,
 }
 
 /// `queue.model_swap` of a scenario.
@@ -132,6 +135,7 @@ impl OqpConfig {
             cache: None,
             vram: None,
             model_swap: None,
+            num_parallel: None,
         }
     }
 
@@ -146,6 +150,10 @@ impl OqpConfig {
         let vram = match &self.vram {
             Some(vram) => format!("      vram: {vram}\n"),
             None => String::new(),
+        };
+        let vram = match self.num_parallel {
+            Some(num_parallel) => format!("{vram}      num_parallel: {num_parallel}\n"),
+            None => vram,
         };
         let model_swap = match &self.model_swap {
             Some(swap) => format!(

@@ -48,6 +48,10 @@ struct Args {
     /// Answer a bare 403 to requests whose Host is not local.
     #[arg(long)]
     host_check: bool,
+    /// Run each model as its own runner with this many slots (OLLAMA_NUM_PARALLEL; one for
+    /// embedding models); `--slots` then bounds the whole box.
+    #[arg(long)]
+    runners: Option<usize>,
     /// Keep only the latest N requests in memory.
     #[arg(long, default_value_t = 1024)]
     record_limit: usize,
@@ -100,6 +104,9 @@ async fn main() -> anyhow::Result<()> {
     }
     for name in &args.loaded {
         builder = builder.loaded(name);
+    }
+    if let Some(num_parallel) = args.runners {
+        builder = builder.runners(num_parallel);
     }
     if let Some(max_queue) = args.max_queue {
         builder = builder.max_queue(max_queue);

@@ -23,6 +23,8 @@ use super::{admin, agents, embed, native, openai};
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Endpoint {
     Root,
+    /// The fake's own: each request's wait inside its model's runner (runner mode).
+    RunnerWaits,
     Version,
     Status,
     Tags,
@@ -122,6 +124,7 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
     }
     let outcome = match endpoint {
         Endpoint::Root => Ok(admin::root()),
+        Endpoint::RunnerWaits => Ok(runner_waits(ctx)),
         Endpoint::Version => Ok(admin::version(ctx)),
         Endpoint::Status => Ok(admin::status()),
         Endpoint::Tags => Ok(admin::tags(ctx)),
@@ -155,6 +158,25 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
     outcome.unwrap_or_else(|reply| reply)
 }
 
+/// `GET /_fake/runner-waits`: `{"waits_us": [...]}`, every request's wait inside its runner
+/// in the order their slots started (empty unless runners are on): for a benchmark that runs
+/// the fake as a process.
+fn runner_waits(ctx: &Ctx) -> Reply {
+    let waits: Vec<u128> = ctx
+        .shared
+        .runners
+        .as_ref()
+        .map(|runners| {
+            runners
+                .log()
+                .iter()
+                .map(|entry| entry.waited.as_micros())
+                .collect()
+        })
+        .unwrap_or_default();
+    super::wire::gin_json(StatusCode::OK, &serde_json::json!({ "waits_us": waits }))
+}
+
 /// Endpoints whose body names the model they use.
 fn names_a_model(endpoint: &Endpoint) -> bool {
     matches!(
@@ -175,6 +197,7 @@ fn names_a_model(endpoint: &Endpoint) -> bool {
 fn endpoint(path: &str, cloud: bool) -> Option<Endpoint> {
     let endpoint = match path {
         "/" => Endpoint::Root,
+        "/_fake/runner-waits" => Endpoint::RunnerWaits,
         "/api/version" => Endpoint::Version,
         "/api/status" => Endpoint::Status,
         "/api/tags" => Endpoint::Tags,
