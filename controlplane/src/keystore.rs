@@ -23,7 +23,7 @@
 //! webhook through the hub's [`Webhooks`](crate::webhooks::Webhooks).
 
 pub(crate) mod file;
-mod mint;
+pub(crate) mod mint;
 mod record;
 
 #[cfg(test)]

@@ -13,6 +13,7 @@ pub mod config;
 pub mod grpc;
 pub mod hub;
 pub mod keystore;
+pub mod node_token;
 pub mod outbound;
 pub mod poller;
 pub mod usage;

@@ -23,11 +23,12 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 
-use crate::config::{self, ConfigError, Env, Loaded};
+use crate::config::{self, ConfigError, Env, Loaded, Secret};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
 use crate::hub::{self, Clock, Hub};
 use crate::keystore::{KeyStore, StoreError};
+use crate::node_token;
 use crate::outbound::Outbound;
 use crate::poller;
 use crate::usage::UsageStore;
@@ -97,6 +98,7 @@ pub struct ControlPlane {
     hub: Arc<Hub>,
     keys: Arc<KeyStore>,
     addr: SocketAddr,
+    node_token: Secret,
     reload: Reloader,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
@@ -151,13 +153,14 @@ impl ControlPlane {
             }
             None => None,
         };
+        let state_dir = config.control_plane.state_dir.clone();
+        // Read even when a token is configured: a reload may unset it.
+        let local_token = node_token::load_or_mint(&state_dir).map_err(StartError::Io)?;
         let node_token = config
             .control_plane
             .node_token
-            .as_ref()
-            .map(|t| t.expose().to_owned());
-
-        let state_dir = config.control_plane.state_dir.clone();
+            .clone()
+            .unwrap_or_else(|| local_token.clone());
         check_shared_cache(&config).await?;
         let saved_version = hub::version::read(&state_dir);
         let hub = Hub::starting(
@@ -206,6 +209,7 @@ impl ControlPlane {
             .add_service(PolicyServiceServer::new(PolicyApi::new(
                 hub.clone(),
                 usage.clone(),
+                local_token,
                 shutdown.clone(),
             )))
             .add_service(AdminServiceServer::new(AdminApi::new(
@@ -254,7 +258,7 @@ impl ControlPlane {
             let control = ControlOptions {
                 url: format!("{scheme}://{local}"),
                 node: "local".to_owned(),
-                token: node_token,
+                token: Some(node_token.expose().to_owned()),
                 ca_file: hub
                     .config()
                     .control_plane
@@ -279,6 +283,7 @@ impl ControlPlane {
             hub,
             keys,
             addr,
+            node_token,
             reload,
             shutdown,
             tasks,
@@ -289,6 +294,12 @@ impl ControlPlane {
     /// Where gRPC is served.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The node token data planes present at start (`control_plane.node_token`, else the
+    /// control plane's own, [`node_token`]), for a data plane started beside it.
+    pub fn node_token(&self) -> &str {
+        self.node_token.expose()
     }
 
     /// The shared state.

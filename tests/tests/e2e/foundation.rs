@@ -383,9 +383,14 @@ async fn a_data_plane_follows_the_configured_log_level() {
     let hook = LogLevelHook::new(move |level| {
         let _ = levels.send(level);
     });
-    let remote = harness::start_dataplane_with(&stack.control_url(), "remote", None, Some(hook))
-        .await
-        .expect("data plane starts");
+    let remote = harness::start_dataplane_with(
+        &stack.control_url(),
+        "remote",
+        Some(stack.control.node_token()),
+        Some(hook),
+    )
+    .await
+    .expect("data plane starts");
     let mut next = async || {
         tokio::time::timeout(Duration::from_secs(10), seen.recv())
             .await

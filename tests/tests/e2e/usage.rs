@@ -14,6 +14,7 @@ use oqp_tests::harness::{self, Stack};
 use serde_json::{Value, json};
 
 mod edges;
+mod forged;
 
 pub const CHAT_KEY: &str = "sk-chat-0123456789";
 
@@ -306,7 +307,7 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
         .unwrap();
     let control_addr = control.local_addr();
     let control_url = format!("http://{control_addr}");
-    let mut edge = harness::start_dataplane(&control_url, "edge", None)
+    let mut edge = harness::start_dataplane(&control_url, "edge", Some(control.node_token()))
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());
@@ -355,7 +356,7 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
 
     // A data plane restart: a new ledger (a new epoch), the totals kept.
     edge.shutdown().await;
-    edge = harness::start_dataplane(&control_url, "edge", None)
+    edge = harness::start_dataplane(&control_url, "edge", Some(control.node_token()))
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());

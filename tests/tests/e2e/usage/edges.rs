@@ -40,7 +40,7 @@ async fn a_request_streaming_through_a_graceful_stop_is_in_the_totals() {
         &config(&fake.url(), &state.display().to_string(), ""),
     )
     .await;
-    let edge = harness::start_dataplane(&control_url, "edge", None)
+    let edge = harness::start_dataplane(&control_url, "edge", Some(control.node_token()))
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());
