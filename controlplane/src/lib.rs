@@ -12,6 +12,7 @@ pub mod compile;
 pub mod config;
 pub mod grpc;
 pub mod hub;
+pub mod incoming;
 pub mod keystore;
 pub mod node_token;
 pub mod outbound;

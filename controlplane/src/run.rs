@@ -20,13 +20,13 @@ use oqp_proto::policy::v1::policy_service_server::PolicyServiceServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 use crate::config::{self, ConfigError, Env, Loaded, Secret};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
 use crate::hub::{self, Clock, Hub};
+use crate::incoming;
 use crate::keystore::{KeyStore, StoreError};
 use crate::node_token;
 use crate::outbound::Outbound;
@@ -199,7 +199,19 @@ impl ControlPlane {
 
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        let mut server = Server::builder();
+        // The data plane's limits on its listeners hold here too ([`incoming`]); the ping
+        // interval is fixed at start, from the idle timeout then.
+        let ping = incoming::ping_interval(hub.config().proxy.idle_timeout);
+        let mut server = Server::builder()
+            .http2_keepalive_interval(Some(ping))
+            .http2_keepalive_timeout(Some(ping));
+        // Both ports' connections in one process need descriptors to spare.
+        let max_connections = hub.config().proxy.max_connections;
+        oqp_dataplane::connections::raise_open_file_limit(if options.with_dataplane {
+            max_connections.saturating_mul(2)
+        } else {
+            max_connections
+        });
         if let Some(tls) = tls {
             server = server
                 .tls_config(tls)
@@ -220,11 +232,8 @@ impl ControlPlane {
                 shutdown.clone(),
             )));
         let stop = shutdown.clone();
+        let incoming = incoming::accept(listener, hub.clone());
         tasks.spawn(async move {
-            // Snapshots are small writes that must leave at once: without
-            // TCP_NODELAY, Nagle's algorithm and delayed ACKs hold a
-            // revocation back by tens of milliseconds.
-            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             if let Err(error) = router
                 .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                 .await
