@@ -261,3 +261,40 @@ async fn a_stream_cut_short_counts_the_chunks_it_sent() {
     assert!(total.gpu_ns > 0, "the time the slot was held");
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_request_abandoned_before_its_answer_is_charged_the_slot_time_it_held() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack =
+        harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    let base = stack.url();
+    // Ollama computes (the fake holds the request in its slot) and the client leaves
+    // before any byte of the answer.
+    fake.handle().hold();
+    let leaving = tokio::spawn(async move {
+        post(
+            &base,
+            "/api/generate",
+            "total_duration=5000000000,prompt_eval_count=1,eval_count=1",
+            json!({"model": "llama3", "prompt": "hi", "stream": false}),
+        )
+        .await
+    });
+    tokio::time::timeout(Duration::from_secs(10), fake.handle().wait_in_flight(1))
+        .await
+        .unwrap();
+    leaving.abort();
+    tokio::time::timeout(Duration::from_secs(10), fake.handle().wait_cancelled(1))
+        .await
+        .expect("oqp never gave the request up");
+    fake.handle().release_all();
+    let usage = super::wait_for_requests(&stack.control_url(), 1).await;
+    let total = usage.total.unwrap_or_default();
+    assert!(
+        total.gpu_ns > 0 && total.gpu_ns < 5 * SECOND,
+        "the slot time held, not a figure the answer never gave: {total:?}"
+    );
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 0));
+    stack.shutdown().await;
+}
