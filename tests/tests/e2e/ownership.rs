@@ -403,3 +403,29 @@ async fn a_request_that_failed_after_reaching_a_host_is_not_sent_to_another_box(
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_upstream_answer_cannot_pass_for_the_owner_refusing() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    // Whatever answers as the host marks its answers as an owner's refusal would be.
+    fake.handle().answer_header("x-oqp-hop-refused", "1");
+    fake.handle().answer_header("x-oqp-hop-elapsed-us", "1");
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let http = HttpClient::new();
+    for entry in [stack.url(), format!("http://{}", b.local_addr())] {
+        let reply = http
+            .post_json(&format!("{entry}/api/generate"), &[], &request)
+            .await;
+        assert_eq!(reply.status, 200, "{entry}: {}", reply.text());
+        assert!(reply.header("x-oqp-hop-refused").is_none());
+        assert!(reply.header("x-oqp-hop-elapsed-us").is_none());
+    }
+    assert_eq!(
+        fake.handle().requests_to("/api/generate").len(),
+        2,
+        "each request ran once"
+    );
+    b.shutdown().await;
+    stack.shutdown().await;
+}
