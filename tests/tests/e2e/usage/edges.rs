@@ -298,3 +298,33 @@ async fn a_request_abandoned_before_its_answer_is_charged_the_slot_time_it_held(
     assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 0));
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_damaged_usage_file_is_set_aside_and_the_control_plane_starts() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let usage = dir.path().join("usage");
+    std::fs::create_dir(&usage).unwrap();
+    let yesterday = std::time::SystemTime::now() - Duration::from_secs(86_400);
+    let name = format!(
+        "{}.json",
+        &humantime::format_rfc3339_seconds(yesterday).to_string()[..10]
+    );
+    std::fs::write(usage.join(&name), b"{\"format\": 1, \"day\": trunc").unwrap();
+    let stack =
+        harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    assert!(
+        usage.join(format!("{name}.unreadable")).exists(),
+        "kept aside"
+    );
+    post(
+        &stack.url(),
+        "/api/generate",
+        "total_duration=1000000000,prompt_eval_count=1,eval_count=1",
+        json!({"model": "llama3", "prompt": "hi", "stream": false}),
+    )
+    .await;
+    let totals = super::wait_for_requests(&stack.control_url(), 1).await;
+    assert_eq!(totals.total.unwrap_or_default().gpu_ns, SECOND);
+    stack.shutdown().await;
+}
