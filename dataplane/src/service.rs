@@ -306,6 +306,9 @@ async fn forward(
         .record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
         .record("tier", tier.as_str());
 
+    // A model blob (`ollama create` from a local file) is as large as the model: streamed
+    // and paced like any streamed body, never capped by `max_request_body_mb`.
+    let uncapped = endpoint::is_blob(path);
     let (parts, incoming) = request.into_parts();
     let limit = policy.proxy.max_request_body_bytes;
     // Held until this request has an answer's head (or is refused): the
@@ -326,7 +329,7 @@ async fn forward(
         RequestBody::Streamed(proxy::stream_body(
             incoming,
             &parts.headers,
-            limit,
+            if uncapped { u64::MAX } else { limit },
             policy.proxy.body_read_timeout,
         )?)
     };
