@@ -429,3 +429,57 @@ async fn an_upstream_answer_cannot_pass_for_the_owner_refusing() {
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_hop_header_accepted_before_the_owner_restarted_is_refused_after() {
+    use oqp_dataplane::hop::{self, Assertion, HopKey};
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
+    // A hop header as an edge signs it, captured on the wire.
+    let body = br#"{"model":"llama3","prompt":"hi","stream":false}"#;
+    let digest = hop::body_digest(body);
+    let header = HopKey::new(TOKEN).unwrap().sign(
+        &Assertion {
+            node: "local".into(),
+            client: "anonymous".into(),
+            verified: false,
+            tier: oqp_dataplane::scheduler::Tier::Normal,
+            body: Some(digest.clone()),
+        },
+        hop::Request {
+            to: "b",
+            id: "captured-1",
+            method: &http::Method::POST,
+            path: "/api/generate",
+        },
+        std::time::SystemTime::now(),
+    );
+    let header = header.to_str().unwrap().to_owned();
+    let send = |addr: std::net::SocketAddr| {
+        let header = header.clone();
+        async move {
+            HttpClient::new()
+                .send(
+                    http::Method::POST,
+                    &format!("http://{addr}/api/generate"),
+                    &[("x-oqp-hop", &header), ("x-request-id", "captured-1")],
+                    &body[..],
+                )
+                .await
+        }
+    };
+    assert_eq!(send(b.local_addr()).await.status, 200, "the original");
+    assert_eq!(send(b.local_addr()).await.status, 401, "a replay");
+    // The owner restarts, remembering nothing it accepted: the header is still within the
+    // allowed skew, and is refused all the same.
+    b.shutdown().await;
+    let b = stack.start_dataplane("b", Some(TOKEN)).await.unwrap();
+    assert_eq!(
+        send(b.local_addr()).await.status,
+        401,
+        "a replay after a restart"
+    );
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    b.shutdown().await;
+    stack.shutdown().await;
+}
