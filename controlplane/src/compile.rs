@@ -76,6 +76,8 @@ pub fn snapshot(
             expires_unix_ms: key.expires.map_or(0, unix_ms),
             source: "config".to_owned(),
             budget: key.budget.as_ref().map(budget_to_wire),
+            models: key.models.clone(),
+            users: key.users.as_ref().map(users_to_wire),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
@@ -335,6 +337,22 @@ pub fn unix_ms(time: SystemTime) -> i64 {
     time.duration_since(UNIX_EPOCH)
         .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
         .unwrap_or(0)
+}
+
+/// An app key's users on the wire.
+fn users_to_wire(users: &crate::config::UsersConfig) -> wire::Users {
+    let (header, body_field) = match &users.source {
+        crate::config::UserSource::Header(name) => (name.clone(), String::new()),
+        crate::config::UserSource::BodyField(path) => (String::new(), path.clone()),
+    };
+    wire::Users {
+        header,
+        body_field,
+        max_concurrent: users.max_concurrent,
+        max_queued: users.max_queued,
+        budget: users.budget.as_ref().map(budget_to_wire),
+        session_header: users.session_header.clone().unwrap_or_default(),
+    }
 }
 
 /// A budget on the wire, without the figure of what was used (the policy stream adds it

@@ -40,13 +40,14 @@ pub use enums::{
 };
 pub use env::{CONFIG_VAR, Env};
 pub use error::ConfigError;
+pub use keys::check_model_pattern;
 pub use secret::Secret;
 pub use types::{
     AuthConfig, Budget, BudgetWindow, CacheBackend, ClientInjectionConfig, CloudKey, Config,
     ControlPlaneConfig, DashboardConfig, EmbeddingCacheConfig, FairShareConfig, HostConfig,
     InjectionListener, KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig, NodeOverride,
     OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
-    WebhooksConfig,
+    UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

@@ -87,6 +87,8 @@ pub struct NewKey {
     pub lifetime: Option<Duration>,
     /// Its usage budget, if it has one.
     pub budget: Option<Budget>,
+    /// The models it may use (globs); empty = every model.
+    pub models: Vec<String>,
 }
 
 /// A freshly minted key: the one moment its value exists in clear.
@@ -273,6 +275,7 @@ impl KeyStore {
             expires_unix_ms,
             previous: Vec::new(),
             budget: new.budget,
+            models: new.models,
         };
         let mut next = pruned(&current, now_ms);
         next.push(record.clone());
@@ -509,6 +512,8 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             expires_unix_ms,
             source: "store".to_owned(),
             budget: record.budget.as_ref().map(crate::compile::budget_to_wire),
+            models: record.models.clone(),
+            users: None,
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {
@@ -574,6 +579,15 @@ fn check_limits(new: &NewKey, default_priority: Tier, config: &Config) -> Result
             "default_priority {default_priority} is above max_priority {}",
             new.max_priority
         )));
+    }
+    if new.client_id.contains('/') {
+        return Err(KeyError::Invalid(
+            "client_id must not contain '/' (it separates an app key's users)".into(),
+        ));
+    }
+    for pattern in &new.models {
+        crate::config::check_model_pattern(pattern)
+            .map_err(|why| KeyError::Invalid(format!("models: {why}")))?;
     }
     Ok(())
 }

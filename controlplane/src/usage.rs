@@ -29,6 +29,10 @@ pub mod ledger;
 
 pub use ledger::{Applied, By, Ledger, Totals};
 
+/// Most users of one app key whose budget figures an ack carries (the busiest first); the
+/// others are held to their budget by what each data plane itself saw.
+pub const MAX_USER_BUDGETS: usize = 1_000;
+
 /// Most clients the acks' `today` list carries (the busiest first).
 pub const MAX_TODAY_CLIENTS: usize = 1_000;
 
@@ -178,11 +182,12 @@ impl UsageStore {
         used(client, start, &totals, now)
     }
 
-    /// What each client of `clients` that has a budget used in its window at `now`.
+    /// What each client of `clients` that has a budget used in its window at `now`, and
+    /// each user of an app key whose users have one.
     pub fn budgets(&self, clients: &[wire::Client], now: SystemTime) -> Vec<wire::BudgetUsed> {
         let seconds = unix_s(now);
         let inner = self.lock();
-        clients
+        let mut budgets: Vec<wire::BudgetUsed> = clients
             .iter()
             .filter_map(|client| {
                 let budget = client.budget.as_ref()?;
@@ -190,7 +195,31 @@ impl UsageStore {
                 let totals = inner.ledger.client_since(&client.client_id, start);
                 Some(used(&client.client_id, start, &totals, now))
             })
-            .collect()
+            .collect();
+        for client in clients {
+            let Some(budget) = client
+                .users
+                .as_ref()
+                .and_then(|users| users.budget.as_ref())
+            else {
+                continue;
+            };
+            let start = budget.window_start(seconds);
+            let mut users: Vec<(String, Totals)> = inner
+                .ledger
+                .users_since(&client.client_id, start)
+                .into_iter()
+                .collect();
+            // The users nearest their budget first, so that a bound on the list keeps them.
+            users.sort_by(|a, b| b.1.gpu_ns.cmp(&a.1.gpu_ns).then_with(|| a.0.cmp(&b.0)));
+            users.truncate(MAX_USER_BUDGETS);
+            budgets.extend(
+                users
+                    .iter()
+                    .map(|(user, totals)| used(user, start, totals, now)),
+            );
+        }
+        budgets
     }
 
     /// Puts what each budgeted client has used into `snapshot`, as of `now`.
@@ -259,20 +288,35 @@ impl UsageStore {
     pub fn exceeded(&self, clients: &[wire::Client], now: SystemTime) -> Vec<Notice> {
         let seconds = unix_s(now);
         let mut inner = self.lock();
-        let mut notices = Vec::new();
+        // Every budget in force: the clients' own (an app's counting its users), and each
+        // user's of an app key whose users have one.
+        let mut budgeted: Vec<(String, &wire::Budget, i64, Totals)> = Vec::new();
         for client in clients {
-            let Some(budget) = client.budget.as_ref() else {
-                continue;
-            };
-            let start = budget.window_start(seconds);
+            if let Some(budget) = client.budget.as_ref() {
+                let start = budget.window_start(seconds);
+                let used = inner.ledger.client_since(&client.client_id, start);
+                budgeted.push((client.client_id.clone(), budget, start, used));
+            }
+            if let Some(budget) = client
+                .users
+                .as_ref()
+                .and_then(|users| users.budget.as_ref())
+            {
+                let start = budget.window_start(seconds);
+                for (user, used) in inner.ledger.users_since(&client.client_id, start) {
+                    budgeted.push((user, budget, start, used));
+                }
+            }
+        }
+        let mut notices = Vec::new();
+        for (client_id, budget, start, used) in &budgeted {
             if inner
                 .ledger
                 .announced
-                .contains(&(client.client_id.clone(), start))
+                .contains(&(client_id.clone(), *start))
             {
                 continue;
             }
-            let used = inner.ledger.client_since(&client.client_id, start);
             let over = if budget.gpu_ns > 0 && used.gpu_ns >= budget.gpu_ns {
                 Some((
                     "gpu_seconds",
@@ -287,16 +331,13 @@ impl UsageStore {
             let Some((kind, limit, spent)) = over else {
                 continue;
             };
-            inner
-                .ledger
-                .announced
-                .insert((client.client_id.clone(), start));
+            inner.ledger.announced.insert((client_id.clone(), *start));
             let resets = start.saturating_add(i64::try_from(budget.window_seconds).unwrap_or(0));
             let reset_at = UNIX_EPOCH + std::time::Duration::from_secs(resets.unsigned_abs());
             notices.push(
                 Notice::new(WebhookEvent::ClientBudgetExceeded)
                     .at(now)
-                    .field("client_id", client.client_id.as_str())
+                    .field("client_id", client_id.as_str())
                     .field(
                         "budget",
                         serde_json::json!({ kind: limit, "window": budget.window }),
@@ -311,13 +352,9 @@ impl UsageStore {
         // Windows that ended are forgotten.
         let before = inner.ledger.announced.len();
         inner.ledger.announced.retain(|(client, start)| {
-            clients.iter().any(|known| {
-                known.client_id == *client
-                    && known
-                        .budget
-                        .as_ref()
-                        .is_some_and(|budget| budget.window_start(seconds) == *start)
-            })
+            budgeted
+                .iter()
+                .any(|(known, _, known_start, _)| known == client && known_start == start)
         });
         if !notices.is_empty() || inner.ledger.announced.len() != before {
             self.save(&inner.ledger, seconds, &[]);

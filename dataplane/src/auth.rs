@@ -19,8 +19,8 @@ use http::HeaderMap;
 
 use crate::error::ProxyError;
 use crate::headers;
-use crate::policy::{Cidr, Client, Policy, Scope, canonical};
-use crate::scheduler::Tier;
+use crate::policy::{Cidr, Client, Policy, Scope, UserSource, canonical};
+use crate::scheduler::{ClientLimits, Member, Tier};
 
 /// The caller of one request.
 #[derive(Debug, Clone)]
@@ -28,6 +28,14 @@ pub enum Identity {
     /// A known client: by key on the main port, by configuration on an
     /// injection port.
     Client(Arc<Client>),
+    /// One end user of an app key (`auth.keys[].users`): the sub-client
+    /// `<client_id>/<user>`, with the key's scope and ceiling.
+    User {
+        /// The app's key.
+        app: Arc<Client>,
+        /// `<client_id>/<user>`.
+        id: Arc<str>,
+    },
     /// Auth is off: whoever the `X-Client-ID` header says, unverified.
     Anonymous(Option<Arc<str>>),
 }
@@ -40,10 +48,28 @@ impl Identity {
             Identity::Client(client) => Caller {
                 id: client.id.clone(),
                 verified: true,
+                // An app's own requests share the app's group with its users.
+                member: client.users.as_ref().map(|_| Member {
+                    app: client.id.clone(),
+                    limits: ClientLimits::default(),
+                }),
+            },
+            Identity::User { app, id } => Caller {
+                id: id.clone(),
+                verified: true,
+                member: app.users.as_ref().map(|users| Member {
+                    app: app.id.clone(),
+                    limits: ClientLimits {
+                        max_concurrent: users.max_concurrent,
+                        max_queued: users.max_queued,
+                        weight: 1.0,
+                    },
+                }),
             },
             Identity::Anonymous(id) => Caller {
                 id: id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS)),
                 verified: false,
+                member: None,
             },
         }
     }
@@ -52,28 +78,116 @@ impl Identity {
     pub fn client_id(&self) -> Option<&Arc<str>> {
         match self {
             Identity::Client(client) => Some(&client.id),
+            Identity::User { id, .. } => Some(id),
             Identity::Anonymous(id) => id.as_ref(),
+        }
+    }
+
+    /// The key's client (the app's, for one of its users); `None` with auth off.
+    pub fn key(&self) -> Option<&Arc<Client>> {
+        match self {
+            Identity::Client(client) | Identity::User { app: client, .. } => Some(client),
+            Identity::Anonymous(_) => None,
         }
     }
 
     /// Checks that the caller may do what needs `scope`. Anonymous callers
     /// (auth off) may do everything.
     pub fn require(&self, scope: Scope) -> Result<(), ProxyError> {
-        match self {
-            Identity::Client(client) if client.scope < scope => {
-                Err(ProxyError::ScopeRequired(scope))
+        match self.key() {
+            Some(client) if client.scope < scope => Err(ProxyError::ScopeRequired(scope)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks that the caller's key may use `model` (`auth.keys[].models`).
+    pub fn allow_model(&self, model: &str) -> Result<(), ProxyError> {
+        match self.key().and_then(|client| client.models.as_ref()) {
+            Some(models) if !models.allows(model) => {
+                Err(ProxyError::ModelNotAllowed(model.to_owned()))
             }
             _ => Ok(()),
         }
     }
 
+    /// Whether the caller's key may use `model`; with no allowlist, every model.
+    pub fn may_use(&self, model: &str) -> bool {
+        self.allow_model(model).is_ok()
+    }
+
+    /// Whether the caller's key limits its models (listings are then filtered).
+    pub fn has_allowlist(&self) -> bool {
+        self.key().is_some_and(|client| client.models.is_some())
+    }
+
     /// The tier for a request that asked for `requested` (`X-Queue-Priority`):
     /// capped by the client's ceiling, silently.
     pub fn tier(&self, requested: Option<Tier>) -> Tier {
-        match self {
-            Identity::Client(client) => client.tier_for(requested),
-            Identity::Anonymous(_) => requested.unwrap_or(Tier::Normal),
+        match self.key() {
+            Some(client) => client.tier_for(requested),
+            None => requested.unwrap_or(Tier::Normal),
         }
+    }
+
+    /// The end user an app key's request names (`auth.keys[].users`): its header, or its
+    /// body field when the body is read (`body`). The app itself when it names none; a value
+    /// that is not a user id is refused. Other identities are returned as they are.
+    pub fn delegated(self, headers: &HeaderMap, body: Option<&[u8]>) -> Result<Self, ProxyError> {
+        let Identity::Client(client) = &self else {
+            return Ok(self);
+        };
+        let Some(users) = &client.users else {
+            return Ok(self);
+        };
+        let invalid = || ProxyError::InvalidUser(users.named.clone());
+        let user: Option<String> = match &users.source {
+            UserSource::Header(name) => match headers.get(name) {
+                None => None,
+                Some(value) => Some(value.to_str().map_err(|_| invalid())?.to_owned()),
+            },
+            UserSource::BodyField(path) => match body {
+                None => None,
+                Some(body) => body_field(body, path).map_err(|()| invalid())?,
+            },
+        };
+        let Some(user) = user else {
+            return Ok(self);
+        };
+        if !is_user_id(&user) {
+            return Err(invalid());
+        }
+        let id: Arc<str> = Arc::from(format!("{}/{user}", client.id));
+        let app = client.clone();
+        Ok(Identity::User { app, id })
+    }
+}
+
+/// Longest end-user id an app may name.
+pub const MAX_USER_BYTES: usize = 128;
+
+/// Whether `user` is an end-user id: 1–128 bytes of printable ASCII, without `/` or spaces.
+fn is_user_id(user: &str) -> bool {
+    (1..=MAX_USER_BYTES).contains(&user.len())
+        && user
+            .bytes()
+            .all(|byte| byte.is_ascii_graphic() && byte != b'/')
+}
+
+/// The string at `path` in a JSON object body: `Ok(None)` when the body is not an object
+/// or the field is absent (or null), `Err` when it is there but not a string.
+fn body_field(body: &[u8], path: &[String]) -> Result<Option<String>, ()> {
+    let Ok(serde_json::Value::Object(root)) = serde_json::from_slice::<serde_json::Value>(body)
+    else {
+        return Ok(None);
+    };
+    let mut value = root.get(path.first().map_or("", String::as_str));
+    for key in path.iter().skip(1) {
+        value = value.and_then(|inner| inner.get(key));
+    }
+    match value {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(user)) => Ok(Some(user.clone())),
+        Some(_) => Err(()),
     }
 }
 
@@ -104,6 +218,9 @@ pub struct Caller {
     /// Identified by a key or an injection port: refused while waiting once the client leaves
     /// the snapshot or its key expires.
     pub verified: bool,
+    /// The app it belongs to, when its key speaks for many people (the app itself or one of
+    /// its users): the queue shares the app's place between them.
+    pub member: Option<Member>,
 }
 
 /// The tier a request asks for, if its `X-Queue-Priority` names one.

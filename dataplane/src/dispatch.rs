@@ -29,7 +29,7 @@ use crate::error::ProxyError;
 use crate::policy::{Host, Policy, Strategy};
 use crate::router::{Decisions, HostStat, Placement, Placing, RouteReason, Router};
 use crate::scheduler::{
-    ClientLimits, Expiry, Limits, Rejection, Scheduler, SwapRule, Ticket, TicketId, Tier,
+    ClientLimits, Expiry, Limits, Member, Rejection, Scheduler, SwapRule, Ticket, TicketId, Tier,
     TierLimits,
 };
 
@@ -136,6 +136,8 @@ pub struct Pending {
 pub struct Request {
     /// The client's id (or a shared id for anonymous callers).
     pub client: Arc<str>,
+    /// The app it is a user of, when its key speaks for many people.
+    pub member: Option<Member>,
     /// Its tier, already capped.
     pub tier: Tier,
     /// Body bytes held while waiting.
@@ -293,6 +295,7 @@ impl Dispatcher {
             let mut inner = self.lock();
             let ticket = Ticket {
                 client: request.client,
+                member: request.member,
                 tier,
                 bytes: request.bytes,
                 model: request.model,

@@ -31,6 +31,13 @@ pub enum ProxyError {
     /// A known key without the required scope.
     #[error("{} permission required", .0.as_str())]
     ScopeRequired(Scope),
+    /// A key with a model allowlist (`auth.keys[].models`) asked for another model.
+    #[error("model '{0}' is not allowed for this key")]
+    ModelNotAllowed(String),
+    /// An app key's request named its end user with a value that is not one (1–128 bytes
+    /// of printable ASCII, no `/`, no space); the text names where it was read.
+    #[error("invalid user in {0}")]
+    InvalidUser(String),
     /// The management query named no valid tier.
     #[error("invalid tier: '{0}' (must be high, normal, or low)")]
     InvalidTier(String),
@@ -146,13 +153,15 @@ impl ProxyError {
                 StatusCode::TOO_MANY_REQUESTS
             }
             Self::ScopeRequired(_)
+            | Self::ModelNotAllowed(_)
             | Self::ModelManagementDisabled
             | Self::RouteNotProxied
             | Self::ForeignOrigin => StatusCode::FORBIDDEN,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            Self::InvalidTier(_) | Self::BodyUnreadable | Self::PathNotCanonical => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::InvalidTier(_)
+            | Self::InvalidUser(_)
+            | Self::BodyUnreadable
+            | Self::PathNotCanonical => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge | Self::TooManyInputs { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,
@@ -308,6 +317,7 @@ impl ProxyError {
                 Some("invalid_api_key")
             }
             Self::QueueFull { .. } | Self::OverCapacity { .. } => Some("queue_full"),
+            Self::ModelNotAllowed(_) => Some("model_not_allowed"),
             _ => None,
         }
     }

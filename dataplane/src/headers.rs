@@ -107,9 +107,42 @@ pub fn for_upstream(headers: &mut HeaderMap, client_id: Option<&str>) {
     }
 }
 
+/// The prefix of the headers Open WebUI forwards about its user and chat
+/// (`ENABLE_FORWARD_USER_INFO_HEADERS`): names, e-mail addresses, roles, ids.
+pub const OPEN_WEBUI_PREFIX: &str = "x-openwebui-";
+
+/// Removes what apps say about their end users from a request on its way upstream: the
+/// headers app keys are configured to name users and sessions in (`names`), and Open WebUI's
+/// whole `X-OpenWebUI-*` family. oqp reads them; Ollama needs none of them.
+pub fn strip_delegation(headers: &mut HeaderMap, names: &[http::HeaderName]) {
+    for name in names {
+        headers.remove(name);
+    }
+    let family: Vec<http::HeaderName> = headers
+        .keys()
+        .filter(|name| name.as_str().starts_with(OPEN_WEBUI_PREFIX))
+        .cloned()
+        .collect();
+    for name in family {
+        headers.remove(name);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_apps_say_about_their_users_stays_here() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-openwebui-user-email", "a@example.org".parse().unwrap());
+        headers.insert("x-openwebui-chat-id", "c1".parse().unwrap());
+        headers.insert("x-app-user", "u1".parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        strip_delegation(&mut headers, &[http::HeaderName::from_static("x-app-user")]);
+        assert_eq!(headers.len(), 1);
+        assert!(headers.contains_key(header::CONTENT_TYPE));
+    }
 
     #[test]
     fn strips_hop_by_hop_and_connection_named_headers() {

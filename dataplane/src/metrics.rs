@@ -618,6 +618,7 @@ impl Metrics {
         prompt: u64,
         completion: u64,
     ) -> (String, String) {
+        let row_client = self.ledger_client(client);
         let client = self.client_label(client);
         let (model, hosted) = if model.is_empty() {
             (Cow::Borrowed(""), true)
@@ -646,7 +647,16 @@ impl Metrics {
         } else {
             OTHER.to_owned()
         };
-        (client.to_owned(), row_model)
+        (row_client.to_owned(), row_model)
+    }
+
+    /// The client a usage row is kept under: a user of a configured app keeps its own id
+    /// (its budget and `oqpctl usage` are per user); anyone else its metric label.
+    fn ledger_client<'a>(&self, client: &'a str) -> &'a str {
+        match client.split_once('/') {
+            Some((app, _)) if self.configured.load().contains(app) => client,
+            _ => self.client_label(client),
+        }
     }
 
     /// Dispatched requests of `tier` observed so far, and their summed wait
@@ -716,11 +726,19 @@ impl Metrics {
         })
     }
 
+    /// A configured client's own label; an unconfigured one's while the budget has room,
+    /// else [`OTHER`], except that a user of a configured app (`<client_id>/<user>`) past
+    /// the budget is counted under its app: a thousand users of one key add at most the
+    /// budget's series, and their usage still shows under the app.
     fn client_label<'a>(&self, client: &'a str) -> &'a str {
-        if self.configured.load().contains(client) {
-            client
-        } else {
-            self.clients.admit(client)
+        let configured = self.configured.load();
+        if configured.contains(client) {
+            return client;
+        }
+        let label = self.clients.admit(client);
+        match client.split_once('/') {
+            Some((app, _)) if label == OTHER && configured.contains(app) => app,
+            _ => label,
         }
     }
 

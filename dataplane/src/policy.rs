@@ -57,6 +57,9 @@ pub struct Policy {
     pub injection_listeners: Vec<InjectionListener>,
     /// The log level the config asks for (`logging.level`), if it names one.
     pub log_level: Option<LogLevel>,
+    /// The headers app keys name their users and sessions in (`auth.keys[].users`): removed
+    /// from every request on its way upstream, from any key.
+    pub delegation_headers: Vec<http::HeaderName>,
 }
 
 /// A log level (`logging.level`). The data plane's binary follows it unless
@@ -210,6 +213,82 @@ pub struct Client {
     pub expires: Option<SystemTime>,
     /// Its usage budget, if it has one.
     pub budget: Option<UsageBudget>,
+    /// The models it may use; `None` = every model.
+    pub models: Option<ModelAllowlist>,
+    /// Where an app names its end users, if the key speaks for many people.
+    pub users: Option<Users>,
+}
+
+/// An app key's end users (`auth.keys[].users`): each is the sub-client `<client_id>/<user>`.
+#[derive(Debug, Clone)]
+pub struct Users {
+    /// Where the user's id is read from.
+    pub source: UserSource,
+    /// Where, as a refusal names it (`X-OpenWebUI-User-Id`, `body field user`).
+    pub named: String,
+    /// Most requests of one user in flight at once; 0 = unlimited.
+    pub max_concurrent: u32,
+    /// Most requests of one user waiting at once; 0 = unlimited.
+    pub max_queued: u32,
+    /// Each user's budget (its `used` comes from report acks only).
+    pub budget: Option<UsageBudget>,
+    /// The header that names the conversation, if any.
+    pub session_header: Option<http::HeaderName>,
+}
+
+/// Where an app puts its end user's id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UserSource {
+    /// A request header (Open WebUI's `X-OpenWebUI-User-Id`).
+    Header(http::HeaderName),
+    /// A JSON body field, as a path of object keys (OpenAI's `user`, Anthropic's
+    /// `metadata.user_id`).
+    BodyField(Vec<String>),
+}
+
+/// The models a key may use (`auth.keys[].models`): globs (`*`, `?`) over model names as
+/// Ollama compares them: any case, and a name without a tag is `:latest`.
+#[derive(Clone)]
+pub struct ModelAllowlist {
+    patterns: Vec<wildmatch::WildMatch>,
+    /// As configured, for `Debug` and errors.
+    written: Vec<String>,
+}
+
+impl std::fmt::Debug for ModelAllowlist {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(&self.written).finish()
+    }
+}
+
+impl ModelAllowlist {
+    /// The list of `patterns`; a pattern without wildcards and without a tag means its
+    /// `:latest`, as a name would.
+    pub fn new(patterns: &[String]) -> Self {
+        let compiled = patterns
+            .iter()
+            .map(|pattern| {
+                let pattern = pattern.trim();
+                let wild = pattern.contains(['*', '?']);
+                let text = if wild {
+                    pattern.to_ascii_lowercase()
+                } else {
+                    normalize_model(pattern)
+                };
+                wildmatch::WildMatch::new(&text)
+            })
+            .collect();
+        Self {
+            patterns: compiled,
+            written: patterns.to_vec(),
+        }
+    }
+
+    /// Whether `model` is on the list.
+    pub fn allows(&self, model: &str) -> bool {
+        let name = normalize_model(model);
+        self.patterns.iter().any(|pattern| pattern.matches(&name))
+    }
 }
 
 /// A client's usage budget (`auth.keys[].budget`): GPU time and/or tokens per window
@@ -587,9 +666,23 @@ impl Policy {
     /// snapshot and its current key has not expired. Waiting requests of a client that no longer
     /// is are refused (revocation and expiry reach the queue, not only new requests).
     pub fn admits(&self, client_id: &str, now: SystemTime) -> bool {
+        // A user of an app is admitted while its app is.
+        let (app, user) = match client_id.split_once('/') {
+            Some((app, _)) => (app, true),
+            None => (client_id, false),
+        };
         self.clients_by_id
-            .get(client_id)
-            .is_some_and(|client| !client.is_expired(now))
+            .get(app)
+            .is_some_and(|client| !client.is_expired(now) && (!user || client.users.is_some()))
+    }
+
+    /// The app key a sub-client `<client_id>/<user>` belongs to, and the user, when that
+    /// key speaks for many people.
+    pub fn app_of<'a>(&'a self, client_id: &'a str) -> Option<(&'a Arc<Client>, &'a str)> {
+        let (app, user) = client_id.split_once('/')?;
+        let client = self.clients_by_id.get(app)?;
+        client.users.as_ref()?;
+        Some((client, user))
     }
 
     /// A host by name.

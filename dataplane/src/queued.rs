@@ -96,10 +96,10 @@ pub async fn send_then(
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
-    if parts.accounted
-        && let Some(known) = policy.clients_by_id.get(&client.id)
-    {
-        parts.usage.check(known, std::time::SystemTime::now())?;
+    if parts.accounted {
+        parts
+            .usage
+            .check_caller(policy, &client, std::time::SystemTime::now())?;
     }
     match parts.peers {
         Some(peers) if !policy.remote.is_empty() => {
@@ -208,6 +208,7 @@ async fn local(
     };
     let pending = parts.dispatcher.admit(dispatch::Request {
         client: client.id.clone(),
+        member: client.member.clone(),
         tier,
         bytes,
         model: model.map(Arc::from),
@@ -232,8 +233,7 @@ async fn local(
     // The budget may have been spent while the request waited (by the requests ahead of
     // it): refused as at admission, the slot going to the next request.
     if parts.accounted
-        && let Some(known) = current.clients_by_id.get(&client.id)
-        && let Err(refusal) = parts.usage.check(known, now)
+        && let Err(refusal) = parts.usage.check_caller(&current, &client, now)
     {
         drop(grant);
         return Err(refusal);

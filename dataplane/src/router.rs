@@ -77,7 +77,7 @@ pub fn model_rank(host: &Host, model: &str) -> u8 {
     }
 }
 pub use slot::{ReleaseHook, SlotGuard};
-pub use union::{union_ps, union_tags};
+pub use union::{union_openai_models, union_ps, union_tags};
 
 use model::ModelKey;
 

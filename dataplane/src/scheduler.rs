@@ -53,6 +53,15 @@
 //!
 //! `client_stats` also reports each client's decayed GPU time over everyone's as `recent_share`.
 //!
+//! # Apps and their users: fair share in two levels
+//! A ticket may name a [`Member`]: its client is one user (or the app itself) of an app key
+//! that speaks for many people. The app is then one *group* in its tier: its flow, at the app's
+//! weight, competes with the other clients exactly as a single client would, however many
+//! users it has; inside the group each user is a flow of weight 1 on the group's own virtual
+//! clock, so the same start-time fair queuing shares the app's GPU time between its users.
+//! Candidates are ordered by (group start tag, member start tag). The app's `max_concurrent`
+//! and `max_queued` bound the group as a whole; each user has the member limits of its ticket.
+//!
 //! # Admission
 //! Checked in order: tier paused → `Paused`; tier depth ≥ `max_depth` → `QueueFull` (`max_depth`
 //! 0: the tier never queues); client's waiting tickets ≥ `max_queued` → `ClientQueueFull`;
@@ -133,7 +142,7 @@ pub use client::{ClientLimits, ClientStat};
 pub use swap::{Cold, Offer, Placer, SwapRule, SwitchReason};
 pub use tier::{Tier, TierLimits, TierStat};
 
-use client::ClientState;
+use client::{ClientState, GroupState};
 use fair::CostMean;
 use tier::TierState;
 
@@ -178,6 +187,9 @@ impl Default for Limits {
 pub struct Ticket<T> {
     /// The client's identity (its `client_id`); fairness, caps and counters are per client.
     pub client: Arc<str>,
+    /// The app the client belongs to, when it is a user of an app key (see "Apps and their
+    /// users"); `None` for a client of its own.
+    pub member: Option<Member>,
     /// The tier it asks for, already capped by the client's `max_priority`.
     pub tier: Tier,
     /// Size of the buffered request body, counted against `max_queued_bytes` while it waits.
@@ -186,6 +198,16 @@ pub struct Ticket<T> {
     pub model: Option<Arc<str>>,
     /// What the dispatcher hands back on dispatch, expiry, cancellation or flush.
     pub payload: T,
+}
+
+/// The app a ticket's client is a member of, and the limits of one member.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Member {
+    /// The app's client id: its configured limits (weight, caps) are the group's.
+    pub app: Arc<str>,
+    /// Each user's own limits (`max_concurrent`, `max_queued`; the weight is ignored: users
+    /// of one app share it equally). Not applied to the app's own client.
+    pub limits: ClientLimits,
 }
 
 /// Identifies an admitted ticket until it completes. Ids grow with admission order.
@@ -295,12 +317,16 @@ pub struct Scheduler<T> {
     swap_wake: Option<Instant>,
     /// Waiting tickets per model.
     by_model: HashMap<Arc<str>, u32>,
+    /// Apps whose users are scheduled in two levels, by the app's client id.
+    groups: HashMap<Arc<str>, GroupState>,
 }
 
 /// A waiting ticket.
 #[derive(Debug)]
 struct Waiting<T> {
     client: Arc<str>,
+    /// The app it is a member of.
+    group: Option<Arc<str>>,
     tier: Tier,
     bytes: u64,
     model: Option<Arc<str>>,
@@ -319,6 +345,8 @@ struct Running {
     /// Seconds charged at dispatch, and the weight it was divided by.
     estimate: f64,
     weight: f64,
+    /// The app it ran for, with the app's weight at dispatch.
+    group: Option<(Arc<str>, f64)>,
 }
 
 impl<T> fmt::Debug for Scheduler<T> {
@@ -352,6 +380,7 @@ impl<T> Scheduler<T> {
             held: HashMap::new(),
             swap_wake: None,
             by_model: HashMap::new(),
+            groups: HashMap::new(),
         }
     }
 
@@ -416,7 +445,13 @@ impl<T> Scheduler<T> {
         if !self.clients.contains_key(&ticket.client) && self.clients.len() >= MAX_CLIENTS {
             self.forget_idle_clients();
         }
-        let client_queue_full = self.client_mut(&ticket.client, now).queue_full();
+        let client = self.client_mut(&ticket.client, now);
+        if let Some(member) = &ticket.member
+            && !client.configured
+        {
+            client.limits = member.limits.sanitised();
+        }
+        let client_queue_full = client.queue_full() || self.group_full(ticket.member.as_ref());
         let rejection = if depth >= limits.max_depth as usize {
             Some(Rejection::QueueFull)
         } else if client_queue_full {
@@ -440,6 +475,7 @@ impl<T> Scheduler<T> {
             id,
             Waiting {
                 client: ticket.client,
+                group: ticket.member.map(|member| member.app),
                 tier: ticket.tier,
                 bytes: ticket.bytes,
                 model: ticket.model,
@@ -597,6 +633,23 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// Whether the app of `member` already has its `max_queued` tickets waiting, all its users
+    /// together.
+    fn group_full(&self, member: Option<&Member>) -> bool {
+        let Some(member) = member else {
+            return false;
+        };
+        let max_queued = self
+            .clients
+            .get(&member.app)
+            .map_or(0, |app| app.limits.max_queued);
+        max_queued != 0
+            && self
+                .groups
+                .get(&member.app)
+                .is_some_and(|group| group.waiting >= max_queued)
+    }
+
     fn observe(&mut self, now: Instant) {
         self.clock = Some(self.clock.map_or(now, |clock| clock.max(now)));
     }
@@ -618,7 +671,19 @@ impl<T> Scheduler<T> {
             .or_insert_with(|| ClientState::new(ClientLimits::default(), false, Some(now)));
         let tier = &mut self.tiers[index];
         tier.by_entry.insert((entry.entered, id));
-        if client.queues[index].is_empty() {
+        if let Some(app) = &entry.group {
+            let group = self.groups.entry(app.clone()).or_default();
+            if client.queues[index].is_empty() {
+                client.flows[index].activate(group.vclock[index], now, half_life);
+                if group.active[index].is_empty() {
+                    group.flows[index].activate(tier.vclock, now, half_life);
+                    tier.groups.insert(app.clone());
+                }
+                group.active[index].insert(entry.client.clone());
+            }
+            group.waiting += 1;
+            group.last_active = Some(now);
+        } else if client.queues[index].is_empty() {
             client.flows[index].activate(tier.vclock, now, half_life);
             tier.active.insert(entry.client.clone());
         }
@@ -651,6 +716,13 @@ impl<T> Scheduler<T> {
         if let Some(below) = entry.tier.down() {
             self.tiers[below.index()].promotion_blocked = false;
         }
+        let mut group = entry
+            .group
+            .as_ref()
+            .and_then(|app| self.groups.get_mut(app).map(|group| (app, group)));
+        if let Some((_, group)) = &mut group {
+            group.waiting = group.waiting.saturating_sub(1);
+        }
         if let Some(client) = self.clients.get_mut(&entry.client) {
             client.queues[index].remove(&id);
             client.waiting = client.waiting.saturating_sub(1);
@@ -658,6 +730,15 @@ impl<T> Scheduler<T> {
                 self.tiers[index].active.remove(&entry.client);
                 if client.flows[index].inflight == 0 {
                     client.flows[index].idle(now);
+                }
+                if let Some((app, group)) = group {
+                    group.active[index].remove(&entry.client);
+                    if group.active[index].is_empty() {
+                        self.tiers[index].groups.remove(app);
+                        if group.flows[index].inflight == 0 {
+                            group.flows[index].idle(now);
+                        }
+                    }
                 }
             }
         }

@@ -68,6 +68,7 @@ pub async fn handle(
         client = tracing::field::Empty,
         tier = tracing::field::Empty,
         peer = tracing::field::Empty,
+        session = tracing::field::Empty,
     );
     // Boxed: hyper keeps room for this future in every connection, open or
     // idle, so what it holds inline is paid by every connection; the boxed
@@ -214,13 +215,23 @@ fn hopped_identity(
         // The owner's own snapshot decides the client's ceiling, weight and caps; a client
         // it does not know (not in its snapshot yet, or already gone) is a refusal of this
         // box: another may know it.
-        let client = policy
-            .clients_by_id
-            .get(&assertion.client)
-            .filter(|client| !client.is_expired(now))
-            .cloned()
-            .ok_or(ProxyError::ClientUnknownHere)?;
-        Identity::Client(client)
+        match policy.app_of(&assertion.client) {
+            // A user of an app key: the edge read it from the request, as it was configured.
+            Some((app, _)) if !app.is_expired(now) => Identity::User {
+                app: app.clone(),
+                id: assertion.client.clone(),
+            },
+            Some(_) => return Err(ProxyError::ClientUnknownHere),
+            None => {
+                let client = policy
+                    .clients_by_id
+                    .get(&assertion.client)
+                    .filter(|client| !client.is_expired(now))
+                    .cloned()
+                    .ok_or(ProxyError::ClientUnknownHere)?;
+                Identity::Client(client)
+            }
+        }
     } else {
         Identity::Anonymous(Some(assertion.client.clone()))
     };
@@ -298,13 +309,11 @@ async fn forward(
         Some(hop) => hop.tier,
         None => identity.tier(auth::requested_tier(request.headers())),
     };
-    let client_id = identity.client_id().cloned();
-    if let Some(client) = &client_id {
-        app.touch(client);
+    // The key's last use is the app's, whoever of its users called.
+    if let Some(key) = identity.key() {
+        app.touch(&key.id);
     }
-    tracing::Span::current()
-        .record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
-        .record("tier", tier.as_str());
+    let key_id = identity.client_id().cloned();
 
     // A model blob (`ollama create` from a local file) is as large as the model: streamed
     // and paced like any streamed body, never capped by `max_request_body_mb`.
@@ -321,7 +330,7 @@ async fn forward(
             reservation: &mut reservation,
         };
         let over_budget = || {
-            let client = client_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
+            let client = key_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
             app.dispatcher.over_capacity(tier, &client)
         };
         RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
@@ -333,9 +342,23 @@ async fn forward(
             policy.proxy.body_read_timeout,
         )?)
     };
+    // An app key's end user, from its header or its body field: from here on the caller.
+    let read = match &body {
+        RequestBody::Buffered(bytes) => Some(&bytes[..]),
+        RequestBody::Streamed(_) => None,
+    };
+    let identity = identity.delegated(&parts.headers, read)?;
+    let client_id = identity.client_id().cloned();
+    let span = tracing::Span::current();
+    span.record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
+        .record("tier", tier.as_str());
+    if let Some(session) = session_of(&identity, &parts.headers) {
+        span.record("session", session);
+    }
     let mut upstream_headers = parts.headers;
     let request_id = upstream_headers.get(headers::REQUEST_ID).cloned();
     headers::for_upstream(&mut upstream_headers, client_id.as_deref());
+    headers::strip_delegation(&mut upstream_headers, &policy.delegation_headers);
     // Even when the client's `Connection` named it: the id travels on (and a hop signs it).
     if let Some(id) = request_id {
         upstream_headers.insert(headers::REQUEST_ID, id);
@@ -368,7 +391,10 @@ async fn forward(
             (None, RequestBody::Buffered(bytes)) => rewrite::model_of(bytes),
             (None, RequestBody::Streamed(_)) => None,
         };
-        return Box::pin(metadata(app, policy, outbound, model.as_deref())).await;
+        if let Some(model) = &model {
+            identity.allow_model(model)?;
+        }
+        return Box::pin(metadata(app, policy, &identity, outbound, model.as_deref())).await;
     }
     let client = identity.caller();
     let mut queue = app.queue_parts();
@@ -386,13 +412,18 @@ async fn forward(
     else {
         return queued::send(queue, policy, client, tier, None, outbound).await;
     };
+    // A model the key may not use is refused before anything else sees the request: no
+    // cache, no queue, no host.
+    let model = rewrite::model_of(&body);
+    if let Some(model) = &model {
+        identity.allow_model(model)?;
+    }
     if let Some(hop) = &hopped {
         // The body is the one the edge signed, or the hop is refused.
         if hop.body.as_deref() != Some(hop::body_digest(&body).as_str()) {
             tracing::warn!("node hop refused: the body is not the one signed");
             return Err(ProxyError::HopUnverified);
         }
-        let model = rewrite::model_of(&body);
         outbound.body = RequestBody::Buffered(body);
         return queued::send(queue, policy, client, tier, model, outbound).await;
     }
@@ -422,9 +453,19 @@ async fn forward(
         outbound.body = RequestBody::Buffered(body);
         return embeddings::send_uncached(queue, policy, client, tier, outbound, inputs).await;
     }
-    let model = rewrite::model_of(&body);
     outbound.body = RequestBody::Buffered(body);
     queued::send(queue, policy, client, tier, model, outbound).await
+}
+
+/// The conversation an app key's request names (`users.session_header`), for the logs: at
+/// most [`auth::MAX_USER_BYTES`] of printable ASCII, else not recorded.
+fn session_of<'a>(identity: &Identity, headers: &'a http::HeaderMap) -> Option<&'a str> {
+    let name = identity.key()?.users.as_ref()?.session_header.as_ref()?;
+    let value = headers.get(name)?.to_str().ok()?;
+    (!value.is_empty()
+        && value.len() <= auth::MAX_USER_BYTES
+        && value.bytes().all(|byte| byte.is_ascii_graphic()))
+    .then_some(value)
 }
 
 /// A metadata read: `/api/tags` and `/api/ps` answer the union over the
@@ -433,16 +474,23 @@ async fn forward(
 async fn metadata(
     app: &Arc<App>,
     policy: &Arc<Policy>,
+    identity: &Identity,
     outbound: Outbound,
     model: Option<&str>,
 ) -> Result<Response<Body>, ProxyError> {
     let hosts = metadata_hosts(policy, model);
     let path = outbound.path_and_query.path().to_owned();
-    let union = outbound.method == Method::GET
-        && (path == "/api/tags" || path == "/api/ps")
-        && hosts.len() > 1;
-    if union {
-        return union_response(app, policy, &hosts, outbound, &path).await;
+    let listing = outbound.method == Method::GET
+        && matches!(path.as_str(), "/api/tags" | "/api/ps" | "/v1/models");
+    // A key limited to some models sees only those: its listings are read whole and
+    // filtered, even from one host.
+    let filtered = listing && identity.has_allowlist();
+    if filtered || (listing && path != "/v1/models" && hosts.len() > 1) {
+        let mut response = union_response(app, policy, &hosts, outbound, &path).await?;
+        if filtered {
+            response = filter_listing(response, &path, identity).await?;
+        }
+        return Ok(response);
     }
     let active = app.track_active();
     let answer = proxy::send(
@@ -515,10 +563,10 @@ async fn union_response(
         return Err(ProxyError::AllHostsFailed);
     }
     let bodies: Vec<serde_json::Value> = answers.iter().map(|(_, body)| body.clone()).collect();
-    let merged = if path == "/api/ps" {
-        crate::router::union_ps(&bodies)
-    } else {
-        crate::router::union_tags(&bodies)
+    let merged = match path {
+        "/api/ps" => crate::router::union_ps(&bodies),
+        "/v1/models" => crate::router::union_openai_models(&bodies),
+        _ => crate::router::union_tags(&bodies),
     };
     let mut response = Response::new(body::json(&merged));
     let names: Vec<&str> = answers.iter().map(|(name, _)| &**name).collect();
@@ -531,6 +579,42 @@ async fn union_response(
         map.insert(headers::FAILOVER_HOST, value);
     }
     Ok(response)
+}
+
+/// A listing (`/api/tags`, `/api/ps`, `/v1/models`) with only the models `identity` may use.
+async fn filter_listing(
+    response: Response<Body>,
+    path: &str,
+    identity: &Identity,
+) -> Result<Response<Body>, ProxyError> {
+    use http_body_util::BodyExt;
+    let (mut parts, body) = response.into_parts();
+    let bytes = body
+        .collect()
+        .await
+        .map_err(|_| ProxyError::AllHostsFailed)?
+        .to_bytes();
+    let mut value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|_| ProxyError::AllHostsFailed)?;
+    let (list, field) = if path == "/v1/models" {
+        ("data", "id")
+    } else {
+        ("models", "name")
+    };
+    if let Some(entries) = value
+        .get_mut(list)
+        .and_then(serde_json::Value::as_array_mut)
+    {
+        entries.retain(|entry| {
+            entry
+                .get(field)
+                .or_else(|| entry.get("model"))
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|name| identity.may_use(name))
+        });
+    }
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Ok(Response::from_parts(parts, body::json(&value)))
 }
 
 /// Hosts for a metadata request: the healthy ones (all when none is marked

@@ -26,9 +26,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oqp_proto::policy::v1 as wire;
 
+use crate::auth::Caller;
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
-use crate::policy::{Client, UsageBudget, Used};
+use crate::policy::{Client, Policy, UsageBudget, Used};
 
 pub mod window;
 
@@ -143,6 +144,20 @@ impl Ledger {
         }
         self.clients.get(client).copied().unwrap_or_default()
     }
+
+    /// What an app used: its own requests and its users' (`<app>/<user>`).
+    fn app(&self, app: &str, since: i64) -> Totals {
+        let mut totals = Totals::default();
+        if self.last_unix_s < since {
+            return totals;
+        }
+        for (client, used) in &self.clients {
+            if of_app(client, app) {
+                totals.add(used);
+            }
+        }
+        totals
+    }
 }
 
 impl Usage {
@@ -245,19 +260,50 @@ impl Usage {
     /// Refuses a request of `client` whose budget is spent at `now` (429, `Retry-After` =
     /// seconds until its window resets).
     pub fn check(&self, client: &Client, now: SystemTime) -> Result<(), ProxyError> {
-        let Some(budget) = &client.budget else {
+        self.check_budget(&client.id, client.budget.as_ref(), Whose::Own, now)
+    }
+
+    /// Refuses a request of `caller` whose budget is spent at `now`: a client's own; for an
+    /// app key's, the app's as a whole (itself and all its users) and then the user's.
+    pub fn check_caller(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        now: SystemTime,
+    ) -> Result<(), ProxyError> {
+        let Some(member) = &caller.member else {
+            return match policy.clients_by_id.get(&caller.id) {
+                Some(client) => self.check(client, now),
+                None => Ok(()),
+            };
+        };
+        let Some(app) = policy.clients_by_id.get(&member.app) else {
+            return Ok(());
+        };
+        self.check_budget(&app.id, app.budget.as_ref(), Whose::App, now)?;
+        match app.users.as_ref().and_then(|users| users.budget.as_ref()) {
+            Some(budget) if caller.id != app.id => {
+                self.check_budget(&caller.id, Some(budget), Whose::Own, now)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn check_budget(
+        &self,
+        client: &str,
+        budget: Option<&UsageBudget>,
+        whose: Whose,
+        now: SystemTime,
+    ) -> Result<(), ProxyError> {
+        let Some(budget) = budget else {
             return Ok(());
         };
         let now = unix_s(now);
         let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
         let inner = self.lock();
-        let (gpu_ns, tokens) = used_in(
-            budget,
-            inner.used.get(&client.id),
-            &inner,
-            &client.id,
-            start,
-        );
+        let (gpu_ns, tokens) =
+            used_in(budget, inner.used.get(client), &inner, client, whose, start);
         drop(inner);
         let over = if budget.gpu_ns > 0 && gpu_ns >= budget.gpu_ns {
             Some(format!("gpu_seconds {}", seconds(budget.gpu_ns)))
@@ -305,6 +351,7 @@ fn used_in(
     acked: Option<&Used>,
     inner: &Inner,
     client: &str,
+    whose: Whose,
     start: i64,
 ) -> (u64, u64) {
     let base = [Some(&budget.used), acked]
@@ -314,14 +361,35 @@ fn used_in(
         .max_by_key(|used| used.as_of_unix_ms)
         .copied()
         .unwrap_or_default();
-    let mut local = inner.pending.client(client, start);
+    let of = |ledger: &Ledger| match whose {
+        Whose::Own => ledger.client(client, start),
+        Whose::App => ledger.app(client, start),
+    };
+    let mut local = of(&inner.pending);
     if let Some((_, sent)) = &inner.sent {
-        local.add(&sent.client(client, start));
+        local.add(&of(sent));
     }
     (
         base.gpu_ns.saturating_add(local.gpu_ns),
         base.tokens.saturating_add(local.tokens()),
     )
+}
+
+/// Whose usage a budget counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Whose {
+    /// The client's own.
+    Own,
+    /// An app's: its own and its users' (`<app>/<user>`).
+    App,
+}
+
+/// Whether usage recorded under `client` counts toward `app`'s: the app itself or one of its
+/// users.
+pub fn of_app(client: &str, app: &str) -> bool {
+    client
+        .strip_prefix(app)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 /// Whole seconds as an integer, else with up to three decimals.

@@ -195,6 +195,10 @@ struct AddKey {
     /// Lifetime (e.g. 30d, 12h); default: until revoked.
     #[arg(long, value_parser = humantime::parse_duration)]
     expires: Option<std::time::Duration>,
+    /// The models it may use, comma-separated globs (e.g. 'llama3.2*,qwen3:*'); default: every
+    /// model.
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
     #[command(flatten)]
     budget: usage::BudgetArgs,
 }
@@ -262,7 +266,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Queue(command) => queue(&mut admin, command, output).await?,
         Command::Usage(args) => {
             let request = args.request();
-            let response = admin.get_usage(request).await?.into_inner();
+            let mut response = admin.get_usage(request).await?.into_inner();
+            if args.by_app() {
+                usage::fold_apps(&mut response);
+            }
             println!("{}", usage::render(&response, &request, output, style));
         }
         Command::Config(_) | Command::Completions { .. } => {}
@@ -423,6 +430,12 @@ fn tier(name: &str) -> wire::Tier {
 fn add_request(add: AddKey) -> Result<api::AddKeyRequest, String> {
     let budget = add.budget.budget()?;
     Ok(api::AddKeyRequest {
+        models: add
+            .models
+            .iter()
+            .map(|model| model.trim().to_owned())
+            .filter(|model| !model.is_empty())
+            .collect(),
         client_id: add.client_id,
         scope: match add.scope.as_str() {
             "read" => wire::Scope::Read,

@@ -110,6 +110,7 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     "last used",
                     "budget",
                     "left",
+                    "models",
                 ],
             );
             for key in &response.keys {
@@ -126,6 +127,7 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     ago(unix_ms_age(key.last_used_unix_ms)),
                     crate::usage::budget_cell(key.budget.as_ref()),
                     crate::usage::left_cell(key.budget.as_ref()),
+                    models_cell(key),
                 ]);
             }
             let capped = response
@@ -138,6 +140,20 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                 keys.to_string()
             }
         }
+    }
+}
+
+/// The models a key may use ("all" without a list), and whose users it speaks for.
+fn models_cell(key: &api::KeyInfo) -> String {
+    let models = if key.models.is_empty() {
+        "all".to_owned()
+    } else {
+        key.models.join(", ")
+    };
+    if key.users.is_empty() {
+        models
+    } else {
+        format!("{models}\nusers: {}", key.users)
     }
 }
 
@@ -161,6 +177,8 @@ pub fn key_json(key: &api::KeyInfo) -> Value {
         "expires_unix_ms": (key.expires_unix_ms > 0).then_some(key.expires_unix_ms),
         "last_used_unix_ms": (key.last_used_unix_ms > 0).then_some(key.last_used_unix_ms),
         "budget": crate::usage::budget_json(key.budget.as_ref()),
+        "models": (!key.models.is_empty()).then_some(&key.models),
+        "users": (!key.users.is_empty()).then_some(&key.users),
     })
 }
 

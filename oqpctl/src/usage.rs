@@ -15,8 +15,9 @@ pub struct UsageArgs {
     /// The period: the last 24h, 7d, 30d (any duration; whole UTC hours).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "24h")]
     pub since: Duration,
-    /// Group rows by client, model, or both (client,model).
-    #[arg(long, value_parser = ["client", "model", "client,model", "model,client"], default_value = "client")]
+    /// Group rows by client (an app key's users apart, as `<client_id>/<user>`), by app (its
+    /// users folded into it), by model, or by both (client,model; app,model).
+    #[arg(long, value_parser = ["client", "app", "model", "client,model", "model,client", "app,model", "model,app"], default_value = "client")]
     pub by: String,
 }
 
@@ -25,10 +26,52 @@ impl UsageArgs {
     pub fn request(&self) -> api::GetUsageRequest {
         api::GetUsageRequest {
             since_seconds: self.since.as_secs().max(1),
-            by_client: self.by.contains("client"),
+            by_client: self.by.contains("client") || self.by.contains("app"),
             by_model: self.by.contains("model"),
         }
     }
+
+    /// Whether an app's users are folded into it.
+    pub fn by_app(&self) -> bool {
+        self.by.contains("app")
+    }
+}
+
+/// The rows with each app key's users (`<client_id>/<user>`) added into their app, most GPU
+/// time first (ties: client, model), as the control plane orders them.
+pub fn fold_apps(response: &mut api::GetUsageResponse) {
+    let mut folded: Vec<api::UsageTotals> = Vec::new();
+    for row in response.rows.drain(..) {
+        let app = row
+            .client_id
+            .split_once('/')
+            .map_or(row.client_id.as_str(), |(app, _)| app)
+            .to_owned();
+        match folded
+            .iter_mut()
+            .find(|seen| seen.client_id == app && seen.model == row.model)
+        {
+            Some(seen) => {
+                seen.gpu_ns += row.gpu_ns;
+                seen.prompt_tokens += row.prompt_tokens;
+                seen.completion_tokens += row.completion_tokens;
+                seen.requests += row.requests;
+                seen.embedding_inputs += row.embedding_inputs;
+                seen.cached_inputs += row.cached_inputs;
+            }
+            None => folded.push(api::UsageTotals {
+                client_id: app,
+                ..row
+            }),
+        }
+    }
+    folded.sort_by(|a, b| {
+        b.gpu_ns
+            .cmp(&a.gpu_ns)
+            .then_with(|| a.client_id.cmp(&b.client_id))
+            .then_with(|| a.model.cmp(&b.model))
+    });
+    response.rows = folded;
 }
 
 /// `keys add`'s budget flags.
@@ -274,6 +317,41 @@ mod tests {
             total: Some(totals("", "", 7449)),
             since_unix_s: 1_796_108_400,
         }
+    }
+
+    #[test]
+    fn by_app_folds_an_apps_users_into_it() {
+        let mut response = api::GetUsageResponse {
+            rows: vec![
+                totals("webui/alice", "llama3.2", 10),
+                totals("batch", "llama3.2", 15),
+                totals("webui/bob", "llama3.2", 8),
+                totals("webui", "llama3.2", 1),
+                totals("webui/bob", "qwen3", 2),
+            ],
+            ..response()
+        };
+        fold_apps(&mut response);
+        let rows: Vec<(&str, &str, u64)> = response
+            .rows
+            .iter()
+            .map(|row| {
+                (
+                    row.client_id.as_str(),
+                    row.model.as_str(),
+                    row.gpu_ns / SECOND,
+                )
+            })
+            .collect();
+        assert_eq!(
+            rows,
+            vec![
+                ("webui", "llama3.2", 19),
+                ("batch", "llama3.2", 15),
+                ("webui", "qwen3", 2)
+            ]
+        );
+        assert_eq!(response.rows[0].requests, 36);
     }
 
     fn by_client() -> api::GetUsageRequest {

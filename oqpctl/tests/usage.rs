@@ -270,3 +270,160 @@ fn the_readme_budget_config_loads() {
     assert_eq!(budget.tokens, 2_000_000);
     assert_eq!(budget.window.as_str(), "1d");
 }
+
+const WEBUI: &str = "sk-webui-0123456789";
+
+#[tokio::test]
+async fn an_apps_users_are_rows_of_their_own_and_fold_into_the_app() {
+    let fake = FakeOllama::builder().model("llama3").slots(4).spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let yaml = config(&fake.url(), &state.display().to_string()).replace(
+        "  keys:\n",
+        &format!(
+            "  keys:\n    - {{key: {WEBUI}, client_id: webui, users: {{header: X-OpenWebUI-User-Id}}}}\n"
+        ),
+    );
+    let stack = Stack::start(&yaml).await;
+    let chat = json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": false});
+    for (user, gpu) in [
+        (Some("alice"), 30),
+        (Some("bob"), 20),
+        (Some("alice"), 10),
+        (None, 5),
+    ] {
+        let auth = format!("Bearer {WEBUI}");
+        let reported = format!("total_duration={gpu}000000000,prompt_eval_count=10,eval_count=5");
+        let mut headers = vec![
+            ("authorization", auth.as_str()),
+            (USAGE_HEADER, reported.as_str()),
+        ];
+        if let Some(user) = user {
+            headers.push(("x-openwebui-user-id", user));
+        }
+        let reply = HttpClient::new()
+            .post_json(&format!("{}/api/chat", stack.url()), &headers, &chat)
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let json = loop {
+        let text = stdout(&oqpctl(&stack, &["usage", "--output", "json"]).await);
+        let value: Value = serde_json::from_str(&text).unwrap();
+        if value["total"]["requests"] == 4 || Instant::now() >= deadline {
+            break value;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let rows: Vec<(String, f64)> = json["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| {
+            (
+                row["client_id"].as_str().unwrap().to_owned(),
+                row["gpu_seconds"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("webui/alice".to_owned(), 40.0),
+            ("webui/bob".to_owned(), 20.0),
+            ("webui".to_owned(), 5.0)
+        ]
+    );
+    let table = stdout(&oqpctl(&stack, &["usage", "--by", "client"]).await);
+    println!("oqpctl usage --by client\n{table}");
+    assert!(table.contains("webui/alice") && table.contains("webui/bob"));
+    let folded = stdout(&oqpctl(&stack, &["usage", "--by", "app", "--output", "json"]).await);
+    let folded: Value = serde_json::from_str(&folded).unwrap();
+    assert_eq!(folded["rows"].as_array().unwrap().len(), 1, "{folded}");
+    assert_eq!(folded["rows"][0]["client_id"], "webui");
+    assert_eq!(folded["rows"][0]["gpu_seconds"], 65.0);
+    assert_eq!(folded["rows"][0]["requests"], 4);
+    let table = stdout(&oqpctl(&stack, &["usage", "--by", "app"]).await);
+    println!("oqpctl usage --by app\n{table}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_stored_key_takes_a_models_list_that_the_data_plane_enforces() {
+    let fake = FakeOllama::builder()
+        .model("llama3.2:3b")
+        .model("qwen3:32b")
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let stack = Stack::start(&config(&fake.url(), &state.display().to_string())).await;
+    let added = stdout(
+        &oqpctl(
+            &stack,
+            &[
+                "keys",
+                "add",
+                "students",
+                "--max-priority",
+                "normal",
+                "--scope",
+                "inference",
+                "--models",
+                "llama3.2*, qwen2:*",
+                "--output",
+                "json",
+            ],
+        )
+        .await,
+    );
+    let added: Value = serde_json::from_str(&added).unwrap();
+    assert_eq!(added["models"], json!(["llama3.2*", "qwen2:*"]));
+    let key = added["key"].as_str().unwrap().to_owned();
+    let version = added["snapshot_version"].as_u64().unwrap();
+    stack.wait_for_version(version).await;
+    let list = stdout(&oqpctl(&stack, &["keys", "list"]).await);
+    assert!(list.contains("llama3.2*, qwen2:*"), "{list}");
+    assert!(
+        list.contains("all"),
+        "a key without a list may use every model: {list}"
+    );
+    let auth = format!("Bearer {key}");
+    let ask = |model: &str| {
+        let auth = auth.clone();
+        let url = format!("{}/api/chat", stack.url());
+        let body = json!({"model": model, "messages": [], "stream": false});
+        async move {
+            HttpClient::new()
+                .post_json(&url, &[("authorization", &auth)], &body)
+                .await
+        }
+    };
+    assert_eq!(ask("llama3.2:3b").await.status, 200);
+    let refused = ask("qwen3:32b").await;
+    assert_eq!(refused.status, 403);
+    assert_eq!(
+        refused.json()["error"],
+        "model 'qwen3:32b' is not allowed for this key"
+    );
+    let bad = oqpctl(
+        &stack,
+        &[
+            "keys",
+            "add",
+            "nope",
+            "--max-priority",
+            "normal",
+            "--scope",
+            "inference",
+            "--models",
+            "a b",
+        ],
+    )
+    .await;
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a model name pattern"));
+    stack.shutdown().await;
+}

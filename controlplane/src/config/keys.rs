@@ -11,10 +11,10 @@ use std::time::{Duration, SystemTime};
 use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
-use super::scalar::Text;
-use super::schema::{RawBudget, RawCloudKey, RawKey};
+use super::scalar::{Int, Text};
+use super::schema::{RawBudget, RawCloudKey, RawKey, RawUsers};
 use super::secret::Secret;
-use super::types::{Budget, BudgetWindow, CloudKey, KeyConfig};
+use super::types::{Budget, BudgetWindow, CloudKey, KeyConfig, UserSource, UsersConfig};
 
 /// The three ways of giving one credential, with the field names of this entry.
 pub(crate) struct KeySource<'a> {
@@ -192,6 +192,13 @@ fn resolve_key(
         return None;
     }
     let before = problems.error_count();
+    if client_id.contains('/') {
+        problems.error(format!(
+            "auth.keys[{index}].client_id '{client_id}' must not contain '/' (it separates an app \
+             key's users: <client_id>/<user>)"
+        ));
+        return None;
+    }
     let at = format!("auth.keys[client_id={client_id}]");
     let subject = format!("auth.keys[] entry for client_id='{client_id}'");
     let key = KeySource::key(
@@ -301,6 +308,11 @@ fn resolve_key(
         .budget
         .as_ref()
         .and_then(|budget| resolve_budget(budget, &at, problems));
+    let models = resolve_models(raw.models.as_deref(), &at, problems);
+    let users = raw
+        .users
+        .as_ref()
+        .and_then(|users| resolve_users(users, &at, problems));
 
     if problems.error_count() != before {
         return None;
@@ -317,6 +329,107 @@ fn resolve_key(
         max_queued,
         expires,
         budget,
+        models,
+        users,
+    })
+}
+
+/// `auth.keys[].models` (and a store key's `--models`): model-name globs, `*` and `?`.
+pub fn resolve_models(raw: Option<&[Text]>, at: &str, problems: &mut Problems) -> Vec<String> {
+    let mut models = Vec::new();
+    for (index, pattern) in raw.unwrap_or_default().iter().enumerate() {
+        match check_model_pattern(&pattern.0) {
+            Ok(pattern) => models.push(pattern),
+            Err(why) => problems.error(format!("{at}.models[{index}] {why}")),
+        }
+    }
+    if raw.is_some_and(<[Text]>::is_empty) {
+        problems.error(format!(
+            "{at}.models is empty: the key could use no model; list some, or remove models to \
+             allow every model"
+        ));
+    }
+    models
+}
+
+/// A model pattern as written, trimmed, or why it is not one.
+pub fn check_model_pattern(pattern: &str) -> Result<String, String> {
+    let pattern = pattern.trim();
+    if pattern.is_empty() {
+        return Err("must not be empty".to_owned());
+    }
+    if pattern.len() > 256 || pattern.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(format!(
+            "'{pattern}' is not a model name pattern (at most 256 characters, no spaces)"
+        ));
+    }
+    Ok(pattern.to_owned())
+}
+
+/// `auth.keys[].users`.
+fn resolve_users(raw: &RawUsers, at: &str, problems: &mut Problems) -> Option<UsersConfig> {
+    let at = format!("{at}.users");
+    let text = |value: &Option<Text>| {
+        value
+            .as_ref()
+            .map(|text| text.0.trim().to_owned())
+            .filter(|text| !text.is_empty())
+    };
+    let header_ok = |name: &str, key: &str, problems: &mut Problems| {
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            problems.error(format!("{at}.{key} '{name}' is not a header name"));
+        }
+    };
+    let source = match (text(&raw.header), text(&raw.body_field)) {
+        (Some(header), None) => {
+            header_ok(&header, "header", problems);
+            UserSource::Header(header)
+        }
+        (None, Some(field)) => {
+            if field.split('.').any(str::is_empty) {
+                problems.error(format!(
+                    "{at}.body_field '{field}' is not a path of keys (e.g. user, metadata.user_id)"
+                ));
+            }
+            UserSource::BodyField(field)
+        }
+        (Some(_), Some(_)) => {
+            problems.error(format!("{at}: set header or body_field, not both"));
+            return None;
+        }
+        (None, None) => {
+            problems.error(format!(
+                "{at}: set header (e.g. X-OpenWebUI-User-Id) or body_field (e.g. user) to say \
+                 where the app names its user"
+            ));
+            return None;
+        }
+    };
+    let count = |value: &Option<Int>, key: &str, problems: &mut Problems| {
+        let value = value.as_ref().map_or(0, |value| value.0);
+        u32::try_from(value).unwrap_or_else(|_| {
+            problems.error(format!(
+                "{at}.{key} must be a non-negative integer (0 = unlimited), got {value}"
+            ));
+            0
+        })
+    };
+    let max_concurrent = count(&raw.max_concurrent, "max_concurrent", problems);
+    let max_queued = count(&raw.max_queued, "max_queued", problems);
+    let budget = raw
+        .budget
+        .as_ref()
+        .and_then(|budget| resolve_budget(budget, &at, problems));
+    let session_header = text(&raw.session_header);
+    if let Some(name) = &session_header {
+        header_ok(name, "session_header", problems);
+    }
+    Some(UsersConfig {
+        source,
+        max_concurrent,
+        max_queued,
+        budget,
+        session_header,
     })
 }
 

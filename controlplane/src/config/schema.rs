@@ -211,6 +211,21 @@ pub(crate) struct RawKey {
     pub expires: Option<Text>,
     #[serde(default)]
     pub budget: Option<RawBudget>,
+    #[serde(default)]
+    pub models: Option<Vec<Text>>,
+    #[serde(default)]
+    pub users: Option<RawUsers>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawUsers {
+    pub header: Option<Text>,
+    pub body_field: Option<Text>,
+    pub max_concurrent: Option<Int>,
+    pub max_queued: Option<Int>,
+    pub budget: Option<RawBudget>,
+    pub session_header: Option<Text>,
 }
 
 #[derive(Debug, Default, Deserialize)]

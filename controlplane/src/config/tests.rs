@@ -1590,3 +1590,53 @@ fn key_budgets() {
         "{warnings:?}"
     );
 }
+
+#[test]
+fn key_models_and_users() {
+    let loaded = load(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: students, models: ['llama3.2*', ' qwen3:* ']}\n    \
+         - {key: k2, client_id: webui, users: {header: X-OpenWebUI-User-Id, max_concurrent: 1, \
+         max_queued: 20, budget: {tokens: 2000000, window: 1d}, session_header: X-OpenWebUI-Chat-Id}}\n    \
+         - {key: k3, client_id: librechat, users: {body_field: metadata.user_id}}\n",
+    ));
+    let keys = &loaded.config.auth.keys;
+    assert_eq!(keys[0].models, ["llama3.2*", "qwen3:*"]);
+    assert!(keys[0].users.is_none());
+    let users = keys[1].users.clone().unwrap();
+    assert_eq!(
+        users.source,
+        UserSource::Header("X-OpenWebUI-User-Id".into())
+    );
+    assert_eq!((users.max_concurrent, users.max_queued), (1, 20));
+    assert_eq!(users.budget.unwrap().tokens, 2_000_000);
+    assert_eq!(users.session_header.as_deref(), Some("X-OpenWebUI-Chat-Id"));
+    assert!(keys[1].models.is_empty(), "no list: every model");
+    assert_eq!(
+        keys[2].users.clone().unwrap().source,
+        UserSource::BodyField("metadata.user_id".into())
+    );
+
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: a, models: []}\n    \
+         - {key: k2, client_id: b, models: ['llama 3']}\n    \
+         - {key: k3, client_id: c, users: {header: X-User, body_field: user}}\n    \
+         - {key: k4, client_id: d, users: {max_concurrent: 1}}\n    \
+         - {key: k5, client_id: e, users: {header: 'bad header'}}\n    \
+         - {key: k6, client_id: f, users: {body_field: 'metadata..id'}}\n    \
+         - {key: k7, client_id: g/h}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=a].models is empty: the key could use no model; list some, or remove models to allow every model",
+            "auth.keys[client_id=b].models[0] 'llama 3' is not a model name pattern (at most 256 characters, no spaces)",
+            "auth.keys[client_id=c].users: set header or body_field, not both",
+            "auth.keys[client_id=d].users: set header (e.g. X-OpenWebUI-User-Id) or body_field (e.g. user) to say where the app names its user",
+            "auth.keys[client_id=e].users.header 'bad header' is not a header name",
+            "auth.keys[client_id=f].users.body_field 'metadata..id' is not a path of keys (e.g. user, metadata.user_id)",
+            "auth.keys[6].client_id 'g/h' must not contain '/' (it separates an app key's users: <client_id>/<user>)",
+        ]
+    );
+}

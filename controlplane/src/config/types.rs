@@ -211,6 +211,34 @@ pub struct KeyConfig {
     pub expires: Option<SystemTime>,
     /// Its usage budget, if it has one.
     pub budget: Option<Budget>,
+    /// The models it may use, as globs; empty = every model.
+    pub models: Vec<String>,
+    /// Where the app this key belongs to names its end users, if it speaks for many people.
+    pub users: Option<UsersConfig>,
+}
+
+/// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsersConfig {
+    /// Where the user's id is read.
+    pub source: UserSource,
+    /// Per user, per data plane; 0 = unlimited.
+    pub max_concurrent: u32,
+    /// Per user; 0 = unlimited.
+    pub max_queued: u32,
+    /// Each user's budget.
+    pub budget: Option<Budget>,
+    /// The header naming the conversation, if any.
+    pub session_header: Option<String>,
+}
+
+/// Where an app names its end user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UserSource {
+    /// `users.header`.
+    Header(String),
+    /// `users.body_field`: a dotted path of JSON object keys.
+    BodyField(String),
 }
 
 /// `auth.keys[].budget` (or a store key's): GPU time and/or tokens per window.

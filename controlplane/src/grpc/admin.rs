@@ -264,6 +264,14 @@ impl AdminService for AdminApi {
                     .budget
                     .as_ref()
                     .map(|budget| key_budget(budget, &key.client_id, Some(&self.usage))),
+                models: key.models.clone(),
+                users: key
+                    .users
+                    .as_ref()
+                    .map_or_else(String::new, |users| match &users.source {
+                        crate::config::UserSource::Header(name) => format!("header {name}"),
+                        crate::config::UserSource::BodyField(path) => format!("body field {path}"),
+                    }),
             })
             .collect();
         keys.extend(self.keys.records().iter().map(|record| {
@@ -670,6 +678,7 @@ fn new_key(request: api::AddKeyRequest) -> Result<NewKey, Status> {
         lifetime: (request.expires_in_seconds > 0)
             .then(|| Duration::from_secs(request.expires_in_seconds)),
         budget,
+        models: request.models,
     })
 }
 
@@ -692,6 +701,8 @@ fn key_info(record: &Record, last_used_unix_ms: i64) -> api::KeyInfo {
             .budget
             .as_ref()
             .map(|budget| key_budget(budget, &record.client_id, None)),
+        models: record.models.clone(),
+        users: String::new(),
     }
 }
 

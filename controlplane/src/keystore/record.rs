@@ -51,6 +51,8 @@ pub struct Record {
     pub previous: Vec<PreviousKey>,
     /// Its usage budget, if it has one.
     pub budget: Option<Budget>,
+    /// The models it may use, as globs; empty = every model.
+    pub models: Vec<String>,
 }
 
 /// A rotated-out key that keeps working until its grace period ends.
@@ -101,6 +103,8 @@ struct StoredRecord {
     previous: Vec<StoredPrevious>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     budget: Option<StoredBudget>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    models: Vec<String>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -150,6 +154,7 @@ pub(super) fn encode(records: &[Record]) -> Vec<u8> {
                     tokens: budget.tokens,
                     window: budget.window.as_str().to_owned(),
                 }),
+                models: record.models.clone(),
             })
             .collect(),
     };
@@ -227,7 +232,11 @@ fn decode_record(stored: StoredRecord) -> Result<Record, String> {
             })
         }
     };
+    for pattern in &stored.models {
+        crate::config::check_model_pattern(pattern).map_err(|why| format!("models: {why}"))?;
+    }
     Ok(Record {
+        models: stored.models,
         client_id: stored.client_id,
         key_sha256: digest(&stored.key_sha256)?,
         scope,
@@ -283,6 +292,7 @@ mod tests {
                 tokens: 0,
                 window: BudgetWindow::Day,
             }),
+            models: vec!["llama3.2*".to_owned(), "qwen3:*".to_owned()],
         }
     }
 

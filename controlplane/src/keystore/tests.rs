@@ -47,6 +47,7 @@ fn new_key(client_id: &str) -> NewKey {
         description: "batch jobs".to_owned(),
         lifetime: None,
         budget: None,
+        models: Vec::new(),
     }
 }
 

@@ -221,7 +221,8 @@ impl Ledger {
         days
     }
 
-    /// What `client` used from `start` (Unix seconds, a whole hour) on.
+    /// What `client` used from `start` (Unix seconds, a whole hour) on: with its users
+    /// (`<client>/<user>`) when it is an app key, since an app's budget bounds them all.
     pub fn client_since(&self, client: &str, start: i64) -> Totals {
         let mut totals = Totals::default();
         for hour in self
@@ -232,8 +233,35 @@ impl Ledger {
             if let Some(used) = hour.clients.get(client) {
                 totals.add(used);
             }
+            let users = hour.clients.iter().filter(|(id, _)| {
+                id.strip_prefix(client)
+                    .is_some_and(|rest| rest.starts_with('/'))
+            });
+            for (_, used) in users {
+                totals.add(used);
+            }
         }
         totals
+    }
+
+    /// What each user of the app `client` used from `start` on, by sub-client id.
+    pub fn users_since(&self, client: &str, start: i64) -> HashMap<String, Totals> {
+        let mut users: HashMap<String, Totals> = HashMap::new();
+        for hour in self
+            .hours
+            .range(start.div_euclid(3600)..)
+            .map(|(_, hour)| hour)
+        {
+            for (id, used) in &hour.clients {
+                if id
+                    .strip_prefix(client)
+                    .is_some_and(|rest| rest.starts_with('/'))
+                {
+                    users.entry(id.clone()).or_default().add(used);
+                }
+            }
+        }
+        users
     }
 
     /// Every client's totals from `start` on.

@@ -215,3 +215,51 @@ fn a_batch_from_an_earlier_epoch_of_a_node_is_refused() {
     );
     assert_eq!(store.today(at(NOW + 1))[0].gpu_ns, 10 * SECOND);
 }
+
+fn app(app_budget_seconds: u64, user_budget_seconds: u64) -> wire::Client {
+    let budget = |seconds: u64| wire::Budget {
+        gpu_ns: seconds * SECOND,
+        window_seconds: 86_400,
+        window: "1d".to_owned(),
+        ..wire::Budget::default()
+    };
+    wire::Client {
+        client_id: "webui".to_owned(),
+        budget: Some(budget(app_budget_seconds)),
+        users: Some(wire::Users {
+            header: "X-OpenWebUI-User-Id".to_owned(),
+            budget: Some(budget(user_budget_seconds)),
+            ..wire::Users::default()
+        }),
+        ..wire::Client::default()
+    }
+}
+
+#[test]
+fn an_apps_budget_counts_its_users_and_each_user_has_a_figure_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    store.apply("box", Some(&batch(1, "webui/alice", 6)), at(NOW));
+    store.apply("box", Some(&batch(2, "webui/bob", 3)), at(NOW));
+    store.apply("box", Some(&batch(3, "webui", 1)), at(NOW));
+    // Another client whose name starts alike is not the app's.
+    store.apply("box", Some(&batch(4, "webuix", 50)), at(NOW));
+    let clients = [app(20, 5)];
+    let budgets = store.budgets(&clients, at(NOW));
+    let of = |id: &str| {
+        budgets
+            .iter()
+            .find(|used| used.client_id == id)
+            .map(|used| used.gpu_ns / SECOND)
+    };
+    assert_eq!(of("webui"), Some(10));
+    assert_eq!(of("webui/alice"), Some(6));
+    assert_eq!(of("webui/bob"), Some(3));
+    assert_eq!(of("webuix"), None);
+    // Alice is over her own budget and announced once, under her sub-client id; the app
+    // is not over its own.
+    let notices = store.exceeded(&clients, at(NOW));
+    assert_eq!(notices.len(), 1);
+    assert!(format!("{notices:?}").contains("webui/alice"));
+    assert!(store.exceeded(&clients, at(NOW)).is_empty());
+}

@@ -229,6 +229,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             )?,
         };
 
+        let delegation_headers = delegation_headers(clients_by_id.values());
         let mut injection_listeners = Vec::new();
         for listener in snapshot.injection_listeners {
             let addr = socket_addr(&listener.bind, listener.port)
@@ -268,8 +269,27 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             dashboard,
             injection_listeners,
             log_level,
+            delegation_headers,
         })
     }
+}
+
+/// Every header an app key names its users or sessions in: none of them reaches an upstream,
+/// whichever key sent it.
+fn delegation_headers<'a>(clients: impl Iterator<Item = &'a Arc<Client>>) -> Vec<http::HeaderName> {
+    let mut names: Vec<http::HeaderName> = Vec::new();
+    for users in clients.filter_map(|client| client.users.as_ref()) {
+        let user = match &users.source {
+            UserSource::Header(name) => Some(name),
+            UserSource::BodyField(_) => None,
+        };
+        for name in user.into_iter().chain(&users.session_header) {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+    }
+    names
 }
 
 fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
@@ -307,7 +327,34 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .ok()
         .filter(|ms| *ms > 0)
         .map(|ms| UNIX_EPOCH + Duration::from_millis(ms));
-    let budget = match client.budget {
+    let budget = convert_budget(&id, client.budget)?;
+    let models = (!client.models.is_empty()).then(|| ModelAllowlist::new(&client.models));
+    let users = client
+        .users
+        .map(|users| convert_users(&id, users))
+        .transpose()?;
+    Ok(Client {
+        id: Arc::from(id),
+        key_digest,
+        scope,
+        max_priority,
+        default_priority,
+        max_concurrent: client.max_concurrent,
+        weight,
+        max_queued: client.max_queued,
+        description: client.description,
+        expires,
+        budget,
+        models,
+        users,
+    })
+}
+
+fn convert_budget(
+    id: &str,
+    budget: Option<wire::Budget>,
+) -> Result<Option<UsageBudget>, PolicyError> {
+    Ok(match budget {
         None => None,
         Some(budget) if budget.gpu_ns == 0 && budget.tokens == 0 => None,
         Some(budget) if budget.window_seconds == 0 => {
@@ -326,19 +373,52 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
                 .map(|used| Used::from_wire(&used))
                 .unwrap_or_default(),
         }),
+    })
+}
+
+fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
+    if id.contains('/') {
+        return Err(PolicyError::new(format!(
+            "client '{id}': a client_id with users must not contain '/'"
+        )));
+    }
+    let header = |name: &str, what: &str| {
+        http::HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+            PolicyError::new(format!("client '{id}': users.{what} is not a header name"))
+        })
     };
-    Ok(Client {
-        id: Arc::from(id),
-        key_digest,
-        scope,
-        max_priority,
-        default_priority,
-        max_concurrent: client.max_concurrent,
-        weight,
-        max_queued: client.max_queued,
-        description: client.description,
-        expires,
-        budget,
+    let named = if users.header.is_empty() {
+        format!("body field {}", users.body_field)
+    } else {
+        users.header.clone()
+    };
+    let source = match (users.header.is_empty(), users.body_field.is_empty()) {
+        (false, true) => UserSource::Header(header(&users.header, "header")?),
+        (true, false) => {
+            let path: Vec<String> = users.body_field.split('.').map(str::to_owned).collect();
+            if path.iter().any(String::is_empty) {
+                return Err(PolicyError::new(format!(
+                    "client '{id}': users.body_field is not a path of keys"
+                )));
+            }
+            UserSource::BodyField(path)
+        }
+        _ => {
+            return Err(PolicyError::new(format!(
+                "client '{id}': users needs exactly one of header and body_field"
+            )));
+        }
+    };
+    let session_header = (!users.session_header.is_empty())
+        .then(|| header(&users.session_header, "session_header"))
+        .transpose()?;
+    Ok(Users {
+        source,
+        named,
+        max_concurrent: users.max_concurrent,
+        max_queued: users.max_queued,
+        budget: convert_budget(id, users.budget)?,
+        session_header,
     })
 }
 

@@ -18,6 +18,26 @@ pub fn union_ps(bodies: &[Value]) -> Value {
     union_models(bodies)
 }
 
+/// Merges several hosts' OpenAI `/v1/models` bodies (`{"object":"list","data":[{"id":…}]}`)
+/// the same way, by `id`.
+pub fn union_openai_models(bodies: &[Value]) -> Value {
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut data: Vec<Value> = Vec::new();
+    for entries in bodies
+        .iter()
+        .filter_map(|body| body.get("data").and_then(Value::as_array))
+    {
+        for entry in entries {
+            if let Some(id) = entry.get("id").and_then(Value::as_str)
+                && seen.insert(normalize_model(id))
+            {
+                data.push(entry.clone());
+            }
+        }
+    }
+    json!({ "object": "list", "data": data })
+}
+
 fn union_models(bodies: &[Value]) -> Value {
     let mut seen: HashSet<String> = HashSet::new();
     let mut models: Vec<Value> = Vec::new();

@@ -1,7 +1,7 @@
 //! Per-client state: limits, the client's waiting tickets in each tier (FIFO), its fair-queuing
 //! flows, in-flight count, decayed usage and counters.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -111,6 +111,37 @@ impl ClientState {
     pub(super) fn forgettable(&self, now: Instant, forget_after: Duration) -> bool {
         !self.configured
             && self.waiting == 0
+            && self.inflight == 0
+            && self
+                .last_active
+                .is_none_or(|last| now.saturating_duration_since(last) >= forget_after)
+    }
+}
+
+/// The scheduler's state for one app whose users are members (see "Apps and their users"): the
+/// app's flow in each tier against the other clients, and the virtual clock its members' flows
+/// run on.
+#[derive(Debug, Default)]
+pub(super) struct GroupState {
+    /// The app's flow per tier, at the app's weight.
+    pub(super) flows: [Flow; 3],
+    /// The virtual clock of the members' flows, per tier.
+    pub(super) vclock: [f64; 3],
+    /// Members with a ticket waiting, per tier.
+    pub(super) active: [HashSet<Arc<str>>; 3],
+    /// Requests of all members in flight.
+    pub(super) inflight: u32,
+    /// Tickets of all members waiting.
+    pub(super) waiting: u32,
+    /// Running mean of the members' costs.
+    pub(super) mean_cost: CostMean,
+    pub(super) last_active: Option<Instant>,
+}
+
+impl GroupState {
+    /// Nothing waiting or running for `forget_after`: the app's state can be dropped.
+    pub(super) fn forgettable(&self, now: Instant, forget_after: Duration) -> bool {
+        self.waiting == 0
             && self.inflight == 0
             && self
                 .last_active

@@ -141,5 +141,7 @@ impl<T> Scheduler<T> {
         let forget_after = half_life.saturating_mul(4);
         self.clients
             .retain(|_, client| !client.forgettable(now, forget_after));
+        self.groups
+            .retain(|_, group| !group.forgettable(now, forget_after));
     }
 }

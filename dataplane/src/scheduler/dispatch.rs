@@ -42,7 +42,7 @@ impl<T> Scheduler<T> {
         let mut refused: Vec<Option<Arc<str>>> = Vec::new();
         // Models held in this call, with the host they are held for.
         let mut cold: Vec<(Arc<str>, Arc<str>)> = Vec::new();
-        let mut candidates: Vec<(f64, TicketId)> = Vec::new();
+        let mut candidates: Vec<Candidate> = Vec::new();
         for tier in Tier::ALL {
             let index = tier.index();
             let state = &self.tiers[index];
@@ -61,13 +61,58 @@ impl<T> Scheduler<T> {
                         client.mean_cost.get().unwrap_or(fallback) / client.limits.weight;
                     let start =
                         client.flows[index].start_tag(state.vclock, now, half_life, one_request);
-                    candidates.push((start, head));
+                    candidates.push(Candidate {
+                        start,
+                        member_start: 0.0,
+                        head,
+                    });
                 }
             }
-            // Fair order: smallest start tag, then the older head ticket. Usually the first
-            // candidate is placed, so find it in O(c) and sort the rest only on a refusal.
-            let fair =
-                |a: &(f64, TicketId), b: &(f64, TicketId)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+            for app in &state.groups {
+                let Some(group) = self.groups.get_mut(app) else {
+                    continue;
+                };
+                let limits = self
+                    .clients
+                    .get(app)
+                    .map(|client| client.limits)
+                    .unwrap_or_default();
+                if limits.max_concurrent != 0 && group.inflight >= limits.max_concurrent {
+                    group.flows[index].catch_up(state.vclock);
+                    continue;
+                }
+                let one_request = group.mean_cost.get().unwrap_or(fallback) / limits.weight;
+                let start = group.flows[index].start_tag(state.vclock, now, half_life, one_request);
+                let vclock = group.vclock[index];
+                for name in &group.active[index] {
+                    let Some(member) = self.clients.get_mut(name) else {
+                        continue;
+                    };
+                    if !member.under_cap() {
+                        member.flows[index].catch_up(vclock);
+                        continue;
+                    }
+                    if let Some(&head) = member.queues[index].first() {
+                        let one_request = member.mean_cost.get().unwrap_or(fallback);
+                        let member_start =
+                            member.flows[index].start_tag(vclock, now, half_life, one_request);
+                        candidates.push(Candidate {
+                            start,
+                            member_start,
+                            head,
+                        });
+                    }
+                }
+            }
+            // Fair order: smallest start tag (the app's, then its member's), then the older
+            // head ticket. Usually the first candidate is placed, so find it in O(c) and sort
+            // the rest only on a refusal.
+            let fair = |a: &Candidate, b: &Candidate| {
+                a.start
+                    .total_cmp(&b.start)
+                    .then(a.member_start.total_cmp(&b.member_start))
+                    .then(a.head.cmp(&b.head))
+            };
             if let Some(first) =
                 (0..candidates.len()).min_by(|&i, &j| fair(&candidates[i], &candidates[j]))
             {
@@ -77,7 +122,11 @@ impl<T> Scheduler<T> {
                 if k == 1 {
                     candidates[1..].sort_by(fair);
                 }
-                let (start, head) = candidates[k];
+                let Candidate {
+                    start,
+                    member_start,
+                    head,
+                } = candidates[k];
                 let Some(entry) = self.waiting.get(&head) else {
                     continue;
                 };
@@ -128,7 +177,7 @@ impl<T> Scheduler<T> {
                 let Some(entry) = self.take(head, now) else {
                     continue;
                 };
-                let mut dispatch = self.start(head, entry, start, placement, now);
+                let mut dispatch = self.start(head, entry, (start, member_start), placement, now);
                 dispatch.held = held.map(|since| now.saturating_duration_since(since));
                 return Some(dispatch);
             }
@@ -158,27 +207,65 @@ impl<T> Scheduler<T> {
         if flow.inflight == 0 && client.queues[index].is_empty() {
             flow.idle(now);
         }
+        if let Some((app, weight)) = &run.group
+            && let Some(group) = self.groups.get_mut(app)
+        {
+            group.inflight = group.inflight.saturating_sub(1);
+            group.mean_cost.record(cost_secs);
+            group.last_active = Some(now);
+            let flow = &mut group.flows[index];
+            flow.complete((cost_secs - run.estimate) / weight);
+            if flow.inflight == 0 && group.active[index].is_empty() {
+                flow.idle(now);
+            }
+        }
         true
     }
 
-    /// Charges and records a ticket taken for dispatch.
+    /// Charges and records a ticket taken for dispatch: `start` is its start tag, with its
+    /// member's start tag inside its app when it has one.
     fn start<P>(
         &mut self,
         id: TicketId,
         entry: Waiting<T>,
-        start: f64,
+        (start, member_start): (f64, f64),
         placement: P,
         now: Instant,
     ) -> Dispatch<T, P> {
         let index = entry.tier.index();
         let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
+        let app_weight = entry.group.as_ref().map(|app| {
+            self.clients
+                .get(app)
+                .map_or(1.0, |client| client.limits.weight)
+        });
         let client = self.client_mut(&entry.client, now);
         let estimate = client.mean_cost.get().unwrap_or(fallback);
-        let weight = client.limits.weight;
-        client.flows[index].charge(start, estimate / weight, now);
+        // Inside an app its users share equally; the app's weight is the group's.
+        let weight = match app_weight {
+            Some(_) => 1.0,
+            None => client.limits.weight,
+        };
+        let own_start = if app_weight.is_some() {
+            member_start
+        } else {
+            start
+        };
+        client.flows[index].charge(own_start, estimate / weight, now);
         client.inflight += 1;
         client.processed += 1;
         client.last_active = Some(now);
+        let group = match (&entry.group, app_weight) {
+            (Some(app), Some(app_weight)) => {
+                let group = self.groups.entry(app.clone()).or_default();
+                group.flows[index].charge(start, estimate / app_weight, now);
+                group.vclock[index] = group.vclock[index].max(member_start);
+                group.inflight += 1;
+                group.last_active = Some(now);
+                Some((app.clone(), app_weight))
+            }
+            _ => None,
+        };
         let tier = &mut self.tiers[index];
         tier.vclock = tier.vclock.max(start);
         tier.stat.processed += 1;
@@ -189,6 +276,7 @@ impl<T> Scheduler<T> {
                 tier: entry.tier,
                 estimate,
                 weight,
+                group,
             },
         );
         Dispatch {
@@ -202,4 +290,14 @@ impl<T> Scheduler<T> {
             held: None,
         }
     }
+}
+
+/// A head ticket offered in one tier, with the start tags that order it.
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    /// Its client's start tag, or its app's when the client is a member of one.
+    start: f64,
+    /// Its start tag inside its app (0 for a client of its own).
+    member_start: f64,
+    head: TicketId,
 }

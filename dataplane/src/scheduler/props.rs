@@ -137,6 +137,7 @@ fn run(ops: Vec<Op>, aging: bool) {
                 next_payload += 1;
                 let ticket = Ticket {
                     client: Arc::from(CLIENTS[client]),
+                    member: None,
                     tier: Tier::ALL[tier],
                     bytes,
                     model: Some(Arc::from(MODELS[m])),
@@ -264,6 +265,7 @@ proptest! {
             let seq = seq as u32;
             let ticket = Ticket {
                 client: Arc::from(CLIENTS[client]),
+                member: None,
                 tier: Tier::ALL[tier],
                 bytes: 1,
                 model: None,

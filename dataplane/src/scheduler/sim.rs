@@ -147,6 +147,7 @@ impl Sim {
     fn submit(&mut self, client: &SimClient) {
         let ticket = Ticket {
             client: client.name.clone(),
+            member: None,
             tier: Tier::Normal,
             bytes: 100,
             model: None,

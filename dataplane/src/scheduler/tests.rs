@@ -14,6 +14,7 @@ fn secs(s: u64) -> Duration {
 fn ticket(client: &str, tier: Tier, bytes: u64, payload: u32) -> Ticket<u32> {
     Ticket {
         client: Arc::from(client),
+        member: None,
         tier,
         bytes,
         model: None,
@@ -733,4 +734,170 @@ fn the_client_map_is_bounded_by_forgetting_idle_unconfigured_clients() {
         clients.iter().any(|c| &*c.client == "caller-10099"),
         "the newest stays"
     );
+}
+
+fn member(client: &str, app: &str, max_concurrent: u32, payload: u32) -> Ticket<u32> {
+    let mut ticket = ticket(client, Tier::Normal, 0, payload);
+    ticket.member = Some(Member {
+        app: Arc::from(app),
+        limits: ClientLimits {
+            max_concurrent,
+            ..ClientLimits::default()
+        },
+    });
+    ticket
+}
+
+/// Runs one request at a time, each costing `cost`, and returns the clients in the order
+/// they were served.
+fn serve_one_at_a_time(
+    scheduler: &mut Scheduler<u32>,
+    start: Instant,
+    cost: Duration,
+) -> Vec<Arc<str>> {
+    let mut now = start;
+    let mut order = Vec::new();
+    while let Some(dispatch) = scheduler.next(now, anywhere) {
+        order.push(dispatch.client.clone());
+        now += cost;
+        assert!(scheduler.complete(dispatch.id, cost, now));
+    }
+    order
+}
+
+#[test]
+fn an_apps_heavy_user_does_not_keep_its_light_user_waiting() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    for payload in 0..5 {
+        admit(
+            &mut scheduler,
+            now,
+            member("webui/heavy", "webui", 0, payload),
+        );
+    }
+    admit(&mut scheduler, now, member("webui/light", "webui", 0, 9));
+    let order = serve_one_at_a_time(&mut scheduler, now, secs(1));
+    assert_eq!(&*order[0], "webui/heavy");
+    assert_eq!(&*order[1], "webui/light", "{order:?}");
+}
+
+#[test]
+fn an_app_keeps_its_weight_however_many_users_it_has() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    scheduler.set_client("webui", ClientLimits::default());
+    scheduler.set_client("batch", ClientLimits::default());
+    let mut payload = 0;
+    for round in 0..4 {
+        for user in 0..10 {
+            admit(
+                &mut scheduler,
+                now,
+                member(&format!("webui/u{user}"), "webui", 0, payload),
+            );
+            payload += 1;
+        }
+        for _ in 0..10 {
+            admit(
+                &mut scheduler,
+                now,
+                ticket("batch", Tier::Normal, 0, payload),
+            );
+            payload += 1;
+        }
+        let _ = round;
+    }
+    let order = serve_one_at_a_time(&mut scheduler, now, secs(1));
+    // While both are backlogged (the first 80 dispatches), they alternate.
+    let app = order[..80]
+        .iter()
+        .filter(|client| client.starts_with("webui/"))
+        .count();
+    assert!((38..=42).contains(&app), "the app got {app} of 80");
+    // Inside the app, its ten users share equally.
+    let mut per_user: HashMap<&str, usize> = HashMap::new();
+    for client in order[..80]
+        .iter()
+        .filter(|client| client.starts_with("webui/"))
+    {
+        *per_user.entry(client).or_default() += 1;
+    }
+    assert_eq!(per_user.len(), 10);
+    assert!(
+        per_user.values().all(|&n| (3..=5).contains(&n)),
+        "{per_user:?}"
+    );
+}
+
+#[test]
+fn a_users_cap_holds_while_other_users_run_and_the_apps_cap_bounds_them_all() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    scheduler.set_client(
+        "webui",
+        ClientLimits {
+            max_concurrent: 3,
+            ..ClientLimits::default()
+        },
+    );
+    for payload in 0..3 {
+        admit(&mut scheduler, now, member("webui/a", "webui", 1, payload));
+    }
+    for payload in 10..13 {
+        admit(&mut scheduler, now, member("webui/b", "webui", 1, payload));
+    }
+    for payload in 20..23 {
+        admit(&mut scheduler, now, member("webui/c", "webui", 0, payload));
+    }
+    for payload in 30..33 {
+        admit(&mut scheduler, now, member("webui/d", "webui", 0, payload));
+    }
+    let running: Vec<u32> = drain(&mut scheduler, now);
+    // a and b one each (their caps), and one more of c or d: the app's cap of 3.
+    assert_eq!(running.len(), 3, "{running:?}");
+    assert_eq!(running.iter().filter(|&&p| p < 10).count(), 1);
+    assert_eq!(
+        running.iter().filter(|&&p| (10..20).contains(&p)).count(),
+        1
+    );
+    // Another client is not held back by the app's cap.
+    admit(&mut scheduler, now, ticket("other", Tier::Normal, 0, 99));
+    assert_eq!(drain(&mut scheduler, now), vec![99]);
+}
+
+#[test]
+fn an_apps_max_queued_counts_all_its_users_and_a_users_its_own() {
+    let now = Instant::now();
+    let mut scheduler = Scheduler::new(Limits::default());
+    scheduler.set_client(
+        "webui",
+        ClientLimits {
+            max_queued: 3,
+            ..ClientLimits::default()
+        },
+    );
+    let mut queued_one = member("webui/a", "webui", 0, 1);
+    if let Some(member) = &mut queued_one.member {
+        member.limits.max_queued = 1;
+    }
+    admit(&mut scheduler, now, queued_one);
+    let mut second = member("webui/a", "webui", 0, 2);
+    if let Some(member) = &mut second.member {
+        member.limits.max_queued = 1;
+    }
+    assert_eq!(
+        rejection(&mut scheduler, now, second),
+        Rejection::ClientQueueFull
+    );
+    admit(&mut scheduler, now, member("webui/b", "webui", 0, 3));
+    admit(&mut scheduler, now, member("webui", "webui", 0, 4));
+    assert_eq!(
+        rejection(&mut scheduler, now, member("webui/c", "webui", 0, 5)),
+        Rejection::ClientQueueFull
+    );
+    // Cancelling frees the app's place.
+    admit(&mut scheduler, now, ticket("other", Tier::Normal, 0, 6));
+    assert_eq!(drain(&mut scheduler, now).len(), 4);
+    admit(&mut scheduler, now, member("webui/c", "webui", 0, 7));
 }

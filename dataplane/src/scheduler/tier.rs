@@ -124,8 +124,11 @@ pub(super) struct TierState {
     /// Waiting tickets ordered by the instant they entered this tier. All tickets of a tier share
     /// `max_wait` and `promote_after`, so this is also deadline order and promotion order.
     pub(super) by_entry: BTreeSet<(Instant, TicketId)>,
-    /// Clients with at least one ticket waiting in this tier.
+    /// Clients of their own (not members of an app) with at least one ticket waiting in this
+    /// tier.
     pub(super) active: HashSet<Arc<str>>,
+    /// Apps with at least one member's ticket waiting in this tier.
+    pub(super) groups: HashSet<Arc<str>>,
     /// The tier's virtual clock: the largest start tag dispatched so far (see `fair`).
     pub(super) vclock: f64,
     /// Armed: the next admission at or above the watermark reports a crossing.
@@ -142,6 +145,7 @@ impl TierState {
             paused: false,
             by_entry: BTreeSet::new(),
             active: HashSet::new(),
+            groups: HashSet::new(),
             vclock: 0.0,
             watermark_armed: true,
             promotion_blocked: false,

@@ -175,6 +175,7 @@ impl Sim {
         let client = self.clients[index];
         let ticket = Ticket {
             client: Arc::from(client.name),
+            member: None,
             tier: client.tier,
             bytes: 0,
             model: Some(Arc::from(client.model)),

@@ -44,6 +44,8 @@ fn client(budget: Option<UsageBudget>) -> Client {
         description: String::new(),
         expires: None,
         budget,
+        models: None,
+        users: None,
     }
 }
 

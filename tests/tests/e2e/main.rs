@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod agents;
+mod apps;
 mod bench_smoke;
 mod connections;
 mod embeddings;

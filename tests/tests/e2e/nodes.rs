@@ -998,3 +998,57 @@ async fn every_host_names_a_listed_owner_when_there_are_several_nodes() {
     assert!(text.contains("ollama.hosts[1].node"), "{text}");
     assert!(text.contains("ollama.hosts[2].node"), "{text}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_apps_user_keeps_its_identity_across_the_hop() {
+    let _exclusive = crate::support::exclusive().await;
+    let box1 = FakeOllama::builder().loaded("llama3").spawn().await;
+    let box2 = FakeOllama::builder().model("qwen").spawn().await;
+    let extra = "    - key: \"sk-webui-0123456789\"\n      client_id: webui\n      \
+                 users: {header: X-OpenWebUI-User-Id, max_concurrent: 1}\n\
+                 routing:\n  strategy: model_aware\n";
+    let yaml = config(
+        &[
+            Host {
+                url: &box1.url(),
+                name: "box1",
+                slots: 2,
+                node: Some("a"),
+            },
+            Host {
+                url: &box2.url(),
+                name: "box2",
+                slots: 2,
+                node: Some("b"),
+            },
+        ],
+        true,
+        extra,
+    );
+    let cluster = cluster(&yaml).start().await;
+    cluster.wait_peer("a", "b").await;
+    let http = HttpClient::new();
+    let qwen = r#"{"model":"qwen","prompt":"hi","stream":false}"#;
+    let reply = post(
+        &http,
+        &cluster.url("a"),
+        "/api/generate",
+        "sk-webui-0123456789",
+        &[("x-openwebui-user-id", "alice")],
+        qwen,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen = box2.handle().requests_to("/api/generate");
+    assert_eq!(
+        seen.len(),
+        1,
+        "served by the owner of the box with the model"
+    );
+    assert_eq!(
+        seen[0].header("x-client-id").as_deref(),
+        Some("webui/alice")
+    );
+    assert!(seen[0].header("x-openwebui-user-id").is_none());
+    cluster.shutdown().await;
+}
