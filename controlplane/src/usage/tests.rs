@@ -239,11 +239,11 @@ fn app(app_budget_seconds: u64, user_budget_seconds: u64) -> wire::Client {
 fn an_apps_budget_counts_its_users_and_each_user_has_a_figure_of_its_own() {
     let dir = tempfile::tempdir().unwrap();
     let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
-    store.apply("box", Some(&batch(1, "webui/alice", 6)), at(NOW));
-    store.apply("box", Some(&batch(2, "webui/bob", 3)), at(NOW));
-    store.apply("box", Some(&batch(3, "webui", 1)), at(NOW));
+    store.apply("box", Some(&batch(1, "webui/alice", 6)), SLOTS, at(NOW));
+    store.apply("box", Some(&batch(2, "webui/bob", 3)), SLOTS, at(NOW));
+    store.apply("box", Some(&batch(3, "webui", 1)), SLOTS, at(NOW));
     // Another client whose name starts alike is not the app's.
-    store.apply("box", Some(&batch(4, "webuix", 50)), at(NOW));
+    store.apply("box", Some(&batch(4, "webuix", 50)), SLOTS, at(NOW));
     let clients = [app(20, 5)];
     let budgets = store.budgets(&clients, at(NOW));
     let of = |id: &str| {
