@@ -255,6 +255,17 @@ impl UsageStore {
 
     /// The totals of the last `since_seconds` (whole hours, 0 = 24 h) at `now`, grouped.
     pub fn query(&self, request: &api::GetUsageRequest, now: SystemTime) -> api::GetUsageResponse {
+        self.query_for(request, None, now)
+    }
+
+    /// [`UsageStore::query`] over the rows of client `only` (and its users,
+    /// `<client_id>/<user>`) when given.
+    pub fn query_for(
+        &self,
+        request: &api::GetUsageRequest,
+        only: Option<&str>,
+        now: SystemTime,
+    ) -> api::GetUsageResponse {
         let since = if request.since_seconds == 0 {
             86_400
         } else {
@@ -267,7 +278,7 @@ impl UsageStore {
             client: request.by_client,
             model: request.by_model,
         };
-        let rows = self.lock().ledger.query(start, by);
+        let rows = self.lock().ledger.query_for(start, by, only);
         let mut total = Totals::default();
         for group in &rows {
             total.add(&group.totals);

@@ -281,13 +281,28 @@ impl Ledger {
 
     /// The totals from `start` on, grouped `by`, most GPU time first (ties: client, model).
     pub fn query(&self, start: i64, by: By) -> Vec<Row> {
+        self.query_for(start, by, None)
+    }
+
+    /// [`Ledger::query`] over the rows of client `only` and its users (`<only>/<user>`) when
+    /// given.
+    pub fn query_for(&self, start: i64, by: By, only: Option<&str>) -> Vec<Row> {
+        let shown = |client: &str| {
+            only.is_none_or(|own| {
+                client == own
+                    || client
+                        .strip_prefix(own)
+                        .is_some_and(|rest| rest.starts_with('/'))
+            })
+        };
         let mut groups: HashMap<(String, String), Totals> = HashMap::new();
         for hour in self
             .hours
             .range(start.div_euclid(3600)..)
             .map(|(_, hour)| hour)
         {
-            for ((client, model), used) in &hour.rows {
+            for ((client, model), used) in hour.rows.iter().filter(|((client, _), _)| shown(client))
+            {
                 let key = (
                     if by.client {
                         client.clone()

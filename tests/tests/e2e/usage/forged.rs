@@ -2,7 +2,7 @@
 //! with a node token — its own when none is configured, which the in-process data plane
 //! presents — bounds what an authenticated reporter claims by what its slots could have
 //! done, and refuses an epoch far ahead of its clock, so that the real data plane's reports
-//! still count after one.
+//! still count after one. And a tenant's own key reads only its own usage, keys and client.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -123,4 +123,102 @@ async fn forged_usage_reports_are_refused_bounded_or_kept_from_blocking_the_real
         "the real request, counted"
     );
     stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_tenants_key_sees_only_its_own_usage_keys_and_client() {
+    use oqp_proto::admin::v1::{
+        self as api, ListClientsRequest, ListKeysRequest, admin_service_client::AdminServiceClient,
+    };
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let batch = "sk-batch-0123456789";
+    let extra = format!("    - key: \"{batch}\"\n      client_id: batch\n");
+    let stack = Stack::start(&config(
+        &fake.url(),
+        &dir.path().display().to_string(),
+        &extra,
+    ))
+    .await;
+    let generate = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let one_second = "total_duration=1000000000,prompt_eval_count=1,eval_count=1";
+    post(&stack.url(), "/api/generate", one_second, generate.clone()).await;
+    let reply = oqp_tests::client::HttpClient::new()
+        .post_json(
+            &format!("{}/api/generate", stack.url()),
+            &[
+                ("authorization", &format!("Bearer {batch}")),
+                (oqp_tests::fake::USAGE_HEADER, one_second),
+            ],
+            &generate,
+        )
+        .await;
+    assert_eq!(reply.status, 200);
+    // The management key sees both.
+    let all = wait_for_requests(&stack.control_url(), 2).await;
+    assert!(all.rows.iter().any(|row| row.client_id == "batch"));
+    let as_key = |key: &str| {
+        let url = stack.control_url();
+        let key = key.to_owned();
+        async move {
+            let mut admin = AdminServiceClient::connect(url).await.unwrap();
+            let usage = admin
+                .get_usage(authorized(
+                    &key,
+                    api::GetUsageRequest {
+                        since_seconds: 0,
+                        by_client: false,
+                        by_model: true,
+                    },
+                ))
+                .await
+                .unwrap()
+                .into_inner();
+            let keys = admin
+                .list_keys(authorized(&key, ListKeysRequest::default()))
+                .await
+                .unwrap()
+                .into_inner();
+            let clients = admin
+                .list_clients(authorized(&key, ListClientsRequest::default()))
+                .await
+                .unwrap()
+                .into_inner();
+            (
+                usage,
+                keys.keys
+                    .into_iter()
+                    .map(|key| key.client_id)
+                    .collect::<Vec<_>>(),
+                clients
+                    .clients
+                    .into_iter()
+                    .map(|client| client.client_id)
+                    .collect::<Vec<_>>(),
+            )
+        }
+    };
+    // A tenant's inference key: its own figures only, even grouped by model alone.
+    let (usage, keys, clients) = as_key(super::CHAT_KEY).await;
+    assert_eq!(
+        usage.total.unwrap_or_default().requests,
+        1,
+        "{:?}",
+        usage.rows
+    );
+    assert_eq!(keys, ["chat"]);
+    assert_eq!(clients, ["chat"]);
+    let (usage, keys, _) = as_key(super::ADMIN_KEY).await;
+    assert_eq!(usage.total.unwrap_or_default().requests, 2);
+    assert!(keys.len() >= 3, "{keys:?}");
+    stack.shutdown().await;
+}
+
+/// `message` with `key` as its bearer.
+fn authorized<T>(key: &str, message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {key}").parse().unwrap());
+    request
 }
