@@ -23,7 +23,7 @@
 //! webhook through the hub's [`Webhooks`](crate::webhooks::Webhooks).
 
 pub(crate) mod file;
-mod mint;
+pub(crate) mod mint;
 mod record;
 
 #[cfg(test)]
@@ -349,6 +349,12 @@ impl KeyStore {
     /// The scope of the stored key (current or in grace) with this digest,
     /// if it works at `now` (Unix ms).
     pub fn scope_of(&self, digest: &[u8; 32], now: i64) -> Option<Scope> {
+        self.holder_of(digest, now).map(|(scope, _)| scope)
+    }
+
+    /// The scope and client of the stored key (current or in grace) with this digest, if it
+    /// works at `now` (Unix ms).
+    pub fn holder_of(&self, digest: &[u8; 32], now: i64) -> Option<(Scope, String)> {
         self.records()
             .iter()
             .filter(|record| record.is_live(now))
@@ -357,7 +363,7 @@ impl KeyStore {
                     .chain(record.live_previous(now).map(|old| &old.key_sha256))
                     .any(|candidate| digests_match(candidate, digest))
             })
-            .map(|record| record.scope)
+            .map(|record| (record.scope, record.client_id.clone()))
     }
 
     /// Things an operator should know about the store under `config`:

@@ -3,7 +3,18 @@
 //! webpki roots for `https`, and one deadline over the whole exchange
 //! (connect, headers and body), because a poll or a delivery that hangs must
 //! not hold its task past its timeout.
+//!
+//! [`Outbound::public_only`] is the webhook sender's client for targets not in
+//! `webhooks.allowed_hosts`: it resolves the host name at each connection and connects only
+//! to the addresses that pass the SSRF check ([`crate::webhooks::ssrf::is_blocked`]), so a
+//! name that resolved to a public address at start-up and to a private one later (DNS
+//! rebinding) reaches nothing.
 
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -11,12 +22,56 @@ use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::dns::Name;
 use hyper_util::rt::TokioExecutor;
 
 /// A cloneable client; clones share one connection pool.
 #[derive(Clone, Debug)]
 pub struct Outbound {
-    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>,
+    client: Client<hyper_rustls::HttpsConnector<HttpConnector<Resolver>>, Full<Bytes>>,
+}
+
+/// Resolves host names for [`Outbound`]; with `public_only`, drops every address the SSRF
+/// check blocks, and fails when none is left.
+#[derive(Clone, Copy, Debug)]
+pub struct Resolver {
+    public_only: bool,
+}
+
+impl tower_service::Service<Name> for Resolver {
+    type Response = std::vec::IntoIter<SocketAddr>;
+    type Error = io::Error;
+    type Future = Pin<Box<dyn Future<Output = io::Result<Self::Response>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, name: Name) -> Self::Future {
+        let public_only = self.public_only;
+        Box::pin(async move {
+            // The connector sets the port.
+            let resolved: Vec<SocketAddr> =
+                tokio::net::lookup_host((name.as_str(), 0)).await?.collect();
+            if !public_only {
+                return Ok(resolved.into_iter());
+            }
+            let public: Vec<SocketAddr> = resolved
+                .into_iter()
+                .filter(|addr| !crate::webhooks::ssrf::is_blocked(addr.ip()))
+                .collect();
+            if public.is_empty() {
+                return Err(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    format!(
+                        "{} resolves only to private/loopback addresses now (SSRF check)",
+                        name.as_str()
+                    ),
+                ));
+            }
+            Ok(public.into_iter())
+        })
+    }
 }
 
 /// A complete response.
@@ -49,7 +104,17 @@ impl Outbound {
     /// A client with a small keep-alive pool: polls come every few seconds at
     /// most, so a couple of idle connections per host are plenty.
     pub fn new() -> Self {
-        let mut http = HttpConnector::new();
+        Self::resolving(Resolver { public_only: false })
+    }
+
+    /// A client that connects only to addresses the SSRF check allows, resolved at each
+    /// connection (see the module documentation).
+    pub fn public_only() -> Self {
+        Self::resolving(Resolver { public_only: true })
+    }
+
+    fn resolving(resolver: Resolver) -> Self {
+        let mut http = HttpConnector::new_with_resolver(resolver);
         http.enforce_http(false);
         http.set_nodelay(true);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()

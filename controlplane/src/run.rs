@@ -20,14 +20,15 @@ use oqp_proto::policy::v1::policy_service_server::PolicyServiceServer;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 
-use crate::config::{self, ConfigError, Env, Loaded};
+use crate::config::{self, ConfigError, Env, Loaded, Secret};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
 use crate::hub::{self, Clock, Hub};
+use crate::incoming;
 use crate::keystore::{KeyStore, StoreError};
+use crate::node_token;
 use crate::outbound::Outbound;
 use crate::poller;
 use crate::usage::UsageStore;
@@ -97,6 +98,7 @@ pub struct ControlPlane {
     hub: Arc<Hub>,
     keys: Arc<KeyStore>,
     addr: SocketAddr,
+    node_token: Secret,
     reload: Reloader,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
@@ -151,13 +153,14 @@ impl ControlPlane {
             }
             None => None,
         };
+        let state_dir = config.control_plane.state_dir.clone();
+        // Read even when a token is configured: a reload may unset it.
+        let local_token = node_token::load_or_mint(&state_dir).map_err(StartError::Io)?;
         let node_token = config
             .control_plane
             .node_token
-            .as_ref()
-            .map(|t| t.expose().to_owned());
-
-        let state_dir = config.control_plane.state_dir.clone();
+            .clone()
+            .unwrap_or_else(|| local_token.clone());
         check_shared_cache(&config).await?;
         let saved_version = hub::version::read(&state_dir);
         let hub = Hub::starting(
@@ -196,7 +199,19 @@ impl ControlPlane {
 
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        let mut server = Server::builder();
+        // The data plane's limits on its listeners hold here too ([`incoming`]); the ping
+        // interval is fixed at start, from the idle timeout then.
+        let ping = incoming::ping_interval(hub.config().proxy.idle_timeout);
+        let mut server = Server::builder()
+            .http2_keepalive_interval(Some(ping))
+            .http2_keepalive_timeout(Some(ping));
+        // Both ports' connections in one process need descriptors to spare.
+        let max_connections = hub.config().proxy.max_connections;
+        oqp_dataplane::connections::raise_open_file_limit(if options.with_dataplane {
+            max_connections.saturating_mul(2)
+        } else {
+            max_connections
+        });
         if let Some(tls) = tls {
             server = server
                 .tls_config(tls)
@@ -206,6 +221,7 @@ impl ControlPlane {
             .add_service(PolicyServiceServer::new(PolicyApi::new(
                 hub.clone(),
                 usage.clone(),
+                local_token,
                 shutdown.clone(),
             )))
             .add_service(AdminServiceServer::new(AdminApi::new(
@@ -216,11 +232,8 @@ impl ControlPlane {
                 shutdown.clone(),
             )));
         let stop = shutdown.clone();
+        let incoming = incoming::accept(listener, hub.clone());
         tasks.spawn(async move {
-            // Snapshots are small writes that must leave at once: without
-            // TCP_NODELAY, Nagle's algorithm and delayed ACKs hold a
-            // revocation back by tens of milliseconds.
-            let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
             if let Err(error) = router
                 .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                 .await
@@ -254,7 +267,7 @@ impl ControlPlane {
             let control = ControlOptions {
                 url: format!("{scheme}://{local}"),
                 node: "local".to_owned(),
-                token: node_token,
+                token: Some(node_token.expose().to_owned()),
                 ca_file: hub
                     .config()
                     .control_plane
@@ -279,6 +292,7 @@ impl ControlPlane {
             hub,
             keys,
             addr,
+            node_token,
             reload,
             shutdown,
             tasks,
@@ -289,6 +303,12 @@ impl ControlPlane {
     /// Where gRPC is served.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The node token data planes present at start (`control_plane.node_token`, else the
+    /// control plane's own, [`node_token`]), for a data plane started beside it.
+    pub fn node_token(&self) -> &str {
+        self.node_token.expose()
     }
 
     /// The shared state.

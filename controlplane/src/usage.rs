@@ -7,7 +7,9 @@
 //! `oqpctl usage` ([`UsageStore::query`]), today's figures for `oqpctl clients` and the
 //! data planes' `/queue/status`, and what each client with a budget has used in its current
 //! window: in each snapshot as the policy stream sends it ([`UsageStore::fill`]) and in each
-//! report's ack ([`UsageStore::budgets`]). A client that reaches a budget raises
+//! report's ack ([`UsageStore::budgets`]). Reports come only from authenticated data
+//! planes ([`crate::node_token`]), and each batch is bounded by what the node's slots could
+//! have done ([`bound`]); an epoch far ahead of this clock is refused ([`ledger`]). A client that reaches a budget raises
 //! `client.budget_exceeded` once per window ([`UsageStore::exceeded`]).
 
 use std::path::{Path, PathBuf};
@@ -21,6 +23,7 @@ use oqp_proto::policy::v1 as wire;
 use crate::config::WebhookEvent;
 use crate::webhooks::Notice;
 
+pub mod bound;
 pub mod file;
 pub mod ledger;
 
@@ -46,6 +49,8 @@ pub struct UsageStore {
 #[derive(Debug, Default)]
 struct Inner {
     ledger: Ledger,
+    /// What each node may still report (in memory: a restart starts each node afresh).
+    bounds: bound::Bounds,
     /// A batch applied in memory whose day file could not be written: no batch is
     /// acknowledged until a write succeeds (the data plane resends meanwhile).
     unsaved: bool,
@@ -61,6 +66,7 @@ impl UsageStore {
             dir,
             inner: Mutex::new(Inner {
                 ledger,
+                bounds: bound::Bounds::default(),
                 unsaved: false,
             }),
             warned: AtomicBool::new(false),
@@ -73,27 +79,62 @@ impl UsageStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Applies `node`'s batch at `now` and writes the day it changed, when the state
+    /// Applies `node`'s batch at `now`, bounded by what its `slots` could have done
+    /// ([`bound`]), and writes the day it changed, when the state
     /// directory exists (as for `state_dir/version`; blocking file I/O: call it off the
     /// async workers). Returns the batch's number when it is applied (now
-    /// or before) and kept, for the ack; 0 when there was none or when the day file could
+    /// or before) and kept, for the ack; 0 when there was none, when it was refused (an
+    /// earlier epoch, or one far ahead of this clock) or when the day file could
     /// not be written (the batch is kept in memory, counted once, and acknowledged when it
     /// is resent after a write succeeds).
-    pub fn apply(&self, node: &str, batch: Option<&wire::UsageBatch>, now: SystemTime) -> u64 {
+    pub fn apply(
+        &self,
+        node: &str,
+        batch: Option<&wire::UsageBatch>,
+        slots: u64,
+        at: SystemTime,
+    ) -> u64 {
         let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
             return 0;
         };
-        let now = unix_s(now);
+        let now = unix_s(at);
         let mut inner = self.lock();
-        let applied = inner.ledger.apply(node, batch, now);
-        if applied == Applied::Stale {
-            tracing::warn!(
-                node,
-                epoch = batch.epoch,
-                "a usage batch from an earlier run of this data plane (or a second data plane \
-                 under its name) was refused"
-            );
-            return 0;
+        let applied = inner.ledger.check(node, batch, now);
+        match applied {
+            Applied::Stale => {
+                tracing::warn!(
+                    node,
+                    epoch = batch.epoch,
+                    "a usage batch from an earlier run of this data plane (or a second data \
+                     plane under its name) was refused"
+                );
+                return 0;
+            }
+            Applied::Ahead => {
+                tracing::warn!(
+                    node,
+                    epoch = batch.epoch,
+                    "a usage batch whose data plane claims to start more than {} s ahead of \
+                     this clock was refused (check the clocks of both boxes)",
+                    ledger::MAX_EPOCH_AHEAD_S
+                );
+                return 0;
+            }
+            Applied::Now => {
+                let mut bounded = batch.clone();
+                if let Some(cut) = inner.bounds.bound(node, slots, &mut bounded, unix_ms(at)) {
+                    tracing::warn!(
+                        node,
+                        slots,
+                        claimed_slot_seconds = cut.claimed as f64 / 1e9,
+                        allowed_slot_seconds = cut.allowed as f64 / 1e9,
+                        "a usage batch claimed more than this data plane's slots could have \
+                         done; its GPU time and tokens were cut to fit"
+                    );
+                }
+                inner.ledger.add(node, &bounded, now);
+            }
+            Applied::Already => {}
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
@@ -214,6 +255,17 @@ impl UsageStore {
 
     /// The totals of the last `since_seconds` (whole hours, 0 = 24 h) at `now`, grouped.
     pub fn query(&self, request: &api::GetUsageRequest, now: SystemTime) -> api::GetUsageResponse {
+        self.query_for(request, None, now)
+    }
+
+    /// [`UsageStore::query`] over the rows of client `only` (and its users,
+    /// `<client_id>/<user>`) when given.
+    pub fn query_for(
+        &self,
+        request: &api::GetUsageRequest,
+        only: Option<&str>,
+        now: SystemTime,
+    ) -> api::GetUsageResponse {
         let since = if request.since_seconds == 0 {
             86_400
         } else {
@@ -226,7 +278,7 @@ impl UsageStore {
             client: request.by_client,
             model: request.by_model,
         };
-        let rows = self.lock().ledger.query(start, by);
+        let rows = self.lock().ledger.query_for(start, by, only);
         let mut total = Totals::default();
         for group in &rows {
             total.add(&group.totals);
@@ -358,6 +410,13 @@ fn totals(client: &str, model: &str, totals: &Totals) -> api::UsageTotals {
         embedding_inputs: totals.embedding_inputs,
         cached_inputs: totals.cached_inputs,
     }
+}
+
+/// Unix milliseconds of `at`.
+fn unix_ms(at: SystemTime) -> i64 {
+    at.duration_since(UNIX_EPOCH).map_or(0, |since| {
+        i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
+    })
 }
 
 /// Unix seconds of `at`.

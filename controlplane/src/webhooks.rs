@@ -119,18 +119,22 @@ impl Webhooks {
     /// Queues `notice` if webhooks are enabled and subscribed to its event.
     /// Never waits: returns whether it was queued.
     pub fn notify(&self, notice: Notice) -> bool {
-        let url = {
+        let (url, public_only) = {
             let config = lock(&self.inner.config);
             if !config.wants(notice.event()) {
                 return false;
             }
-            config.url.clone()
+            (
+                config.url.clone(),
+                !ssrf::is_allowed(&config.url, &config.allowed_hosts),
+            )
         };
         let body = Bytes::from(notice.to_json().to_string());
         let delivery = Delivery {
             event: notice.event(),
             url,
             body,
+            public_only,
         };
         match self.inner.queue.try_send(delivery) {
             Ok(()) => {

@@ -101,6 +101,12 @@ impl Endpoint {
     }
 }
 
+/// Whether `path` is a model blob's (`/api/blobs/{digest}`): model management, whose body
+/// is as large as a model.
+pub fn is_blob(path: &str) -> bool {
+    path.starts_with("/api/blobs/")
+}
+
 /// Whether a request may be proxied while model management is off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {

@@ -77,6 +77,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     headers.remove(header::TRANSFER_ENCODING);
 }
 
+/// Prepares an upstream answer's headers for the client: hop-by-hop headers removed, and
+/// oqp's own hop headers, which only a data plane may set (an upstream's
+/// `x-oqp-hop-refused` would make an edge send the request to another box again).
+pub fn from_upstream(headers: &mut HeaderMap) {
+    strip_hop_by_hop(headers);
+    for internal in [HOP, HOP_REFUSED, HOP_ELAPSED] {
+        headers.remove(internal);
+    }
+}
+
 /// Prepares a client's request headers for the upstream: hop-by-hop and
 /// oqp's own headers removed, the client's credentials dropped, the resolved
 /// client id set.

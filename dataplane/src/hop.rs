@@ -16,8 +16,10 @@
 //! method and the path; the owner checks the body it reads against `b` (a
 //! streamed body, never retried, has none). The owner refuses a request
 //! whose header does not verify, is more than [`MAX_SKEW`] away from its own
-//! clock, or was seen before ([`Replays`]): a consumer who sends the header,
-//! or replays one captured on the wire, gains nothing. The header never
+//! clock, or was seen before ([`Replays`]), or was signed before this data
+//! plane started (the headers seen are remembered in memory, so one accepted by
+//! the previous run cannot be replayed to a restarted owner): a consumer who
+//! sends the header, or replays one captured on the wire, gains nothing. The header never
 //! reaches Ollama.
 
 use std::collections::HashMap;
@@ -85,6 +87,9 @@ pub enum HopError {
     /// This very header was accepted before.
     #[error("replayed")]
     Replayed,
+    /// Signed before this data plane started: a previous run may have accepted it.
+    #[error("signed before this node started")]
+    BeforeStart,
 }
 
 /// What the signature covers besides the assertion.
@@ -145,6 +150,17 @@ impl HopKey {
         request: Request<'_>,
         now: SystemTime,
     ) -> Result<Assertion, HopError> {
+        self.verified(header, request, now)
+            .map(|(assertion, _)| assertion)
+    }
+
+    /// [`HopKey::verify`], with the header's timestamp (Unix ms).
+    fn verified(
+        &self,
+        header: &HeaderValue,
+        request: Request<'_>,
+        now: SystemTime,
+    ) -> Result<(Assertion, u64), HopError> {
         let fields = Fields::parse(header).ok_or(HopError::Malformed)?;
         let signature = hex::decode(fields.signature).map_err(|_| HopError::Malformed)?;
         self.mac(&fields.assertion, request, fields.ts, fields.nonce)
@@ -155,7 +171,7 @@ impl HopKey {
         if u128::from(skew) > MAX_SKEW.as_millis() {
             return Err(HopError::Skew);
         }
-        Ok(fields.assertion)
+        Ok((fields.assertion, fields.ts))
     }
 
     fn mac(
@@ -199,25 +215,48 @@ pub fn verify(
     request: Request<'_>,
     now: SystemTime,
 ) -> Result<Assertion, HopError> {
-    let assertion = key.ok_or(HopError::NoKey)?.verify(header, request, now)?;
+    let (assertion, ts) = key.ok_or(HopError::NoKey)?.verified(header, request, now)?;
+    if ts < replays.since_ms {
+        return Err(HopError::BeforeStart);
+    }
     replays.first_time(header.as_bytes(), Instant::now())?;
     Ok(assertion)
 }
 
 /// The hop headers accepted in the last [`MAX_SKEW`] × 2 (older ones fail the clock check),
 /// by digest: a header captured on the wire cannot be sent again. Bounded: when full, the
-/// oldest entries go first.
-#[derive(Debug, Default)]
-pub struct Replays(Mutex<HashMap<[u8; 32], Instant>>);
+/// oldest entries go first. Headers signed before it was created (this run's start) are
+/// refused, since they may have been accepted by a previous run, which this one does not
+/// remember.
+#[derive(Debug)]
+pub struct Replays {
+    seen: Mutex<HashMap<[u8; 32], Instant>>,
+    /// When this run started remembering, Unix ms.
+    since_ms: u64,
+}
+
+impl Default for Replays {
+    fn default() -> Self {
+        Self::since(SystemTime::now())
+    }
+}
 
 /// Most hop headers remembered; at a thousand hops a second that is the whole window.
 const MAX_REMEMBERED: usize = 200_000;
 
 impl Replays {
+    /// Remembering from `start` (this run's start) on.
+    pub fn since(start: SystemTime) -> Self {
+        Self {
+            seen: Mutex::default(),
+            since_ms: unix_ms(start),
+        }
+    }
+
     fn first_time(&self, header: &[u8], now: Instant) -> Result<(), HopError> {
         let digest: [u8; 32] = Sha256::digest(header).into();
         let mut seen = self
-            .0
+            .seen
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         if seen.len() >= MAX_REMEMBERED {
@@ -329,6 +368,29 @@ mod tests {
 
     fn key() -> HopKey {
         HopKey::new("token").unwrap()
+    }
+
+    #[test]
+    fn a_header_signed_before_this_run_started_is_refused() {
+        // An owner that restarted remembers nothing of what its previous run accepted: a
+        // header signed before its start, even within the skew, is refused.
+        let key = key();
+        let signed = SystemTime::now();
+        let header = key.sign(&assertion(), request("r1", "/api/chat", ""), signed);
+        let restarted = Replays::since(signed + Duration::from_millis(1));
+        let now = signed + Duration::from_secs(2);
+        let at = request("r1", "/api/chat", "");
+        assert_eq!(
+            verify(Some(&key), &restarted, &header, at, now),
+            Err(HopError::BeforeStart)
+        );
+        // One signed after the start verifies, once.
+        let fresh = key.sign(&assertion(), at, now);
+        assert!(verify(Some(&key), &restarted, &fresh, at, now).is_ok());
+        assert_eq!(
+            verify(Some(&key), &restarted, &fresh, at, now),
+            Err(HopError::Replayed)
+        );
     }
 
     #[test]

@@ -342,7 +342,7 @@ pub fn respond(
     stall: std::time::Duration,
 ) -> Response<Body> {
     let (mut parts, incoming) = answer.response.into_parts();
-    headers::strip_hop_by_hop(&mut parts.headers);
+    headers::from_upstream(&mut parts.headers);
     if let Ok(name) = HeaderValue::from_str(&answer.host.name) {
         parts.headers.insert(headers::FAILOVER_HOST, name);
     }

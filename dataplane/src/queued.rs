@@ -246,6 +246,34 @@ async fn local(
     .await
 }
 
+/// A sent request whose client may leave before the answer's head: dropped armed (the
+/// request's future dropped while it waits upstream), it charges the slot time held, so
+/// that leaving early is not free while Ollama has computed for it.
+struct Abandoned(Option<(Arc<Usage>, Arc<str>, String, Instant)>);
+
+impl Abandoned {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Abandoned {
+    fn drop(&mut self) {
+        if let Some((usage, client, model, sent)) = self.0.take() {
+            usage.record(
+                &client,
+                &model,
+                Totals {
+                    gpu_ns: u64::try_from(sent.elapsed().as_nanos()).unwrap_or(u64::MAX),
+                    requests: 1,
+                    ..Totals::default()
+                },
+                std::time::SystemTime::now(),
+            );
+        }
+    }
+}
+
 /// Sends a dispatched request, failing over to another free host before the
 /// first byte, and returns the response with the slot held by its body.
 async fn send_granted(
@@ -274,6 +302,14 @@ async fn send_granted(
     let sent = Instant::now();
     let active = parts.active.track();
     let model = lease.model().map(|m| m.to_string());
+    let abandoned = Abandoned(parts.accounted.then(|| {
+        (
+            parts.usage.clone(),
+            client.clone(),
+            model.clone().unwrap_or_default(),
+            sent,
+        )
+    }));
     let forwarded = forward::send(
         parts.forward(),
         policy.clone(),
@@ -281,7 +317,10 @@ async fn send_granted(
         model.as_deref(),
         outbound,
     )
-    .await?;
+    .await;
+    // Answered (the body's completion hook charges it from here) or failed: not abandoned.
+    abandoned.disarm();
+    let forwarded = forwarded?;
     let forward::Forwarded {
         answer,
         guards,

@@ -315,6 +315,9 @@ async fn forward(
     }
     let key_id = identity.client_id().cloned();
 
+    // A model blob (`ollama create` from a local file) is as large as the model: streamed
+    // and paced like any streamed body, never capped by `max_request_body_mb`.
+    let uncapped = endpoint::is_blob(path);
     let (parts, incoming) = request.into_parts();
     let limit = policy.proxy.max_request_body_bytes;
     // Held until this request has an answer's head (or is refused): the
@@ -335,7 +338,7 @@ async fn forward(
         RequestBody::Streamed(proxy::stream_body(
             incoming,
             &parts.headers,
-            limit,
+            if uncapped { u64::MAX } else { limit },
             policy.proxy.body_read_timeout,
         )?)
     };

@@ -216,6 +216,13 @@ pub struct Tokens {
 }
 
 impl Tokens {
+    /// Whether the kept tail of a body states a completion count at all.
+    fn states_completion(tail: &[u8]) -> bool {
+        COMPLETION_FIELDS
+            .into_iter()
+            .any(|field| last_number(tail, field).is_some())
+    }
+
     /// The counts in the kept tail of a body; zero where it has none.
     pub fn of(tail: &[u8], head_prompt: Option<u64>) -> Self {
         let any = |fields: [&[u8]; 3]| {
@@ -225,15 +232,17 @@ impl Tokens {
         };
         Self {
             prompt: any(PROMPT_FIELDS).or(head_prompt).unwrap_or(0),
-            completion: any([
-                b"\"eval_count\":",
-                b"\"completion_tokens\":",
-                b"\"output_tokens\":",
-            ])
-            .unwrap_or(0),
+            completion: any(COMPLETION_FIELDS).unwrap_or(0),
         }
     }
 }
+
+/// The fields that count a completion's tokens: Ollama's, OpenAI's, the agents' layers'.
+const COMPLETION_FIELDS: [&[u8]; 3] = [
+    b"\"eval_count\":",
+    b"\"completion_tokens\":",
+    b"\"output_tokens\":",
+];
 
 /// The fields that count a prompt's tokens: Ollama's, OpenAI's, the agents' layers'.
 const PROMPT_FIELDS: [&[u8]; 3] = [
@@ -378,7 +387,14 @@ impl ResponseBody {
                     .flatten()
                     .map(Duration::from_nanos),
                 tokens: if complete {
-                    Tokens::of(&self.tail, self.head_prompt)
+                    let mut tokens = Tokens::of(&self.tail, self.head_prompt);
+                    // A stream that states no completion count (an OpenAI stream without
+                    // `stream_options.include_usage`) counts its chunks, as one cut short
+                    // does, so that leaving the option out does not dodge a token budget.
+                    if self.framing != Framing::Opaque && !Tokens::states_completion(&self.tail) {
+                        tokens.completion = self.chunks;
+                    }
+                    tokens
                 } else {
                     // Cut short (the upstream died, the client went away): no final
                     // object, so the chunks seen stand for the tokens generated, and a
@@ -665,6 +681,39 @@ mod tests {
         outcome.tokens
     }
 
+    /// The tokens a whole body of one frame (of unknown length) is counted.
+    fn tokens_when_complete(framing: Framing, text: &'static str) -> Tokens {
+        let seen = Arc::new(std::sync::Mutex::new(None));
+        let completion: Completion = Box::new({
+            let seen = seen.clone();
+            move |outcome| *seen.lock().unwrap() = Some(outcome)
+        });
+        let frames = [Ok::<_, BoxError>(Frame::data(Bytes::from_static(
+            text.as_bytes(),
+        )))];
+        let inner = http_body_util::BodyExt::boxed(http_body_util::StreamBody::new(
+            futures_util::stream::iter(frames),
+        ));
+        let mut body = ResponseBody::new(
+            inner,
+            framing,
+            Arc::from("box"),
+            None,
+            Some(completion),
+            Duration::from_secs(60),
+        );
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            while let Some(Ok(_)) = http_body_util::BodyExt::frame(&mut body).await {}
+        });
+        let outcome = seen.lock().unwrap().take().unwrap();
+        assert!(outcome.complete);
+        outcome.tokens
+    }
+
     #[test]
     fn a_stream_cut_short_counts_its_chunks_as_completion_tokens() {
         // Four whole lines (one split over two frames), a fifth cut off.
@@ -702,6 +751,27 @@ mod tests {
         // An opaque body has no chunks to count.
         let opaque = tokens_when_cut_after(Framing::Opaque, &["{\"a\":1}\n{\"b\":2}\n"]);
         assert_eq!(opaque, Tokens::default());
+    }
+
+    #[test]
+    fn a_whole_stream_stating_no_completion_count_counts_its_chunks() {
+        // An OpenAI stream without include_usage: three events, no usage.
+        let events = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n\
+                      data: {\"choices\":[{\"delta\":{\"content\":\"b\"}}]}\n\n\
+                      data: [DONE]\n\n";
+        assert_eq!(tokens_when_complete(Framing::Sse, events).completion, 3);
+        // With a count, the count.
+        let counted = "data: {\"choices\":[]}\n\ndata: {\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":9}}\n\n";
+        assert_eq!(
+            tokens_when_complete(Framing::Sse, counted),
+            Tokens {
+                prompt: 4,
+                completion: 9
+            }
+        );
+        // A whole JSON answer without one (an embed) counts none.
+        let embed = "{\"embeddings\":[[0.1]],\"prompt_eval_count\":3}";
+        assert_eq!(tokens_when_complete(Framing::Opaque, embed).completion, 0);
     }
 
     #[test]

@@ -112,8 +112,12 @@ async fn keys_add_list_rotate_revoke_through_the_binary() {
     assert_eq!(json["source"], "store");
     assert!(json["expires_unix_ms"].as_i64().unwrap() > 0);
 
-    // List with a read key: rows from both sources, never a value.
-    let listed = oqpctl(&control, Some(READER), &["keys", "list"]).await;
+    // A read key lists only its own key.
+    let own = oqpctl(&control, Some(READER), &["keys", "list"]).await;
+    let own = stdout(&own);
+    assert!(own.contains("widget") && !own.contains("batch"), "{own}");
+    // List with a management key: rows from both sources, never a value.
+    let listed = oqpctl(&control, Some(ADMIN), &["keys", "list"]).await;
     assert!(listed.status.success(), "{}", stderr(&listed));
     let table = stdout(&listed);
     assert!(

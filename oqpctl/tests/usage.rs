@@ -16,9 +16,12 @@ const ADMIN: &str = "sk-admin-0123456789";
 const CHAT: &str = "sk-chat-0123456789";
 const BATCH: &str = "sk-batch-0123456789";
 
+/// The host has 128 slots: the control plane takes from a data plane at most what its slots
+/// could have done (a minute of each, just started), and the figures here are nearly two
+/// hours of GPU time reported within a second.
 fn config(url: &str, state: &str) -> String {
     format!(
-        "ollama:\n  hosts:\n    - {{url: '{url}', name: gpu, max_concurrent: 4}}\n\
+        "ollama:\n  hosts:\n    - {{url: '{url}', name: gpu, max_concurrent: 128}}\n\
          embedding_cache: {{enabled: true, backend: memory}}\n\
          auth:\n  enabled: true\n  keys:\n\
          \x20   - {{key: {ADMIN}, client_id: admin, scope: management}}\n\

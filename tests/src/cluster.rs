@@ -92,6 +92,15 @@ impl ClusterBuilder {
         let listener = harness::loopback().await;
         let control_addr = listener.local_addr()?;
         let control = harness::start_control_plane(&config_path, listener).await?;
+        // Without a configured token the data planes present the control plane's own.
+        let token_file = match token_file {
+            Some(path) => Some(path),
+            None => {
+                let path = dir.path().join("node-token");
+                std::fs::write(&path, control.node_token())?;
+                Some(path)
+            }
+        };
         let mut cluster = Cluster {
             control: Some(control),
             control_addr,

@@ -86,13 +86,15 @@ impl Stack {
         self.control.reload()
     }
 
-    /// Starts one more data plane, `node`, following this control plane.
+    /// Starts one more data plane, `node`, following this control plane, presenting
+    /// `token`, else the control plane's own ([`ControlPlane::node_token`]).
     pub async fn start_dataplane(
         &self,
         node: &str,
         token: Option<&str>,
     ) -> Result<DataPlane, oqp_dataplane::StartError> {
-        start_dataplane(&self.control_url(), node, token).await
+        let token = token.unwrap_or(self.control.node_token());
+        start_dataplane(&self.control_url(), node, Some(token)).await
     }
 
     /// Waits until the in-process data plane serves `version` or newer.

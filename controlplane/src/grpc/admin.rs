@@ -84,7 +84,7 @@ impl AdminApi {
     /// With `auth.enabled: false` reads are open, as on the HTTP side, and
     /// changes need a loopback peer or the node token
     /// ([`open_change_allowed`]).
-    fn authorize<T>(&self, request: &Request<T>, needed: Scope) -> Result<(), Status> {
+    fn authorize<T>(&self, request: &Request<T>, needed: Scope) -> Result<Seen, Status> {
         let config = self.hub.config();
         if !config.auth.enabled {
             let token = config
@@ -101,7 +101,7 @@ impl AdminApi {
             if needed == Scope::Read
                 || open_change_allowed(request.remote_addr(), request.local_addr(), token)
             {
-                return Ok(());
+                return Ok(Seen::All);
             }
             return Err(Status::permission_denied(
                 "auth is disabled (auth.enabled: false): calls that change state are accepted \
@@ -125,7 +125,7 @@ impl AdminApi {
             })?;
         let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
         let now = SystemTime::now();
-        let scope = config
+        let (scope, client) = config
             .auth
             .keys
             .iter()
@@ -133,11 +133,15 @@ impl AdminApi {
                 keystore::digests_match(&key.key.sha256(), &digest)
                     && key.expires.is_none_or(|at| at > now)
             })
-            .map(|key| key.scope)
-            .or_else(|| self.keys.scope_of(&digest, unix_ms(now)))
+            .map(|key| (key.scope, key.client_id.clone()))
+            .or_else(|| self.keys.holder_of(&digest, unix_ms(now)))
             .ok_or_else(|| Status::unauthenticated("invalid api key"))?;
         if scope >= needed {
-            Ok(())
+            Ok(if scope >= Scope::Management {
+                Seen::All
+            } else {
+                Seen::Own(client)
+            })
         } else {
             Err(Status::permission_denied(format!(
                 "{} permission required",
@@ -236,7 +240,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::ListKeysRequest>,
     ) -> Result<Response<api::ListKeysResponse>, Status> {
-        self.authorize(&request, Scope::Read)?;
+        let seen = self.authorize(&request, Scope::Read)?;
         // From the sources rather than the snapshot: expired stored keys
         // are listed (as expired) although no snapshot carries them, and a
         // key in its grace period is one row, not two.
@@ -282,6 +286,7 @@ impl AdminService for AdminApi {
                 .map(|budget| key_budget(budget, &record.client_id, Some(&self.usage)));
             info
         }));
+        keys.retain(|key| seen.shows(&key.client_id));
         Ok(Response::new(api::ListKeysResponse { keys }))
     }
 
@@ -471,7 +476,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::ListClientsRequest>,
     ) -> Result<Response<api::ListClientsResponse>, Status> {
-        self.authorize(&request, Scope::Read)?;
+        let seen = self.authorize(&request, Scope::Read)?;
         let snapshot = self.hub.current();
         let nodes = self.hub.nodes();
         let today: std::collections::HashMap<String, u64> = self
@@ -483,6 +488,7 @@ impl AdminService for AdminApi {
         let clients = snapshot
             .clients
             .iter()
+            .filter(|client| seen.shows(&client.client_id))
             .map(|client| {
                 let mut info = api::ClientInfo {
                     client_id: client.client_id.clone(),
@@ -544,11 +550,45 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::GetUsageRequest>,
     ) -> Result<Response<api::GetUsageResponse>, Status> {
-        self.authorize(&request, Scope::Read)?;
+        let seen = self.authorize(&request, Scope::Read)?;
         let query = request.into_inner();
-        Ok(Response::new(
-            self.usage.query(&query, std::time::SystemTime::now()),
-        ))
+        Ok(Response::new(self.usage.query_for(
+            &query,
+            seen.only(),
+            std::time::SystemTime::now(),
+        )))
+    }
+}
+
+/// Whose keys and usage a caller may see: a `management` key (or anyone with auth off)
+/// every tenant's; a `read` or `inference` key only its own client's (and, for an app's key,
+/// its users', `<client_id>/<user>`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    All,
+    Own(String),
+}
+
+impl Seen {
+    /// Whether rows of `client` are shown.
+    fn shows(&self, client: &str) -> bool {
+        match self {
+            Seen::All => true,
+            Seen::Own(own) => {
+                client == own
+                    || client
+                        .strip_prefix(own.as_str())
+                        .is_some_and(|rest| rest.starts_with('/'))
+            }
+        }
+    }
+
+    /// The client a usage query is limited to; `None` for every client.
+    fn only(&self) -> Option<&str> {
+        match self {
+            Seen::All => None,
+            Seen::Own(own) => Some(own),
+        }
     }
 }
 

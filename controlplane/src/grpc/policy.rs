@@ -18,9 +18,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::compile::{self, tier_from_wire};
-use crate::config::WebhookEvent;
+use crate::config::{Secret, WebhookEvent};
 use crate::hub::Hub;
-use crate::usage::UsageStore;
+use crate::node_token;
+use crate::usage::{UsageStore, bound};
 use crate::webhooks::Notice;
 
 /// Serves the policy stream.
@@ -28,25 +29,39 @@ use crate::webhooks::Notice;
 pub struct PolicyApi {
     hub: Arc<Hub>,
     usage: Arc<UsageStore>,
+    /// The token presented when `control_plane.node_token` is not set ([`node_token`]).
+    local: Secret,
     shutdown: CancellationToken,
 }
 
 impl PolicyApi {
-    /// An API over `hub`. Watch streams end when `shutdown` is cancelled,
-    /// so that the server's graceful shutdown is not held open by them.
-    pub fn new(hub: Arc<Hub>, usage: Arc<UsageStore>, shutdown: CancellationToken) -> Self {
+    /// An API over `hub`, accepting the configured node token, else `local`. Watch
+    /// streams end when `shutdown` is cancelled, so that the server's graceful shutdown is
+    /// not held open by them.
+    pub fn new(
+        hub: Arc<Hub>,
+        usage: Arc<UsageStore>,
+        local: Secret,
+        shutdown: CancellationToken,
+    ) -> Self {
         Self {
             hub,
             usage,
+            local,
             shutdown,
         }
     }
 
+    /// Every call is authenticated: by `control_plane.node_token`, else by the control
+    /// plane's own token, so that no report (usage, events) is taken from a peer that
+    /// merely reaches the port.
     fn check_token<T>(&self, request: &Request<T>) -> Result<(), Status> {
         let config = self.hub.config();
-        let Some(expected) = &config.control_plane.node_token else {
-            return Ok(());
-        };
+        let expected = config
+            .control_plane
+            .node_token
+            .as_ref()
+            .unwrap_or(&self.local);
         let presented = request
             .metadata()
             .get(oqp_proto::NODE_TOKEN_METADATA)
@@ -54,8 +69,14 @@ impl PolicyApi {
             .unwrap_or_default();
         if super::secrets_match(presented, expected.expose()) {
             Ok(())
-        } else {
+        } else if config.control_plane.node_token.is_some() {
             Err(Status::unauthenticated("invalid node token"))
+        } else {
+            Err(Status::unauthenticated(format!(
+                "missing or invalid node token: with control_plane.node_token unset, present \
+                 the control plane's own token (state_dir/{}, --node-token-file)",
+                node_token::FILE
+            )))
         }
     }
 }
@@ -152,9 +173,10 @@ impl PolicyService for PolicyApi {
         let from = node.clone();
         let snapshot = self.hub.current();
         let clients = snapshot.clone();
+        let slots = bound::slots(&self.hub.config().ollama.hosts, &node);
         let (usage_seq, notices) = tokio::task::spawn_blocking(move || {
             let now = SystemTime::now();
-            let seq = usage.apply(&from, batch.as_ref(), now);
+            let seq = usage.apply(&from, batch.as_ref(), slots, now);
             (seq, usage.exceeded(&clients.clients, now))
         })
         .await

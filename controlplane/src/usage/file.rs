@@ -6,6 +6,14 @@
 //! of its own so that no day file (one dated in the future by a clock that was wrong, say)
 //! decides them; a directory written before it existed takes them from its newest day.
 //!
+//! Each day file also carries the batches applied as of its writing, in the same atomic
+//! write as the totals they added to: a crash between the day file and the state file
+//! cannot count a batch twice, since what was applied is the newest of the two (batch
+//! numbers only grow), whatever a file's date. A day file (or the state file) that cannot
+//! be read or parsed is set aside as `NAME.unreadable` with an error in the log, and the
+//! start goes on without it (the state file's lists then come from the day files); only a
+//! file of a format this version does not know stops the start.
+//!
 //! ```json
 //! {"format": 1, "day": "2026-12-02",
 //!  "hours": [{"hour": 6, "client": "batch", "model": "llama3", "gpu_ns": 7200000000000,
@@ -38,8 +46,8 @@ struct DayFile {
     format: u32,
     day: String,
     hours: Vec<StoredRow>,
-    /// Written by earlier versions only (now in the state file): read when there is no
-    /// state file.
+    /// The batches applied as of this file's writing (the state file has them too; the
+    /// newest of both is taken). Earlier versions wrote none, or wrote them here only.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     applied: BTreeMap<String, [u64; 2]>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -101,7 +109,7 @@ pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
         format: FORMAT,
         day: day_name(day),
         hours,
-        applied: BTreeMap::new(),
+        applied: applied_lists(ledger),
         announced: Vec::new(),
     };
     let mut bytes = serde_json::to_vec(&file).map_err(io::Error::other)?;
@@ -110,15 +118,65 @@ pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
     write_state(dir, ledger)
 }
 
+fn applied_lists(ledger: &Ledger) -> BTreeMap<String, [u64; 2]> {
+    ledger
+        .applied
+        .iter()
+        .map(|(node, (epoch, seq))| (node.clone(), [*epoch, *seq]))
+        .collect()
+}
+
+/// Sets an unreadable file aside (`NAME.unreadable`), so that the start goes on and the
+/// file is kept for the operator, never overwritten.
+fn set_aside(path: &Path, error: &str) {
+    let mut aside = path.as_os_str().to_owned();
+    aside.push(".unreadable");
+    match std::fs::rename(path, &aside) {
+        Ok(()) => tracing::error!(
+            file = %path.display(),
+            kept_as = %Path::new(&aside).display(),
+            %error,
+            "a usage file could not be read; it was set aside and its figures are not loaded"
+        ),
+        Err(rename) => tracing::error!(
+            file = %path.display(),
+            %error,
+            %rename,
+            "a usage file could not be read, nor set aside; its figures are not loaded"
+        ),
+    }
+}
+
+/// Reads and parses `path`, `None` (set aside) when it cannot be; `Err` only for a format
+/// this version does not understand.
+fn read_json<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    format: impl Fn(&T) -> u32,
+) -> Result<Option<T>, String> {
+    let parsed = match read(path) {
+        Ok(None) => return Ok(None),
+        Ok(Some(bytes)) => serde_json::from_slice::<T>(&bytes).map_err(|error| error.to_string()),
+        Err(error) => Err(error.to_string()),
+    };
+    match parsed {
+        Ok(file) if format(&file) == FORMAT => Ok(Some(file)),
+        Ok(file) => Err(format!(
+            "{}: format {} is not understood by this version (it reads format {FORMAT})",
+            path.display(),
+            format(&file)
+        )),
+        Err(error) => {
+            set_aside(path, &error);
+            Ok(None)
+        }
+    }
+}
+
 /// Writes the state file: the batches applied so far and the budgets announced.
 pub fn write_state(dir: &Path, ledger: &Ledger) -> io::Result<()> {
     let state = StateFile {
         format: FORMAT,
-        applied: ledger
-            .applied
-            .iter()
-            .map(|(node, (epoch, seq))| (node.clone(), [*epoch, *seq]))
-            .collect(),
+        applied: applied_lists(ledger),
         announced: ledger.announced.iter().cloned().collect(),
     };
     let mut bytes = serde_json::to_vec(&state).map_err(io::Error::other)?;
@@ -134,8 +192,8 @@ pub fn remove_days(dir: &Path, days: &[i64]) {
 }
 
 /// The ledger the files in `dir` hold, the days older than [`KEEP_DAYS`] at `now` (Unix
-/// seconds) left out and removed. A file that does not parse stops the start: the error
-/// names it.
+/// seconds) left out and removed. A file that cannot be read or parsed is set aside; one of
+/// a format this version does not understand stops the start (the error names it).
 pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
     let mut ledger = Ledger::default();
     let entries = match std::fs::read_dir(dir) {
@@ -144,9 +202,11 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
         Err(error) => return Err(format!("{}: {error}", dir.display())),
     };
     let first_day = now.div_euclid(86_400) - KEEP_DAYS + 1;
-    // Without a state file (a directory written by an earlier version), the lists of the
-    // newest day that has them.
-    let mut newest: Option<(i64, StateFile)> = None;
+    // Without a state file (a directory written by an earlier version), the announcements
+    // of the newest day that has them.
+    let mut announced: Option<(i64, Vec<(String, i64)>)> = None;
+    // The newest batch each day file says was applied.
+    let mut applied: BTreeMap<String, (u64, u64)> = BTreeMap::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some(day) = name.strip_suffix(".json").and_then(day_of) else {
@@ -158,17 +218,12 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
             let _ = std::fs::remove_file(&path);
             continue;
         }
-        let bytes = read(&path)
-            .map_err(|error| format!("{}: {error}", path.display()))?
-            .unwrap_or_default();
-        let file: DayFile = serde_json::from_slice(&bytes)
-            .map_err(|error| format!("{}: {error}", path.display()))?;
-        if file.format != FORMAT {
-            return Err(format!(
-                "{}: format {} is not understood by this version (it reads format {FORMAT})",
-                path.display(),
-                file.format
-            ));
+        let Some(file) = read_json::<DayFile>(&path, |file| file.format)? else {
+            continue;
+        };
+        for (node, [epoch, seq]) in &file.applied {
+            let newest = applied.entry(node.clone()).or_default();
+            *newest = (*newest).max((*epoch, *seq));
         }
         for row in &file.hours {
             ledger
@@ -177,44 +232,28 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
                 .or_insert_with(Hour::default)
                 .add(&row.client, &row.model, &row.totals);
         }
-        let has_lists = !file.applied.is_empty() || !file.announced.is_empty();
-        if has_lists && newest.as_ref().is_none_or(|(newest, _)| day > *newest) {
-            let lists = StateFile {
-                format: FORMAT,
-                applied: file.applied,
-                announced: file.announced,
-            };
-            newest = Some((day, lists));
+        if !file.announced.is_empty() && announced.as_ref().is_none_or(|(newest, _)| day > *newest)
+        {
+            announced = Some((day, file.announced));
         }
     }
     let state_path = dir.join(STATE_FILE);
     remove_temporaries(&state_path);
-    let state = match read(&state_path)
-        .map_err(|error| format!("{}: {error}", state_path.display()))?
-    {
-        Some(bytes) => {
-            let state: StateFile = serde_json::from_slice(&bytes)
-                .map_err(|error| format!("{}: {error}", state_path.display()))?;
-            if state.format != FORMAT {
-                return Err(format!(
-                    "{}: format {} is not understood by this version (it reads format {FORMAT})",
-                    state_path.display(),
-                    state.format
-                ));
+    match read_json::<StateFile>(&state_path, |state| state.format)? {
+        Some(state) => {
+            for (node, [epoch, seq]) in state.applied {
+                let newest = applied.entry(node).or_default();
+                *newest = (*newest).max((epoch, seq));
             }
-            state
+            ledger.announced = state.announced.into_iter().collect();
         }
-        None => match newest {
-            Some((_, lists)) => lists,
-            None => return Ok(ledger),
-        },
-    };
-    ledger.applied = state
-        .applied
-        .into_iter()
-        .map(|(node, [epoch, seq])| (node, (epoch, seq)))
-        .collect();
-    ledger.announced = state.announced.into_iter().collect();
+        None => {
+            if let Some((_, lists)) = announced {
+                ledger.announced = lists.into_iter().collect();
+            }
+        }
+    }
+    ledger.applied = applied;
     Ok(ledger)
 }
 
@@ -302,23 +341,80 @@ mod tests {
         let path = dir.join(STATE_FILE);
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        // A directory from before the state file: the newest day's lists.
+        // Without the state file: the newest batch any day file records (today's, not the
+        // one dated latest), and the announcements of the newest day that lists them (a
+        // directory from before the state file).
         std::fs::remove_file(&path).unwrap();
         let legacy = serde_json::json!({"format": 1, "day": "2026-12-03", "hours": [],
             "applied": {"box": [5, 4]}, "announced": [["chat", 1_796_169_600]]});
         std::fs::write(dir.join("2026-12-03.json"), legacy.to_string()).unwrap();
         let loaded = load(&dir, NOW).unwrap();
-        assert_eq!(loaded.applied["box"], (5, 4));
+        assert_eq!(loaded.applied["box"], (5, 9));
         assert_eq!(loaded.announced.len(), 1);
     }
 
     #[test]
-    fn a_damaged_file_is_named() {
+    fn a_damaged_file_is_set_aside_and_the_others_load() {
         let state = tempfile::tempdir().unwrap();
         let dir = dir(state.path());
-        std::fs::create_dir_all(&dir).unwrap();
+        let mut ledger = Ledger::default();
+        ledger.apply("box", &one(5, 3), NOW - 86_400);
+        write_day(&dir, &ledger, NOW / 86_400 - 1).unwrap();
         std::fs::write(dir.join("2026-12-02.json"), b"{not json").unwrap();
+        let loaded = load(&dir, NOW).unwrap();
+        assert_eq!(loaded.client_since("chat", 0).requests, 1, "yesterday's");
+        assert_eq!(loaded.applied["box"], (5, 3));
+        assert!(
+            dir.join("2026-12-02.json.unreadable").exists(),
+            "kept aside"
+        );
+        assert!(!dir.join("2026-12-02.json").exists());
+        // A damaged state file too: the lists come from the day files.
+        std::fs::write(dir.join(STATE_FILE), b"\0\0").unwrap();
+        let loaded = load(&dir, NOW).unwrap();
+        assert_eq!(loaded.applied["box"], (5, 3));
+        // A format this version does not know stops the start, named.
+        std::fs::write(
+            dir.join("2026-11-30.json"),
+            br#"{"format": 9, "day": "2026-11-30", "hours": []}"#,
+        )
+        .unwrap();
         let error = load(&dir, NOW).unwrap_err();
-        assert!(error.contains("2026-12-02.json"), "{error}");
+        assert!(error.contains("2026-11-30.json"), "{error}");
+    }
+
+    #[test]
+    fn a_crash_between_the_day_file_and_the_state_file_counts_no_batch_twice() {
+        let state = tempfile::tempdir().unwrap();
+        let dir = dir(state.path());
+        let mut ledger = Ledger::default();
+        ledger.apply("box", &one(5, 2), NOW);
+        write_day(&dir, &ledger, NOW / 86_400).unwrap();
+        let before = ledger.clone();
+        // Batch 3 is added and its day file written; the state file is not (a crash).
+        ledger.apply("box", &one(5, 3), NOW);
+        write_day(&dir, &ledger, NOW / 86_400).unwrap();
+        write_state(&dir, &before).unwrap();
+        let mut loaded = load(&dir, NOW).unwrap();
+        assert_eq!(loaded.applied["box"], (5, 3));
+        // The resend of batch 3 after the restart adds nothing.
+        assert_eq!(
+            loaded.apply("box", &one(5, 3), NOW),
+            crate::usage::Applied::Already
+        );
+        assert_eq!(loaded.client_since("chat", 0).requests, 2);
+    }
+
+    fn one(epoch: u64, seq: u64) -> wire::UsageBatch {
+        wire::UsageBatch {
+            epoch,
+            seq,
+            rows: vec![wire::UsageRow {
+                client_id: "chat".into(),
+                model: "llama3".into(),
+                requests: 1,
+                ..wire::UsageRow::default()
+            }],
+        }
     }
 }

@@ -146,6 +146,21 @@ pub enum Applied {
     /// From an epoch below the last one applied for its node (an earlier run of that data
     /// plane, or another one under its name): refused, never added.
     Stale,
+    /// From an epoch more than [`MAX_EPOCH_AHEAD_S`] ahead of the control plane's clock: a
+    /// data plane cannot have started in the future, and keeping such an epoch would
+    /// refuse that node's real batches for ever. Refused, never added, not kept.
+    Ahead,
+}
+
+/// How far (seconds) a batch's epoch may be ahead of the control plane's clock: the clock
+/// skew tolerated between the boxes.
+pub const MAX_EPOCH_AHEAD_S: i64 = 300;
+
+/// Whether `epoch` (Unix ms) is further ahead of `now` (Unix seconds) than the skew allowed.
+pub fn epoch_ahead(epoch: u64, now: i64) -> bool {
+    i64::try_from(epoch / 1000).map_or(true, |seconds| {
+        seconds > now.saturating_add(MAX_EPOCH_AHEAD_S)
+    })
 }
 
 impl Ledger {
@@ -153,10 +168,28 @@ impl Ledger {
     /// (the same epoch and a seq not above the last) or comes from an epoch below the
     /// node's last (epochs are the data planes' start times, in ms: they only grow).
     pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> Applied {
+        let check = self.check(node, batch, now);
+        if check == Applied::Now {
+            self.add(node, batch, now);
+        }
+        check
+    }
+
+    /// What [`Ledger::apply`] would do with `batch` at `now`, changing nothing. A node's
+    /// last epoch that is itself far ahead (kept before such epochs were refused) counts as
+    /// none, so that the node's real batches are taken again.
+    pub fn check(&self, node: &str, batch: &wire::UsageBatch, now: i64) -> Applied {
         if batch.seq == 0 {
             return Applied::Already;
         }
-        if let Some((epoch, seq)) = self.applied.get(node) {
+        if epoch_ahead(batch.epoch, now) {
+            return Applied::Ahead;
+        }
+        if let Some((epoch, seq)) = self
+            .applied
+            .get(node)
+            .filter(|(epoch, _)| !epoch_ahead(*epoch, now))
+        {
             if batch.epoch < *epoch {
                 return Applied::Stale;
             }
@@ -164,13 +197,18 @@ impl Ledger {
                 return Applied::Already;
             }
         }
+        Applied::Now
+    }
+
+    /// Adds `batch` to the hour of `now` and records it as `node`'s last, unchecked (see
+    /// [`Ledger::check`]).
+    pub fn add(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) {
         let hour = self.hours.entry(now.div_euclid(3600)).or_default();
         for row in &batch.rows {
             hour.add(&row.client_id, &row.model, &Totals::from_row(row));
         }
         self.applied
             .insert(node.to_owned(), (batch.epoch, batch.seq));
-        Applied::Now
     }
 
     /// Forgets hours before the first day kept at `now`; the days (Unix days) dropped.
@@ -243,13 +281,28 @@ impl Ledger {
 
     /// The totals from `start` on, grouped `by`, most GPU time first (ties: client, model).
     pub fn query(&self, start: i64, by: By) -> Vec<Row> {
+        self.query_for(start, by, None)
+    }
+
+    /// [`Ledger::query`] over the rows of client `only` and its users (`<only>/<user>`) when
+    /// given.
+    pub fn query_for(&self, start: i64, by: By, only: Option<&str>) -> Vec<Row> {
+        let shown = |client: &str| {
+            only.is_none_or(|own| {
+                client == own
+                    || client
+                        .strip_prefix(own)
+                        .is_some_and(|rest| rest.starts_with('/'))
+            })
+        };
         let mut groups: HashMap<(String, String), Totals> = HashMap::new();
         for hour in self
             .hours
             .range(start.div_euclid(3600)..)
             .map(|(_, hour)| hour)
         {
-            for ((client, model), used) in &hour.rows {
+            for ((client, model), used) in hour.rows.iter().filter(|((client, _), _)| shown(client))
+            {
                 let key = (
                     if by.client {
                         client.clone()
@@ -361,6 +414,34 @@ mod tests {
         assert_eq!(chat.gpu_ns, 6 * SECOND);
         assert_eq!(chat.requests, 3);
         assert_eq!(chat.tokens(), 9);
+    }
+
+    #[test]
+    fn an_epoch_far_ahead_is_refused_and_one_kept_before_is_forgotten() {
+        let mut ledger = Ledger::default();
+        let now_ms = u64::try_from(NOW).unwrap() * 1000;
+        let skew_ms = u64::try_from(MAX_EPOCH_AHEAD_S).unwrap() * 1000;
+        assert_eq!(
+            ledger.apply("a", &batch(1 << 63, 1, &[("chat", "m", 9)]), NOW),
+            Applied::Ahead
+        );
+        assert!(ledger.applied.is_empty(), "not kept");
+        assert_eq!(
+            ledger.apply("a", &batch(now_ms + skew_ms + 1000, 1, &[]), NOW),
+            Applied::Ahead
+        );
+        assert_eq!(
+            ledger.apply("a", &batch(now_ms + skew_ms, 1, &[("chat", "m", 1)]), NOW),
+            Applied::Now,
+            "within the skew tolerated"
+        );
+        // A far-ahead epoch a state file holds from before: the node's batches count again.
+        ledger.applied.insert("b".to_owned(), (1 << 63, 5));
+        assert_eq!(
+            ledger.apply("b", &batch(now_ms - 1000, 1, &[("chat", "m", 1)]), NOW),
+            Applied::Now
+        );
+        assert_eq!(ledger.applied["b"], (now_ms - 1000, 1));
     }
 
     #[test]

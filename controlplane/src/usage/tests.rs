@@ -9,6 +9,8 @@ use super::*;
 // 2026-12-02 06:12:42 UTC.
 const NOW: u64 = 1_796_191_962;
 const SECOND: u64 = 1_000_000_000;
+/// Enough slots that no batch here is bounded.
+const SLOTS: u64 = 4;
 
 fn at(unix_s: u64) -> SystemTime {
     UNIX_EPOCH + Duration::from_secs(unix_s)
@@ -49,14 +51,17 @@ fn budgeted(gpu_seconds: u64) -> wire::Client {
 fn totals_survive_a_restart_and_resent_batches_count_once() {
     let dir = tempfile::tempdir().unwrap();
     let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
-    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
-    assert_eq!(store.apply("box", None, at(NOW)), 0);
+    assert_eq!(
+        store.apply("box", Some(&batch(1, "batch", 5)), SLOTS, at(NOW)),
+        1
+    );
+    assert_eq!(store.apply("box", None, SLOTS, at(NOW)), 0);
     drop(store);
     let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
     // The batch the node resends after the restart (its ack was lost) is acknowledged,
     // not counted again.
     assert_eq!(
-        store.apply("box", Some(&batch(1, "batch", 5)), at(NOW + 1)),
+        store.apply("box", Some(&batch(1, "batch", 5)), SLOTS, at(NOW + 1)),
         1
     );
     let used = store.used("batch", budgeted(10).budget.as_ref().unwrap(), at(NOW + 1));
@@ -73,9 +78,9 @@ fn an_exceeded_budget_is_announced_once_per_window() {
     let dir = tempfile::tempdir().unwrap();
     let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
     let clients = [budgeted(10)];
-    store.apply("box", Some(&batch(1, "batch", 9)), at(NOW));
+    store.apply("box", Some(&batch(1, "batch", 9)), SLOTS, at(NOW));
     assert!(store.exceeded(&clients, at(NOW)).is_empty());
-    store.apply("box", Some(&batch(2, "batch", 2)), at(NOW));
+    store.apply("box", Some(&batch(2, "batch", 2)), SLOTS, at(NOW));
     let notices = store.exceeded(&clients, at(NOW));
     assert_eq!(notices.len(), 1);
     let body = notices[0].to_json();
@@ -87,7 +92,7 @@ fn an_exceeded_budget_is_announced_once_per_window() {
     );
     assert_eq!(body["used"], serde_json::json!({"gpu_seconds": 11.0}));
     assert_eq!(body["resets_at"], "2026-12-03T00:00:00Z");
-    store.apply("box", Some(&batch(3, "batch", 2)), at(NOW));
+    store.apply("box", Some(&batch(3, "batch", 2)), SLOTS, at(NOW));
     assert!(
         store.exceeded(&clients, at(NOW)).is_empty(),
         "once per window"
@@ -100,9 +105,14 @@ fn an_exceeded_budget_is_announced_once_per_window() {
 fn queries_cover_whole_hours_of_the_period() {
     let dir = tempfile::tempdir().unwrap();
     let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
-    store.apply("box", Some(&batch(1, "batch", 5)), at(NOW - 3 * 86_400));
-    store.apply("box", Some(&batch(2, "chat", 2)), at(NOW));
-    store.apply("box", Some(&batch(3, "batch", 1)), at(NOW));
+    store.apply(
+        "box",
+        Some(&batch(1, "batch", 5)),
+        SLOTS,
+        at(NOW - 3 * 86_400),
+    );
+    store.apply("box", Some(&batch(2, "chat", 2)), SLOTS, at(NOW));
+    store.apply("box", Some(&batch(3, "batch", 1)), SLOTS, at(NOW));
     let request = |since_seconds| api::GetUsageRequest {
         since_seconds,
         by_client: true,
@@ -127,7 +137,10 @@ fn without_a_state_directory_totals_stay_in_memory() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("not-there");
     let store = UsageStore::load(&missing, at(NOW)).unwrap();
-    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
+    assert_eq!(
+        store.apply("box", Some(&batch(1, "batch", 5)), SLOTS, at(NOW)),
+        1
+    );
     assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
     assert!(!missing.exists(), "no directory created");
 }
@@ -137,7 +150,7 @@ fn an_announcement_is_not_repeated_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let clients = [budgeted(10)];
     let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
-    store.apply("box", Some(&batch(1, "batch", 11)), at(NOW));
+    store.apply("box", Some(&batch(1, "batch", 11)), SLOTS, at(NOW));
     assert_eq!(store.exceeded(&clients, at(NOW)).len(), 1);
     drop(store);
     let store = UsageStore::load(dir.path(), at(NOW + 5)).unwrap();
@@ -151,13 +164,22 @@ fn a_batch_whose_day_file_cannot_be_written_is_not_acknowledged() {
     // `usage` a plain file: no day file can be written under it (even as root).
     let usage_dir = file::dir(dir.path());
     std::fs::write(&usage_dir, b"in the way").unwrap();
-    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 0);
+    assert_eq!(
+        store.apply("box", Some(&batch(1, "batch", 5)), SLOTS, at(NOW)),
+        0
+    );
     // Resent: still not written, not acknowledged, and counted once.
-    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 0);
+    assert_eq!(
+        store.apply("box", Some(&batch(1, "batch", 5)), SLOTS, at(NOW)),
+        0
+    );
     assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
     // The directory back: the resent batch is written and acknowledged, still once.
     std::fs::remove_file(&usage_dir).unwrap();
-    assert_eq!(store.apply("box", Some(&batch(1, "batch", 5)), at(NOW)), 1);
+    assert_eq!(
+        store.apply("box", Some(&batch(1, "batch", 5)), SLOTS, at(NOW)),
+        1
+    );
     assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
     drop(store);
     let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
@@ -176,15 +198,21 @@ fn a_batch_from_an_earlier_epoch_of_a_node_is_refused() {
         epoch,
         ..batch(seq, "batch", 5)
     };
-    assert_eq!(store.apply("box", Some(&from(2_000, 1)), at(NOW)), 1);
+    assert_eq!(store.apply("box", Some(&from(2_000, 1)), SLOTS, at(NOW)), 1);
     // The earlier run's batch arrives late: not applied, not acknowledged.
-    assert_eq!(store.apply("box", Some(&from(1_000, 4)), at(NOW)), 0);
+    assert_eq!(store.apply("box", Some(&from(1_000, 4)), SLOTS, at(NOW)), 0);
     assert_eq!(store.today(at(NOW))[0].gpu_ns, 5 * SECOND);
     // Still refused after a restart (the epoch is kept with the totals).
     drop(store);
     let store = UsageStore::load(dir.path(), at(NOW + 1)).unwrap();
-    assert_eq!(store.apply("box", Some(&from(1_000, 5)), at(NOW + 1)), 0);
-    assert_eq!(store.apply("box", Some(&from(3_000, 1)), at(NOW + 1)), 1);
+    assert_eq!(
+        store.apply("box", Some(&from(1_000, 5)), SLOTS, at(NOW + 1)),
+        0
+    );
+    assert_eq!(
+        store.apply("box", Some(&from(3_000, 1)), SLOTS, at(NOW + 1)),
+        1
+    );
     assert_eq!(store.today(at(NOW + 1))[0].gpu_ns, 10 * SECOND);
 }
 
@@ -211,11 +239,11 @@ fn app(app_budget_seconds: u64, user_budget_seconds: u64) -> wire::Client {
 fn an_apps_budget_counts_its_users_and_each_user_has_a_figure_of_its_own() {
     let dir = tempfile::tempdir().unwrap();
     let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
-    store.apply("box", Some(&batch(1, "webui/alice", 6)), at(NOW));
-    store.apply("box", Some(&batch(2, "webui/bob", 3)), at(NOW));
-    store.apply("box", Some(&batch(3, "webui", 1)), at(NOW));
+    store.apply("box", Some(&batch(1, "webui/alice", 6)), SLOTS, at(NOW));
+    store.apply("box", Some(&batch(2, "webui/bob", 3)), SLOTS, at(NOW));
+    store.apply("box", Some(&batch(3, "webui", 1)), SLOTS, at(NOW));
     // Another client whose name starts alike is not the app's.
-    store.apply("box", Some(&batch(4, "webuix", 50)), at(NOW));
+    store.apply("box", Some(&batch(4, "webuix", 50)), SLOTS, at(NOW));
     let clients = [app(20, 5)];
     let budgets = store.budgets(&clients, at(NOW));
     let of = |id: &str| {

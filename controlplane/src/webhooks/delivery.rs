@@ -38,6 +38,9 @@ pub struct Delivery {
     pub url: String,
     /// The JSON body.
     pub body: Bytes,
+    /// The target's host is not in `webhooks.allowed_hosts`: connect only to the addresses
+    /// the SSRF check allows, as resolved for this delivery ([`Outbound::public_only`]).
+    pub public_only: bool,
 }
 
 /// Runs until `shutdown`; deliveries still queued or in flight then are
@@ -49,6 +52,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut in_flight = JoinSet::new();
+    let guarded = Outbound::public_only();
     loop {
         while in_flight.try_join_next().is_some() {}
         if in_flight.len() >= MAX_IN_FLIGHT {
@@ -64,7 +68,11 @@ pub async fn run(
             },
             () = shutdown.cancelled() => break,
         };
-        let client = client.clone();
+        let client = if delivery.public_only {
+            guarded.clone()
+        } else {
+            client.clone()
+        };
         let counters = counters.clone();
         in_flight.spawn(async move {
             let ok = deliver(&client, &delivery, TIMEOUT).await;

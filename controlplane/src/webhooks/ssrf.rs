@@ -4,8 +4,10 @@
 //! The check is static: it looks at the URL and at what its host name
 //! resolves to once, at start-up (and on a reload that changes the URL); it
 //! sends nothing. Host names listed in `webhooks.allowed_hosts` skip it, which
-//! is how a LAN target is allowed on purpose. DNS rebinding after the check is
-//! not re-checked, as in the reference.
+//! is how a LAN target is allowed on purpose. Against DNS rebinding after the
+//! check, each delivery to a host not listed resolves the name again and connects
+//! only to the addresses [`is_blocked`] lets through
+//! ([`Outbound::public_only`](crate::outbound::Outbound::public_only)).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, ToSocketAddrs};
 
@@ -44,6 +46,12 @@ enum Target {
     Literal(String, IpAddr),
     /// A host name to resolve, with the port to resolve it for.
     Name(String, u16),
+}
+
+/// Whether `url`'s host is in `allowed_hosts` (exempt from the check, at start-up and at
+/// each delivery).
+pub fn is_allowed(url: &str, allowed_hosts: &[String]) -> bool {
+    matches!(target(url, allowed_hosts), Ok(Target::Allowed(_)))
 }
 
 /// Checks `config.webhooks` when enabled, resolving names with tokio (start-up).

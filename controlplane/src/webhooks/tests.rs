@@ -165,6 +165,7 @@ async fn a_silent_receiver_fails_at_the_deadline_without_retry() {
         event: WebhookEvent::HostUnhealthy,
         url: format!("http://{addr}/hook"),
         body: Bytes::from_static(b"{}"),
+        public_only: false,
     };
     let deadline = Duration::from_millis(200);
     let started = std::time::Instant::now();
@@ -189,6 +190,51 @@ async fn a_refused_connection_fails_fast() {
         event: WebhookEvent::HostRecovered,
         url: format!("http://{addr}/hook"),
         body: Bytes::from_static(b"{}"),
+        public_only: false,
     };
     assert!(!delivery::deliver(&Outbound::new(), &delivery, TIMEOUT).await);
+}
+
+#[tokio::test]
+async fn a_name_that_resolves_to_a_private_address_at_delivery_is_not_posted_to() {
+    // `localhost` passes for a name that resolved to a public address at start-up and was
+    // rebound to a loopback one since.
+    let (addr, mut received) = sink().await;
+    let url = format!("http://localhost:{}/hook", addr.port());
+    let webhooks = Webhooks::new(&config(&url, WebhookEvent::ALL));
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(webhooks.sender(Outbound::new(), shutdown.clone()).unwrap());
+    webhooks.notify(Notice::new(WebhookEvent::QueueDrained).field("node", "local"));
+    let counters = webhooks.inner.counters.clone();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while counters.failed.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(counters.failed.load(Ordering::Relaxed), 1);
+    assert!(received.try_recv().is_err(), "nothing reached the receiver");
+    // Listed in allowed_hosts: delivered.
+    let mut allowed = config(&url, WebhookEvent::ALL);
+    allowed.allowed_hosts = vec!["localhost".to_owned()];
+    webhooks.configure(&allowed);
+    webhooks.notify(Notice::new(WebhookEvent::QueueDrained).field("node", "local"));
+    let (_, body) = tokio::time::timeout(Duration::from_secs(10), received.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(body["event"], "queue.drained");
+    shutdown.cancel();
+    task.await.unwrap();
+}
+
+#[tokio::test]
+async fn the_public_only_client_refuses_private_addresses_and_the_other_does_not() {
+    let (addr, _received) = sink().await;
+    let delivery = Delivery {
+        event: WebhookEvent::QueueDrained,
+        url: format!("http://localhost:{}/hook", addr.port()),
+        body: Bytes::from_static(b"{}"),
+        public_only: true,
+    };
+    assert!(!delivery::deliver(&Outbound::public_only(), &delivery, TIMEOUT).await);
+    assert!(delivery::deliver(&Outbound::new(), &delivery, TIMEOUT).await);
 }

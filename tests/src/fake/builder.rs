@@ -320,6 +320,7 @@ impl FakeBuilder {
             connections: AtomicUsize::new(0),
             shutting_down: AtomicBool::new(false),
             blobs: Mutex::default(),
+            answer_headers: Mutex::default(),
         });
         let server = Server::spawn(listener, Arc::clone(&shared));
         Ok(FakeOllama {

@@ -194,6 +194,18 @@ impl FakeHandle {
         lock(&self.shared.failures).push_back(failure);
     }
 
+    /// From now on, every answer also carries header `name: value` (an upstream, or something
+    /// posing as one, sending headers that are not Ollama's).
+    pub fn answer_header(&self, name: &str, value: &str) {
+        let (Ok(name), Ok(value)) = (
+            http::HeaderName::from_bytes(name.as_bytes()),
+            http::HeaderValue::from_str(value),
+        ) else {
+            panic!("not a header: {name}: {value}");
+        };
+        lock(&self.shared.answer_headers).push((name, value));
+    }
+
     /// From now on, admitted inference requests wait, holding their slot, until released.
     pub fn hold(&self) {
         self.shared.slots.hold();

@@ -84,7 +84,10 @@ pub(crate) async fn handle(
             .map(|value| super::stream::Reported::parse(&value))
             .unwrap_or_default(),
     };
-    let reply = route(&mut ctx, &parts, &body).await;
+    let mut reply = route(&mut ctx, &parts, &body).await;
+    for (name, value) in super::record::lock(&ctx.shared.answer_headers).iter() {
+        reply.headers_mut().insert(name.clone(), value.clone());
+    }
     if let Some(tracker) = ctx.tracker.take() {
         tracker.complete();
     }

@@ -37,6 +37,9 @@ pub(crate) struct Shared {
     pub connections: AtomicUsize,
     pub shutting_down: AtomicBool,
     pub blobs: Mutex<HashSet<String>>,
+    /// Headers every answer carries besides its own (`FakeHandle::answer_header`): an upstream
+    /// that sends what it should not.
+    pub answer_headers: Mutex<Vec<(http::HeaderName, http::HeaderValue)>>,
 }
 
 /// The knobs a test may turn while the fake runs.

@@ -1,7 +1,8 @@
 //! Connections: a socket that never sends a request, or sits idle, is
 //! closed after its (small, configured) deadline; connections over the caps
 //! (in all, or from one address) are closed at once while the clients
-//! already connected go on being served. Every test runs on 127.0.0.1, so a
+//! already connected go on being served; the control plane's gRPC port holds the same
+//! caps and deadlines, and pings. Every test runs on 127.0.0.1, so a
 //! per-address cap counts the test's own connections: caps here are small
 //! and every connection is accounted for.
 
@@ -232,5 +233,132 @@ async fn all_listeners_share_max_connections() {
     let opened = Instant::now();
     let mut extra = TcpStream::connect(injection).await.unwrap();
     assert!(closed_within(&mut extra, opened).await.is_some());
+    stack.shutdown().await;
+}
+
+/// A gRPC call to the control plane at `url` (a fresh connection): whether it was answered.
+async fn grpc_answers(url: &str) -> bool {
+    use oqp_proto::admin::v1::{GetStatusRequest, admin_service_client::AdminServiceClient};
+    let Ok(mut admin) = AdminServiceClient::connect(url.to_owned()).await else {
+        return false;
+    };
+    tokio::time::timeout(PATIENCE, admin.get_status(GetStatusRequest::default()))
+        .await
+        .is_ok_and(|answer| answer.is_ok())
+}
+
+#[tokio::test]
+async fn the_grpc_port_closes_connections_over_its_cap_and_serves_again_below_it() {
+    // The data plane's caps hold on the control plane's port too; the in-process data
+    // plane's link is one of the three from this address.
+    let proxy = "  first_request_timeout: 30\n  max_connections_per_ip: 3\n";
+    let (_fake, stack) = stack(proxy, "").await;
+    let grpc = stack.control.local_addr();
+    let idle = [
+        TcpStream::connect(grpc).await.unwrap(),
+        TcpStream::connect(grpc).await.unwrap(),
+    ];
+    let opened = Instant::now();
+    let mut extra = TcpStream::connect(grpc).await.unwrap();
+    assert!(
+        closed_within(&mut extra, opened).await.is_some(),
+        "a gRPC connection over the cap stayed open"
+    );
+    assert!(!grpc_answers(&stack.control_url()).await, "over the cap");
+    drop(idle);
+    // The server sees the two close, then frees their places.
+    let mut answered = false;
+    let deadline = Instant::now() + PATIENCE;
+    while !answered && Instant::now() < deadline {
+        answered = grpc_answers(&stack.control_url()).await;
+    }
+    assert!(answered, "closed connections never freed their places");
+    let link = stack.control.dataplane().unwrap().app().control.clone();
+    assert!(link.is_connected(), "the data plane's own link was kept");
+    stack.shutdown().await;
+}
+
+/// Reads HTTP/2 frames from `stream` until one of type `kind` (without the ACK flag)
+/// arrives; `false` if the connection closed first.
+async fn frame_arrives(stream: &mut TcpStream, kind: u8) -> bool {
+    let mut header = [0u8; 9];
+    loop {
+        if stream.read_exact(&mut header).await.is_err() {
+            return false;
+        }
+        let length =
+            usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+        let mut payload = vec![0u8; length];
+        if stream.read_exact(&mut payload).await.is_err() {
+            return false;
+        }
+        if header[3] == kind && header[4] & 1 == 0 {
+            return true;
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_grpc_port_pings_and_closes_a_silent_peer_while_its_data_plane_stays() {
+    let proxy = "  first_request_timeout: 0.3\n  idle_timeout: 0.6\n";
+    let (fake, stack) = stack(proxy, "").await;
+    let grpc = stack.control.local_addr();
+    // A policy stream whose client sends nothing of its own (no keep-alive pings).
+    let mut watcher = oqp_proto::policy::v1::policy_service_client::PolicyServiceClient::connect(
+        stack.control_url(),
+    )
+    .await
+    .unwrap();
+    let mut hello = tonic::Request::new(oqp_proto::policy::v1::NodeHello {
+        node: "watcher".to_owned(),
+        ..Default::default()
+    });
+    hello.metadata_mut().insert(
+        oqp_proto::NODE_TOKEN_METADATA,
+        stack.control.node_token().parse().unwrap(),
+    );
+    let mut snapshots = watcher.watch_policy(hello).await.unwrap().into_inner();
+    assert!(snapshots.message().await.unwrap().is_some());
+    // Nothing sent: closed at the first-request deadline.
+    let opened = Instant::now();
+    let mut silent = TcpStream::connect(grpc).await.unwrap();
+    let after = closed_within(&mut silent, opened)
+        .await
+        .expect("a silent socket on the gRPC port stayed open");
+    assert!(
+        after >= Duration::from_millis(300),
+        "closed after {after:?}"
+    );
+    // An HTTP/2 peer that stops after its preface is pinged, and closed when it does not
+    // answer.
+    let mut mute = TcpStream::connect(grpc).await.unwrap();
+    mute.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let pinged = tokio::time::timeout(PATIENCE, frame_arrives(&mut mute, 6)).await;
+    assert_eq!(pinged.ok(), Some(true), "no HTTP/2 ping on the gRPC port");
+    assert!(
+        closed_within(&mut mute, Instant::now()).await.is_some(),
+        "a peer answering nothing stayed connected"
+    );
+    // The watcher's connection answered the pings all along: never cut, however short the
+    // idle timeout. Its stream, open since before the mute peer came and went, still
+    // carries the next snapshot.
+    let version = stack
+        .rewrite_and_reload(&config(
+            &fake.url(),
+            &format!("{proxy}  max_connections: 4000\n"),
+            "",
+        ))
+        .unwrap();
+    let next = tokio::time::timeout(PATIENCE, snapshots.message())
+        .await
+        .expect("no snapshot on the watcher's stream")
+        .expect("the watcher's stream was cut")
+        .expect("the watcher's stream ended");
+    assert!(next.version >= version);
+    let link = stack.control.dataplane().unwrap().app().control.clone();
+    assert!(link.is_connected());
+    assert!(grpc_answers(&stack.control_url()).await);
     stack.shutdown().await;
 }

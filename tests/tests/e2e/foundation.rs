@@ -338,6 +338,47 @@ async fn oversized_bodies_get_413_and_never_reach_the_upstream() {
 }
 
 #[tokio::test]
+async fn a_model_blob_larger_than_max_request_body_mb_is_streamed_through() {
+    use sha2::Digest;
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let yaml = basic_config(&fake.url()).replace(
+        "proxy:\n",
+        "proxy:\n  max_request_body_mb: 1\n  allow_model_management: true\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    // A model file, as `ollama create` uploads it: larger than the body limit.
+    let blob = vec![7u8; 2_500_000];
+    let digest = format!("sha256:{:x}", sha2::Sha256::digest(&blob));
+    let http = HttpClient::new();
+    let reply = http
+        .send(
+            Method::POST,
+            &format!("{}/api/blobs/{digest}", stack.url()),
+            &[],
+            blob.clone(),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.text());
+    assert_eq!(
+        fake.handle()
+            .requests_to(&format!("/api/blobs/{digest}"))
+            .len(),
+        1
+    );
+    // Any other streamed body keeps the limit.
+    let reply = http
+        .send(
+            Method::POST,
+            &format!("{}/v1/audio/transcriptions", stack.url()),
+            &[],
+            blob,
+        )
+        .await;
+    assert_eq!(reply.status, 413);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn a_reloaded_config_applies_live_and_a_bad_one_changes_nothing() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
     let yaml = basic_config(&fake.url());
@@ -383,9 +424,14 @@ async fn a_data_plane_follows_the_configured_log_level() {
     let hook = LogLevelHook::new(move |level| {
         let _ = levels.send(level);
     });
-    let remote = harness::start_dataplane_with(&stack.control_url(), "remote", None, Some(hook))
-        .await
-        .expect("data plane starts");
+    let remote = harness::start_dataplane_with(
+        &stack.control_url(),
+        "remote",
+        Some(stack.control.node_token()),
+        Some(hook),
+    )
+    .await
+    .expect("data plane starts");
     let mut next = async || {
         tokio::time::timeout(Duration::from_secs(10), seen.recv())
             .await

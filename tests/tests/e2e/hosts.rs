@@ -433,18 +433,21 @@ async fn report_events_and_key_events_become_webhooks() {
         unix_ms: 0,
         host: String::new(),
     };
-    policy
-        .report_status(NodeReport {
-            node: "gpu-1".to_owned(),
-            events: vec![
-                event("queue.full"),
-                event("queue.over_capacity"),
-                event("queue.drained"),
-            ],
-            ..NodeReport::default()
-        })
-        .await
-        .expect("report");
+    // A data plane's report, with the node token every report needs.
+    let mut report = tonic::Request::new(NodeReport {
+        node: "gpu-1".to_owned(),
+        events: vec![
+            event("queue.full"),
+            event("queue.over_capacity"),
+            event("queue.drained"),
+        ],
+        ..NodeReport::default()
+    });
+    report.metadata_mut().insert(
+        oqp_proto::NODE_TOKEN_METADATA,
+        stack.control.node_token().parse().unwrap(),
+    );
+    policy.report_status(report).await.expect("report");
     // Filtering is synchronous: the unsubscribed event was never queued.
     assert_eq!(stack.control.hub().webhooks().stats().queued, 2);
 

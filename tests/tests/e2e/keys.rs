@@ -192,9 +192,18 @@ async fn an_added_key_authenticates_at_the_data_plane_and_is_listed_without_its_
     );
     assert_eq!(generate(&stack.url(), &unknown).await, 401);
 
-    let listed = admin(&stack)
+    // A management key lists every tenant's keys; a read key only its own.
+    let own = admin(&stack)
         .await
         .list_keys(authed(READER, api::ListKeysRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    let own: Vec<_> = own.keys.iter().map(|key| key.client_id.as_str()).collect();
+    assert_eq!(own, ["widget"]);
+    let listed = admin(&stack)
+        .await
+        .list_keys(authed(ADMIN, api::ListKeysRequest {}))
         .await
         .unwrap()
         .into_inner();
@@ -430,7 +439,7 @@ async fn the_store_survives_a_control_plane_restart() {
     let stack = Stack::start(&config(&fake.url(), state.path())).await;
     let listed = admin(&stack)
         .await
-        .list_keys(authed(READER, api::ListKeysRequest {}))
+        .list_keys(authed(ADMIN, api::ListKeysRequest {}))
         .await
         .unwrap()
         .into_inner();

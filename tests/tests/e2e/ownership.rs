@@ -403,3 +403,83 @@ async fn a_request_that_failed_after_reaching_a_host_is_not_sent_to_another_box(
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_upstream_answer_cannot_pass_for_the_owner_refusing() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    // Whatever answers as the host marks its answers as an owner's refusal would be.
+    fake.handle().answer_header("x-oqp-hop-refused", "1");
+    fake.handle().answer_header("x-oqp-hop-elapsed-us", "1");
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
+    let request = json!({"model": "llama3", "prompt": "hi", "stream": false});
+    let http = HttpClient::new();
+    for entry in [stack.url(), format!("http://{}", b.local_addr())] {
+        let reply = http
+            .post_json(&format!("{entry}/api/generate"), &[], &request)
+            .await;
+        assert_eq!(reply.status, 200, "{entry}: {}", reply.text());
+        assert!(reply.header("x-oqp-hop-refused").is_none());
+        assert!(reply.header("x-oqp-hop-elapsed-us").is_none());
+    }
+    assert_eq!(
+        fake.handle().requests_to("/api/generate").len(),
+        2,
+        "each request ran once"
+    );
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_hop_header_accepted_before_the_owner_restarted_is_refused_after() {
+    use oqp_dataplane::hop::{self, Assertion, HopKey};
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
+    // A hop header as an edge signs it, captured on the wire.
+    let body = br#"{"model":"llama3","prompt":"hi","stream":false}"#;
+    let digest = hop::body_digest(body);
+    let header = HopKey::new(TOKEN).unwrap().sign(
+        &Assertion {
+            node: "local".into(),
+            client: "anonymous".into(),
+            verified: false,
+            tier: oqp_dataplane::scheduler::Tier::Normal,
+            body: Some(digest.clone()),
+        },
+        hop::Request {
+            to: "b",
+            id: "captured-1",
+            method: &http::Method::POST,
+            path: "/api/generate",
+        },
+        std::time::SystemTime::now(),
+    );
+    let header = header.to_str().unwrap().to_owned();
+    let send = |addr: std::net::SocketAddr| {
+        let header = header.clone();
+        async move {
+            HttpClient::new()
+                .send(
+                    http::Method::POST,
+                    &format!("http://{addr}/api/generate"),
+                    &[("x-oqp-hop", &header), ("x-request-id", "captured-1")],
+                    &body[..],
+                )
+                .await
+        }
+    };
+    assert_eq!(send(b.local_addr()).await.status, 200, "the original");
+    assert_eq!(send(b.local_addr()).await.status, 401, "a replay");
+    // The owner restarts, remembering nothing it accepted: the header is still within the
+    // allowed skew, and is refused all the same.
+    b.shutdown().await;
+    let b = stack.start_dataplane("b", Some(TOKEN)).await.unwrap();
+    assert_eq!(
+        send(b.local_addr()).await.status,
+        401,
+        "a replay after a restart"
+    );
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    b.shutdown().await;
+    stack.shutdown().await;
+}

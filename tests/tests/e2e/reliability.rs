@@ -41,6 +41,8 @@ async fn a_control_plane_restart_under_load_fails_no_request() {
         .await;
     let dir = tempfile::tempdir().unwrap();
     let config_path = dir.path().join("config.yml");
+    // The state directory keeps the control plane's node token across its restarts.
+    std::fs::create_dir(dir.path().join("state")).unwrap();
     let yaml = format!(
         "{}control_plane:\n  state_dir: \"{}\"\n",
         one_host(&fake.url(), 4, ""),
@@ -59,9 +61,13 @@ async fn a_control_plane_restart_under_load_fails_no_request() {
     };
     let mut control = start(harness::loopback().await).await.unwrap();
     let control_addr = control.local_addr();
-    let dataplane = harness::start_dataplane(&format!("http://{control_addr}"), "edge", None)
-        .await
-        .unwrap();
+    let dataplane = harness::start_dataplane(
+        &format!("http://{control_addr}"),
+        "edge",
+        Some(control.node_token()),
+    )
+    .await
+    .unwrap();
     let link = dataplane.app().control.clone();
     let mut load = Load::start(dataplane.local_addr(), 8, None, |_, _| generate(None));
     let phase = scale(200, 5_000);

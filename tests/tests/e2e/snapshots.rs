@@ -220,9 +220,14 @@ async fn a_part_that_panics_is_reported_and_the_next_snapshot_still_applies() {
     let hook = oqp_dataplane::LogLevelHook::new(|level| {
         assert_ne!(level, oqp_dataplane::policy::LogLevel::Debug, "hook failed");
     });
-    let dataplane = harness::start_dataplane_with(&stack.control_url(), "edge", None, Some(hook))
-        .await
-        .unwrap();
+    let dataplane = harness::start_dataplane_with(
+        &stack.control_url(),
+        "edge",
+        Some(stack.control.node_token()),
+        Some(hook),
+    )
+    .await
+    .unwrap();
     let base = format!("http://{}", dataplane.local_addr());
 
     let version = stack
@@ -322,8 +327,12 @@ async fn a_control_plane_restarted_with_its_clock_set_back_is_still_obeyed() {
     let dir = tempfile::tempdir().unwrap();
     let config_path = dir.path().join("config.yml");
     // No state directory: the data plane's version is all the new control
-    // plane can learn from.
-    std::fs::write(&config_path, config(&fake.url(), "")).unwrap();
+    // plane can learn from (and a configured node token is what both runs accept).
+    let yaml = format!(
+        "{}control_plane:\n  node_token: sk-node-0123456789\n",
+        config(&fake.url(), "")
+    );
+    std::fs::write(&config_path, yaml).unwrap();
     let start = |listener: TcpListener, clock: Option<Clock>| {
         ControlPlane::start(Options {
             config_path: config_path.clone(),
@@ -336,9 +345,13 @@ async fn a_control_plane_restarted_with_its_clock_set_back_is_still_obeyed() {
     };
     let control = start(harness::loopback().await, None).await.unwrap();
     let addr = control.local_addr();
-    let dataplane = harness::start_dataplane(&format!("http://{addr}"), "edge", None)
-        .await
-        .unwrap();
+    let dataplane = harness::start_dataplane(
+        &format!("http://{addr}"),
+        "edge",
+        Some(control.node_token()),
+    )
+    .await
+    .unwrap();
     let held = dataplane.app().store.load().version;
     let base = format!("http://{}", dataplane.local_addr());
     control.shutdown().await;

@@ -14,6 +14,7 @@ use oqp_tests::harness::{self, Stack};
 use serde_json::{Value, json};
 
 mod edges;
+mod forged;
 
 pub const CHAT_KEY: &str = "sk-chat-0123456789";
 
@@ -70,8 +71,9 @@ pub async fn post(base: &str, path: &str, reported: &str, body: Value) -> Reply 
 /// The mix of the issue: chats and generates streamed and not, embeds (one a cache hit),
 /// OpenAI chats (non-streamed, streamed with and without `include_usage`) and an OpenAI
 /// embed. Native figures are the fake's, chosen per request; OpenAI calls carry no
-/// `total_duration`, so their GPU time is the slot's hold time (model `qwen`).
-pub async fn send_mix(base: &str) {
+/// `total_duration`, so their GPU time is the slot's hold time (model `qwen`). Returns the
+/// events of the stream without `include_usage`, which are its completion tokens.
+pub async fn send_mix(base: &str) -> u64 {
     let chat = |stream: bool| json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": stream});
     let generate = |stream: bool| json!({"model": "llama3", "prompt": "hi", "stream": stream});
     post(
@@ -155,14 +157,19 @@ pub async fn send_mix(base: &str) {
         "{}",
         sse.text()
     );
-    // Without include_usage the stream carries no counts: no tokens, still GPU time.
-    post(
+    // Without include_usage the stream carries no counts: its events stand for its
+    // completion tokens (as a stream cut short), its prompt is not counted, and the slot's
+    // hold time is its GPU time.
+    let uncounted = post(
         base,
         "/v1/chat/completions",
         "prompt_eval_count=50,eval_count=50",
         openai(true, false),
     )
     .await;
+    let events = uncounted.text().matches("\n\n").count() as u64;
+    assert!(events > 3, "{}", uncounted.text());
+    events
 }
 
 /// The value of the sample `series` (name and labels, as `/metrics` prints them).
@@ -189,7 +196,7 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
     let dir = tempfile::tempdir().unwrap();
     let stack = Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
     let base = stack.url();
-    send_mix(&base).await;
+    let events = send_mix(&base).await;
     let text = metrics(&base).await;
     let gpu = |model: &str| {
         sample(
@@ -212,9 +219,10 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
     assert_eq!(gpu("nomic-embed-text"), Some(0.375));
     assert_eq!(tokens("nomic-embed-text", "prompt"), Some(10.0));
     assert_eq!(tokens("nomic-embed-text", "completion"), Some(0.0));
-    // OpenAI: the non-streamed usage and the last chunk's; held-slot time as GPU time.
+    // OpenAI: the non-streamed usage, the last chunk's, the events of the stream without
+    // usage; held-slot time as GPU time.
     assert_eq!(tokens("qwen", "prompt"), Some(10.0));
-    assert_eq!(tokens("qwen", "completion"), Some(12.0));
+    assert_eq!(tokens("qwen", "completion"), Some(12.0 + events as f64));
     assert!(gpu("qwen").is_some_and(|seconds| seconds > 0.0 && seconds < 30.0));
     for family in ["oqp_client_gpu_seconds_total", "oqp_client_tokens_total"] {
         assert!(
@@ -233,7 +241,7 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
         .json();
     let today = &status["clients"]["chat"]["usage_today"];
     assert_eq!(today["prompt_tokens"], 40, "{today}");
-    assert_eq!(today["completion_tokens"], 47);
+    assert_eq!(today["completion_tokens"], 47 + events);
     assert_eq!(today["cached_inputs"], 2);
     assert_eq!(today["requests"], 10);
     let seconds = today["gpu_seconds"].as_f64().unwrap();
@@ -306,11 +314,11 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
         .unwrap();
     let control_addr = control.local_addr();
     let control_url = format!("http://{control_addr}");
-    let mut edge = harness::start_dataplane(&control_url, "edge", None)
+    let mut edge = harness::start_dataplane(&control_url, "edge", Some(control.node_token()))
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());
-    send_mix(&base).await;
+    let events = send_mix(&base).await;
     let usage = wait_for_requests(&control_url, 10).await;
     let llama = row(&usage, "chat", "llama3");
     assert_eq!(llama.gpu_ns, 4 * SECOND);
@@ -323,7 +331,10 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
     assert_eq!(embed.cached_inputs, 2, "the hit");
     assert_eq!(embed.requests, 3);
     let qwen = row(&usage, "chat", "qwen");
-    assert_eq!((qwen.prompt_tokens, qwen.completion_tokens), (10, 12));
+    assert_eq!(
+        (qwen.prompt_tokens, qwen.completion_tokens),
+        (10, 12 + events)
+    );
     assert!(qwen.gpu_ns > 0);
     let day_file = state.join("usage").join(format!(
         "{}.json",
@@ -355,7 +366,7 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
 
     // A data plane restart: a new ledger (a new epoch), the totals kept.
     edge.shutdown().await;
-    edge = harness::start_dataplane(&control_url, "edge", None)
+    edge = harness::start_dataplane(&control_url, "edge", Some(control.node_token()))
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());

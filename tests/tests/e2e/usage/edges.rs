@@ -40,7 +40,7 @@ async fn a_request_streaming_through_a_graceful_stop_is_in_the_totals() {
         &config(&fake.url(), &state.display().to_string(), ""),
     )
     .await;
-    let edge = harness::start_dataplane(&control_url, "edge", None)
+    let edge = harness::start_dataplane(&control_url, "edge", Some(control.node_token()))
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());
@@ -259,5 +259,72 @@ async fn a_stream_cut_short_counts_the_chunks_it_sent() {
     // No final object: the three chunks stand for the completion tokens.
     assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 3));
     assert!(total.gpu_ns > 0, "the time the slot was held");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_request_abandoned_before_its_answer_is_charged_the_slot_time_it_held() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack =
+        harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    let base = stack.url();
+    // Ollama computes (the fake holds the request in its slot) and the client leaves
+    // before any byte of the answer.
+    fake.handle().hold();
+    let leaving = tokio::spawn(async move {
+        post(
+            &base,
+            "/api/generate",
+            "total_duration=5000000000,prompt_eval_count=1,eval_count=1",
+            json!({"model": "llama3", "prompt": "hi", "stream": false}),
+        )
+        .await
+    });
+    tokio::time::timeout(Duration::from_secs(10), fake.handle().wait_in_flight(1))
+        .await
+        .unwrap();
+    leaving.abort();
+    tokio::time::timeout(Duration::from_secs(10), fake.handle().wait_cancelled(1))
+        .await
+        .expect("oqp never gave the request up");
+    fake.handle().release_all();
+    let usage = super::wait_for_requests(&stack.control_url(), 1).await;
+    let total = usage.total.unwrap_or_default();
+    assert!(
+        total.gpu_ns > 0 && total.gpu_ns < 5 * SECOND,
+        "the slot time held, not a figure the answer never gave: {total:?}"
+    );
+    assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 0));
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_damaged_usage_file_is_set_aside_and_the_control_plane_starts() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let usage = dir.path().join("usage");
+    std::fs::create_dir(&usage).unwrap();
+    let yesterday = std::time::SystemTime::now() - Duration::from_secs(86_400);
+    let name = format!(
+        "{}.json",
+        &humantime::format_rfc3339_seconds(yesterday).to_string()[..10]
+    );
+    std::fs::write(usage.join(&name), b"{\"format\": 1, \"day\": trunc").unwrap();
+    let stack =
+        harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    assert!(
+        usage.join(format!("{name}.unreadable")).exists(),
+        "kept aside"
+    );
+    post(
+        &stack.url(),
+        "/api/generate",
+        "total_duration=1000000000,prompt_eval_count=1,eval_count=1",
+        json!({"model": "llama3", "prompt": "hi", "stream": false}),
+    )
+    .await;
+    let totals = super::wait_for_requests(&stack.control_url(), 1).await;
+    assert_eq!(totals.total.unwrap_or_default().gpu_ns, SECOND);
     stack.shutdown().await;
 }
