@@ -247,6 +247,7 @@ fn allows(endpoint: &Endpoint, method: &Method) -> bool {
         | Endpoint::Ps
         | Endpoint::Usage
         | Endpoint::Models
+        | Endpoint::RunnerWaits
         | Endpoint::Model(_) => method == Method::GET,
         Endpoint::Blob(_) => method == Method::HEAD || method == Method::POST,
         Endpoint::Delete => method == Method::DELETE,
