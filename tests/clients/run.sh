@@ -61,6 +61,8 @@ proxy_port=$(free_port)
 control_port=$(free_port)
 key="sk-real-clients-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
 spent_key="sk-spent-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
+operator_key="sk-operator-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
+mkdir -p "$work/state"
 cat >"$work/config.yml" <<YAML
 proxy:
   host: "127.0.0.1"
@@ -77,6 +79,9 @@ auth:
     - key: "$spent_key"
       client_id: spent
       budget: {tokens: 1, window: 1d}
+    - key: "$operator_key"
+      client_id: operator
+      scope: management
 control_plane:
   listen: "127.0.0.1:$control_port"
   state_dir: "$work/state"
@@ -107,11 +112,12 @@ OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" OQP_SPENT_KEY="
   OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
   "$python" tests/clients/real_clients.py
 
-# What the clients used, as the operator sees it: the data plane reports about once a
+# What the clients used, as the operator sees it (a management key sees every client's
+# usage; the clients' own keys see only theirs): the data plane reports about once a
 # second, so the table is asked for until the agents' routes are in it (bounded).
 echo "-- oqpctl usage after the clients"
 for _ in $(seq 100); do
-  table=$(OQPCTL_KEY="$key" OQP_CONTROL_PLANE="http://127.0.0.1:$control_port" NO_COLOR=1 \
+  table=$(OQPCTL_KEY="$operator_key" OQP_CONTROL_PLANE="http://127.0.0.1:$control_port" NO_COLOR=1 \
     "$target/oqpctl" usage --by client,model 2>&1) || true
   grep -q "real-clients" <<<"$table" && grep -q "spent" <<<"$table" && break
   sleep 0.1
