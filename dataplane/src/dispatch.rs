@@ -51,8 +51,6 @@ const MAX_EVENTS: usize = 256;
 pub struct Dispatcher {
     inner: Mutex<Inner>,
     timer: Notify,
-    /// Woken whenever a slot frees, for requests failing over.
-    slot_freed: Notify,
     /// The snapshot version last applied.
     applied: tokio::sync::watch::Sender<u64>,
     flushed: std::sync::atomic::AtomicU64,
@@ -171,24 +169,16 @@ impl Dispatcher {
                 was_busy: false,
             }),
             timer: Notify::new(),
-            slot_freed: Notify::new(),
             applied: tokio::sync::watch::Sender::new(0),
             flushed: std::sync::atomic::AtomicU64::new(0),
             unloader: std::sync::OnceLock::new(),
         });
         {
-            let weak = Arc::downgrade(&dispatcher);
+            // A freed slot needs no hook: its lease's drop runs the dispatch, and a request
+            // failing over waits in the queue. The timer is not woken either: a freed slot
+            // moves no deadline earlier, and waking it cost a thread wake-up per request.
             let mut inner = dispatcher.lock();
             inner.flush_generation = policy.queue.tiers.each_ref().map(|t| t.flush_generation);
-            // A freed slot wakes the failovers waiting for one; the hook must
-            // not take the lock (a guard may drop while it is held). The
-            // timer is not woken: a freed slot moves no deadline earlier, and
-            // waking it cost a thread wake-up per request.
-            inner.router.set_release_hook(Arc::new(move || {
-                if let Some(dispatcher) = weak.upgrade() {
-                    dispatcher.slot_freed.notify_waiters();
-                }
-            }));
         }
         dispatcher.apply(policy);
         dispatcher
