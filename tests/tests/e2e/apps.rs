@@ -141,7 +141,7 @@ async fn a_models_list_refuses_other_models_on_every_route_and_filters_the_listi
     );
     let seen = handle.requests().len();
 
-    let refusals: [(&str, Value); 8] = [
+    let refusals: [(&str, Value); 10] = [
         ("/api/chat", chat("qwen3:32b")),
         (
             "/api/generate",
@@ -165,6 +165,14 @@ async fn a_models_list_refuses_other_models_on_every_route_and_filters_the_listi
             json!({"model": "qwen3:32b", "input": "hi"}),
         ),
         ("/api/show", json!({"model": "qwen3:32b"})),
+        (
+            "/api/embeddings",
+            json!({"model": "mxbai-embed-large", "prompt": "hello"}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "qwen3:32b", "prompt": "hi"}),
+        ),
     ];
     for (path, body) in &refusals {
         let reply = post(&base, path, STUDENTS, &[], body).await;
