@@ -270,7 +270,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             if args.by_app() {
                 usage::fold_apps(&mut response);
             }
-            println!("{}", usage::render(&response, &request, output, style));
+            println!(
+                "{}",
+                usage::render(&response, &request, args.by_app(), output, style)
+            );
         }
         Command::Config(_) | Command::Completions { .. } => {}
     }

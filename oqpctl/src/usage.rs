@@ -157,10 +157,12 @@ fn totals_json(row: &api::UsageTotals) -> Value {
     })
 }
 
-/// `oqpctl usage`: one row per group, most GPU time first, and the total.
+/// `oqpctl usage`: one row per group, most GPU time first, and the total; `by_app` names the
+/// client column `app` (the rows were folded with [`fold_apps`]).
 pub fn render(
     response: &api::GetUsageResponse,
     request: &api::GetUsageRequest,
+    by_app: bool,
     output: Output,
     style: Style,
 ) -> String {
@@ -190,7 +192,7 @@ pub fn render(
         Output::Table => {
             let mut header = Vec::new();
             if request.by_client {
-                header.push("client");
+                header.push(if by_app { "app" } else { "client" });
             }
             if request.by_model {
                 header.push("model");
@@ -367,6 +369,7 @@ mod tests {
         let text = render(
             &response(),
             &by_client(),
+            false,
             Output::Table,
             Style { color: false },
         );
@@ -389,6 +392,7 @@ mod tests {
         let text = render(
             &response(),
             &by_client(),
+            false,
             Output::Json,
             Style { color: false },
         );

@@ -346,6 +346,10 @@ async fn an_apps_users_are_rows_of_their_own_and_fold_into_the_app() {
     assert_eq!(folded["rows"][0]["requests"], 4);
     let table = stdout(&oqpctl(&stack, &["usage", "--by", "app"]).await);
     println!("oqpctl usage --by app\n{table}");
+    assert!(
+        table.contains("| app ") && !table.contains("webui/"),
+        "{table}"
+    );
     stack.shutdown().await;
 }
 
