@@ -247,7 +247,8 @@ fn allows(endpoint: &Endpoint, method: &Method) -> bool {
         | Endpoint::Ps
         | Endpoint::Usage
         | Endpoint::Models
-        | Endpoint::Model(_) => method == Method::GET,
+        | Endpoint::Model(_)
+        | Endpoint::RunnerWaits => method == Method::GET,
         Endpoint::Blob(_) => method == Method::HEAD || method == Method::POST,
         Endpoint::Delete => method == Method::DELETE,
         _ => method == Method::POST,
