@@ -367,7 +367,7 @@ impl Dispatcher {
     fn pump(self: &Arc<Self>, inner: &mut Inner, now: Instant) -> Vec<Grant> {
         let mut orphans = Vec::new();
         // Switches nothing waits for are dropped before anyone is offered a host.
-        self.swap_upkeep(inner);
+        self.swap_upkeep(inner, now);
         loop {
             let Inner {
                 scheduler,
@@ -379,7 +379,7 @@ impl Dispatcher {
             let mut placing = Placing { router, strategy };
             let Some(dispatch) = scheduler.next_on(now, &mut placing) else {
                 // A switch dropped, or an unload that could not be sent, changes what can run.
-                if self.swap_upkeep(inner) {
+                if self.swap_upkeep(inner, now) {
                     continue;
                 }
                 break;
@@ -435,13 +435,17 @@ impl Dispatcher {
     /// Drops switches nothing waits for any more, and sends the explicit unloads now due.
     /// Returns whether that changed what may run (a switch dropped, or an unload that could
     /// not be sent taken as done), so that the caller dispatches again.
-    fn swap_upkeep(self: &Arc<Self>, inner: &mut Inner) -> bool {
+    fn swap_upkeep(self: &Arc<Self>, inner: &mut Inner, now: Instant) -> bool {
         let mut changed = false;
         for (host, model) in inner.router.switches() {
             if !inner.router.swap_enabled() || !inner.scheduler.waiting_for(&model) {
-                inner.router.abort_switch(&host);
+                inner.router.abort_switch(&host, now);
                 changed = true;
             }
+        }
+        for (by, drained) in inner.router.take_charges() {
+            tracing::debug!(client = %by.client, drained_ms = drained.as_millis() as u64, "model switch drain charged to its requester");
+            inner.scheduler.charge_switch(&by, drained, now);
         }
         for (host, model) in inner.router.take_unloads() {
             match self.unloader.get() {

@@ -962,6 +962,7 @@ pub(crate) fn bounded_clients(
                 processed: 0,
                 rejected: 0,
                 recent_share: 0.0,
+                switch_charged: std::time::Duration::ZERO,
             });
             (Some(client), stat)
         })

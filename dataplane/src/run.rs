@@ -458,6 +458,7 @@ mod tests {
             switches: 7,
             bypassed: true,
             loads: 3,
+            given_up: 1,
         };
         assert_eq!(
             swap_report(&stat),

@@ -102,7 +102,10 @@
 //!
 //! Then [`Placer::switch`] starts the switch and the ticket is offered again; until the
 //! victims' requests have finished it stays held, and once they have, the new model's tickets
-//! run together, up to the host's slots. Nothing is preempted. Otherwise the instant the
+//! run together, up to the host's slots. Nothing is preempted. The victims get the requester's
+//! `max_defer` to finish ([`Requester`]); a switch still draining then is given up, and the
+//! host's next switch counts its bound from then ([`Cold::gave_up_at`]). The drain time is
+//! charged to the requester's flow ([`charge_switch`](Scheduler::charge_switch)). Otherwise the instant the
 //! answer changes (the bound, the end of the grace or of the stay) joins
 //! [`next_deadline`](Scheduler::next_deadline). Tickets held for the same model in one call
 //! share the fairest one's decision. Cancelling, dispatching or flushing a held ticket forgets
@@ -142,7 +145,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use client::{ClientLimits, ClientStat};
-pub use swap::{Cold, Offer, Placer, SwapRule, SwitchReason};
+pub use swap::{Cold, Offer, Placer, Requester, SwapRule, SwitchReason};
 pub use tier::{Tier, TierLimits, TierStat};
 
 use client::{ClientState, GroupState};
@@ -677,6 +680,7 @@ impl<T> Scheduler<T> {
             } else {
                 0.0
             },
+            switch_charged: client.switch_charged,
         })
     }
 

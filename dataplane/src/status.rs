@@ -154,6 +154,8 @@ struct VramStatus {
     oldest_held_ms: Option<u64>,
     switching_to: Option<String>,
     switches: u64,
+    /// Switches given up: the old model's requests outlasted `max_defer`.
+    switches_given_up: u64,
     bypassed: bool,
 }
 
@@ -197,6 +199,7 @@ impl VramStatus {
                 .map(|held| u64::try_from(held.as_millis()).unwrap_or(u64::MAX)),
             switching_to: stat.switching_to.clone(),
             switches: stat.switches,
+            switches_given_up: stat.given_up,
             bypassed: stat.bypassed,
         }
     }
@@ -222,6 +225,8 @@ struct ClientStatus {
     max_concurrent: u32,
     weight: f64,
     recent_share: f64,
+    /// Time the model switches its requests caused stopped other work, charged to it.
+    switch_charged_seconds: f64,
     max_priority: Option<&'static str>,
     scope: Option<&'static str>,
     /// Usage today (UTC) over all data planes, as this node knows it.
@@ -417,6 +422,7 @@ fn client_status(
         max_concurrent: client.map_or(0, |c| c.max_concurrent),
         weight: stat.weight,
         recent_share: stat.recent_share,
+        switch_charged_seconds: stat.switch_charged.as_secs_f64(),
         max_priority: client.map(|c| c.max_priority.as_str()),
         scope: client.map(|c| c.scope.as_str()),
         usage_today: UsageToday::of(today),
@@ -565,6 +571,7 @@ mod tests {
             processed,
             rejected: 0,
             recent_share: 0.0,
+            switch_charged: std::time::Duration::ZERO,
         }
     }
 

@@ -29,7 +29,13 @@
 //! # A switch
 //! [`begin_switch`](HostVram::begin_switch) picks the victims (least recently used first, until
 //! the new model fits) and stops new work for them at once; their in-flight requests finish
-//! (nothing is preempted). Once they have, the victims are optionally unloaded explicitly
+//! (nothing is preempted). The wait is bounded: a switch whose victims still have requests in
+//! flight after the requester's `max_defer` (its tier's) is given up, so one long request cannot
+//! stop every other tenant of the old model; the victims take work again, and the next switch on
+//! the host waits a full `max_defer` from then ([`Cold::gave_up_at`]). The time a switch stopped
+//! the victims' work (until they drained, or until it was given up or dropped) is charged to the
+//! requester, the client whose held request caused it ([`take_charges`](HostVram::take_charges)).
+//! Once they have drained, the victims are optionally unloaded explicitly
 //! ([`take_unloads`](HostVram::take_unloads), `keep_alive: 0`, so that Ollama evicts the model
 //! chosen here and not its own pick), and the new model's requests may go, as many as there are
 //! slots, so that they share one load. No request for a victim is sent while the switch is under
@@ -41,8 +47,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::policy::{Host, HostKind};
-use crate::scheduler::Cold;
 pub use crate::scheduler::SwitchReason;
+use crate::scheduler::{Cold, Requester};
 
 /// A poll within this much of the data plane's own last residency change may predate it.
 pub const POLL_MARGIN: Duration = Duration::from_secs(2);
@@ -80,6 +86,9 @@ pub struct SwapStat {
     pub bypassed: bool,
     /// Loads seen complete since start (a response's `load_duration` showed one).
     pub loads: u64,
+    /// Switches given up since start: the old model's requests outlasted the requester's
+    /// `max_defer`.
+    pub given_up: u64,
 }
 
 /// Whether a model can run on a host now, as far as its VRAM goes.
@@ -124,6 +133,10 @@ struct Switch {
     phase: Phase,
     /// Unload the victims explicitly once drained.
     unload: bool,
+    /// When the victims' new work stopped.
+    began: Instant,
+    /// Who asked for it, and how long the drain may last; `None`: unbounded, charged to no one.
+    by: Option<Requester>,
 }
 
 /// One host's VRAM as this data plane sees it. See the module documentation.
@@ -163,6 +176,11 @@ pub struct HostVram {
     switches: u64,
     loads: u64,
     unloads: Vec<String>,
+    /// When a switch was last given up here (its drain outlasted the bound).
+    gave_up_at: Option<Instant>,
+    given_up: u64,
+    /// Drain time to charge to requesters ([`take_charges`](Self::take_charges)).
+    charges: Vec<(Requester, Duration)>,
 }
 
 impl HostVram {
@@ -328,7 +346,9 @@ impl HostVram {
         self.foreign.push_back(now);
         if self.foreign.len() >= BYPASS_CHANGES && !self.bypassed(now) {
             self.bypassed_until = now.checked_add(BYPASS_WINDOW);
-            self.switch = None;
+            if let Some(mut switch) = self.switch.take() {
+                Self::charge(&mut self.charges, &mut switch, now);
+            }
             tracing::warn!(
                 host = %self.name,
                 "models were loaded on this host that oqp did not send: clients reach it \
@@ -348,6 +368,7 @@ impl HostVram {
             return Fit::Room;
         }
         let resident = self.is_resident(model);
+        self.bound_drain(now);
         if let Some(switch) = &mut self.switch {
             if switch.phase == Phase::Draining {
                 let drained = self
@@ -355,6 +376,9 @@ impl HostVram {
                     .iter()
                     .filter(|m| switch.victims.contains(&m.name))
                     .all(|m| m.inflight == 0);
+                if drained {
+                    Self::charge(&mut self.charges, switch, now);
+                }
                 if drained && switch.unload && !switch.victims.is_empty() {
                     switch.phase = Phase::Unloading(switch.victims.clone());
                     self.unloads.extend(switch.victims.iter().cloned());
@@ -387,13 +411,74 @@ impl HostVram {
         }
     }
 
+    /// Gives up a switch still draining at its requester's bound: the victims take work again.
+    fn bound_drain(&mut self, now: Instant) {
+        let Some(switch) = &self.switch else {
+            return;
+        };
+        let due = switch
+            .by
+            .as_ref()
+            .and_then(|by| switch.began.checked_add(by.bound))
+            .is_some_and(|at| now >= at);
+        if switch.phase != Phase::Draining || !due {
+            return;
+        }
+        let still = self
+            .resident
+            .iter()
+            .filter(|m| switch.victims.contains(&m.name))
+            .any(|m| m.inflight > 0);
+        if !still {
+            // Drained just now: `fit` goes on with the switch.
+            return;
+        }
+        if let Some(mut switch) = self.switch.take() {
+            Self::charge(&mut self.charges, &mut switch, now);
+            self.gave_up_at = Some(now);
+            self.given_up += 1;
+            tracing::info!(
+                host = %self.name,
+                model = %switch.to,
+                waited_ms = now.saturating_duration_since(switch.began).as_millis() as u64,
+                "model switch given up: the old model's requests outlasted max_defer; it takes \
+                 work again"
+            );
+        }
+    }
+
+    /// Records the drain so far against the switch's requester, once.
+    fn charge(charges: &mut Vec<(Requester, Duration)>, switch: &mut Switch, now: Instant) {
+        if let Some(by) = switch.by.take() {
+            let drained = now.saturating_duration_since(switch.began);
+            if !drained.is_zero() {
+                charges.push((by, drained));
+            }
+        }
+    }
+
+    /// The drain time to charge: (requester, how long the switch it caused stopped the old
+    /// model's new work), each once.
+    pub fn take_charges(&mut self) -> Vec<(Requester, Duration)> {
+        std::mem::take(&mut self.charges)
+    }
+
     /// Like [`fit`](Self::fit), turning the need for a switch into the scheduler's question.
     pub fn cold(&self, now: Instant) -> Cold {
+        let drain_until = self.switch.as_ref().and_then(|switch| {
+            let by = switch
+                .by
+                .as_ref()
+                .filter(|_| switch.phase == Phase::Draining)?;
+            switch.began.checked_add(by.bound)
+        });
         Cold {
             host: self.name.clone(),
             idle_since: self.idle_since,
             settled_at: self.settled_at,
             switching: self.switch.is_some() || self.bypassed(now),
+            drain_until,
+            gave_up_at: self.gave_up_at,
         }
     }
 
@@ -456,10 +541,17 @@ impl HostVram {
             || self.fits_beside(model, self.resident.iter().map(|m| m.bytes))
     }
 
-    /// Starts switching to `model`: picks the victims (least recently used first, until the
-    /// model fits) and stops new work for them; with `unload`, the victims are to be unloaded
-    /// explicitly once drained ([`take_unloads`](Self::take_unloads)). Returns the victims.
-    pub fn begin_switch(&mut self, model: &str, unload: bool) -> Vec<String> {
+    /// Starts switching to `model` at `now`: picks the victims (least recently used first, until
+    /// the model fits) and stops new work for them; with `unload`, the victims are to be
+    /// unloaded explicitly once drained ([`take_unloads`](Self::take_unloads)). With `by`, the
+    /// drain lasts at most `by.bound` and its time is charged to `by`. Returns the victims.
+    pub fn begin_switch(
+        &mut self,
+        model: &str,
+        unload: bool,
+        by: Option<Requester>,
+        now: Instant,
+    ) -> Vec<String> {
         if self.switch.is_some() || self.is_resident(model) {
             return Vec::new();
         }
@@ -477,6 +569,8 @@ impl HostVram {
             victims: victims.clone(),
             phase: Phase::Draining,
             unload,
+            began: now,
+            by,
         });
         victims
     }
@@ -501,9 +595,13 @@ impl HostVram {
 
     /// Drops a switch whose model no longer has anything waiting. Victims already told to
     /// unload are gone from the view (their next request is a load, and is charged as one);
-    /// those still draining stay resident.
-    pub fn abort_switch(&mut self) -> Option<String> {
-        let switch = self.switch.take()?;
+    /// those still draining stay resident. A drain not charged yet is charged now (a requester
+    /// that leaves still pays for the wait it caused).
+    pub fn abort_switch(&mut self, now: Instant) -> Option<String> {
+        let mut switch = self.switch.take()?;
+        if switch.phase == Phase::Draining {
+            Self::charge(&mut self.charges, &mut switch, now);
+        }
         self.unloads.clear();
         if switch.phase != Phase::Draining && switch.unload {
             let wall = SystemTime::now();
@@ -607,6 +705,7 @@ impl HostVram {
             switches: self.switches,
             bypassed: self.bypassed(now),
             loads: self.loads,
+            given_up: self.given_up,
         }
     }
 }

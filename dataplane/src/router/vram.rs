@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::{ModelKey, Placement, Router, Strategy};
 use crate::policy::{Host, ModelSwap};
-use crate::scheduler::{Offer, Placer};
+use crate::scheduler::{Offer, Placer, Requester};
 use crate::swap::{Fit, SwapStat, SwitchReason};
 
 impl Router {
@@ -15,8 +15,9 @@ impl Router {
     pub fn set_swap(&mut self, swap: ModelSwap) {
         if !swap.enabled {
             self.switching.clear();
+            let now = Instant::now();
             for state in &mut self.hosts {
-                state.vram.abort_switch();
+                state.vram.abort_switch(now);
             }
         }
         self.swap = swap;
@@ -175,15 +176,23 @@ impl Router {
         }
     }
 
-    /// Starts switching `host` to `model`: new work for the models that must make room stops
-    /// now; the model's requests go once theirs have finished. Logged with its reason.
-    pub fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason) {
+    /// Starts switching `host` to `model` for `by`: new work for the models that must make
+    /// room stops now; the model's requests go once theirs have finished, or the switch is
+    /// given up at `by.bound`. Logged with its reason.
+    pub fn switch(
+        &mut self,
+        host: &str,
+        model: &str,
+        now: Instant,
+        why: SwitchReason,
+        by: Requester,
+    ) {
         let unload = self.swap.unload;
         let Some(state) = self.state_of(host) else {
             return;
         };
         let key = ModelKey::new(model);
-        let victims = state.vram.begin_switch(&key.local, unload);
+        let victims = state.vram.begin_switch(&key.local, unload, Some(by), now);
         let name = state.host.name.clone();
         tracing::debug!(
             host = %name,
@@ -192,7 +201,6 @@ impl Router {
             reason = why.as_str(),
             "model switch"
         );
-        let _ = now;
         self.switching.insert(name, Arc::from(model));
     }
 
@@ -222,19 +230,34 @@ impl Router {
         }
     }
 
-    /// Switches under way: (host, model as the scheduler named it).
-    pub fn switches(&self) -> Vec<(Arc<str>, Arc<str>)> {
+    /// Switches under way: (host, model as the scheduler named it). A switch given up is
+    /// forgotten here.
+    pub fn switches(&mut self) -> Vec<(Arc<str>, Arc<str>)> {
+        let hosts = &self.hosts;
+        self.switching.retain(|host, _| {
+            hosts
+                .iter()
+                .any(|state| *state.host.name == **host && state.vram.switching_to().is_some())
+        });
         self.switching
             .iter()
             .map(|(host, model)| (host.clone(), model.clone()))
             .collect()
     }
 
+    /// The drain time to charge to the requesters of switches (see [`crate::swap`]).
+    pub fn take_charges(&mut self) -> Vec<(Requester, Duration)> {
+        self.hosts
+            .iter_mut()
+            .flat_map(|state| state.vram.take_charges())
+            .collect()
+    }
+
     /// Drops the switch under way on `host` (nothing waits for its model any more).
-    pub fn abort_switch(&mut self, host: &str) {
+    pub fn abort_switch(&mut self, host: &str, now: Instant) {
         self.switching.remove(host);
         if let Some(state) = self.state_of_any(host)
-            && let Some(model) = state.vram.abort_switch()
+            && let Some(model) = state.vram.abort_switch(now)
         {
             tracing::debug!(host, %model, "model switch dropped: nothing waits for it");
         }
@@ -276,8 +299,8 @@ impl Placer<Placement> for Placing<'_> {
         self.router.offer(model, self.strategy, now)
     }
 
-    fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason) {
-        self.router.switch(host, model, now, why);
+    fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason, by: Requester) {
+        self.router.switch(host, model, now, why, by);
     }
 
     fn offer_avoiding(

@@ -6,9 +6,19 @@ use std::time::{Instant, SystemTime};
 
 use super::*;
 use crate::policy::{HostKind, ModelSwap, Vram};
-use crate::scheduler::{Offer, SwitchReason};
+use crate::scheduler::{Offer, Requester, SwitchReason, Tier};
 
 const GIB: u64 = 1 << 30;
+
+/// A requester whose switches may drain for a minute.
+fn by() -> Requester {
+    Requester {
+        client: Arc::from("yvonne"),
+        group: None,
+        tier: Tier::Normal,
+        bound: std::time::Duration::from_secs(60),
+    }
+}
 
 fn host(name: &str, slots: u32, installed: &[&str], resident: &[&str]) -> Arc<Host> {
     sized(name, slots, installed, resident, &[])
@@ -123,7 +133,7 @@ fn the_batch_waits_for_the_host_switching_to_its_model_and_no_second_host_switch
     assert_eq!(host, "two");
     // c is busy on two meanwhile, so two's switch to b drains.
     let _c = run(router.offer(Some("c"), Strategy::ModelAware, now));
-    router.switch("two", "b", now, SwitchReason::Bound);
+    router.switch("two", "b", now, SwitchReason::Bound, by());
     // one has a free slot? No: a runs there. Its b would need a switch too, but the batch
     // waits for two's switch.
     let offer = router.offer(Some("b"), Strategy::ModelAware, now);
@@ -165,7 +175,7 @@ fn a_request_that_failed_over_is_counted_on_its_new_host_only() {
         .unwrap();
     router.released(&from, "a", now);
     // The host it left has nothing in flight: a switch there drains at once.
-    router.switch(&from, "b", now, SwitchReason::Bound);
+    router.switch(&from, "b", now, SwitchReason::Bound, by());
     assert!(matches!(
         router.offer(Some("b"), Strategy::ModelAware, now),
         Offer::Run(_)
@@ -181,8 +191,8 @@ fn a_host_being_switched_away_from_a_model_gets_no_failover_for_it() {
         host("two", 2, &["a", "b"], &["a"]),
     ]);
     let _running = run(router.offer(Some("a"), Strategy::ModelAware, now));
-    router.switch("two", "b", now, SwitchReason::Bound);
-    router.switch("one", "b", now, SwitchReason::Bound);
+    router.switch("two", "b", now, SwitchReason::Bound, by());
+    router.switch("one", "b", now, SwitchReason::Bound, by());
     // Both hosts drain a for b: a request for a failing over finds no host for it.
     assert!(
         router

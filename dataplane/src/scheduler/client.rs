@@ -57,6 +57,8 @@ pub struct ClientStat {
     pub rejected: u64,
     /// The client's decayed GPU time divided by everyone's: its recent share of the GPU, `0..=1`.
     pub recent_share: f64,
+    /// Drain time of the model switches its requests caused, charged to it.
+    pub switch_charged: Duration,
 }
 
 #[derive(Debug)]
@@ -77,6 +79,8 @@ pub(super) struct ClientState {
     pub(super) mean_cost: CostMean,
     /// Last time a ticket of the client was admitted, dispatched or completed.
     pub(super) last_active: Option<Instant>,
+    /// Drain time of the model switches it caused ([`ClientStat::switch_charged`]).
+    pub(super) switch_charged: Duration,
 }
 
 impl ClientState {
@@ -93,6 +97,7 @@ impl ClientState {
             usage: Decayed::default(),
             mean_cost: CostMean::default(),
             last_active: now,
+            switch_charged: Duration::ZERO,
         }
     }
 

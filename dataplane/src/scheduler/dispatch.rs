@@ -189,7 +189,17 @@ impl<T> Scheduler<T> {
                     let since = self.hold(head, name, &need.host, now);
                     match self.verdict(tier, since, need, now) {
                         Verdict::Switch(why) => {
-                            placer.switch(&need.host, name, now, why);
+                            let bound = self.swap.max_defer[tier.index()];
+                            // Cannot fail: the entry was looked up just above.
+                            if let Some(entry) = self.waiting.get(&head) {
+                                let by = super::Requester {
+                                    client: entry.client.clone(),
+                                    group: entry.group.clone(),
+                                    tier,
+                                    bound,
+                                };
+                                placer.switch(&need.host, name, now, why, by);
+                            }
                             offer = placer.offer(Some(name), now);
                         }
                         Verdict::Hold(wake) => {

@@ -137,6 +137,11 @@ impl Flow {
         self.since = Some(now);
     }
 
+    /// Charges `normalised_cost` outside any request (a switch's drain).
+    pub(super) fn add(&mut self, normalised_cost: f64) {
+        self.finish += normalised_cost;
+    }
+
     /// A request completed; `normalised_correction` is (actual − estimate) / weight.
     pub(super) fn complete(&mut self, normalised_correction: f64) {
         self.finish += normalised_correction;

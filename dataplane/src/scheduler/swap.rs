@@ -74,15 +74,35 @@ pub struct Cold {
     pub settled_at: Option<Instant>,
     /// A switch is under way there (or holding is off for it): hold, start no other.
     pub switching: bool,
+    /// When the switch under way is given up if the old model's requests have not finished.
+    pub drain_until: Option<Instant>,
+    /// When a switch was last given up there: a held ticket's `max_defer` restarts then, so
+    /// that the host is not stopped again at once for the same long request.
+    pub gave_up_at: Option<Instant>,
+}
+
+/// The client whose held request caused a switch: the switch's drain lasts at most `bound`
+/// (its tier's `max_defer`), and the time it stops the old model's work is charged to it
+/// ([`Scheduler::charge_switch`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Requester {
+    /// The client.
+    pub client: Arc<str>,
+    /// The app it is a user of, if any (its group is charged too).
+    pub group: Option<Arc<str>>,
+    /// The tier of its request.
+    pub tier: Tier,
+    /// How long the switch may wait for the old model's requests.
+    pub bound: Duration,
 }
 
 /// Placement as the swap rule uses it.
 pub trait Placer<P> {
     /// Whether a ticket for `model` can run now, and where.
     fn offer(&mut self, model: Option<&str>, now: Instant) -> Offer<P>;
-    /// Starts switching `host` to `model` (the switch is under way until the model's first
-    /// dispatch there).
-    fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason);
+    /// Starts switching `host` to `model` for `by` (the switch is under way until the model's
+    /// first dispatch there, or until it is given up at `by.bound`).
+    fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason, by: Requester);
     /// Whether a ticket for `model` that must not go to the hosts `avoid` (those it failed on)
     /// can run now on another host, without a switch; a placer that knows no hosts ignores
     /// `avoid`.
@@ -111,7 +131,7 @@ impl<P, F: FnMut(Option<&str>) -> Option<P>> Placer<P> for Slots<F> {
         }
     }
 
-    fn switch(&mut self, _: &str, _: &str, _: Instant, _: SwitchReason) {}
+    fn switch(&mut self, _: &str, _: &str, _: Instant, _: SwitchReason, _: Requester) {}
 }
 
 /// A held ticket.
@@ -197,9 +217,42 @@ impl<T> Scheduler<T> {
             .unwrap_or(now)
     }
 
+    /// The drain time of a switch `by` caused, charged to its fair share as slot time (and to
+    /// its recent usage): the others' work it stopped. A client no longer known is not charged.
+    pub fn charge_switch(&mut self, by: &Requester, drained: Duration, now: Instant) {
+        self.observe(now);
+        let secs = drained.as_secs_f64();
+        let half_life = self.limits.half_life;
+        let index = by.tier.index();
+        let app_weight = by.group.as_ref().map(|app| {
+            self.clients
+                .get(app)
+                .map_or(1.0, |client| client.limits.weight)
+        });
+        let Some(client) = self.clients.get_mut(&by.client) else {
+            return;
+        };
+        // Inside an app its users share equally; the app's weight is the group's.
+        let weight = if app_weight.is_some() {
+            1.0
+        } else {
+            client.limits.weight
+        };
+        client.usage.add(now, half_life, secs);
+        client.flows[index].add(secs / weight);
+        client.switch_charged += drained;
+        if let (Some(app), Some(app_weight)) = (&by.group, app_weight)
+            && let Some(group) = self.groups.get_mut(app)
+        {
+            group.flows[index].add(secs / app_weight);
+        }
+    }
+
     /// The rule for a ticket of `tier`, first held at `since`, whose model needs `cold`.
     pub(super) fn verdict(&self, tier: Tier, since: Instant, cold: &Cold, now: Instant) -> Verdict {
         let bound = self.swap.max_defer[tier.index()];
+        // After a switch given up, the bound counts from then.
+        let since = cold.gave_up_at.map_or(since, |at| since.max(at));
         let due_at = since.checked_add(bound);
         let due = due_at.is_none_or(|at| now >= at);
         let idle_at = cold
@@ -209,7 +262,7 @@ impl<T> Scheduler<T> {
         let stay_end = cold.settled_at.and_then(|at| at.checked_add(bound));
         let stayed = stay_end.is_none_or(|at| now >= at);
         if cold.switching {
-            return Verdict::Hold(None);
+            return Verdict::Hold(cold.drain_until);
         }
         if idle {
             return Verdict::Switch(SwitchReason::Idle);

@@ -972,3 +972,68 @@ fn a_requeued_ticket_waits_again_at_its_place_holding_nothing() {
             .is_err()
     );
 }
+
+#[test]
+fn after_a_switch_given_up_a_held_ticket_waits_a_full_max_defer_again() {
+    let mut scheduler: Scheduler<()> = Scheduler::new(Limits::default());
+    scheduler.set_swap(SwapRule {
+        enabled: true,
+        ..SwapRule::default()
+    });
+    let t0 = Instant::now();
+    let bound = scheduler.swap().max_defer[Tier::Normal.index()];
+    let gave_up = t0 + 2 * bound;
+    let cold = Cold {
+        host: Arc::from("gpu"),
+        idle_since: None,
+        settled_at: None,
+        switching: false,
+        drain_until: None,
+        gave_up_at: Some(gave_up),
+    };
+    // Held since t0, long past its bound: without the give-up it would switch at once.
+    assert!(matches!(
+        scheduler.verdict(Tier::Normal, t0, &cold, gave_up),
+        swap::Verdict::Hold(Some(at)) if at == gave_up + bound
+    ));
+    assert!(matches!(
+        scheduler.verdict(Tier::Normal, t0, &cold, gave_up + bound),
+        swap::Verdict::Switch(SwitchReason::Bound)
+    ));
+    // While a switch drains, the scheduler looks again at its bound.
+    let draining = Cold {
+        switching: true,
+        drain_until: Some(gave_up + bound),
+        ..cold
+    };
+    assert!(matches!(
+        scheduler.verdict(Tier::Normal, t0, &draining, gave_up),
+        swap::Verdict::Hold(Some(at)) if at == gave_up + bound
+    ));
+}
+
+#[test]
+fn a_switch_drain_charged_to_its_requester_puts_it_behind_the_others() {
+    let mut scheduler: Scheduler<()> = Scheduler::new(Limits::default());
+    let now = Instant::now();
+    for client in ["xavier", "yvonne"] {
+        scheduler.set_client(client, ClientLimits::default());
+    }
+    let by = Requester {
+        client: Arc::from("yvonne"),
+        group: None,
+        tier: Tier::Normal,
+        bound: Duration::from_secs(5),
+    };
+    scheduler.charge_switch(&by, Duration::from_secs(3), now);
+    let charged: HashMap<Arc<str>, Duration> = scheduler
+        .client_stats()
+        .map(|stat| (stat.client, stat.switch_charged))
+        .collect();
+    assert_eq!(charged[&Arc::from("yvonne")], Duration::from_secs(3));
+    assert_eq!(charged[&Arc::from("xavier")], Duration::ZERO);
+    let finish = |scheduler: &Scheduler<()>, name: &str| {
+        scheduler.clients[name].flows[Tier::Normal.index()].finish()
+    };
+    assert!((finish(&scheduler, "yvonne") - finish(&scheduler, "xavier") - 3.0).abs() < 1e-9);
+}

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::{Fit, HostVram};
 use crate::scheduler::{
-    Limits, Offer, Placer, Scheduler, SwapRule, SwitchReason, Ticket, TicketId, Tier,
+    Limits, Offer, Placer, Requester, Scheduler, SwapRule, SwitchReason, Ticket, TicketId, Tier,
 };
 
 const GIB: u64 = 1 << 30;
@@ -79,8 +79,8 @@ impl Placer<Slot> for Gpu {
         Offer::Run(Slot { loads })
     }
 
-    fn switch(&mut self, _host: &str, model: &str, now: Instant, why: SwitchReason) {
-        self.vram.begin_switch(model, false);
+    fn switch(&mut self, _host: &str, model: &str, now: Instant, why: SwitchReason, by: Requester) {
+        self.vram.begin_switch(model, false, Some(by), now);
         self.switches.push((now, model.to_owned(), why));
     }
 }

@@ -115,7 +115,10 @@ fn a_switch_stops_new_work_for_its_victims_and_waits_for_their_requests() {
     let wall = SystemTime::now();
     let mut vram = HostVram::new(&host(Some(10 * GIB), &[("a", 6 * GIB)], wall), now);
     assert!(!vram.dispatched("a", now, wall), "resident: no load");
-    assert_eq!(vram.begin_switch("b", false), vec!["a".to_owned()]);
+    assert_eq!(
+        vram.begin_switch("b", false, None, now),
+        vec!["a".to_owned()]
+    );
     assert_eq!(
         vram.fit("a", now),
         Fit::Blocked,
@@ -142,6 +145,45 @@ fn a_switch_stops_new_work_for_its_victims_and_waits_for_their_requests() {
 }
 
 #[test]
+fn a_switch_still_draining_at_its_requesters_bound_is_given_up_and_charged_to_it() {
+    let now = Instant::now();
+    let wall = SystemTime::now();
+    let mut vram = HostVram::new(&host(Some(10 * GIB), &[("a", 6 * GIB)], wall), now);
+    vram.dispatched("a", now, wall);
+    let by = crate::scheduler::Requester {
+        client: Arc::from("yvonne"),
+        group: None,
+        tier: crate::scheduler::Tier::Normal,
+        bound: Duration::from_secs(5),
+    };
+    vram.begin_switch("b", false, Some(by.clone()), now);
+    let early = now + Duration::from_secs(4);
+    assert_eq!(vram.fit("a", early), Fit::Blocked);
+    assert_eq!(vram.cold(early).drain_until, Some(now + by.bound));
+    assert!(
+        vram.take_charges().is_empty(),
+        "nothing charged while it drains"
+    );
+    // The bound: a's long request still runs; the switch is given up and a takes work again.
+    let bound = now + by.bound;
+    assert_eq!(vram.fit("a", bound), Fit::Resident);
+    assert_eq!(vram.fit("b", bound), Fit::Switch);
+    assert_eq!(vram.switching_to(), None);
+    let cold = vram.cold(bound);
+    assert!(!cold.switching);
+    assert_eq!(cold.gave_up_at, Some(bound));
+    assert_eq!(vram.stat(bound).given_up, 1);
+    assert_eq!(vram.take_charges(), vec![(by.clone(), by.bound)]);
+    // A switch that drains in time is charged its drain, once.
+    vram.begin_switch("b", false, Some(by.clone()), bound);
+    let later = bound + Duration::from_secs(2);
+    vram.completed("a", None, later);
+    assert_eq!(vram.fit("b", later), Fit::Room);
+    assert_eq!(vram.fit("b", later), Fit::Room);
+    assert_eq!(vram.take_charges(), vec![(by, Duration::from_secs(2))]);
+}
+
+#[test]
 fn victims_are_the_least_recently_used_models_until_the_new_one_fits() {
     let now = Instant::now();
     let wall = SystemTime::now();
@@ -154,7 +196,10 @@ fn victims_are_the_least_recently_used_models_until_the_new_one_fits() {
     vram.dispatched("c", now + Duration::from_secs(1), wall);
     vram.completed("c", None, now + Duration::from_secs(1));
     // b (6 GiB) needs a out (a was used longer ago); c (3 GiB) may stay.
-    assert_eq!(vram.begin_switch("b", false), vec!["a".to_owned()]);
+    assert_eq!(
+        vram.begin_switch("b", false, None, now),
+        vec!["a".to_owned()]
+    );
     assert_eq!(vram.fit("c", now), Fit::Resident);
 }
 
@@ -163,7 +208,7 @@ fn with_explicit_unloads_the_switch_waits_for_the_unload_answers() {
     let now = Instant::now();
     let wall = SystemTime::now();
     let mut vram = HostVram::new(&host(Some(10 * GIB), &[("a", 6 * GIB)], wall), now);
-    vram.begin_switch("b", true);
+    vram.begin_switch("b", true, None, now);
     assert_eq!(vram.fit("b", now), Fit::Blocked);
     assert_eq!(vram.take_unloads(), vec!["a".to_owned()]);
     assert!(vram.take_unloads().is_empty(), "once");
@@ -179,8 +224,8 @@ fn an_aborted_switch_gives_the_victims_back() {
         &host(Some(10 * GIB), &[("a", 6 * GIB)], SystemTime::now()),
         now,
     );
-    vram.begin_switch("b", false);
-    assert_eq!(vram.abort_switch().as_deref(), Some("b"));
+    vram.begin_switch("b", false, None, now);
+    assert_eq!(vram.abort_switch(now).as_deref(), Some("b"));
     assert_eq!(vram.fit("a", now), Fit::Resident);
 }
 
@@ -189,7 +234,7 @@ fn a_poll_that_may_predate_the_data_planes_own_change_is_not_applied() {
     let now = Instant::now();
     let t0 = SystemTime::now();
     let mut vram = HostVram::new(&host(Some(10 * GIB), &[("a", 6 * GIB)], t0), now);
-    vram.begin_switch("b", false);
+    vram.begin_switch("b", false, None, now);
     vram.fit("b", now);
     vram.dispatched("b", now, t0 + Duration::from_secs(10));
     // Polled a second later than the change, but within the margin: may still show a.

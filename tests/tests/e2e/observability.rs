@@ -319,6 +319,7 @@ async fn status_and_summary_count_traffic_overflow_and_expiry() {
         json!({
             "description": "Status widget", "processed": 0, "rejected": 0, "waiting": 0,
             "inflight": 0, "max_concurrent": 0, "weight": 1.0, "recent_share": 0.0,
+            "switch_charged_seconds": 0.0,
             "max_priority": "normal", "scope": "read",
             "usage_today": {
                 "gpu_seconds": 0.0, "prompt_tokens": 0, "completion_tokens": 0,

@@ -566,3 +566,77 @@ async fn a_switch_whose_requests_all_left_gives_the_old_model_back_at_once() {
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_switch_waits_for_a_long_request_at_most_max_defer_and_its_requester_pays_the_wait() {
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder()
+        .model("alpha")
+        .model("beta")
+        .slots(2)
+        .vram(10 * GIB)
+        .model_size("alpha", 8 * GIB)
+        .model_size("beta", 8 * GIB)
+        .load_time(LOAD)
+        .latency(SERVICE)
+        .spawn()
+        .await;
+    let handle = fake.handle();
+    let yaml = config(&fake.url(), true)
+        .replace("max_concurrent: 1\n", "max_concurrent: 2\n")
+        .replace(
+            "      client_id: yvonne\n",
+            "      client_id: yvonne\n    - key: \"sk-zoe-0123456789ab\"\n      client_id: zoe\n",
+        );
+    let stack = Stack::start(&yaml).await;
+    warm_up(&stack).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    let send = |model: &'static str, key: &'static str| {
+        tokio::spawn(generate(stack.url(), model, Some(key)))
+    };
+    // xavier's long request for alpha is in flight and stays there.
+    handle.hold();
+    let long = send("alpha", "sk-xavier-0123456789");
+    handle.wait_in_flight(1).await;
+    // yvonne's beta is held, then its switch begins and stops new work for alpha.
+    let beta = send("beta", "sk-yvonne-0123456789");
+    let switching = eventually(Duration::from_secs(10), || {
+        dispatcher.swap_stats()[0].switching_to.as_deref() == Some("beta:latest")
+    })
+    .await;
+    assert!(switching, "{:?}", dispatcher.swap_stats());
+    let began = Instant::now();
+    // zoe's alpha waits for the switch, but not for xavier's request: at yvonne's max_defer
+    // the switch is given up and alpha takes work again, the long request still running.
+    let other = send("alpha", "sk-zoe-0123456789ab");
+    tokio::time::timeout(Duration::from_secs(15), handle.wait_in_flight(2))
+        .await
+        .expect("zoe's request waited for the long request to end");
+    let waited = began.elapsed();
+    assert!(waited >= MAX_DEFER / 2, "{waited:?}");
+    assert!(dispatcher.swap_stats()[0].given_up >= 1);
+    // The wait is yvonne's to pay, no one else's.
+    let status = HttpClient::new()
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", "Bearer sk-xavier-0123456789")],
+        )
+        .await
+        .json();
+    let charged = |client: &str| status["clients"][client]["switch_charged_seconds"].as_f64();
+    let yvonne = charged("yvonne").unwrap_or(0.0);
+    assert!(yvonne >= MAX_DEFER.as_secs_f64(), "{status}");
+    assert_eq!(charged("xavier"), Some(0.0), "{status}");
+    assert_eq!(charged("zoe"), Some(0.0), "{status}");
+    assert!(
+        status["hosts"][0]["vram"]["switches_given_up"].as_u64() >= Some(1),
+        "{status}"
+    );
+    // Once the long request ends, beta gets its turn.
+    handle.release_all();
+    for task in [long, other, beta] {
+        let reply = task.await.unwrap();
+        assert!(reply.status.is_success(), "{}", reply.text());
+    }
+    stack.shutdown().await;
+}
