@@ -44,17 +44,6 @@ pub struct Inventory {
     pub shown: Vec<crate::poller::Shown>,
 }
 
-/// A model name as Ollama compares names: lowercase, `:latest` when it has no tag.
-pub fn normalize_model(name: &str) -> String {
-    let lower = name.trim().to_ascii_lowercase();
-    let last_segment = lower.rsplit('/').next().unwrap_or(&lower);
-    if last_segment.contains(':') {
-        lower
-    } else {
-        format!("{lower}:latest")
-    }
-}
-
 /// Builds the snapshot for `version`.
 pub fn snapshot(
     config: &Config,

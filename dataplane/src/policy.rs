@@ -246,6 +246,18 @@ pub enum UserSource {
     BodyField(Vec<String>),
 }
 
+/// A glob (`*`, `?`) over model names as Ollama compares them: any case, and a pattern without
+/// wildcards and without a tag means its `:latest`, as a name would.
+pub fn model_pattern(pattern: &str) -> wildmatch::WildMatch {
+    let pattern = pattern.trim();
+    let text = if pattern.contains(['*', '?']) {
+        pattern.to_ascii_lowercase()
+    } else {
+        normalize_model(pattern)
+    };
+    wildmatch::WildMatch::new(&text)
+}
+
 /// The models a key may use (`auth.keys[].models`): globs (`*`, `?`) over model names as
 /// Ollama compares them: any case, and a name without a tag is `:latest`.
 #[derive(Clone)]
@@ -267,16 +279,7 @@ impl ModelAllowlist {
     pub fn new(patterns: &[String]) -> Self {
         let compiled = patterns
             .iter()
-            .map(|pattern| {
-                let pattern = pattern.trim();
-                let wild = pattern.contains(['*', '?']);
-                let text = if wild {
-                    pattern.to_ascii_lowercase()
-                } else {
-                    normalize_model(pattern)
-                };
-                wildmatch::WildMatch::new(&text)
-            })
+            .map(|pattern| model_pattern(pattern))
             .collect();
         Self {
             patterns: compiled,

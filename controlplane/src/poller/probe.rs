@@ -63,7 +63,7 @@ impl Observation {
                 .iter()
                 .filter_map(|seen| {
                     let reason = seen.forced.clone()?;
-                    Some((crate::compile::normalize_model(&seen.model), reason))
+                    Some((oqp_dataplane::policy::normalize_model(&seen.model), reason))
                 })
                 .collect(),
             shown,

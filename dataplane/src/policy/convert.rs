@@ -587,15 +587,7 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
             overrides: host
                 .runner_slots
                 .iter()
-                .map(|slots| {
-                    let pattern = slots.pattern.trim();
-                    let text = if pattern.contains(['*', '?']) {
-                        pattern.to_ascii_lowercase()
-                    } else {
-                        normalize_model(pattern)
-                    };
-                    (wildmatch::WildMatch::new(&text), slots.num_parallel.max(1))
-                })
+                .map(|slots| (model_pattern(&slots.pattern), slots.num_parallel.max(1)))
                 .collect(),
             forced: host
                 .forced_runners

@@ -134,35 +134,15 @@ impl<T> Scheduler<T> {
                     continue;
                 };
                 let model = entry.model.clone();
-                if !entry.avoid.is_empty() {
-                    // Put back after failing on its hosts: only another host, as it is now.
-                    let avoid = entry.avoid.clone();
-                    if let Offer::Run(placement) =
-                        placer.offer_avoiding(model.as_deref(), &avoid, now)
-                        && let Some(entry) = self.take(head, now)
+                // Put back after failing on its hosts: only another host, as it is now.
+                let avoiding = !entry.avoid.is_empty();
+                if avoiding {
+                    if let Some(dispatch) =
+                        self.run_avoiding(head, (start, member_start), placer, now)
                     {
-                        return Some(self.start(
-                            head,
-                            entry,
-                            (start, member_start),
-                            placement,
-                            now,
-                        ));
-                    }
-                    if let Some(dispatch) = self.behind(
-                        head,
-                        tier,
-                        (start, member_start),
-                        &mut refused,
-                        &cold,
-                        placer,
-                        now,
-                    ) {
                         return Some(dispatch);
                     }
-                    continue;
-                }
-                if let Some(model) = &model
+                } else if let Some(model) = &model
                     && let Some((_, host)) = cold.iter().find(|(m, _)| m == model)
                 {
                     // Held for the same switch as a fairer ticket.
@@ -170,7 +150,7 @@ impl<T> Scheduler<T> {
                     self.hold(head, &model, &host, now);
                     continue;
                 }
-                if refused.contains(&model) {
+                if avoiding || refused.contains(&model) {
                     if let Some(dispatch) = self.behind(
                         head,
                         tier,
@@ -289,11 +269,8 @@ impl<T> Scheduler<T> {
                 continue;
             }
             if !entry.avoid.is_empty() {
-                let avoid = entry.avoid.clone();
-                if let Offer::Run(placement) = placer.offer_avoiding(model.as_deref(), &avoid, now)
-                {
-                    let entry = self.take(ticket, now)?;
-                    return Some(self.start(ticket, entry, tags, placement, now));
+                if let Some(dispatch) = self.run_avoiding(ticket, tags, placer, now) {
+                    return Some(dispatch);
                 }
                 continue;
             }
@@ -307,6 +284,24 @@ impl<T> Scheduler<T> {
             }
         }
         None
+    }
+
+    /// Dispatches `ticket`, which was put back after failing on its hosts, if a host it has
+    /// not failed on can take it now without a switch.
+    fn run_avoiding<P>(
+        &mut self,
+        ticket: TicketId,
+        tags: (f64, f64),
+        placer: &mut impl Placer<P>,
+        now: Instant,
+    ) -> Option<Dispatch<T, P>> {
+        let entry = self.waiting.get(&ticket)?;
+        let (model, avoid) = (entry.model.clone(), entry.avoid.clone());
+        let Offer::Run(placement) = placer.offer_avoiding(model.as_deref(), &avoid, now) else {
+            return None;
+        };
+        let entry = self.take(ticket, now)?;
+        Some(self.start(ticket, entry, tags, placement, now))
     }
 
     /// A dispatched request finished: releases its client's in-flight count and charges `cost`

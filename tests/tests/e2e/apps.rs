@@ -4,14 +4,12 @@
 //! `<client_id>/<user>`, sharing the app's place in the queue fairly, each with its own cap and
 //! budget, while the app as a whole keeps only its own share.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use oqp_dataplane::dispatch::Dispatcher;
-use oqp_tests::client::{HttpClient, Reply, eventually};
+use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::{FakeOllama, USAGE_HEADER};
 use oqp_tests::harness::Stack;
 use serde_json::{Value, json};
+
+use crate::support::{dispatcher, wait_depth};
 
 const STUDENTS: &str = "sk-students-0123456789";
 const OPEN: &str = "sk-open-0123456789";
@@ -59,18 +57,6 @@ auth:
       client_id: batch
 "#
     )
-}
-
-fn dispatcher(stack: &Stack) -> Arc<Dispatcher> {
-    stack.control.dataplane().unwrap().app().dispatcher.clone()
-}
-
-async fn wait_depth(dispatcher: &Dispatcher, depth: u32) {
-    assert!(
-        eventually(Duration::from_secs(5), || dispatcher.total_depth() == depth).await,
-        "queue depth never reached {depth} (is {})",
-        dispatcher.total_depth()
-    );
 }
 
 async fn post(base: &str, path: &str, key: &str, extra: &[(&str, &str)], body: &Value) -> Reply {

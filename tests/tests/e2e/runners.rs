@@ -5,14 +5,12 @@
 //! never in Ollama's FIFO; an idle runner is used while another's queue waits; and a request
 //! failing over waits holding nothing.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use oqp_dataplane::dispatch::Dispatcher;
-use oqp_tests::client::{HttpClient, Reply, eventually};
+use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::{Failure, FakeOllama};
 use oqp_tests::harness::Stack;
 use serde_json::{Value, json};
+
+use crate::support::{dispatcher, wait_depth};
 
 const CHAT: &str = "sk-chat-0123456789";
 const BATCH: &str = "sk-batch-0123456789";
@@ -54,18 +52,6 @@ fn host(url: &str, name: &str, max_concurrent: u32, num_parallel: u32) -> String
     format!(
         "    - url: \"{url}\"\n      name: {name}\n      max_concurrent: {max_concurrent}\n      num_parallel: {num_parallel}\n"
     )
-}
-
-fn dispatcher(stack: &Stack) -> Arc<Dispatcher> {
-    stack.control.dataplane().unwrap().app().dispatcher.clone()
-}
-
-async fn wait_depth(dispatcher: &Dispatcher, depth: u32) {
-    assert!(
-        eventually(Duration::from_secs(5), || dispatcher.total_depth() == depth).await,
-        "queue depth never reached {depth} (is {})",
-        dispatcher.total_depth()
-    );
 }
 
 fn spawn(

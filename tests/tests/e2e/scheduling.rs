@@ -2,14 +2,14 @@
 //! through the real planes against a fake Ollama with limited slots.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use oqp_dataplane::dispatch::Dispatcher;
 use oqp_tests::client::{HttpClient, Reply, eventually};
 use oqp_tests::fake::FakeOllama;
 use oqp_tests::harness::Stack;
 use serde_json::json;
+
+use crate::support::{dispatcher, wait_depth};
 
 fn config(url: &str, slots: u32, queue: &str) -> String {
     format!(
@@ -61,18 +61,6 @@ fn spawn_request(
         )
         .await
     })
-}
-
-fn dispatcher(stack: &Stack) -> Arc<Dispatcher> {
-    stack.control.dataplane().unwrap().app().dispatcher.clone()
-}
-
-async fn wait_depth(dispatcher: &Dispatcher, depth: u32) {
-    assert!(
-        eventually(Duration::from_secs(5), || dispatcher.total_depth() == depth).await,
-        "queue depth never reached {depth} (is {})",
-        dispatcher.total_depth()
-    );
 }
 
 #[tokio::test]

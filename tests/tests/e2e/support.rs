@@ -17,6 +17,21 @@ use tokio::task::JoinHandle;
 /// fairness index, a wait percentile): the suites share one test binary, so
 /// without it a load test could run beside a timing test on this machine's
 /// two cores. Light tests run beside anything.
+/// The in-process data plane's dispatcher of a single-box stack.
+pub fn dispatcher(stack: &oqp_tests::harness::Stack) -> Arc<oqp_dataplane::dispatch::Dispatcher> {
+    stack.control.dataplane().unwrap().app().dispatcher.clone()
+}
+
+/// Waits (bounded) until `depth` requests wait in `dispatcher`'s queue, all tiers.
+pub async fn wait_depth(dispatcher: &oqp_dataplane::dispatch::Dispatcher, depth: u32) {
+    assert!(
+        oqp_tests::client::eventually(Duration::from_secs(5), || dispatcher.total_depth() == depth)
+            .await,
+        "queue depth never reached {depth} (is {})",
+        dispatcher.total_depth()
+    );
+}
+
 pub async fn exclusive() -> tokio::sync::MutexGuard<'static, ()> {
     static EXCLUSIVE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     EXCLUSIVE.lock().await
