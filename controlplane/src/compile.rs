@@ -202,6 +202,20 @@ pub fn snapshot(
             .to_owned(),
             fallback: "any_healthy".to_owned(),
             acquire_timeout_ms: millis(config.routing.acquire_timeout),
+            affinity: Some(wire::AffinitySettings {
+                enabled: config.routing.affinity.enabled,
+                session_header: config
+                    .routing
+                    .affinity
+                    .session_header
+                    .clone()
+                    .unwrap_or_default(),
+                epsilon: config.routing.affinity.epsilon,
+                share_across_keys: config.routing.affinity.share_across_keys,
+                ram_cache_per_runner: config.routing.affinity.ram_cache_per_runner,
+                prefill_ms_per_1k: config.routing.affinity.prefill_ms_per_1k,
+                max_conversations: config.routing.affinity.max_conversations,
+            }),
         }),
         keep_alive: Some(wire::KeepAliveSettings {
             default_json: config.keep_alive.default_json.clone(),

@@ -43,11 +43,11 @@ pub use error::ConfigError;
 pub use keys::check_model_pattern;
 pub use secret::Secret;
 pub use types::{
-    AuthConfig, Budget, BudgetWindow, CacheBackend, ClientInjectionConfig, CloudKey, Config,
-    ControlPlaneConfig, DashboardConfig, EmbeddingCacheConfig, FairShareConfig, HostConfig,
-    InjectionListener, KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig, NodeOverride,
-    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
-    UserSource, UsersConfig, WebhooksConfig,
+    AffinityConfig, AuthConfig, Budget, BudgetWindow, CacheBackend, ClientInjectionConfig,
+    CloudKey, Config, ControlPlaneConfig, DashboardConfig, EmbeddingCacheConfig, FairShareConfig,
+    HostConfig, InjectionListener, KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig,
+    NodeOverride, OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig,
+    TierConfig, TlsConfig, UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

@@ -102,6 +102,8 @@ pub struct Lease {
     started: Instant,
     cost: Option<Duration>,
     load: Option<Duration>,
+    /// Its prompt's prefill time per token, when nothing of it was cached.
+    prefill: Option<f64>,
     /// Whether its client was identified, for a ticket that waits again.
     verified: bool,
     /// Its ticket went back to the queue: dropping it completes nothing.
@@ -146,6 +148,8 @@ pub struct Request {
     pub bytes: u64,
     /// Its model, for placement.
     pub model: Option<Arc<str>>,
+    /// Its conversation, for placement by prompt-cache affinity.
+    pub affinity: Option<Arc<crate::affinity::Chain>>,
     /// Whether `client` was identified by a key or an injection port (not claimed with auth
     /// off): such a request is refused while waiting once its client leaves the snapshot or
     /// its key expires.
@@ -293,6 +297,7 @@ impl Dispatcher {
                 tier,
                 bytes: request.bytes,
                 model: request.model,
+                affinity: request.affinity,
                 payload: Waiter {
                     sender,
                     verified: request.verified,
@@ -376,6 +381,7 @@ impl Dispatcher {
                 ..
             } = &mut *inner;
             let strategy = *strategy;
+            router.begin_pass();
             let mut placing = Placing { router, strategy };
             let Some(dispatch) = scheduler.next_on(now, &mut placing) else {
                 // A switch dropped, or an unload that could not be sent, changes what can run.
@@ -400,6 +406,7 @@ impl Dispatcher {
                     started: now,
                     cost: None,
                     load: None,
+                    prefill: None,
                     verified: dispatch.payload.verified,
                     settled: false,
                 },
@@ -524,6 +531,7 @@ impl Dispatcher {
     /// includes `load`), or its wall time on the slot. With the swap rule on, only the request
     /// whose dispatch started its model's load is charged the load: the others of its batch
     /// waited for the same load, and it is charged once, to the client that caused it.
+    #[allow(clippy::too_many_arguments)]
     fn complete(
         self: &Arc<Self>,
         id: TicketId,
@@ -531,6 +539,8 @@ impl Dispatcher {
         ran: Option<(Arc<str>, bool)>,
         model: Option<&str>,
         load: Option<Duration>,
+        started: Instant,
+        prefill: Option<f64>,
     ) {
         let dropped = {
             let mut inner = self.lock();
@@ -543,12 +553,13 @@ impl Dispatcher {
             }
             if let (Some((host, _)), Some(model)) = (ran, model) {
                 inner.router.completed(&host, model, load, now);
+                inner.router.ended(&host, model, started, prefill, now);
             }
             inner.scheduler.complete(id, cost, now);
             let dropped = self.pump(&mut inner, now);
-            if inner.scheduler.holding() {
-                // A held request may now switch after the idle grace: a deadline the timer
-                // does not know yet.
+            if inner.scheduler.holding() || inner.scheduler.waits_for_host() {
+                // A held request may now switch after the idle grace, or one waiting for its
+                // conversation's host be due elsewhere: deadlines the timer does not know yet.
                 self.timer.notify_one();
             }
             dropped
@@ -576,6 +587,9 @@ impl Dispatcher {
                 Some(next) => {
                     if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
                         inner.router.released(&old, model, now);
+                        inner
+                            .router
+                            .moved(&old, Some(&next.host.name), model, lease.started);
                     }
                     lease.ran = Some((next.host.name.clone(), next.loads));
                     lease.placement.replace(next)
@@ -587,6 +601,19 @@ impl Dispatcher {
         drop(old);
         lease.dispatcher.dispatch_freed();
         true
+    }
+
+    /// Records the answer of a conversation placed at `slot`: its runner now holds `point`,
+    /// the next turn's prefix.
+    pub fn answered(&self, slot: crate::affinity::Slot, point: crate::affinity::Point) {
+        self.lock().router.answered(slot, point);
+    }
+
+    /// Placements so far by affinity outcome ([`crate::affinity::Outcome::ALL`]'s order),
+    /// and the conversations the index holds per runner.
+    pub fn affinity(&self) -> ([u64; 4], Vec<crate::affinity::RunnerWarmth>) {
+        let inner = self.lock();
+        (inner.router.affinity_counts(), inner.router.warmth())
     }
 
     /// Gives a slot freed outside the usual paths (a lease moving to
@@ -619,7 +646,9 @@ impl Dispatcher {
         // The failed host's slot is free for others at once.
         if lease.placement.take().is_some() {
             if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
-                self.lock().router.released(&old, model, Instant::now());
+                let mut inner = self.lock();
+                inner.router.released(&old, model, Instant::now());
+                inner.router.moved(&old, None, model, lease.started);
             }
             this.dispatch_freed();
         }
@@ -884,6 +913,19 @@ impl Lease {
         self.load = load;
     }
 
+    /// How its conversation's prompt cache chose the host, if it has one.
+    pub fn affinity(&self) -> Option<crate::affinity::Verdict> {
+        self.placement
+            .as_ref()
+            .and_then(|placement| placement.affinity)
+    }
+
+    /// Records its prompt's prefill time per token (Ollama's `prompt_eval_duration` over
+    /// `prompt_eval_count`) when nothing of it was cached: the host's rate is learned from it.
+    pub fn set_prefill(&mut self, per_token: Option<f64>) {
+        self.prefill = per_token;
+    }
+
     /// Whether its dispatch started loading its model on its host.
     pub fn loads(&self) -> bool {
         self.ran.as_ref().is_some_and(|(_, loads)| *loads)
@@ -901,6 +943,14 @@ impl Drop for Lease {
         let cost = self.cost.unwrap_or_else(|| self.started.elapsed());
         let dispatcher = self.dispatcher.clone();
         let model = self.model.clone();
-        dispatcher.complete(self.id, cost, ran, model.as_deref(), self.load);
+        dispatcher.complete(
+            self.id,
+            cost,
+            ran,
+            model.as_deref(),
+            self.load,
+            self.started,
+            self.prefill,
+        );
     }
 }

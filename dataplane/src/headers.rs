@@ -12,6 +12,9 @@ pub const CLIENT_ID: HeaderName = HeaderName::from_static("x-client-id");
 pub const QUEUE_WAIT_TIME: HeaderName = HeaderName::from_static("x-queue-wait-time");
 /// `X-Queue-Position`: position at admission, when the request had to wait.
 pub const QUEUE_POSITION: HeaderName = HeaderName::from_static("x-queue-position");
+/// `X-OQP-Affinity`: how the conversation's prompt cache placed the request (`hit`, `miss`,
+/// `spill`, `new`).
+pub const AFFINITY: HeaderName = HeaderName::from_static("x-oqp-affinity");
 /// `X-Failover-Host`: the host that answered.
 pub const FAILOVER_HOST: HeaderName = HeaderName::from_static("x-failover-host");
 /// `X-Failover-Exhausted`: no host could answer.

@@ -24,6 +24,7 @@
 //! The modules import each other top-down (ARCHITECTURE.md, "Module
 //! layers"); `tests/module_graph.rs` fails on a cycle.
 
+pub mod affinity;
 pub mod app;
 pub mod auth;
 pub mod body;

@@ -26,6 +26,7 @@
 //! made up by clients can fill the budget but never push a real model into
 //! [`OTHER`].
 
+use crate::affinity::Outcome;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
@@ -160,6 +161,8 @@ pub struct Metrics {
     cache_errors_seen: std::sync::atomic::AtomicU64,
     cloud_keys_cooling: IntGaugeVec,
     routing_decisions: IntCounterVec,
+    /// `oqp_affinity_total{result}`, one handle per outcome in [`Outcome::ALL`]'s order.
+    affinity: [prometheus::IntCounter; 4],
     model_switches: IntCounterVec,
     model_load_seconds: CounterVec,
     swap_deferral: prometheus::Histogram,
@@ -438,6 +441,14 @@ impl Metrics {
                 "Host choices, by reason",
                 &["reason"],
             ),
+            affinity: {
+                let family = counters(
+                    "oqp_affinity_total",
+                    "Placements of conversations by prompt-cache affinity: hit (placed where its prompt is cached), miss (a follow-up cached nowhere), spill (sent elsewhere: its host was too busy), new (a first turn)",
+                    &["result"],
+                );
+                Outcome::ALL.map(|outcome| family.with_label_values(&[outcome.as_str()]))
+            },
             model_switches: counters(
                 "oqp_model_switches_total",
                 "Switches of a host's VRAM from one model to another decided by the swap rule",
@@ -603,6 +614,12 @@ impl Metrics {
         {
             counter.inc();
         }
+    }
+
+    /// A conversation was placed with `outcome`.
+    pub fn affinity(&self, outcome: Outcome) {
+        let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.affinity[index].inc();
     }
 
     /// A request held back by the swap rule was dispatched after `held`.

@@ -182,6 +182,7 @@ impl Peers {
         policy: &Policy,
         local: (u32, Vec<HostStat>),
         model: Option<&str>,
+        root: Option<u64>,
     ) -> Vec<Target> {
         let loads = self.loads.load();
         let (local_waiting, local_hosts) = local;
@@ -227,7 +228,10 @@ impl Peers {
             .rotation
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        crate::placement::order(&view, model, policy.routing.strategy, &mut rotation)
+        let home = root
+            .filter(|_| policy.routing.affinity.enabled)
+            .map(|root| (root, &*policy.node));
+        crate::placement::order_for(&view, model, policy.routing.strategy, &mut rotation, home)
     }
 
     /// Counts a request on its way to `node` as outstanding until the guard drops.
@@ -403,7 +407,7 @@ mod tests {
     }
 
     fn first(peers: &Peers, policy: &Policy) -> Target {
-        peers.order(policy, (0, Vec::new()), None)[0].clone()
+        peers.order(policy, (0, Vec::new()), None, None)[0].clone()
     }
 
     #[test]

@@ -83,6 +83,21 @@ pub fn order(
     strategy: Strategy,
     rotation: &mut Rotation,
 ) -> Vec<Target> {
+    order_for(view, model, strategy, rotation, None)
+}
+
+/// [`order`] for a conversation: `home` is its root hash and this node's name. Among the
+/// free boxes of the best rank, the one the root hashes highest with (rendezvous hashing) goes
+/// first, so that every turn of a conversation, entering at any data plane, goes to the same
+/// box, whose owner's prefix index then picks the host; a box that is not free is skipped
+/// (the turn spills to the usual order).
+pub fn order_for(
+    view: &View<'_>,
+    model: Option<&str>,
+    strategy: Strategy,
+    rotation: &mut Rotation,
+    home: Option<(u64, &str)>,
+) -> Vec<Target> {
     let any_usable = view.hosts.iter().any(|seen| seen.usable);
     let candidates: Vec<(&Seen<'_>, u8)> = view
         .hosts
@@ -132,6 +147,24 @@ pub fn order(
             .then(b.rank.cmp(&a.rank))
             .then(a.load.total_cmp(&b.load))
     });
+    if let Some((root, local)) = home {
+        let best_rank = boxes.iter().map(|b| b.rank).max().unwrap_or(0);
+        let score = |target: &Target| {
+            let name = match target {
+                Target::Local => local,
+                Target::Peer(node) => node,
+            };
+            xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), root)
+        };
+        if let Some(index) = (0..boxes.len())
+            .filter(|&i| boxes[i].free && boxes[i].rank == best_rank)
+            .max_by_key(|&i| score(&boxes[i].target))
+        {
+            let chosen = boxes.remove(index);
+            boxes.insert(0, chosen);
+            return boxes.into_iter().map(|b| b.target).collect();
+        }
+    }
     // The boxes tied with the best share its turn by weight.
     let tied = boxes
         .iter()

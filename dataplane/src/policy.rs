@@ -604,6 +604,41 @@ pub struct RoutingSettings {
     pub strategy: Strategy,
     /// Cloud pool: longest wait for a model-bound key.
     pub acquire_timeout: Duration,
+    /// Conversation affinity (`routing.affinity`).
+    pub affinity: Affinity,
+}
+
+/// Conversation affinity (`routing.affinity`, see [`crate::affinity`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Affinity {
+    /// Whether the next turn of a conversation is placed where its prompt is cached.
+    pub enabled: bool,
+    /// A trusted header that names the conversation (besides app keys' `session_header`).
+    pub session_header: Option<http::HeaderName>,
+    /// The load bound: no host is chosen for affinity above `(1 + ε) ×` the mean load.
+    pub epsilon: f64,
+    /// Whether one tenant's cached prefix may steer another tenant's request.
+    pub share_across_keys: bool,
+    /// Conversations a runner keeps beyond its slots (llama-server's RAM prompt cache).
+    pub ram_cache_per_runner: u32,
+    /// Prefill time per token before a host's own is learned, in seconds.
+    pub prefill_per_token: f64,
+    /// The most conversations the index holds.
+    pub max_conversations: u32,
+}
+
+impl Default for Affinity {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            session_header: None,
+            epsilon: 0.25,
+            share_across_keys: false,
+            ram_cache_per_runner: 0,
+            prefill_per_token: 0.000_25,
+            max_conversations: 100_000,
+        }
+    }
 }
 
 /// keep_alive defaulting.

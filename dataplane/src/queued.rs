@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 use http::{HeaderValue, Response, header};
 
+use crate::affinity::Chain;
+use crate::affinity::tap::Tapped;
 use crate::auth::Caller;
 use crate::body::Body;
 use crate::cloud::CloudPools;
@@ -95,6 +97,37 @@ pub async fn send_then(
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
+    send_inner(
+        parts, policy, client, tier, model, None, outbound, on_granted,
+    )
+    .await
+}
+
+/// [`send`] for a request whose conversation is `chain`: its host is chosen by where its
+/// prompt is cached ([`crate::affinity`]), its answer recorded as the next turn's prefix.
+pub async fn send_conversation(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    chain: Option<Arc<Chain>>,
+    outbound: Outbound,
+) -> Result<Response<Body>, ProxyError> {
+    send_inner(parts, policy, client, tier, model, chain, outbound, || {}).await
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn send_inner(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    chain: Option<Arc<Chain>>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
+) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
     if parts.accounted {
         parts
@@ -104,11 +137,16 @@ pub async fn send_then(
     match parts.peers {
         Some(peers) if !policy.remote.is_empty() => {
             Box::pin(placed(
-                parts, peers, policy, client, tier, model, outbound, on_granted,
+                parts, peers, policy, client, tier, model, chain, outbound, on_granted,
             ))
             .await
         }
-        _ => local(parts, policy, client, tier, model, outbound, on_granted).await,
+        _ => {
+            local(
+                parts, policy, client, tier, model, chain, outbound, on_granted,
+            )
+            .await
+        }
     }
 }
 
@@ -122,10 +160,16 @@ async fn placed(
     client: Caller,
     tier: Tier,
     model: Option<String>,
+    chain: Option<Arc<Chain>>,
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
-    let order = peers.order(policy, parts.dispatcher.load(), model.as_deref());
+    let order = peers.order(
+        policy,
+        parts.dispatcher.load(),
+        model.as_deref(),
+        chain.as_ref().map(|chain| chain.root),
+    );
     let assertion = Assertion {
         node: policy.node.clone(),
         client: client.id.clone(),
@@ -164,6 +208,7 @@ async fn placed(
                     client.clone(),
                     tier,
                     model.clone(),
+                    chain.clone(),
                     this,
                     granted,
                 )
@@ -193,12 +238,14 @@ async fn placed(
 }
 
 /// Admits a request to this node's queue, waits for its grant and sends it.
+#[allow(clippy::too_many_arguments)]
 async fn local(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
     client: Caller,
     tier: Tier,
     model: Option<String>,
+    chain: Option<Arc<Chain>>,
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
@@ -212,6 +259,7 @@ async fn local(
         tier,
         bytes,
         model: model.map(Arc::from),
+        affinity: chain.clone(),
         verified: client.verified,
     })?;
     let position = pending.position;
@@ -241,7 +289,7 @@ async fn local(
     drop(current);
     on_granted();
     Box::pin(send_granted(
-        parts, policy, &client.id, grant, outbound, position, immediate,
+        parts, policy, &client.id, grant, outbound, position, immediate, chain,
     ))
     .await
 }
@@ -276,6 +324,7 @@ impl Drop for Abandoned {
 
 /// Sends a dispatched request, failing over to another free host before the
 /// first byte, and returns the response with the slot held by its body.
+#[allow(clippy::too_many_arguments)]
 async fn send_granted(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
@@ -284,6 +333,7 @@ async fn send_granted(
     outbound: Outbound,
     position: u32,
     immediate: bool,
+    chain: Option<Arc<Chain>>,
 ) -> Result<Response<Body>, ProxyError> {
     let Grant {
         mut lease,
@@ -297,6 +347,15 @@ async fn send_granted(
     }
     if let Some(reason) = lease.reason() {
         parts.metrics.routing_decision(reason.metric_label());
+    }
+    let verdict = lease.affinity();
+    if let Some(verdict) = &verdict {
+        parts.metrics.affinity(verdict.outcome);
+        tracing::debug!(
+            affinity = verdict.outcome.as_str(),
+            cached_tokens = verdict.cached_tokens,
+            "conversation placed"
+        );
     }
     let wait_header = queue_headers(waited, position, immediate);
     let sent = Instant::now();
@@ -355,6 +414,13 @@ async fn send_granted(
         {
             metrics.model_load(&host.name, model, load);
         }
+        if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
+            && let Some(duration) = outcome.prompt_eval_duration
+            && outcome.tokens.prompt > 0
+        {
+            // Nothing of the prompt was cached: its prefill time is the host's rate.
+            lease.set_prefill(Some(duration.as_secs_f64() / outcome.tokens.prompt as f64));
+        }
         lease.set_cost(outcome.total_duration, outcome.load_duration);
         drop(lease);
     });
@@ -368,7 +434,44 @@ async fn send_granted(
     for (name, value) in wait_header.into_iter().chain(extra_headers) {
         response.headers_mut().insert(name, value);
     }
+    if let Some(verdict) = verdict {
+        response.headers_mut().insert(
+            headers::AFFINITY,
+            HeaderValue::from_static(verdict.outcome.as_str()),
+        );
+        if let (Some(slot), Some(chain)) = (verdict.slot, chain)
+            && response.status().is_success()
+        {
+            response = tap_answer(response, parts.dispatcher.clone(), chain, slot);
+        }
+    }
     Ok(response)
+}
+
+/// Records the answer's text, when the body ends whole, as what the runner now holds.
+fn tap_answer(
+    response: Response<Body>,
+    dispatcher: Arc<Dispatcher>,
+    chain: Arc<Chain>,
+    slot: crate::affinity::Slot,
+) -> Response<Body> {
+    use http_body_util::BodyExt;
+    let (parts, body) = response.into_parts();
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok());
+    let tapped = Tapped::new(
+        body,
+        chain.shape,
+        content_type,
+        Box::new(move |answer| {
+            if let Some(point) = chain.answered(&answer) {
+                dispatcher.answered(slot, point);
+            }
+        }),
+    );
+    Response::from_parts(parts, tapped.boxed())
 }
 
 /// `X-Queue-Wait-Time` (ms from admission to dispatch) and, when the request

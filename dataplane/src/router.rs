@@ -39,6 +39,7 @@
 //! scheduler again. The guard touches only an atomic counter, never the router's lock, so it can
 //! drop anywhere, even while the dispatcher holds the lock.
 
+mod affinity;
 mod model;
 mod slot;
 mod union;
@@ -107,6 +108,8 @@ pub struct Placement {
     pub slot: SlotGuard,
     /// The dispatch starts loading the model on the host (it was not resident).
     pub loads: bool,
+    /// How its conversation's prompt cache decided the host, when it has one.
+    pub affinity: Option<crate::affinity::Verdict>,
 }
 
 /// Routing decisions taken so far, by reason (for `oqp_routing_decisions_total{reason}`).
@@ -164,6 +167,8 @@ pub struct Router {
     swap: ModelSwap,
     /// Switches under way: host → the model as the scheduler named it.
     switching: HashMap<Arc<str>, Arc<str>>,
+    /// Conversation affinity: settings, the prefix index, the outcomes.
+    affinity: affinity::State,
 }
 
 struct HostState {
@@ -264,6 +269,7 @@ impl Router {
     /// Takes in a new snapshot's hosts. See [`update_hosts`](Router::update_hosts).
     pub fn update(&mut self, policy: &Policy) {
         self.set_swap(policy.queue.model_swap);
+        self.set_affinity(&policy.routing.affinity);
         self.update_hosts(&policy.hosts);
     }
 
@@ -311,6 +317,7 @@ impl Router {
             state.active = false;
             self.hosts.push(state);
         }
+        self.forget_unloaded();
     }
 
     /// Chooses a host for a request for `model` and reserves a slot on it; `None` when no
@@ -336,6 +343,8 @@ impl Router {
         if let Some(state) = self.state_mut(host) {
             state.down = true;
         }
+        // Whatever its runners held may be gone with it.
+        self.forget_runner(host, None);
     }
 
     /// Removes `(host, model)` from the routing table after a 404 "model not found", until a
@@ -463,13 +472,25 @@ impl Router {
             }
         }
         let (index, _) = best?;
+        self.hosts.get_mut(index)?.current -= total;
+        let runner = runner.map(str::to_owned);
+        Some(self.reserve_runner(index, reason, runner.as_deref()))
+    }
+
+    /// Reserves a slot on host `index` (and on the model's runner there) for a request
+    /// placed for `reason`, with `model` the model (normalised).
+    fn reserve_runner(
+        &mut self,
+        index: usize,
+        reason: RouteReason,
+        model: Option<&str>,
+    ) -> Placement {
         let on_release = self.on_release.clone();
-        let state = self.hosts.get_mut(index)?;
-        state.current -= total;
+        let state = &mut self.hosts[index];
         state.in_use.fetch_add(1, Ordering::AcqRel);
-        let runner = runner.and_then(|model| state.take_runner_slot(model));
+        let runner = model.and_then(|model| state.take_runner_slot(model));
         self.decisions.count(reason);
-        Some(Placement {
+        Placement {
             host: state.host.clone(),
             reason,
             slot: SlotGuard {
@@ -478,7 +499,8 @@ impl Router {
                 on_release,
             },
             loads: false,
-        })
+            affinity: None,
+        }
     }
 }
 
@@ -512,7 +534,12 @@ impl HostState {
     }
 
     fn has_free_slot(&self) -> bool {
-        self.in_use.load(Ordering::Acquire) < self.host.max_concurrent
+        self.in_use() < self.host.max_concurrent
+    }
+
+    /// Slots reserved on the host now.
+    fn in_use(&self) -> u32 {
+        self.in_use.load(Ordering::Acquire)
     }
 
     /// A free slot on the host and, for a request for `runner` (a normalised model name),

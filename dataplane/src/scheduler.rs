@@ -202,6 +202,9 @@ pub struct Ticket<T> {
     pub bytes: u64,
     /// The model, for placement: `place` is asked whether a host slot is free for it.
     pub model: Option<Arc<str>>,
+    /// Its conversation, for placement by prompt-cache affinity (the host only: never who
+    /// goes next).
+    pub affinity: Option<Arc<crate::affinity::Chain>>,
     /// What the dispatcher hands back on dispatch, expiry, cancellation or flush.
     pub payload: T,
 }
@@ -321,6 +324,8 @@ pub struct Scheduler<T> {
     swap: SwapRule,
     held: HashMap<TicketId, swap::Held>,
     swap_wake: Option<Instant>,
+    /// When a ticket waiting for its conversation's busy host is to be offered again.
+    later_wake: Option<Instant>,
     /// Waiting tickets per model.
     by_model: HashMap<Arc<str>, u32>,
     /// Apps whose users are scheduled in two levels, by the app's client id.
@@ -339,6 +344,7 @@ struct Waiting<T> {
     tier: Tier,
     bytes: u64,
     model: Option<Arc<str>>,
+    affinity: Option<Arc<crate::affinity::Chain>>,
     /// Admission instant, kept across promotions.
     enqueued: Instant,
     /// When it entered its current tier: the start of its `max_wait` and `promote_after` clocks.
@@ -399,6 +405,7 @@ impl<T> Scheduler<T> {
             swap: SwapRule::default(),
             held: HashMap::new(),
             swap_wake: None,
+            later_wake: None,
             by_model: HashMap::new(),
             groups: HashMap::new(),
         }
@@ -500,6 +507,7 @@ impl<T> Scheduler<T> {
                 tier: ticket.tier,
                 bytes: ticket.bytes,
                 model: ticket.model,
+                affinity: ticket.affinity,
                 enqueued: now,
                 entered: now,
                 payload: ticket.payload,
@@ -560,6 +568,8 @@ impl<T> Scheduler<T> {
                 tier: run.tier,
                 bytes: run.was.bytes,
                 model: run.was.model,
+                // Failing over, it goes wherever a slot is free.
+                affinity: None,
                 enqueued: run.was.enqueued,
                 entered: run.was.entered,
                 payload,

@@ -25,6 +25,7 @@ use tracing::Instrument;
 
 use bytes::Bytes;
 
+use crate::affinity;
 use crate::app::App;
 use crate::auth::{self, ANONYMOUS, Identity, ListenerKind};
 use crate::body::{self, Body};
@@ -352,8 +353,11 @@ async fn forward(
     let span = tracing::Span::current();
     span.record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
         .record("tier", tier.as_str());
-    if let Some(session) = session_of(&identity, &parts.headers) {
-        span.record("session", session);
+    let session = session_of(&identity, &parts.headers)
+        .or_else(|| affinity_session(policy, &parts.headers))
+        .map(str::to_owned);
+    if let Some(session) = &session {
+        span.record("session", session.as_str());
     }
     let mut upstream_headers = parts.headers;
     let request_id = upstream_headers.get(headers::REQUEST_ID).cloned();
@@ -424,8 +428,18 @@ async fn forward(
             tracing::warn!("node hop refused: the body is not the one signed");
             return Err(ProxyError::HopUnverified);
         }
+        let chain = conversation(
+            policy,
+            inference,
+            &outbound,
+            &body,
+            &client,
+            model.as_deref(),
+            session.as_deref(),
+        );
         outbound.body = RequestBody::Buffered(body);
-        return queued::send(queue, policy, client, tier, model, outbound).await;
+        return queued::send_conversation(queue, policy, client, tier, model, chain, outbound)
+            .await;
     }
     // A native embed with the cache off is an ordinary inference request:
     // it skips the embedding handler's (large) future.
@@ -453,8 +467,63 @@ async fn forward(
         outbound.body = RequestBody::Buffered(body);
         return embeddings::send_uncached(queue, policy, client, tier, outbound, inputs).await;
     }
+    let chain = conversation(
+        policy,
+        inference,
+        &outbound,
+        &body,
+        &client,
+        model.as_deref(),
+        session.as_deref(),
+    );
     outbound.body = RequestBody::Buffered(body);
-    queued::send(queue, policy, client, tier, model, outbound).await
+    queued::send_conversation(queue, policy, client, tier, model, chain, outbound).await
+}
+
+/// The conversation a chat-shaped request continues, for prompt-cache affinity: scoped to
+/// its caller (key or app user) unless `routing.affinity.share_across_keys`.
+fn conversation(
+    policy: &Policy,
+    inference: Inference,
+    outbound: &Outbound,
+    body: &[u8],
+    client: &auth::Caller,
+    model: Option<&str>,
+    session: Option<&str>,
+) -> Option<Arc<affinity::Chain>> {
+    let settings = &policy.routing.affinity;
+    if !settings.enabled {
+        return None;
+    }
+    let shape = match inference {
+        Inference::Generate => affinity::Shape::OllamaGenerate,
+        Inference::Chat => affinity::Shape::OllamaChat,
+        Inference::OpenAiCompletion if outbound.path_and_query.path() == "/v1/completions" => {
+            affinity::Shape::OpenAiCompletion
+        }
+        Inference::OpenAiCompletion => affinity::Shape::OpenAiChat,
+        Inference::AnthropicMessages => affinity::Shape::Messages,
+        Inference::OpenAiResponses => affinity::Shape::Responses,
+        Inference::Embed | Inference::Embeddings | Inference::OpenAiEmbeddings => return None,
+    };
+    let model = crate::policy::normalize_model(model?);
+    let scope = if settings.share_across_keys {
+        ""
+    } else {
+        &client.id
+    };
+    affinity::Chain::of(shape, body, scope, &model, session).map(Arc::new)
+}
+
+/// The conversation `routing.affinity.session_header` names, if the request sends one (at
+/// most [`auth::MAX_USER_BYTES`] of printable ASCII).
+fn affinity_session<'a>(policy: &Policy, headers: &'a http::HeaderMap) -> Option<&'a str> {
+    let name = policy.routing.affinity.session_header.as_ref()?;
+    let value = headers.get(name)?.to_str().ok()?;
+    (!value.is_empty()
+        && value.len() <= auth::MAX_USER_BYTES
+        && value.bytes().all(|byte| byte.is_ascii_graphic()))
+    .then_some(value)
 }
 
 /// The conversation an app key's request names (`users.session_header`), for the logs: at

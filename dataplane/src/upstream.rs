@@ -194,6 +194,9 @@ pub struct Outcome {
     /// Ollama's `load_duration` from the final object, when it had one: the time the request
     /// waited for its model to load (counted from its arrival at Ollama).
     pub load_duration: Option<Duration>,
+    /// Ollama's `prompt_eval_duration` from the final object, when it had one: the time of
+    /// the prompt's tokens that were not cached.
+    pub prompt_eval_duration: Option<Duration>,
     /// The token counts of the final object, when it had them.
     pub tokens: Tokens,
     /// Time from the response headers to the end of the body.
@@ -384,6 +387,10 @@ impl ResponseBody {
                 total_duration: complete.then(|| total_duration(&self.tail)).flatten(),
                 load_duration: complete
                     .then(|| last_number(&self.tail, b"\"load_duration\":"))
+                    .flatten()
+                    .map(Duration::from_nanos),
+                prompt_eval_duration: complete
+                    .then(|| last_number(&self.tail, b"\"prompt_eval_duration\":"))
                     .flatten()
                     .map(Duration::from_nanos),
                 tokens: if complete {

@@ -37,6 +37,7 @@ mod handle;
 mod models;
 mod native;
 mod openai;
+mod prompt;
 mod record;
 mod routes;
 mod runners;
@@ -57,7 +58,7 @@ pub use builder::FakeBuilder;
 pub use cloud::CloudReply;
 pub use handle::{Failure, FakeHandle};
 pub use record::RecordedRequest;
-pub use runners::RunnerEntry;
+pub use runners::{CacheUse, RunnerEntry};
 pub use stream::USAGE_HEADER;
 
 use server::Server;

@@ -12,15 +12,15 @@ use super::env::Env;
 use super::error::Problems;
 use super::keys;
 use super::net::{self, UrlError};
-use super::scalar::{self, Flag, Int, KeepAliveValue, PerTier, Seconds, Text};
+use super::scalar::{self, Flag, Float, Int, KeepAliveValue, PerTier, Seconds, Text};
 use super::schema::{
-    RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawLogging, RawModelSwap, RawProxy,
-    RawQueue, RawRouting, RawTier, RawWebhooks,
+    RawAffinity, RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawLogging, RawModelSwap,
+    RawProxy, RawQueue, RawRouting, RawTier, RawWebhooks,
 };
 use super::types::{
-    AuthConfig, CacheBackend, DashboardConfig, EmbeddingCacheConfig, FairShareConfig,
-    KeepAliveConfig, LoggingConfig, ModelSwapConfig, ProxyConfig, QueueConfig, RateLimitConfig,
-    RoutingConfig, TierConfig, WebhooksConfig,
+    AffinityConfig, AuthConfig, CacheBackend, DashboardConfig, EmbeddingCacheConfig,
+    FairShareConfig, KeepAliveConfig, LoggingConfig, ModelSwapConfig, ProxyConfig, QueueConfig,
+    RateLimitConfig, RoutingConfig, TierConfig, WebhooksConfig,
 };
 
 /// Runs `check` and returns its value only if it recorded no error.
@@ -646,7 +646,61 @@ pub(crate) fn routing(raw: RawRouting, problems: &mut Problems) -> Option<Routin
             "routing.acquire_timeout",
             problems,
         ),
+        affinity: affinity(raw.affinity, problems),
     })
+}
+
+/// `routing.affinity`.
+fn affinity(raw: RawAffinity, problems: &mut Problems) -> AffinityConfig {
+    let defaults = AffinityConfig::default();
+    let mut number = |value: Option<Float>, default: f64, key: &str, max: f64| match value {
+        None => default,
+        Some(Float(value)) if value.is_finite() && (0.0..=max).contains(&value) => value,
+        Some(Float(value)) => {
+            problems.error(format!(
+                "routing.affinity.{key} must be a number from 0 to {max}, got {value}"
+            ));
+            default
+        }
+    };
+    let epsilon = number(raw.epsilon, defaults.epsilon, "epsilon", 100.0);
+    let prefill_ms_per_1k = number(
+        raw.prefill_ms_per_1k,
+        defaults.prefill_ms_per_1k,
+        "prefill_ms_per_1k",
+        1_000_000.0,
+    );
+    let session_header = raw.session_header.map(|text| text.0.trim().to_owned());
+    if let Some(name) = &session_header
+        && http::HeaderName::from_bytes(name.as_bytes()).is_err()
+    {
+        problems.error(format!(
+            "routing.affinity.session_header '{name}' is not a header name"
+        ));
+    }
+    AffinityConfig {
+        enabled: flag(raw.enabled, defaults.enabled),
+        session_header: session_header.filter(|name| !name.is_empty()),
+        epsilon,
+        share_across_keys: flag(raw.share_across_keys, defaults.share_across_keys),
+        ram_cache_per_runner: ranged(
+            raw.ram_cache_per_runner,
+            defaults.ram_cache_per_runner,
+            0..=1_024,
+            problems,
+            |value| format!("routing.affinity.ram_cache_per_runner must be 0 to 1024, got {value}"),
+        ),
+        prefill_ms_per_1k,
+        max_conversations: ranged(
+            raw.max_conversations,
+            defaults.max_conversations,
+            1..=10_000_000,
+            problems,
+            |value| {
+                format!("routing.affinity.max_conversations must be 1 to 10000000, got {value}")
+            },
+        ),
+    }
 }
 
 /// The largest `embedding_cache.max_entry_bytes` (1 GiB).

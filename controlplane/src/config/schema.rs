@@ -279,6 +279,19 @@ pub(crate) struct RawRouting {
     pub model_poll_timeout: Option<Seconds>,
     pub require_host_at_start: Option<Flag>,
     pub acquire_timeout: Option<Seconds>,
+    pub affinity: RawAffinity,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawAffinity {
+    pub enabled: Option<Flag>,
+    pub session_header: Option<Text>,
+    pub epsilon: Option<Float>,
+    pub share_across_keys: Option<Flag>,
+    pub ram_cache_per_runner: Option<Int>,
+    pub prefill_ms_per_1k: Option<Float>,
+    pub max_conversations: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

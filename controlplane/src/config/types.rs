@@ -348,6 +348,34 @@ pub struct RoutingConfig {
     pub require_host_at_start: bool,
     /// How long a cloud request waits for a pool key bound to its model before using any key.
     pub acquire_timeout: Duration,
+    /// `routing.affinity`.
+    pub affinity: AffinityConfig,
+}
+
+/// `routing.affinity`: conversation affinity (the data plane's `policy::Affinity`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AffinityConfig {
+    pub enabled: bool,
+    pub session_header: Option<String>,
+    pub epsilon: f64,
+    pub share_across_keys: bool,
+    pub ram_cache_per_runner: u32,
+    pub prefill_ms_per_1k: f64,
+    pub max_conversations: u32,
+}
+
+impl Default for AffinityConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            session_header: None,
+            epsilon: 0.25,
+            share_across_keys: false,
+            ram_cache_per_runner: 0,
+            prefill_ms_per_1k: 250.0,
+            max_conversations: 100_000,
+        }
+    }
 }
 
 /// `embedding_cache`.
@@ -605,6 +633,7 @@ impl Default for RoutingConfig {
             model_poll_timeout: Duration::from_secs(3),
             require_host_at_start: false,
             acquire_timeout: Duration::from_secs(5),
+            affinity: AffinityConfig::default(),
         }
     }
 }

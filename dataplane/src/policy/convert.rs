@@ -175,6 +175,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 Duration::from_secs(5),
                 "routing.acquire_timeout_ms",
             )?,
+            affinity: affinity(routing.affinity)?,
         };
 
         let keep_alive = snapshot.keep_alive.unwrap_or_default();
@@ -670,6 +671,41 @@ fn socket_addr(host: &str, port: u32) -> Result<SocketAddr, String> {
             .map_err(|_| format!("'{other}' is not an IP address"))?,
     };
     Ok(SocketAddr::new(ip, port))
+}
+
+/// `routing.affinity`: absent, the defaults.
+fn affinity(wire: Option<wire::AffinitySettings>) -> Result<super::Affinity, PolicyError> {
+    let Some(wire) = wire else {
+        return Ok(super::Affinity::default());
+    };
+    let session_header = if wire.session_header.is_empty() {
+        None
+    } else {
+        Some(
+            http::HeaderName::from_bytes(wire.session_header.as_bytes()).map_err(|_| {
+                PolicyError::new("routing.affinity.session_header is not a header name")
+            })?,
+        )
+    };
+    if !(wire.epsilon.is_finite() && wire.epsilon >= 0.0) {
+        return Err(PolicyError::new(
+            "routing.affinity.epsilon must be 0 or more",
+        ));
+    }
+    if !(wire.prefill_ms_per_1k.is_finite() && wire.prefill_ms_per_1k >= 0.0) {
+        return Err(PolicyError::new(
+            "routing.affinity.prefill_ms_per_1k must be 0 or more",
+        ));
+    }
+    Ok(super::Affinity {
+        enabled: wire.enabled,
+        session_header,
+        epsilon: wire.epsilon,
+        share_across_keys: wire.share_across_keys,
+        ram_cache_per_runner: wire.ram_cache_per_runner,
+        prefill_per_token: wire.prefill_ms_per_1k / 1_000_000.0,
+        max_conversations: wire.max_conversations.max(1),
+    })
 }
 
 #[cfg(test)]

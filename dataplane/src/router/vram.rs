@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use super::affinity::Choice;
 use super::{ModelKey, Placement, Router, Strategy};
 use crate::policy::{Host, ModelSwap};
 use crate::scheduler::{Offer, Placer, Requester};
@@ -44,8 +45,21 @@ impl Router {
         strategy: Strategy,
         now: Instant,
     ) -> Offer<Placement> {
+        self.offer_for(model, None, strategy, now)
+    }
+
+    /// [`offer`](Router::offer) for a request whose conversation is `chain`: among the hosts
+    /// that can take it, the one its prompt cache favours (`Later` while waiting for a busy
+    /// one pays; see [`super::affinity`]).
+    pub fn offer_for(
+        &mut self,
+        model: Option<&str>,
+        chain: Option<&crate::affinity::Chain>,
+        strategy: Strategy,
+        now: Instant,
+    ) -> Offer<Placement> {
         let Some(name) = model else {
-            return self.plain(None, strategy, now);
+            return self.plain(None, None, strategy, now);
         };
         let key = ModelKey::new(name);
         let any_healthy = self
@@ -59,7 +73,7 @@ impl Router {
             .iter()
             .any(|state| candidate(state) && state.rank(&key, true) > super::Rank::Missing);
         if !self.swap.enabled || !anyone_has_it {
-            return self.plain(Some(name), strategy, now);
+            return self.plain(Some(name), chain, strategy, now);
         }
         let mut cold: Option<(bool, usize)> = None;
         let mut blocked: Option<usize> = None;
@@ -88,13 +102,17 @@ impl Router {
                 _ => {}
             }
         }
-        let chosen = self.choose(model, strategy, &[], true);
+        let chosen = self.choose_affine(model, chain, strategy, true, now);
         for state in &mut self.hosts {
             state.unfit = false;
         }
-        if let Some(mut placement) = chosen {
-            self.record(&mut placement, &key, now);
-            return Offer::Run(placement);
+        match chosen {
+            Choice::Run(mut placement) => {
+                self.record(&mut placement, &key, now);
+                return Offer::Run(placement);
+            }
+            Choice::Later(at) => return Offer::Later(at),
+            Choice::Wait => {}
         }
         if let Some(index) = switching_here {
             return Offer::Cold(self.hosts[index].vram.cold(now));
@@ -110,15 +128,22 @@ impl Router {
 
     /// Placement as [`place`](Router::place) does it, the VRAM view still kept (for status,
     /// reports, and holding once the rule is on).
-    fn plain(&mut self, model: Option<&str>, strategy: Strategy, now: Instant) -> Offer<Placement> {
-        match self.choose(model, strategy, &[], false) {
-            Some(mut placement) => {
+    fn plain(
+        &mut self,
+        model: Option<&str>,
+        chain: Option<&crate::affinity::Chain>,
+        strategy: Strategy,
+        now: Instant,
+    ) -> Offer<Placement> {
+        match self.choose_affine(model, chain, strategy, false, now) {
+            Choice::Run(mut placement) => {
                 if let Some(name) = model {
                     self.record(&mut placement, &ModelKey::new(name), now);
                 }
                 Offer::Run(placement)
             }
-            None => Offer::Wait,
+            Choice::Later(at) => Offer::Later(at),
+            Choice::Wait => Offer::Wait,
         }
     }
 
@@ -228,6 +253,8 @@ impl Router {
         if let Some(state) = self.state_of_any(host) {
             state.vram.unloaded(model);
         }
+        // Its runner's prompt cache went with it.
+        self.forget_runner(host, Some(&ModelKey::new(model).local));
     }
 
     /// Switches under way: (host, model as the scheduler named it). A switch given up is
@@ -297,6 +324,15 @@ pub struct Placing<'a> {
 impl Placer<Placement> for Placing<'_> {
     fn offer(&mut self, model: Option<&str>, now: Instant) -> Offer<Placement> {
         self.router.offer(model, self.strategy, now)
+    }
+
+    fn offer_for(
+        &mut self,
+        model: Option<&str>,
+        affinity: Option<&crate::affinity::Chain>,
+        now: Instant,
+    ) -> Offer<Placement> {
+        self.router.offer_for(model, affinity, self.strategy, now)
     }
 
     fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason, by: Requester) {

@@ -27,6 +27,9 @@ impl<T> Scheduler<T> {
             return self.clock;
         }
         let mut earliest: Option<Instant> = self.swap_wake.filter(|_| !self.held.is_empty());
+        if let Some(at) = self.later_wake {
+            earliest = Some(earliest.map_or(at, |e| e.min(at)));
+        }
         for tier in Tier::ALL {
             let state = &self.tiers[tier.index()];
             let Some((entered, _)) = state.oldest() else {

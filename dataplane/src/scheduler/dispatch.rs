@@ -40,6 +40,7 @@ impl<T> Scheduler<T> {
         self.expire_pass(now);
         self.sweep(now);
         self.swap_wake = None;
+        self.later_wake = None;
         let half_life = self.limits.half_life;
         let fallback = self.mean_cost.get().unwrap_or(DEFAULT_COST_SECS);
         let mut refused: Vec<Option<Arc<str>>> = Vec::new();
@@ -134,6 +135,7 @@ impl<T> Scheduler<T> {
                     continue;
                 };
                 let model = entry.model.clone();
+                let affinity = entry.affinity.clone();
                 // Put back after failing on its hosts: only another host, as it is now.
                 let avoiding = !entry.avoid.is_empty();
                 if avoiding {
@@ -164,7 +166,7 @@ impl<T> Scheduler<T> {
                     }
                     continue;
                 }
-                let mut offer = placer.offer(model.as_deref(), now);
+                let mut offer = placer.offer_for(model.as_deref(), affinity.as_deref(), now);
                 if let (Offer::Cold(need), Some(name)) = (&offer, &model) {
                     let since = self.hold(head, name, &need.host, now);
                     match self.verdict(tier, since, need, now) {
@@ -197,6 +199,12 @@ impl<T> Scheduler<T> {
                             self.hold(head, name, &need.host, now);
                             cold.push((name.clone(), need.host));
                         }
+                        continue;
+                    }
+                    Offer::Later(at) => {
+                        // Waits for its conversation's host; the next ticket may take the
+                        // free slot.
+                        self.later_at(at);
                         continue;
                     }
                     Offer::Wait => {
@@ -274,13 +282,15 @@ impl<T> Scheduler<T> {
                 }
                 continue;
             }
-            match placer.offer(model.as_deref(), now) {
+            let affinity = entry.affinity.clone();
+            match placer.offer_for(model.as_deref(), affinity.as_deref(), now) {
                 Offer::Run(placement) => {
                     let entry = self.take(ticket, now)?;
                     return Some(self.start(ticket, entry, tags, placement, now));
                 }
                 Offer::Wait => refused.push(model),
                 Offer::Cold(_) => skipped.push(model),
+                Offer::Later(at) => self.later_at(at),
             }
         }
         None

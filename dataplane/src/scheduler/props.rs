@@ -141,6 +141,7 @@ fn run(ops: Vec<Op>, aging: bool) {
                     tier: Tier::ALL[tier],
                     bytes,
                     model: Some(Arc::from(MODELS[m])),
+                    affinity: None,
                     payload,
                 };
                 match scheduler.enqueue(now, ticket) {
@@ -269,6 +270,7 @@ proptest! {
                 tier: Tier::ALL[tier],
                 bytes: 1,
                 model: None,
+                affinity: None,
                 payload: (client, tier, seq),
             };
             prop_assert!(scheduler.enqueue(now, ticket).is_ok());

@@ -151,6 +151,7 @@ impl Sim {
             tier: Tier::Normal,
             bytes: 100,
             model: None,
+            affinity: None,
             payload: 0,
         };
         let _ = self.scheduler.enqueue(self.now, ticket);

@@ -61,6 +61,10 @@ pub enum Offer<P> {
     Wait,
     /// A slot is free only on a host whose VRAM would have to switch to this model.
     Cold(Cold),
+    /// A slot is free, but the ticket is better served by waiting for a busy host where
+    /// its conversation's prompt is cached: ask again at this instant (or when a slot
+    /// frees). Other tickets, of the same model too, may take the free slot meanwhile.
+    Later(Instant),
 }
 
 /// A host that could run a model only by switching its VRAM to it.
@@ -100,6 +104,16 @@ pub struct Requester {
 pub trait Placer<P> {
     /// Whether a ticket for `model` can run now, and where.
     fn offer(&mut self, model: Option<&str>, now: Instant) -> Offer<P>;
+    /// [`offer`](Placer::offer) for a ticket whose conversation is `affinity`.
+    fn offer_for(
+        &mut self,
+        model: Option<&str>,
+        affinity: Option<&crate::affinity::Chain>,
+        now: Instant,
+    ) -> Offer<P> {
+        let _ = affinity;
+        self.offer(model, now)
+    }
     /// Starts switching `host` to `model` for `by` (the switch is under way until the model's
     /// first dispatch there, or until it is given up at `by.bound`).
     fn switch(&mut self, host: &str, model: &str, now: Instant, why: SwitchReason, by: Requester);
@@ -115,7 +129,7 @@ pub trait Placer<P> {
         let _ = avoid;
         match self.offer(model, now) {
             Offer::Run(placement) => Offer::Run(placement),
-            Offer::Wait | Offer::Cold(_) => Offer::Wait,
+            Offer::Wait | Offer::Cold(_) | Offer::Later(_) => Offer::Wait,
         }
     }
 }
@@ -279,6 +293,17 @@ impl<T> Scheduler<T> {
         .flatten()
         .min();
         Verdict::Hold(wake)
+    }
+
+    /// Whether a ticket waits for its conversation's busy host (the timer must know when to
+    /// offer it again).
+    pub fn waits_for_host(&self) -> bool {
+        self.later_wake.is_some()
+    }
+
+    /// A ticket waits for its conversation's host until `at` at the latest.
+    pub(super) fn later_at(&mut self, at: Instant) {
+        self.later_wake = Some(self.later_wake.map_or(at, |w| w.min(at)));
     }
 
     pub(super) fn wake_at(&mut self, at: Option<Instant>) {

@@ -18,6 +18,7 @@ fn ticket(client: &str, tier: Tier, bytes: u64, payload: u32) -> Ticket<u32> {
         tier,
         bytes,
         model: None,
+        affinity: None,
         payload,
     }
 }

@@ -179,6 +179,7 @@ impl Sim {
             tier: client.tier,
             bytes: 0,
             model: Some(Arc::from(client.model)),
+            affinity: None,
             payload: (index, self.now),
         };
         match self.scheduler.enqueue(self.now, ticket) {

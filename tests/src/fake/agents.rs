@@ -139,6 +139,7 @@ async fn generate(
         Some(_) => {}
     }
     let streaming = request.get("stream") == Some(&Value::Bool(true));
+    ctx.prompt = Some(super::prompt::agents(request, api == Api::Responses));
     let admitted = admit(ctx, Flavor::OpenAi, &model, None).await?;
     lock(&ctx.shared.models).touch(&model, None);
     let limit = match api {

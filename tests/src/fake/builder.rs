@@ -48,6 +48,7 @@ pub struct FakeBuilder {
     vram: Option<u64>,
     vram_config: vram::Config,
     runners: Option<usize>,
+    prompt_cache: Option<Duration>,
     architectures: Vec<(String, String)>,
 }
 
@@ -72,6 +73,7 @@ impl Default for FakeBuilder {
             vram: None,
             vram_config: vram::Config::default(),
             runners: None,
+            prompt_cache: None,
             architectures: Vec::new(),
         }
     }
@@ -110,6 +112,18 @@ impl FakeBuilder {
     /// `slots` then bounds the whole box (set it to the sum you want, or high).
     pub fn runners(mut self, num_parallel: usize) -> Self {
         self.runners = Some(num_parallel.max(1));
+        self
+    }
+
+    /// Models llama-server's prompt cache in each runner slot (reference §5), with runners on:
+    /// a slot keeps its last prompt and answer; a request takes the idle slot whose longest
+    /// common prefix with its prompt, over the prompt's length, is above 0.10 (the highest),
+    /// else the least recently used one; `ms_per_1k` × its uncached tokens (4 bytes a token)
+    /// is added to its time to first token. `prompt_eval_count` counts every prompt token,
+    /// `prompt_eval_duration` only the uncached ones' reading. An unload empties the caches.
+    /// [`FakeHandle::runner_log`] shows each request's cached tokens.
+    pub fn prompt_cache(mut self, ms_per_1k: f64) -> Self {
+        self.prompt_cache = Some(Duration::from_secs_f64(ms_per_1k.max(0.0) / 1000.0));
         self
     }
 
@@ -284,9 +298,13 @@ impl FakeBuilder {
             .filter(|(_, architecture)| FORCED_ARCHITECTURES.contains(&architecture.as_str()))
             .map(|(model, _)| super::models::canonical(model))
             .collect();
-        let runners = self
-            .runners
-            .map(|num_parallel| Arc::new(super::runners::Runners::new(num_parallel, forced)));
+        let runners = self.runners.map(|num_parallel| {
+            Arc::new(super::runners::Runners::new(
+                num_parallel,
+                forced,
+                self.prompt_cache,
+            ))
+        });
         let vram = self.vram.map(|capacity| {
             let preloaded: Vec<String> = self
                 .models

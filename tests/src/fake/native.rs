@@ -191,6 +191,9 @@ fn unload(ctx: &Ctx, model: &str) {
     if let Some(vram) = &ctx.shared.vram {
         vram.unload(model);
     }
+    if let Some(runners) = &ctx.shared.runners {
+        runners.unload(&super::models::canonical(model));
+    }
 }
 
 fn check_top_logprobs(request: &Map<String, Value>) -> Result<(), Reply> {
@@ -230,6 +233,7 @@ async fn respond(
         .get("stream")
         .and_then(Value::as_bool)
         .unwrap_or(true);
+    ctx.prompt = Some(super::prompt::native(request, script.chat));
     let admitted = admit(ctx, Flavor::Native { streaming }, &script.model, keep).await?;
     lock(&ctx.shared.models).touch(&script.model, keep);
     if streaming {

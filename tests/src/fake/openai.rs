@@ -193,6 +193,7 @@ async fn generate(
         .get("stream_options")
         .and_then(|options| options.get("include_usage"))
         == Some(&Value::Bool(true));
+    ctx.prompt = Some(super::prompt::openai(request, chat));
     let admitted = admit(ctx, Flavor::OpenAi, &model, None).await?;
     lock(&ctx.shared.models).touch(&model, None);
     let (count, cut) = budget(ctx.shared.timing().tokens, request.get("max_tokens"));

@@ -83,6 +83,7 @@ pub(crate) async fn handle(
         reported: header(&parts.headers, super::stream::USAGE_HEADER)
             .map(|value| super::stream::Reported::parse(&value))
             .unwrap_or_default(),
+        prompt: None,
     };
     let mut reply = route(&mut ctx, &parts, &body).await;
     for (name, value) in super::record::lock(&ctx.shared.answer_headers).iter() {

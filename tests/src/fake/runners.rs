@@ -19,7 +19,36 @@ pub(crate) struct Runners {
     num_parallel: usize,
     /// Models run with one slot whatever `num_parallel` (lowercase names with a tag).
     forced: Vec<String>,
+    /// The prompt cache, when on: prefill time per 1,000 uncached tokens.
+    prefill_per_1k: Option<Duration>,
     state: Mutex<State>,
+}
+
+/// A slot's prompt cache (reference §5): what it last read and wrote.
+#[derive(Debug, Default, Clone)]
+struct SlotCache {
+    text: String,
+    busy: bool,
+    used: u64,
+}
+
+/// What the prompt cache made of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheUse {
+    /// The prompt's tokens (4 bytes a token).
+    pub prompt_tokens: usize,
+    /// Those found in the slot's cache.
+    pub cached_tokens: usize,
+    /// The time to read the rest.
+    pub prefill: Duration,
+}
+
+/// llama-server's `--slot-prompt-similarity`.
+const SIMILARITY: f64 = 0.10;
+
+/// The longest common prefix of two strings, in bytes.
+fn common_prefix(a: &str, b: &str) -> usize {
+    a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count()
 }
 
 #[derive(Debug, Default)]
@@ -31,6 +60,8 @@ struct State {
 #[derive(Debug)]
 struct Runner {
     slots: Arc<Semaphore>,
+    cache: Vec<SlotCache>,
+    tick: u64,
     in_flight: usize,
     peak: usize,
     /// Requests waiting for a slot now, and the most that ever did.
@@ -50,6 +81,8 @@ pub struct RunnerEntry {
     pub waited: Duration,
     /// When its slot started.
     pub started: Instant,
+    /// What the prompt cache made of it, when the cache is on.
+    pub cache: Option<CacheUse>,
 }
 
 /// A runner slot; released on drop.
@@ -57,14 +90,23 @@ pub struct RunnerEntry {
 pub(crate) struct RunnerSlot {
     runners: Arc<Runners>,
     model: String,
+    /// The cache slot it holds, when the prompt cache is on.
+    cache_slot: Option<usize>,
+    /// What the prompt cache made of it.
+    pub(crate) cache: Option<CacheUse>,
     _permit: OwnedSemaphorePermit,
 }
 
 impl Runners {
-    pub(crate) fn new(num_parallel: usize, forced: Vec<String>) -> Self {
+    pub(crate) fn new(
+        num_parallel: usize,
+        forced: Vec<String>,
+        prefill_per_1k: Option<Duration>,
+    ) -> Self {
         Self {
             num_parallel: num_parallel.max(1),
             forced,
+            prefill_per_1k,
             state: Mutex::default(),
         }
     }
@@ -84,6 +126,7 @@ impl Runners {
         model: &str,
         embedding: bool,
         client: Option<String>,
+        prompt: Option<(&super::prompt::Prompt, &str)>,
     ) -> RunnerSlot {
         let arrived = Instant::now();
         let (semaphore, queued) = {
@@ -94,6 +137,8 @@ impl Runners {
                 .entry(model.to_owned())
                 .or_insert_with(|| Runner {
                     slots: Arc::new(Semaphore::new(slots)),
+                    cache: vec![SlotCache::default(); slots],
+                    tick: 0,
                     in_flight: 0,
                     peak: 0,
                     waiting: 0,
@@ -113,11 +158,18 @@ impl Runners {
             .unwrap_or_else(|_| unreachable!("runner semaphores are never closed"));
         let started = Instant::now();
         let mut state = lock(&self.state);
+        let mut cache_slot = None;
+        let mut cache = None;
         if let Some(runner) = state.runners.get_mut(model) {
             runner.in_flight += 1;
             runner.peak = runner.peak.max(runner.in_flight);
             if queued {
                 runner.waiting = runner.waiting.saturating_sub(1);
+            }
+            if let (Some(per_1k), Some((prompt, answer))) = (self.prefill_per_1k, prompt) {
+                let (slot, used) = Self::take_slot(runner, prompt, answer, per_1k);
+                cache_slot = Some(slot);
+                cache = Some(used);
             }
         }
         state.log.push(RunnerEntry {
@@ -125,11 +177,70 @@ impl Runners {
             client,
             waited: started.saturating_duration_since(arrived),
             started,
+            cache,
         });
         RunnerSlot {
             runners: Arc::clone(self),
             model: model.to_owned(),
+            cache_slot,
+            cache,
             _permit: permit,
+        }
+    }
+
+    /// llama-server's slot choice (reference §5): among idle slots, the one whose longest
+    /// common prefix with the prompt, over the prompt's length, is highest and above
+    /// [`SIMILARITY`]; else the least recently used. The slot then holds the prompt and its
+    /// answer.
+    fn take_slot(
+        runner: &mut Runner,
+        prompt: &super::prompt::Prompt,
+        answer: &str,
+        per_1k: Duration,
+    ) -> (usize, CacheUse) {
+        let length = prompt.text.len().max(1);
+        let idle = || {
+            runner
+                .cache
+                .iter()
+                .enumerate()
+                .filter(|(_, slot)| !slot.busy)
+        };
+        let similar = idle()
+            .map(|(index, slot)| (index, common_prefix(&slot.text, &prompt.text)))
+            .filter(|(_, common)| *common as f64 / length as f64 > SIMILARITY)
+            .max_by_key(|(_, common)| *common);
+        let (index, common) = match similar {
+            Some(found) => found,
+            None => idle()
+                .min_by_key(|(_, slot)| slot.used)
+                .map_or((0, 0), |(index, _)| (index, 0)),
+        };
+        runner.tick += 1;
+        let slot = &mut runner.cache[index];
+        slot.busy = true;
+        slot.used = runner.tick;
+        slot.text = prompt.with_answer(answer);
+        let prompt_tokens = prompt.text.len().div_ceil(4);
+        let cached_tokens = common / 4;
+        let uncached = prompt_tokens.saturating_sub(cached_tokens);
+        let prefill = per_1k.mul_f64(uncached as f64 / 1000.0);
+        (
+            index,
+            CacheUse {
+                prompt_tokens,
+                cached_tokens,
+                prefill,
+            },
+        )
+    }
+
+    /// `model`'s runner was unloaded: its slots' caches are gone (reference §5).
+    pub(crate) fn unload(&self, model: &str) {
+        if let Some(runner) = lock(&self.state).runners.get_mut(model) {
+            for slot in &mut runner.cache {
+                slot.text.clear();
+            }
         }
     }
 
@@ -168,6 +279,12 @@ impl Drop for RunnerSlot {
     fn drop(&mut self) {
         if let Some(runner) = lock(&self.runners.state).runners.get_mut(&self.model) {
             runner.in_flight = runner.in_flight.saturating_sub(1);
+            if let Some(slot) = self
+                .cache_slot
+                .and_then(|index| runner.cache.get_mut(index))
+            {
+                slot.busy = false;
+            }
         }
     }
 }

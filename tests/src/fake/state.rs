@@ -74,6 +74,8 @@ pub(crate) struct Ctx {
     pub key: Option<String>,
     /// What the final object reports instead of the measured figures (`x-fake-usage`).
     pub reported: super::stream::Reported,
+    /// The prompt its runner reads, for the prompt cache (set by the generating routes).
+    pub prompt: Option<super::prompt::Prompt>,
 }
 
 /// Stamps `finished_at` when dropped, and counts the request as abandoned by its client when it

@@ -72,6 +72,10 @@ pub(crate) struct Clock {
     pub first: Instant,
     /// Now: the moment the line being rendered is sent.
     pub now: Instant,
+    /// What the prompt cache made of the request, when it is on: `prompt_eval_count` counts
+    /// every prompt token and `prompt_eval_duration` only the uncached ones' reading (Ollama
+    /// 0.30 and later).
+    pub cache: Option<super::runners::CacheUse>,
 }
 
 /// The lines of one streamed response.
@@ -136,9 +140,16 @@ pub(crate) async fn admit(
             let embedding = lock(&shared.models)
                 .find(model)
                 .is_some_and(|found| found.kind == super::models::Kind::Embedding);
+            let answer = tokens(shared.timing().tokens).concat();
+            let prompt = ctx.prompt.take();
             Some(
                 runners
-                    .acquire(&canonical, embedding, ctx.client_id.clone())
+                    .acquire(
+                        &canonical,
+                        embedding,
+                        ctx.client_id.clone(),
+                        prompt.as_ref().map(|prompt| (prompt, answer.as_str())),
+                    )
                     .await,
             )
         }
@@ -159,11 +170,19 @@ pub(crate) async fn admit(
     };
     shared.slots.pass_hold().await;
     let admitted = Instant::now();
+    let cache = runner.as_ref().and_then(|runner| runner.cache);
+    if let Some(cache) = cache
+        && !cache.prefill.is_zero()
+    {
+        // Reading the uncached part of the prompt, inside the slot.
+        tokio::time::sleep(cache.prefill).await;
+    }
     let clock = Clock {
         started: ctx.started,
         admitted,
         first: admitted,
         now: admitted,
+        cache,
     };
     Ok(Admitted {
         slot,
@@ -302,8 +321,16 @@ pub(crate) fn metrics(
     prompt_tokens: usize,
     eval_count: usize,
 ) -> Map<String, Value> {
-    let prompt_tokens = reported.prompt(prompt_tokens);
+    let prompt_tokens = reported.prompt(
+        clock
+            .cache
+            .map_or(prompt_tokens, |cache| cache.prompt_tokens),
+    );
     let eval_count = reported.completion(eval_count);
+    let prompt_eval_duration = match clock.cache {
+        Some(cache) => nanos(cache.prefill),
+        None => nanos(clock.first.saturating_duration_since(clock.admitted)),
+    };
     let total = reported
         .total_duration
         .unwrap_or_else(|| nanos(clock.now - clock.started));
@@ -311,7 +338,7 @@ pub(crate) fn metrics(
         "total_duration": total,
         "load_duration": nanos(clock.admitted - clock.started),
         "prompt_eval_count": prompt_tokens,
-        "prompt_eval_duration": nanos(clock.first.saturating_duration_since(clock.admitted)),
+        "prompt_eval_duration": prompt_eval_duration,
         "eval_count": eval_count,
         "eval_duration": nanos(clock.now.saturating_duration_since(clock.first)),
     });

@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod affinity;
 mod agents;
 mod apps;
 mod bench_smoke;

@@ -1,0 +1,519 @@
+//! The prefix index: which runner holds which conversation's prefix in its prompt cache, as
+//! far as this data plane placed them. Pure, time passed in.
+//!
+//! Each runner (a host's model) keeps at most its slots plus an allowance for llama-server's
+//! RAM prompt cache of conversations, least recently used first out: a new conversation
+//! placed there takes the least recently used slot, as llama-server does, so the index
+//! never predicts a hit that cannot happen. A runner's entries go when it is unloaded,
+//! evicted or reloaded with other options, and a host's when it goes down.
+//!
+//! An entry is about [`ENTRY_BYTES`] bytes (the entry, its two prefix hashes and its session
+//! in the maps); [`Index::new`] caps the total.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::chain::{Chain, Point};
+
+/// The approximate bytes one conversation costs the index.
+pub const ENTRY_BYTES: usize = 160;
+
+/// A conversation held by a runner.
+#[derive(Clone, Debug)]
+struct Entry {
+    runner: u32,
+    /// The prompt it was last placed with.
+    prompt: Point,
+    /// The prompt and its answer, once the answer ended.
+    answer: Option<Point>,
+    session: Option<u64>,
+    used: u64,
+    /// Bumped on reuse, so that an answer recorded late cannot land on another conversation.
+    generation: u32,
+    live: bool,
+}
+
+/// One runner: a model on a host.
+#[derive(Debug)]
+struct Runner {
+    host: Arc<str>,
+    model: String,
+    /// The reload options of its last placement.
+    options: u64,
+    entries: Vec<u32>,
+    /// When each request running on it started.
+    running: Vec<Instant>,
+    /// Mean slot time of a request here (seconds, EWMA).
+    service: Option<f64>,
+    /// Learned prefill time per token (seconds, EWMA), from answers that found nothing cached.
+    prefill: Option<f64>,
+}
+
+/// Where a placed request's conversation was recorded, for its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    entry: u32,
+    generation: u32,
+}
+
+/// A runner that holds part of a request's prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Warm {
+    /// The host.
+    pub host: Arc<str>,
+    /// Estimated tokens of the request's prompt cached there.
+    pub tokens: u32,
+}
+
+/// One runner's figures (for `oqpctl hosts`, status and tests).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunnerWarmth {
+    /// The host.
+    pub host: Arc<str>,
+    /// The model, normalised.
+    pub model: String,
+    /// Conversations the index believes warm there.
+    pub conversations: u32,
+}
+
+/// The prefix index. See the module documentation.
+#[derive(Debug)]
+pub struct Index {
+    entries: Vec<Entry>,
+    free: Vec<u32>,
+    by_hash: HashMap<u64, u32>,
+    by_session: HashMap<u64, u32>,
+    runners: Vec<Runner>,
+    /// When each request running on a host started, by host.
+    hosts: HashMap<Arc<str>, Vec<Instant>>,
+    tick: u64,
+    cap: usize,
+    live: usize,
+}
+
+/// Smoothing of the learned figures.
+const ALPHA: f64 = 0.2;
+
+impl Index {
+    /// An index of at most `cap` conversations.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            entries: Vec::new(),
+            free: Vec::new(),
+            by_hash: HashMap::new(),
+            by_session: HashMap::new(),
+            runners: Vec::new(),
+            hosts: HashMap::new(),
+            tick: 0,
+            cap: cap.max(1),
+            live: 0,
+        }
+    }
+
+    /// Changes the cap (existing entries beyond it go as runners make room).
+    pub fn set_cap(&mut self, cap: usize) {
+        self.cap = cap.max(1);
+    }
+
+    /// Conversations held.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// The heap its tables hold, in bytes (hash maps counted at their capacity, a control
+    /// byte per bucket).
+    pub fn heap_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let map = |capacity: usize| capacity * (size_of::<(u64, u32)>() + 1);
+        self.entries.capacity() * size_of::<Entry>()
+            + self.free.capacity() * size_of::<u32>()
+            + map(self.by_hash.capacity())
+            + map(self.by_session.capacity())
+            + self
+                .runners
+                .iter()
+                .map(|runner| {
+                    size_of::<Runner>()
+                        + runner.model.capacity()
+                        + runner.entries.capacity() * size_of::<u32>()
+                        + runner.running.capacity() * size_of::<Instant>()
+                })
+                .sum::<usize>()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    fn runner_id(&self, host: &str, model: &str) -> Option<u32> {
+        self.runners
+            .iter()
+            .position(|runner| &*runner.host == host && runner.model == model)
+            .and_then(|index| u32::try_from(index).ok())
+    }
+
+    fn runner_mut(&mut self, host: &Arc<str>, model: &str) -> u32 {
+        if let Some(id) = self.runner_id(host, model) {
+            return id;
+        }
+        self.runners.push(Runner {
+            host: host.clone(),
+            model: model.to_owned(),
+            options: 0,
+            entries: Vec::new(),
+            running: Vec::new(),
+            service: None,
+            prefill: None,
+        });
+        u32::try_from(self.runners.len() - 1).unwrap_or(u32::MAX)
+    }
+
+    /// The runners holding part of `chain`'s prefix, with the tokens each holds: the longest
+    /// point of the chain found on each, or the conversation the session names.
+    pub fn lookup(&self, chain: &Chain) -> Vec<Warm> {
+        let mut found: Vec<Warm> = Vec::new();
+        let mut note = |runner: &Runner, tokens: u32| match found
+            .iter_mut()
+            .find(|warm| warm.host == runner.host)
+        {
+            Some(warm) => warm.tokens = warm.tokens.max(tokens),
+            None => found.push(Warm {
+                host: runner.host.clone(),
+                tokens,
+            }),
+        };
+        if let Some(session) = chain.session
+            && let Some(&id) = self.by_session.get(&session)
+            && let Some(entry) = self.entries.get(id as usize)
+            && let Some(runner) = self.runners.get(entry.runner as usize)
+        {
+            let held = entry.answer.unwrap_or(entry.prompt).tokens;
+            note(runner, held.min(chain.tokens));
+        }
+        for point in chain.points.iter().rev() {
+            let Some(&id) = self.by_hash.get(&point.hash) else {
+                continue;
+            };
+            let Some(entry) = self.entries.get(id as usize) else {
+                continue;
+            };
+            if let Some(runner) = self.runners.get(entry.runner as usize) {
+                note(runner, point.tokens);
+            }
+        }
+        found
+    }
+
+    /// Records `chain` placed on `model`'s runner at `host`: the conversation it continues
+    /// there takes the new prompt, else a new entry takes the runner's least recently used
+    /// one's place when the runner holds `capacity` already. A change of reload options
+    /// empties the runner first (Ollama reloads it).
+    pub fn place(
+        &mut self,
+        host: &Arc<str>,
+        model: &str,
+        capacity: u32,
+        chain: &Chain,
+    ) -> Option<Slot> {
+        self.tick += 1;
+        let tick = self.tick;
+        let runner = self.runner_mut(host, model);
+        let state = &mut self.runners[runner as usize];
+        if state.options != chain.options {
+            if !state.entries.is_empty() {
+                let gone = std::mem::take(&mut state.entries);
+                for id in gone {
+                    self.remove(id);
+                }
+            }
+            self.runners[runner as usize].options = chain.options;
+        }
+        // The conversation this request continues on this runner, if any.
+        let continued = chain
+            .session
+            .and_then(|session| self.by_session.get(&session).copied())
+            .into_iter()
+            .chain(
+                chain
+                    .points
+                    .iter()
+                    .rev()
+                    .filter_map(|point| self.by_hash.get(&point.hash).copied()),
+            )
+            .find(|&id| {
+                self.entries
+                    .get(id as usize)
+                    .is_some_and(|entry| entry.live && entry.runner == runner)
+            });
+        let id = match continued {
+            Some(id) => {
+                self.unindex(id);
+                id
+            }
+            None => {
+                let capacity = usize::try_from(capacity.max(1)).unwrap_or(usize::MAX);
+                while self.runners[runner as usize].entries.len() >= capacity
+                    || (self.live >= self.cap && !self.runners[runner as usize].entries.is_empty())
+                {
+                    let oldest = self.runners[runner as usize]
+                        .entries
+                        .iter()
+                        .copied()
+                        .min_by_key(|&id| self.entries.get(id as usize).map_or(0, |e| e.used));
+                    match oldest {
+                        Some(id) => self.remove(id),
+                        None => break,
+                    }
+                }
+                if self.live >= self.cap {
+                    return None;
+                }
+                let id = match self.free.pop() {
+                    Some(id) => id,
+                    None => {
+                        self.entries.push(Entry {
+                            runner,
+                            prompt: chain.last(),
+                            answer: None,
+                            session: None,
+                            used: 0,
+                            generation: 0,
+                            live: false,
+                        });
+                        u32::try_from(self.entries.len() - 1).ok()?
+                    }
+                };
+                self.runners[runner as usize].entries.push(id);
+                self.live += 1;
+                id
+            }
+        };
+        let entry = &mut self.entries[id as usize];
+        entry.runner = runner;
+        entry.prompt = chain.last();
+        entry.answer = None;
+        entry.session = chain.session;
+        entry.used = tick;
+        entry.generation = entry.generation.wrapping_add(1);
+        entry.live = true;
+        let slot = Slot {
+            entry: id,
+            generation: entry.generation,
+        };
+        self.by_hash.insert(chain.last().hash, id);
+        if let Some(session) = chain.session {
+            self.by_session.insert(session, id);
+        }
+        Some(slot)
+    }
+
+    /// Records the answer of the request placed at `slot`: the runner now holds `point`.
+    pub fn answered(&mut self, slot: Slot, point: Point) {
+        let Some(entry) = self.entries.get_mut(slot.entry as usize) else {
+            return;
+        };
+        if !entry.live || entry.generation != slot.generation {
+            return;
+        }
+        if let Some(old) = entry.answer.replace(point)
+            && self.by_hash.get(&old.hash) == Some(&slot.entry)
+        {
+            self.by_hash.remove(&old.hash);
+        }
+        self.by_hash.insert(point.hash, slot.entry);
+    }
+
+    /// A request started on `model`'s runner at `host` (every request, for the wait
+    /// estimate).
+    pub fn started(&mut self, host: &Arc<str>, model: &str, at: Instant) {
+        let runner = self.runner_mut(host, model);
+        self.runners[runner as usize].running.push(at);
+        self.hosts.entry(host.clone()).or_default().push(at);
+    }
+
+    /// A request that started at `at` on `model`'s runner at `host` ended after `held` on
+    /// its slot; `prefill` is its prompt's time per token when nothing of it was cached.
+    pub fn ended(
+        &mut self,
+        host: &str,
+        model: &str,
+        at: Instant,
+        held: Duration,
+        prefill: Option<f64>,
+    ) {
+        if let Some(running) = self.hosts.get_mut(host)
+            && let Some(index) = running.iter().position(|start| *start == at)
+        {
+            running.swap_remove(index);
+        }
+        let Some(runner) = self.runner_id(host, model) else {
+            return;
+        };
+        let state = &mut self.runners[runner as usize];
+        if let Some(index) = state.running.iter().position(|start| *start == at) {
+            state.running.swap_remove(index);
+        }
+        let secs = held.as_secs_f64();
+        state.service = Some(
+            state
+                .service
+                .map_or(secs, |mean| mean + ALPHA * (secs - mean)),
+        );
+        if let Some(rate) = prefill.filter(|rate| rate.is_finite() && *rate >= 0.0) {
+            state.prefill = Some(
+                state
+                    .prefill
+                    .map_or(rate, |mean| mean + ALPHA * (rate - mean)),
+            );
+        }
+    }
+
+    /// A request that started at `at` on `model` at `from` failed over to `to` before its
+    /// first byte (or went back to the queue).
+    pub fn moved(&mut self, from: &str, to: Option<&Arc<str>>, model: &str, at: Instant) {
+        if let Some(running) = self.hosts.get_mut(from)
+            && let Some(index) = running.iter().position(|start| *start == at)
+        {
+            running.swap_remove(index);
+        }
+        if let Some(id) = self.runner_id(from, model) {
+            let running = &mut self.runners[id as usize].running;
+            if let Some(index) = running.iter().position(|start| *start == at) {
+                running.swap_remove(index);
+            }
+        }
+        if let Some(to) = to {
+            self.started(to, model, at);
+        }
+    }
+
+    /// Learned prefill seconds per token on `model` at `host`.
+    pub fn prefill_rate(&self, host: &str, model: &str) -> Option<f64> {
+        self.runner_id(host, model)
+            .and_then(|id| self.runners[id as usize].prefill)
+    }
+
+    /// Seconds until a slot of `model`'s runner at `host` is expected to free, given `slots`:
+    /// 0 with one free; else the soonest of the running requests' expected remainder. A
+    /// request expected to take `mean` that has run `e` is expected to need `mean - e` more,
+    /// and no less than the `e` it has already run once past half of it (a long request is
+    /// likely longer still), so that a runner full of long work is soon seen as such.
+    pub fn wait(
+        &self,
+        host: &str,
+        model: &str,
+        slots: u32,
+        host_slots: u32,
+        now: Instant,
+        mean: f64,
+    ) -> f64 {
+        let runner = self
+            .runner_id(host, model)
+            .map(|id| &self.runners[id as usize]);
+        let on_runner = runner.map_or(&[][..], |runner| &runner.running[..]);
+        let on_host = self.hosts.get(host).map_or(&[][..], |running| &running[..]);
+        // The runner's slots are full, else the host's are (other models run there).
+        let (running, mean) = if on_runner.len() >= slots as usize {
+            (
+                on_runner,
+                runner.and_then(|runner| runner.service).unwrap_or(mean),
+            )
+        } else if on_host.len() >= host_slots as usize {
+            (on_host, mean)
+        } else {
+            return 0.0;
+        };
+        running
+            .iter()
+            .map(|start| {
+                let ran = now.saturating_duration_since(*start).as_secs_f64();
+                (mean - ran).max(ran)
+            })
+            .fold(f64::INFINITY, f64::min)
+    }
+
+    /// Forgets what `model`'s runner at `host` holds (unloaded, evicted).
+    pub fn forget_runner(&mut self, host: &str, model: &str) {
+        if let Some(id) = self.runner_id(host, model) {
+            let gone = std::mem::take(&mut self.runners[id as usize].entries);
+            for entry in gone {
+                self.remove(entry);
+            }
+        }
+    }
+
+    /// Forgets everything `host`'s runners hold (down, restarted, removed).
+    pub fn forget_host(&mut self, host: &str) {
+        // What runs there is still counted: it ends, and `ended` removes it.
+        let models: Vec<String> = self
+            .runners
+            .iter()
+            .filter(|runner| &*runner.host == host)
+            .map(|runner| runner.model.clone())
+            .collect();
+        for model in models {
+            self.forget_runner(host, &model);
+        }
+    }
+
+    /// The models `host` has runners with warm conversations for.
+    pub fn warm_models(&self, host: &str) -> Vec<String> {
+        self.runners
+            .iter()
+            .filter(|runner| &*runner.host == host && !runner.entries.is_empty())
+            .map(|runner| runner.model.clone())
+            .collect()
+    }
+
+    /// Every runner with warm conversations.
+    pub fn warmth(&self) -> Vec<RunnerWarmth> {
+        self.runners
+            .iter()
+            .filter(|runner| !runner.entries.is_empty())
+            .map(|runner| RunnerWarmth {
+                host: runner.host.clone(),
+                model: runner.model.clone(),
+                conversations: u32::try_from(runner.entries.len()).unwrap_or(u32::MAX),
+            })
+            .collect()
+    }
+
+    fn unindex(&mut self, id: u32) {
+        let Some(entry) = self.entries.get(id as usize) else {
+            return;
+        };
+        let (prompt, answer, session) = (entry.prompt, entry.answer, entry.session);
+        for point in std::iter::once(prompt).chain(answer) {
+            if self.by_hash.get(&point.hash) == Some(&id) {
+                self.by_hash.remove(&point.hash);
+            }
+        }
+        if let Some(session) = session
+            && self.by_session.get(&session) == Some(&id)
+        {
+            self.by_session.remove(&session);
+        }
+    }
+
+    /// Removes entry `id` from the maps and the free list takes it (its runner's list is
+    /// the caller's).
+    fn remove(&mut self, id: u32) {
+        self.unindex(id);
+        let Some(entry) = self.entries.get_mut(id as usize) else {
+            return;
+        };
+        if !entry.live {
+            return;
+        }
+        entry.live = false;
+        entry.generation = entry.generation.wrapping_add(1);
+        let runner = entry.runner as usize;
+        if let Some(state) = self.runners.get_mut(runner) {
+            state.entries.retain(|other| *other != id);
+        }
+        self.live -= 1;
+        self.free.push(id);
+    }
+}

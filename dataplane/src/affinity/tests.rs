@@ -1,0 +1,123 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::chain::{Chain, Shape};
+use super::index::{ENTRY_BYTES, Index};
+
+fn turn(scope: &str, history: &[&str]) -> Chain {
+    let messages: Vec<serde_json::Value> = history
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            serde_json::json!({ "role": role, "content": text })
+        })
+        .collect();
+    let body = serde_json::json!({ "model": "m", "messages": messages }).to_string();
+    Chain::of(Shape::OllamaChat, body.as_bytes(), scope, "m:latest", None).unwrap()
+}
+
+#[test]
+fn a_follow_up_finds_the_runner_that_answered_its_history() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let first = turn("t", &["hi"]);
+    let slot = index.place(&a, "m:latest", 2, &first).unwrap();
+    index.answered(slot, first.answered("hello").unwrap());
+    let next = turn("t", &["hi", "hello", "more"]);
+    let warm = index.lookup(&next);
+    assert_eq!(warm.len(), 1);
+    assert_eq!(warm[0].host, a);
+    assert_eq!(warm[0].tokens, next.points[1].tokens);
+    // Placed again there, it continues the same entry: one conversation.
+    index.place(&a, "m:latest", 2, &next).unwrap();
+    assert_eq!(index.len(), 1);
+    // Another tenant's identical history finds nothing.
+    assert!(
+        index
+            .lookup(&turn("u", &["hi", "hello", "more"]))
+            .is_empty()
+    );
+}
+
+#[test]
+fn a_runner_keeps_no_more_conversations_than_its_capacity_least_recent_out() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    for text in ["one", "two", "three"] {
+        index.place(&a, "m:latest", 2, &turn("t", &[text])).unwrap();
+    }
+    assert_eq!(index.len(), 2);
+    assert!(index.lookup(&turn("t", &["one"])).is_empty());
+    assert_eq!(index.lookup(&turn("t", &["three"])).len(), 1);
+    index.forget_runner("a", "m:latest");
+    assert!(index.is_empty());
+}
+
+#[test]
+fn new_reload_options_empty_the_runner() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    index
+        .place(&a, "m:latest", 4, &turn("t", &["one"]))
+        .unwrap();
+    let body =
+        r#"{"model":"m","messages":[{"role":"user","content":"two"}],"options":{"num_ctx":9000}}"#;
+    let other = Chain::of(Shape::OllamaChat, body.as_bytes(), "t", "m:latest", None).unwrap();
+    index.place(&a, "m:latest", 4, &other).unwrap();
+    assert_eq!(index.len(), 1);
+    assert!(index.lookup(&turn("t", &["one"])).is_empty());
+}
+
+#[test]
+fn a_late_answer_does_not_land_on_the_conversation_that_took_its_place() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let first = turn("t", &["one"]);
+    let slot = index.place(&a, "m:latest", 1, &first).unwrap();
+    index
+        .place(&a, "m:latest", 1, &turn("t", &["two"]))
+        .unwrap();
+    index.answered(slot, first.answered("late").unwrap());
+    assert!(index.lookup(&turn("t", &["one", "late", "x"])).is_empty());
+}
+
+#[test]
+fn the_wait_grows_with_what_runs_past_its_expected_time() {
+    let mut index = Index::new(10);
+    let a: Arc<str> = Arc::from("a");
+    let start = Instant::now();
+    index.started(&a, "m:latest", start);
+    assert_eq!(index.wait("a", "m:latest", 2, 8, start, 1.0), 0.0);
+    index.started(&a, "m:latest", start);
+    assert!((index.wait("a", "m:latest", 2, 8, start, 1.0) - 1.0).abs() < 1e-9);
+    let later = start + Duration::from_secs(3);
+    assert!((index.wait("a", "m:latest", 2, 8, later, 1.0) - 3.0).abs() < 1e-9);
+    index.ended("a", "m:latest", start, Duration::from_secs(3), Some(0.001));
+    assert_eq!(index.wait("a", "m:latest", 2, 8, later, 1.0), 0.0);
+    assert_eq!(index.prefill_rate("a", "m:latest"), Some(0.001));
+}
+
+/// 100,000 conversations fit in a few tens of MB (the heap the index's tables hold).
+#[test]
+fn a_hundred_thousand_conversations_fit_in_a_few_tens_of_megabytes() {
+    let chains: Vec<Chain> = (0..100_000)
+        .map(|i| turn("t", &[&format!("conversation {i}")]))
+        .collect();
+    let hosts: Vec<Arc<str>> = (0..100).map(|i| Arc::from(format!("h{i}"))).collect();
+    let mut index = Index::new(100_000);
+    for (i, chain) in chains.iter().enumerate() {
+        index
+            .place(&hosts[i % 100], "m:latest", 1_000, chain)
+            .unwrap();
+    }
+    let bytes = index.heap_bytes();
+    assert_eq!(index.len(), 100_000);
+    let per_entry = bytes / 100_000;
+    eprintln!("index: {bytes} bytes for 100000 conversations, {per_entry} per conversation");
+    assert!(
+        per_entry <= ENTRY_BYTES,
+        "{per_entry} bytes per conversation"
+    );
+    assert!(bytes < 40 << 20, "{bytes} bytes");
+}
