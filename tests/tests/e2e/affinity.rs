@@ -344,3 +344,112 @@ async fn with_affinity_off_follow_ups_go_round_robin_and_say_nothing() {
     assert_eq!(hosts, ["a", "b", "a", "b"]);
     stack.shutdown().await;
 }
+
+/// Two data planes (separate processes), each owning one box.
+fn two_planes(a: &str, b: &str) -> String {
+    format!(
+        r#"proxy:
+  host: "127.0.0.1"
+  max_concurrent: 4
+ollama:
+  hosts:
+    - url: "{a}"
+      name: box1
+      max_concurrent: 2
+      num_parallel: 2
+      node: a
+    - url: "{b}"
+      name: box2
+      max_concurrent: 2
+      num_parallel: 2
+      node: b
+nodes:
+  a: {{port: 0}}
+  b: {{port: 0}}
+control_plane:
+  node_token: "{TOKEN}"
+routing:
+  strategy: model_aware
+queue:
+  model_swap:
+    enabled: false
+embedding_cache:
+  enabled: false
+auth:
+  enabled: true
+  keys:
+    - key: "{ADMIN}"
+      client_id: admin
+      scope: management
+    - key: "{KEY}"
+      client_id: agent
+"#
+    )
+}
+
+const TOKEN: &str = "node-token-0123456789";
+const ADMIN: &str = "sk-admin-0123456789";
+
+#[tokio::test]
+async fn a_follow_up_entering_at_another_data_plane_lands_on_its_box_and_a_restart_costs_only_warmth()
+ {
+    let _exclusive = crate::support::exclusive().await;
+    let (one, two) = (gpu().await, gpu().await);
+    let mut cluster = oqp_tests::cluster::Cluster::builder(
+        env!("CARGO_BIN_EXE_oqp-bench"),
+        &two_planes(&one.url(), &two.url()),
+    )
+    .node("a")
+    .node("b")
+    .node_token(TOKEN)
+    .admin_key(ADMIN)
+    .start()
+    .await;
+    cluster.wait_peer("a", "b").await;
+    cluster.wait_peer("b", "a").await;
+    let http = HttpClient::new();
+    let mut conversations = Vec::new();
+    // Several conversations, each entering by turns at a and at b.
+    for c in 0..4 {
+        let mut conversation = Conversation::new();
+        let first = conversation
+            .turn(&http, &cluster.url("a"), KEY, filler(c, 0, 8_000))
+            .await;
+        assert_eq!(first.affinity(), "new");
+        let home = first.host();
+        for (t, node) in [(1, "b"), (2, "a"), (3, "b")] {
+            let turn = conversation
+                .turn(&http, &cluster.url(node), KEY, filler(c, t, 800))
+                .await;
+            assert_eq!(
+                turn.host(),
+                home,
+                "conversation {c}, turn {t} entered at {node}"
+            );
+            assert_eq!(turn.affinity(), "hit", "conversation {c}, turn {t}");
+        }
+        conversations.push((conversation, home));
+    }
+    // Restart the owner of the first conversation's box: its index is gone, nothing else.
+    let owner = if conversations[0].1 == "box1" {
+        "a"
+    } else {
+        "b"
+    };
+    cluster.restart(owner).await;
+    let other = if owner == "a" { "b" } else { "a" };
+    cluster.wait_peer(other, owner).await;
+    cluster.wait_peer(owner, other).await;
+    let (conversation, _) = &mut conversations[0];
+    let after = conversation
+        .turn(&http, &cluster.url(owner), KEY, filler(0, 4, 800))
+        .await;
+    assert_eq!(after.reply.status, 200);
+    assert_eq!(after.affinity(), "miss", "the index went with the process");
+    let again = conversation
+        .turn(&http, &cluster.url(other), KEY, filler(0, 5, 800))
+        .await;
+    assert_eq!(again.host(), after.host());
+    assert_eq!(again.affinity(), "hit", "warm again after one turn");
+    cluster.shutdown().await;
+}
