@@ -136,6 +136,8 @@ pub struct RunnerStat {
     pub in_flight: u32,
     /// Why Ollama runs it with one slot, if it forces that.
     pub forced: Option<Arc<str>>,
+    /// Conversations the prefix index believes warm in its prompt cache.
+    pub warm: u32,
 }
 
 /// One host as the router sees it (for status and metrics).
@@ -380,16 +382,26 @@ impl Router {
 
     /// Every host of the current snapshot, in its order.
     pub fn stats(&self) -> Vec<HostStat> {
+        let warmth = self.warmth();
         self.hosts
             .iter()
             .filter(|state| state.active)
-            .map(|state| HostStat {
-                name: state.host.name.clone(),
-                slots_in_use: state.in_use.load(Ordering::Acquire),
-                max_concurrent: state.host.max_concurrent,
-                marked_down: state.down,
-                forgotten_models: state.forgotten.len(),
-                runners: state.runner_stats(),
+            .map(|state| {
+                let mut runners = state.runner_stats();
+                for runner in &mut runners {
+                    runner.warm = warmth
+                        .iter()
+                        .find(|warm| warm.host == state.host.name && warm.model == runner.model)
+                        .map_or(0, |warm| warm.conversations);
+                }
+                HostStat {
+                    name: state.host.name.clone(),
+                    slots_in_use: state.in_use.load(Ordering::Acquire),
+                    max_concurrent: state.host.max_concurrent,
+                    marked_down: state.down,
+                    forgotten_models: state.forgotten.len(),
+                    runners,
+                }
             })
             .collect()
     }
@@ -598,6 +610,7 @@ impl HostState {
                         .get(model)
                         .map_or(0, |in_use| in_use.load(Ordering::Acquire)),
                     forced: forced.cloned(),
+                    warm: 0,
                 }
             })
             .collect()

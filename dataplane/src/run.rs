@@ -371,6 +371,7 @@ fn report(app: &App) -> NodeReport {
                                 slots: runner.slots,
                                 in_flight: runner.in_flight,
                                 forced: runner.forced.as_deref().unwrap_or_default().to_owned(),
+                                warm: runner.warm,
                             })
                             .collect()
                     })

@@ -256,7 +256,8 @@ pub fn key_revoked(client_id: &str, response: &api::RevokeKeyResponse, output: O
 
 /// `oqpctl hosts`.
 /// Each model runner: requests in flight over its slots, `forced` where Ollama runs it with
-/// one slot whatever the setting (`llama3.2:3b 2/4`, `all-minilm 1/1 forced`).
+/// one slot whatever the setting, and the conversations warm in its prompt cache
+/// (`llama3.2:3b 2/4 · 3 warm`, `all-minilm 1/1 forced`).
 fn runners(host: &api::HostInfo) -> String {
     if host.runners.is_empty() {
         return "-".to_owned();
@@ -278,7 +279,11 @@ fn runners(host: &api::HostInfo) -> String {
                 .model
                 .strip_suffix(":latest")
                 .unwrap_or(&runner.model);
-            format!("{model} {}/{slots}{forced}", runner.in_flight)
+            let warm = match runner.warm {
+                0 => String::new(),
+                n => format!(" · {n} warm"),
+            };
+            format!("{model} {}/{slots}{forced}{warm}", runner.in_flight)
         })
         .collect::<Vec<_>>()
         .join("\n")
@@ -317,6 +322,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                             "slots": r.slots,
                             "in_flight": r.in_flight,
                             "forced": (!r.forced.is_empty()).then_some(&r.forced),
+                            "warm": r.warm,
                         })).collect::<Vec<_>>(),
                         "cloud_keys": host.cloud_keys.iter().map(|k| json!({
                             "label": k.label,

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use oqp_controlplane::config::Env;
 use oqp_controlplane::{ControlPlane, Options};
+use oqp_tests::client::HttpClient;
 use oqp_tests::fake::FakeOllama;
 use serde_json::Value;
 
@@ -226,6 +227,30 @@ async fn hosts_show_each_runners_slots_and_the_ones_ollama_forces_to_one() {
             && r["forced"] == "embedding"),
         "{json}"
     );
+    // Two conversations answered: the runner holds both warm, as far as the index knows.
+    let proxy = format!("http://{}", control.dataplane().unwrap().local_addr());
+    let http = HttpClient::new();
+    for conversation in ["one", "two"] {
+        let body = serde_json::json!({
+            "model": "llama3.2:3b",
+            "stream": false,
+            "messages": [{"role": "user", "content": format!("conversation {conversation}")}],
+        });
+        let reply = http
+            .post_json(&format!("{proxy}/api/chat"), &[], &body)
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(reply.header("x-oqp-affinity").as_deref(), Some("new"));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let text = loop {
+        let text = oqpctl(&control, &["hosts"]).await;
+        if text.contains("warm") || std::time::Instant::now() >= deadline {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(text.contains("llama3.2:3b 0/4 · 2 warm"), "{text}");
     tokio::time::timeout(Duration::from_secs(10), control.shutdown())
         .await
         .expect("control plane stopped");

@@ -687,6 +687,7 @@ fn runners_of(
         match runners.iter_mut().find(|seen| seen.model == runner.model) {
             Some(seen) => {
                 seen.in_flight += runner.in_flight;
+                seen.warm += runner.warm;
                 seen.slots = seen.slots.max(runner.slots);
             }
             None => runners.push(runner.clone()),

@@ -26,6 +26,11 @@ use crate::policy::Affinity;
 /// Expected slot time of a request on a runner nothing has been learned of, in seconds.
 const DEFAULT_SERVICE: f64 = 1.0;
 
+/// The fewest cached tokens that make a host a conversation's home: below, re-reading costs
+/// milliseconds and spreading the work matters more (identical short prompts, sent again and
+/// again, are spread as before).
+const MIN_CACHED_TOKENS: u32 = 128;
+
 /// The longest a ticket waiting for its conversation's host goes without being offered
 /// again.
 const RECHECK: Duration = Duration::from_millis(500);
@@ -185,9 +190,7 @@ impl Router {
         vram: bool,
         now: Instant,
     ) -> Choice {
-        // Round-robin asks for spreading, whatever is cached.
-        let enabled = self.affinity.settings.enabled && strategy == Strategy::ModelAware;
-        let (Some(name), true) = (model, enabled) else {
+        let (Some(name), true) = (model, self.affinity.settings.enabled) else {
             return self.plain_choice(model, strategy, vram);
         };
         let key = ModelKey::new(name);
@@ -205,10 +208,12 @@ impl Router {
             .hosts
             .iter()
             .any(|state| state.active && state.healthy());
+        // Round-robin takes every host as able to run every model.
+        let model_aware = strategy == Strategy::ModelAware;
         let candidate = |state: &super::HostState| {
             state.active
                 && (!any_healthy || state.healthy())
-                && state.rank(&key, vram) > Rank::Missing
+                && (!model_aware || state.rank(&key, vram) > Rank::Missing)
         };
         let cached_on = |host: &str| {
             warm.iter()
@@ -222,7 +227,7 @@ impl Router {
             .enumerate()
             .filter(|(_, state)| candidate(state))
             .map(|(index, state)| (index, cached_on(&state.host.name)))
-            .filter(|(_, tokens)| *tokens > 0)
+            .filter(|(_, tokens)| *tokens >= MIN_CACHED_TOKENS)
             .max_by_key(|(_, tokens)| *tokens);
         let Some((home, home_tokens)) = home else {
             let outcome = if chain.follow_up {
