@@ -396,6 +396,7 @@ fn row(client: &str, model: &str, totals: &Totals) -> wire::UsageRow {
         requests: totals.requests,
         embedding_inputs: totals.embedding_inputs,
         cached_inputs: totals.cached_inputs,
+        cached_tokens: totals.cached_tokens,
     }
 }
 
@@ -409,6 +410,7 @@ fn totals(client: &str, model: &str, totals: &Totals) -> api::UsageTotals {
         requests: totals.requests,
         embedding_inputs: totals.embedding_inputs,
         cached_inputs: totals.cached_inputs,
+        cached_tokens: totals.cached_tokens,
     }
 }
 

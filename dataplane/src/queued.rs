@@ -402,6 +402,7 @@ async fn send_granted(
                     prompt_tokens: outcome.tokens.prompt,
                     completion_tokens: outcome.tokens.completion,
                     requests: 1,
+                    cached_tokens: verdict.map(|verdict| u64::from(verdict.cached_tokens)),
                     ..Totals::default()
                 },
                 std::time::SystemTime::now(),

@@ -240,6 +240,10 @@ struct UsageToday {
     completion_tokens: u64,
     requests: u64,
     cached_inputs: u64,
+    /// Prompt tokens estimated cached where the requests ran; omitted when none had an
+    /// estimate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cached_tokens: Option<u64>,
 }
 
 impl UsageToday {
@@ -250,6 +254,7 @@ impl UsageToday {
             completion_tokens: totals.completion_tokens,
             requests: totals.requests,
             cached_inputs: totals.cached_inputs,
+            cached_tokens: totals.cached_tokens,
         }
     }
 }

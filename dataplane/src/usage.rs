@@ -48,6 +48,17 @@ pub struct Totals {
     pub embedding_inputs: u64,
     /// Embedding inputs answered from the cache.
     pub cached_inputs: u64,
+    /// Prompt tokens estimated cached where the requests ran (conversation affinity); `None`
+    /// when no request had an estimate (never a 0 that means "unknown").
+    pub cached_tokens: Option<u64>,
+}
+
+/// The sum of two figures that may be unknown: unknown only when both are.
+pub fn add_known(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
+    }
 }
 
 impl Totals {
@@ -66,6 +77,7 @@ impl Totals {
         self.requests = self.requests.saturating_add(other.requests);
         self.embedding_inputs = self.embedding_inputs.saturating_add(other.embedding_inputs);
         self.cached_inputs = self.cached_inputs.saturating_add(other.cached_inputs);
+        self.cached_tokens = add_known(self.cached_tokens, other.cached_tokens);
     }
 
     /// The wire row of `client` and `model`.
@@ -79,6 +91,7 @@ impl Totals {
             requests: self.requests,
             embedding_inputs: self.embedding_inputs,
             cached_inputs: self.cached_inputs,
+            cached_tokens: self.cached_tokens,
         }
     }
 
@@ -91,6 +104,7 @@ impl Totals {
             requests: row.requests,
             embedding_inputs: row.embedding_inputs,
             cached_inputs: row.cached_inputs,
+            cached_tokens: row.cached_tokens,
         }
     }
 }

@@ -58,6 +58,10 @@ pub fn fold_apps(response: &mut api::GetUsageResponse) {
                 seen.requests += row.requests;
                 seen.embedding_inputs += row.embedding_inputs;
                 seen.cached_inputs += row.cached_inputs;
+                seen.cached_tokens = match (seen.cached_tokens, row.cached_tokens) {
+                    (None, None) => None,
+                    (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+                };
             }
             None => folded.push(api::UsageTotals {
                 client_id: app,
@@ -147,14 +151,19 @@ fn gpu_seconds(ns: u64) -> f64 {
 }
 
 fn totals_json(row: &api::UsageTotals) -> Value {
-    json!({
+    let mut value = json!({
         "gpu_seconds": gpu_seconds(row.gpu_ns),
         "prompt_tokens": row.prompt_tokens,
         "completion_tokens": row.completion_tokens,
         "requests": row.requests,
         "embedding_inputs": row.embedding_inputs,
         "cached_inputs": row.cached_inputs,
-    })
+    });
+    // Omitted, never 0, when no request had an estimate.
+    if let (Some(cached), Some(object)) = (row.cached_tokens, value.as_object_mut()) {
+        object.insert("cached_tokens".to_owned(), json!(cached));
+    }
+    value
 }
 
 /// `oqpctl usage`: one row per group, most GPU time first, and the total; `by_app` names the
@@ -310,6 +319,7 @@ mod tests {
             requests: 12,
             embedding_inputs: 0,
             cached_inputs: 3,
+            cached_tokens: None,
         }
     }
 

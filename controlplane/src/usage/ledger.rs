@@ -44,6 +44,10 @@ pub struct Totals {
     /// Embedding inputs answered from the cache.
     #[serde(default)]
     pub cached_inputs: u64,
+    /// Prompt tokens estimated cached where the requests ran; absent when none had an
+    /// estimate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
 }
 
 impl Totals {
@@ -57,6 +61,8 @@ impl Totals {
         self.requests = self.requests.saturating_add(other.requests);
         self.embedding_inputs = self.embedding_inputs.saturating_add(other.embedding_inputs);
         self.cached_inputs = self.cached_inputs.saturating_add(other.cached_inputs);
+        self.cached_tokens =
+            oqp_dataplane::usage::add_known(self.cached_tokens, other.cached_tokens);
     }
 
     /// Prompt + completion tokens.
@@ -73,6 +79,7 @@ impl Totals {
             requests: row.requests,
             embedding_inputs: row.embedding_inputs,
             cached_inputs: row.cached_inputs,
+            cached_tokens: row.cached_tokens,
         }
     }
 }

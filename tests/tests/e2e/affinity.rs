@@ -242,6 +242,15 @@ async fn an_agent_load_on_two_boxes_finds_its_history_nine_times_in_ten() {
     };
     assert_eq!(counted("new"), 4);
     assert_eq!(counted("hit"), said_hit as u64);
+    // Usage carries the estimate of cached prompt tokens: most of the follow-ups' prompts.
+    let status = http
+        .get(&format!("{base}/queue/status"), &[("authorization", &auth)])
+        .await
+        .json();
+    let usage = &status["clients"]["agent"]["usage_today"];
+    let cached = usage["cached_tokens"].as_u64().expect("cached_tokens");
+    let prompt = usage["prompt_tokens"].as_u64().unwrap();
+    assert!(cached * 2 > prompt, "{usage}");
     stack.shutdown().await;
 }
 
