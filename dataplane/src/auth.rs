@@ -100,6 +100,13 @@ impl Identity {
         }
     }
 
+    /// Whether the caller may keep its own `keep_alive` while oqp decides residency
+    /// ([`KeepAlive::for_caller`](crate::policy::KeepAlive::for_caller)): a `management` key,
+    /// or anyone with auth off.
+    pub fn sets_keep_alive(&self) -> bool {
+        self.require(Scope::Management).is_ok()
+    }
+
     /// Checks that the caller's key may use `model` (`auth.keys[].models`).
     pub fn allow_model(&self, model: &str) -> Result<(), ProxyError> {
         match self.key().and_then(|client| client.models.as_ref()) {

@@ -615,6 +615,23 @@ pub struct KeepAlive {
     pub override_client: bool,
 }
 
+impl KeepAlive {
+    /// The rule for one request. A client's own keep_alive decides how long a model shared by
+    /// every tenant stays in VRAM (`0` unloads it under the others), so while model-swap
+    /// holding is on (`holding`: oqp decides residency) only a caller that `may_set` it (a
+    /// `management` key, or anyone with auth off) keeps its value; everyone else's is replaced
+    /// by the default. `override_client` replaces everyone's.
+    pub fn for_caller(&self, holding: bool, may_set: bool) -> std::borrow::Cow<'_, KeepAlive> {
+        if self.override_client || !holding || may_set {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        std::borrow::Cow::Owned(KeepAlive {
+            default_json: self.default_json.clone(),
+            override_client: true,
+        })
+    }
+}
+
 /// Where cached embeddings live.
 #[derive(Clone, PartialEq, Eq)]
 pub enum CacheBackend {
