@@ -42,6 +42,7 @@ pub mod headers;
 pub mod hop;
 pub mod listeners;
 pub mod metrics;
+pub mod node_keys;
 pub mod peers;
 pub mod placement;
 pub mod policy;

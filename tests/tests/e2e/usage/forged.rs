@@ -41,9 +41,12 @@ async fn forge(
         ..NodeReport::default()
     });
     if let Some(token) = token {
-        request
-            .metadata_mut()
-            .insert(oqp_proto::NODE_TOKEN_METADATA, token.parse().unwrap());
+        request.metadata_mut().insert(
+            oqp_proto::NODE_TOKEN_METADATA,
+            oqp_dataplane::node_keys::grpc_credential(token)
+                .parse()
+                .unwrap(),
+        );
     }
     client
         .report_status(request)
