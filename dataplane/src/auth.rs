@@ -100,6 +100,15 @@ impl Identity {
         }
     }
 
+    /// Whose usage the caller may see: `None` for everyone's (a `management` key, or auth
+    /// off), else its key's client id (its app's users included).
+    pub fn usage_scope(&self) -> Option<&str> {
+        match self.key() {
+            Some(client) if client.scope < Scope::Management => Some(&client.id),
+            _ => None,
+        }
+    }
+
     /// Whether the caller may keep its own `keep_alive` while oqp decides residency
     /// ([`KeepAlive::for_caller`](crate::policy::KeepAlive::for_caller)): a `management` key,
     /// or anyone with auth off.
