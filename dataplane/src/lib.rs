@@ -41,6 +41,7 @@ pub mod forward;
 pub mod headers;
 pub mod hop;
 pub mod listeners;
+pub mod metadata_limit;
 pub mod metrics;
 pub mod node_keys;
 pub mod peers;

@@ -164,6 +164,17 @@ pub struct AuthSettings {
     pub window: Duration,
     /// Proxies whose `X-Forwarded-For` names the client address (throttle and logs only).
     pub trusted_proxies: Vec<Cidr>,
+    /// Metadata reads per client (`auth.metadata_rate_limit`).
+    pub metadata_rate: MetadataRate,
+}
+
+/// Metadata reads per client: a token bucket of `burst` filling at `per_second`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetadataRate {
+    /// Reads added per second; 0 = no limit.
+    pub per_second: u32,
+    /// The bucket's size (at least 1).
+    pub burst: u32,
 }
 
 /// What a key may do; each level includes the ones below it.

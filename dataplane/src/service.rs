@@ -386,7 +386,9 @@ async fn forward(
     };
 
     if endpoint == Endpoint::Metadata {
-        // The fast path: never queued, never capped, no slot.
+        // The fast path: never queued, never capped, no slot; bounded per client.
+        app.metadata_limit
+            .admit(policy.auth.metadata_rate, &identity.caller().id)?;
         // `/v1/models/{model}` names its model in the path; the others in the body.
         let model = match (retrieved, &outbound.body) {
             (Some(model), _) => Some(model),
