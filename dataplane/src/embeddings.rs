@@ -28,7 +28,7 @@ use crate::cache::{self, Cache, Namespace, ResolveError};
 use crate::endpoint::Inference;
 use crate::error::ProxyError;
 use crate::headers;
-use crate::policy::{KeepAlive, Policy};
+use crate::policy::Policy;
 use crate::proxy::{Outbound, RequestBody};
 use crate::queued;
 use crate::rewrite::{self, EncodingFormat};
@@ -59,11 +59,10 @@ enum Fetch {
 }
 
 /// Answers an embedding request (body already read, keep_alive not yet
-/// applied: `keep_alive` is the caller's rule, [`KeepAlive::for_caller`]).
+/// applied: the caller's rule, [`KeepAlive::for_caller`](crate::policy::KeepAlive::for_caller)).
 pub async fn handle(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
-    keep_alive: &KeepAlive,
     client: Caller,
     tier: Tier,
     inference: Inference,
@@ -82,7 +81,9 @@ pub async fn handle(
     } else {
         (body, None)
     };
-    let body = rewrite::insert_keep_alive(&body, keep_alive).unwrap_or(body);
+    let keep_alive =
+        (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
+    let body = rewrite::insert_keep_alive(&body, &keep_alive).unwrap_or(body);
     let namespace = Namespace::of(inference);
     let Parts { queue, cache } = parts;
     let plan = match (&cache, namespace) {

@@ -434,15 +434,10 @@ async fn forward(
     // A native embed with the cache off is an ordinary inference request:
     // it skips the embedding handler's (large) future.
     let cached = policy.embedding_cache.enabled && app.embedding_cache.load().is_some();
-    // Who may keep its own keep_alive (`KeepAlive::for_caller`).
-    let keep_alive = policy
-        .keep_alive
-        .for_caller(policy.queue.model_swap.enabled, identity.sets_keep_alive());
     if inference.is_embedding() && (cached || inference == Inference::OpenAiEmbeddings) {
         return Box::pin(embeddings::handle(
             app.embedding_parts(),
             policy,
-            &keep_alive,
             client,
             tier,
             inference,
@@ -452,6 +447,9 @@ async fn forward(
         .await;
     }
     let body = if inference.takes_keep_alive() {
+        // Who may keep its own keep_alive: `KeepAlive::for_caller`.
+        let keep_alive =
+            (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
         rewrite::insert_keep_alive(&body, &keep_alive).unwrap_or(body)
     } else {
         body
