@@ -574,3 +574,36 @@ async fn each_key_derived_from_the_node_token_opens_only_its_own_door() {
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_cloud_hosts_keys_reach_only_the_data_plane_that_owns_it() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let cloud = FakeOllama::builder()
+        .cloud(&["ck-first"])
+        .model("gpt-oss:20b")
+        .spawn()
+        .await;
+    let yaml = format!(
+        "control_plane: {{node_token: {TOKEN}}}\nnodes: {{local: {{port: 0}}, b: {{port: 0}}}}\n\
+         ollama:\n  hosts:\n    - {{url: \"{}\", name: gpu, node: local}}\n    \
+         - {{url: \"{}\", name: cloud, kind: cloud, node: b, api_keys: [{{key: ck-first}}]}}\n",
+        fake.url(),
+        cloud.url()
+    );
+    let (stack, b) = edge_and_b(&yaml).await;
+    let keys = |hosts: &[std::sync::Arc<oqp_dataplane::policy::Host>]| {
+        hosts
+            .iter()
+            .find(|host| &*host.name == "cloud")
+            .map(|host| host.cloud_keys.len())
+    };
+    // The owner has the key and sends to the host; the other data plane only forwards to
+    // the owner and never holds it.
+    let owner = b.app().store.load();
+    assert_eq!(keys(&owner.hosts), Some(1));
+    let edge = stack.control.dataplane().unwrap().app().store.load();
+    assert_eq!(keys(&edge.hosts), None);
+    assert_eq!(keys(&edge.remote), Some(0));
+    b.shutdown().await;
+    stack.shutdown().await;
+}
