@@ -174,6 +174,8 @@ pub fn snapshot(
             rate_limit_window_seconds: u32::try_from(config.auth.rate_limit.window_seconds)
                 .unwrap_or(u32::MAX),
             trusted_proxies: config.auth.trusted_proxies.clone(),
+            metadata_per_second: config.auth.metadata_rate_limit.per_second,
+            metadata_burst: config.auth.metadata_rate_limit.burst,
         }),
         clients,
         queue: Some(wire::QueueSettings {

@@ -45,6 +45,8 @@ pub struct App {
     pub embedding_cache: arc_swap::ArcSwapOption<Cache>,
     /// Failed-authentication throttle.
     pub throttle: Throttle,
+    /// Metadata reads per client.
+    pub metadata_limit: crate::metadata_limit::MetadataLimit,
     /// The control plane's admin API, for the HTTP queue-control endpoints.
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
@@ -97,6 +99,7 @@ impl App {
             peers: Arc::new(peers),
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
+            metadata_limit: Default::default(),
             admin,
             node: Arc::from(node),
             store,

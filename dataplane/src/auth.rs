@@ -44,10 +44,12 @@ impl Identity {
     /// The caller as the queue knows it: its id, and whether it was identified (a key or an
     /// injection port) rather than claimed in `X-Client-ID` with auth off.
     pub fn caller(&self) -> Caller {
+        let sets_keep_alive = self.sets_keep_alive();
         match self {
             Identity::Client(client) => Caller {
                 id: client.id.clone(),
                 verified: true,
+                sets_keep_alive,
                 // An app's own requests share the app's group with its users.
                 member: client.users.as_ref().map(|_| Member {
                     app: client.id.clone(),
@@ -57,6 +59,7 @@ impl Identity {
             Identity::User { app, id } => Caller {
                 id: id.clone(),
                 verified: true,
+                sets_keep_alive,
                 member: app.users.as_ref().map(|users| Member {
                     app: app.id.clone(),
                     limits: ClientLimits {
@@ -69,6 +72,7 @@ impl Identity {
             Identity::Anonymous(id) => Caller {
                 id: id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS)),
                 verified: false,
+                sets_keep_alive,
                 member: None,
             },
         }
@@ -98,6 +102,22 @@ impl Identity {
             Some(client) if client.scope < scope => Err(ProxyError::ScopeRequired(scope)),
             _ => Ok(()),
         }
+    }
+
+    /// Whose usage the caller may see: `None` for everyone's (a `management` key, or auth
+    /// off), else its key's client id (its app's users included).
+    pub fn usage_scope(&self) -> Option<&str> {
+        match self.key() {
+            Some(client) if client.scope < Scope::Management => Some(&client.id),
+            _ => None,
+        }
+    }
+
+    /// Whether the caller may keep its own `keep_alive` while oqp decides residency
+    /// ([`KeepAlive::for_caller`](crate::policy::KeepAlive::for_caller)): a `management` key,
+    /// or anyone with auth off.
+    pub fn sets_keep_alive(&self) -> bool {
+        self.require(Scope::Management).is_ok()
     }
 
     /// Checks that the caller's key may use `model` (`auth.keys[].models`).
@@ -218,6 +238,9 @@ pub struct Caller {
     /// Identified by a key or an injection port: refused while waiting once the client leaves
     /// the snapshot or its key expires.
     pub verified: bool,
+    /// May keep its own `keep_alive` while oqp decides residency
+    /// ([`Identity::sets_keep_alive`]).
+    pub sets_keep_alive: bool,
     /// The app it belongs to, when its key speaks for many people (the app itself or one of
     /// its users): the queue shares the app's place between them.
     pub member: Option<Member>,

@@ -109,7 +109,7 @@ pub type AdminClient = oqp_proto::admin::v1::admin_service_client::AdminServiceC
     InterceptedService<Channel, TokenInterceptor>,
 >;
 
-/// Adds the node token to every call.
+/// Adds the key derived from the node token for the service to every call.
 #[derive(Clone)]
 pub struct TokenInterceptor(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
 
@@ -151,20 +151,23 @@ pub fn clients(options: &ControlOptions) -> Result<(Client, AdminClient), Contro
             .tls_config(tls)
             .map_err(|e| ControlError::Config(e.to_string()))?;
     }
-    let token = match &options.token {
-        Some(token) => Some(
-            token
-                .parse()
-                .map_err(|_| ControlError::Config("the node token is not valid ASCII".into()))?,
-        ),
-        None => None,
+    // Each service gets its own key derived from the token (`node_keys`), never the token.
+    let derived = |derive: fn(&str) -> String| match &options.token {
+        Some(token) => derive(token).parse().map(Some).map_err(|_| {
+            ControlError::Config("a key derived from the node token is not valid metadata".into())
+        }),
+        None => Ok(None),
     };
+    let (grpc, admin) = (
+        derived(crate::node_keys::grpc_credential)?,
+        derived(crate::node_keys::admin_credential)?,
+    );
     let channel = endpoint.connect_lazy();
     Ok((
-        PolicyServiceClient::with_interceptor(channel.clone(), TokenInterceptor(token.clone())),
+        PolicyServiceClient::with_interceptor(channel.clone(), TokenInterceptor(grpc)),
         oqp_proto::admin::v1::admin_service_client::AdminServiceClient::with_interceptor(
             channel,
-            TokenInterceptor(token),
+            TokenInterceptor(admin),
         ),
     ))
 }

@@ -59,7 +59,7 @@ enum Fetch {
 }
 
 /// Answers an embedding request (body already read, keep_alive not yet
-/// applied).
+/// applied: the caller's rule, [`KeepAlive::for_caller`](crate::policy::KeepAlive::for_caller)).
 pub async fn handle(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
@@ -81,7 +81,9 @@ pub async fn handle(
     } else {
         (body, None)
     };
-    let body = rewrite::insert_keep_alive(&body, &policy.keep_alive).unwrap_or(body);
+    let keep_alive =
+        (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
+    let body = rewrite::insert_keep_alive(&body, &keep_alive).unwrap_or(body);
     let namespace = Namespace::of(inference);
     let Parts { queue, cache } = parts;
     let plan = match (&cache, namespace) {

@@ -28,6 +28,12 @@ pub enum ProxyError {
         /// Seconds until the caller may try again.
         retry_after: u64,
     },
+    /// Too many metadata reads from this client (`auth.metadata_rate_limit`).
+    #[error("too many metadata requests")]
+    TooManyMetadataReads {
+        /// Seconds until the client may read again.
+        retry_after: u64,
+    },
     /// A known key without the required scope.
     #[error("{} permission required", .0.as_str())]
     ScopeRequired(Scope),
@@ -149,9 +155,9 @@ impl ProxyError {
             | Self::KeyRevoked
             | Self::HopUnverified => StatusCode::UNAUTHORIZED,
             Self::PeerFailed(_) => StatusCode::BAD_GATEWAY,
-            Self::TooManyAuthFailures { .. } | Self::BudgetExceeded { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            Self::TooManyAuthFailures { .. }
+            | Self::TooManyMetadataReads { .. }
+            | Self::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ScopeRequired(_)
             | Self::ModelNotAllowed(_)
             | Self::ModelManagementDisabled
@@ -181,6 +187,7 @@ impl ProxyError {
     pub fn retry_after(&self) -> Option<u64> {
         match self {
             Self::TooManyAuthFailures { retry_after }
+            | Self::TooManyMetadataReads { retry_after }
             | Self::QueueFull { retry_after, .. }
             | Self::OverCapacity { retry_after, .. }
             | Self::BudgetExceeded { retry_after, .. } => Some(*retry_after),

@@ -59,7 +59,8 @@ pub struct Assertion {
     pub body: Option<String>,
 }
 
-/// The HMAC key: the node token's bytes. Prints as `HopKey(…)`.
+/// The HMAC key: derived from the node token for the hop alone
+/// ([`node_keys::hop_key`](crate::node_keys::hop_key)). Prints as `HopKey(…)`.
 #[derive(Clone)]
 pub struct HopKey(Arc<[u8]>);
 
@@ -114,7 +115,7 @@ impl HopKey {
     /// The key for a node token; `None` for an empty one (an unset variable, an empty
     /// file), which would let anyone sign.
     pub fn new(token: &str) -> Option<Self> {
-        (!token.trim().is_empty()).then(|| Self(Arc::from(token.as_bytes())))
+        (!token.trim().is_empty()).then(|| Self(Arc::from(crate::node_keys::hop_key(token))))
     }
 
     /// The header asserting `assertion` for `request`, signed at `now`.

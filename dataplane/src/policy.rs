@@ -164,6 +164,17 @@ pub struct AuthSettings {
     pub window: Duration,
     /// Proxies whose `X-Forwarded-For` names the client address (throttle and logs only).
     pub trusted_proxies: Vec<Cidr>,
+    /// Metadata reads per client (`auth.metadata_rate_limit`).
+    pub metadata_rate: MetadataRate,
+}
+
+/// Metadata reads per client: a token bucket of `burst` filling at `per_second`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetadataRate {
+    /// Reads added per second; 0 = no limit.
+    pub per_second: u32,
+    /// The bucket's size (at least 1).
+    pub burst: u32,
 }
 
 /// What a key may do; each level includes the ones below it.
@@ -648,6 +659,23 @@ pub struct KeepAlive {
     pub default_json: Option<Arc<str>>,
     /// Replace the client's value too.
     pub override_client: bool,
+}
+
+impl KeepAlive {
+    /// The rule for one request. A client's own keep_alive decides how long a model shared by
+    /// every tenant stays in VRAM (`0` unloads it under the others), so while model-swap
+    /// holding is on (`holding`: oqp decides residency) only a caller that `may_set` it (a
+    /// `management` key, or anyone with auth off) keeps its value; everyone else's is replaced
+    /// by the default. `override_client` replaces everyone's.
+    pub fn for_caller(&self, holding: bool, may_set: bool) -> std::borrow::Cow<'_, KeepAlive> {
+        if self.override_client || !holding || may_set {
+            return std::borrow::Cow::Borrowed(self);
+        }
+        std::borrow::Cow::Owned(KeepAlive {
+            default_json: self.default_json.clone(),
+            override_client: true,
+        })
+    }
 }
 
 /// Where cached embeddings live.

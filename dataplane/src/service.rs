@@ -270,7 +270,9 @@ fn observe(
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Read)?;
     Ok(match path {
-        "/queue/status" => status::status_response(app.status_sources(), policy),
+        "/queue/status" => {
+            status::status_response(app.status_sources(), policy, identity.usage_scope())
+        }
         "/queue/summary" => status::summary_response(app.status_sources(), policy),
         "/metrics" => metrics::response(&app.metrics, &app.metric_sources()),
         _ => dashboard::response(policy),
@@ -388,7 +390,9 @@ async fn forward(
     };
 
     if endpoint == Endpoint::Metadata {
-        // The fast path: never queued, never capped, no slot.
+        // The fast path: never queued, never capped, no slot; bounded per client.
+        app.metadata_limit
+            .admit(policy.auth.metadata_rate, &identity.caller().id)?;
         // `/v1/models/{model}` names its model in the path; the others in the body.
         let model = match (retrieved, &outbound.body) {
             (Some(model), _) => Some(model),
@@ -457,7 +461,10 @@ async fn forward(
         .await;
     }
     let body = if inference.takes_keep_alive() {
-        rewrite::insert_keep_alive(&body, &policy.keep_alive).unwrap_or(body)
+        // Who may keep its own keep_alive: `KeepAlive::for_caller`.
+        let keep_alive =
+            (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
+        rewrite::insert_keep_alive(&body, &keep_alive).unwrap_or(body)
     } else {
         body
     };

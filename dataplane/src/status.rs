@@ -15,6 +15,8 @@
 //!   configured client plus at most [`MAX_OTHER_CLIENTS`] others (callers that
 //!   name themselves with `X-Client-ID` when auth is off), the busiest first:
 //!   the reference's map grew without bound.
+//!   A key below `management` sees `usage_today` in its own row only (and its
+//!   app's users'): what other tenants used is theirs ([`status_response`]).
 //! - `/queue/summary` is exactly ten flat scalars and names no client, host or
 //!   key: it is the answer most likely to end up on a wall display.
 //!
@@ -229,8 +231,10 @@ struct ClientStatus {
     switch_charged_seconds: f64,
     max_priority: Option<&'static str>,
     scope: Option<&'static str>,
-    /// Usage today (UTC) over all data planes, as this node knows it.
-    usage_today: UsageToday,
+    /// Usage today (UTC) over all data planes, as this node knows it; left out for a viewer
+    /// that may see only its own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage_today: Option<UsageToday>,
 }
 
 #[derive(Debug, Serialize)]
@@ -292,9 +296,21 @@ pub struct Summary {
     uptime_seconds: u64,
 }
 
-/// The `/queue/status` response.
-pub fn status_response(sources: Sources<'_>, policy: &Policy) -> Response<Body> {
-    json(&status(sources, policy))
+/// The `/queue/status` response. With `own` (a key below `management`: its client id), only
+/// that client's row and its app's users' (`<own>/<user>`) carry `usage_today`.
+pub fn status_response(sources: Sources<'_>, policy: &Policy, own: Option<&str>) -> Response<Body> {
+    let mut status = status(sources, policy);
+    if let Some(own) = own {
+        for (id, client) in &mut status.clients {
+            let mine = id
+                .strip_prefix(own)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+            if !mine {
+                client.usage_today = None;
+            }
+        }
+    }
+    json(&status)
 }
 
 /// The `/queue/summary` response.
@@ -430,7 +446,7 @@ fn client_status(
         switch_charged_seconds: stat.switch_charged.as_secs_f64(),
         max_priority: client.map(|c| c.max_priority.as_str()),
         scope: client.map(|c| c.scope.as_str()),
-        usage_today: UsageToday::of(today),
+        usage_today: Some(UsageToday::of(today)),
     }
 }
 

@@ -14,7 +14,11 @@
 //! switch is under way. A model the poll shows that oqp did not load is a change oqp did not
 //! cause; [`BYPASS_CHANGES`] of them within [`BYPASS_WINDOW`] mean clients reach the host around
 //! oqp, and swap-aware holding is then off for that host for [`BYPASS_WINDOW`] (plain fair share
-//! cannot be made worse by a view that is wrong).
+//! cannot be made worse by a view that is wrong). A request oqp sent without recording its model
+//! (a route whose body it does not read, or a model the host's tags do not list yet) may load
+//! one too: each such dispatch ([`uncounted`](HostVram::uncounted)) excuses one unexplained model
+//! in a poll taken within [`UNCOUNTED_GRACE`] of it, so a tenant's own requests through oqp never
+//! count as traffic around it; only loads oqp did not send at all do.
 //!
 //! # Whether it fits
 //! A model's footprint is its `size_vram` once seen resident, else its `/api/tags` size. The
@@ -56,6 +60,10 @@ pub const POLL_MARGIN: Duration = Duration::from_secs(2);
 pub const BYPASS_CHANGES: usize = 2;
 /// The window for [`BYPASS_CHANGES`], and how long holding then stays off.
 pub const BYPASS_WINDOW: Duration = Duration::from_secs(600);
+/// How long after a dispatch oqp did not record a poll may show the model it loaded.
+pub const UNCOUNTED_GRACE: Duration = Duration::from_secs(60);
+/// The most uncounted dispatches remembered per host (each excuses one unexplained model).
+const UNCOUNTED_KEPT: usize = 64;
 /// The load cost assumed for a model never seen loading.
 pub const DEFAULT_LOAD_COST: Duration = Duration::from_secs(3);
 /// The largest VRAM-to-disk ratio used to estimate an unseen model's footprint.
@@ -172,6 +180,9 @@ pub struct HostVram {
     /// them is no sign of clients going around oqp.
     recent: HashMap<String, Instant>,
     foreign: VecDeque<Instant>,
+    /// The wall-clock times of dispatches here whose model this view did not record, oldest
+    /// first: each excuses one unexplained model in a poll within [`UNCOUNTED_GRACE`].
+    uncounted: VecDeque<SystemTime>,
     bypassed_until: Option<Instant>,
     switches: u64,
     loads: u64,
@@ -266,7 +277,7 @@ impl HostVram {
         self.recent
             .retain(|_, at| now.saturating_duration_since(*at) <= BYPASS_WINDOW);
         let fresh = |at: &SystemTime| checked < *at + POLL_MARGIN;
-        let mut foreign = false;
+        let mut foreign = 0usize;
         let mut next: Vec<Model> = Vec::with_capacity(polled.len());
         for (name, bytes) in &polled {
             match self.resident.iter().find(|m| &m.name == name) {
@@ -277,7 +288,9 @@ impl HostVram {
                 // Evicted here just before the poll: it may still show.
                 None if self.gone.get(name).is_some_and(fresh) => {}
                 None => {
-                    foreign |= !first && !self.recent.contains_key(name);
+                    if !first && !self.recent.contains_key(name) {
+                        foreign += 1;
+                    }
                     next.push(Model {
                         name: name.clone(),
                         bytes: *bytes,
@@ -297,7 +310,7 @@ impl HostVram {
             }
         }
         self.resident = next;
-        if foreign {
+        if foreign > self.excuse(foreign, checked) {
             self.foreign_change(now, wall);
         }
         self.trim(wall);
@@ -333,6 +346,40 @@ impl HostVram {
         self.gone.insert(gone.name, wall);
         self.changed_at = Some(wall);
         true
+    }
+
+    /// A request was sent here at `wall` whose model this view did not record: the model it
+    /// loads, if any, is oqp's doing, not a client's around it.
+    pub fn uncounted(&mut self, wall: SystemTime) {
+        if self.cloud {
+            return;
+        }
+        if self.uncounted.len() >= UNCOUNTED_KEPT {
+            self.uncounted.pop_front();
+        }
+        self.uncounted.push_back(wall);
+    }
+
+    /// Uses up to `count` uncounted dispatches that a poll taken at `checked` may show (sent
+    /// at most [`UNCOUNTED_GRACE`] before it, or within [`POLL_MARGIN`] after: the clocks of
+    /// two boxes differ a little); forgets those too old for any later poll. Returns how many
+    /// unexplained models they excuse.
+    fn excuse(&mut self, count: usize, checked: SystemTime) -> usize {
+        self.uncounted
+            .retain(|at| checked.duration_since(*at).unwrap_or_default() <= UNCOUNTED_GRACE);
+        let mut excused = 0;
+        while excused < count {
+            let usable = self
+                .uncounted
+                .iter()
+                .position(|at| *at <= checked + POLL_MARGIN);
+            let Some(index) = usable else {
+                break;
+            };
+            self.uncounted.remove(index);
+            excused += 1;
+        }
+        excused
     }
 
     fn foreign_change(&mut self, now: Instant, _wall: SystemTime) {

@@ -18,7 +18,7 @@
 //! ```
 //!
 //! Layout: `builder` (configuration), `handle` (the test's remote control), `server` (accept
-//! loop and connections), `routes` (dispatch), `native`, `embed`, `admin`, `openai` (endpoints),
+//! loop and connections), `routes` (dispatch), `native`, `embed`, `admin`, `openai`, `audio` (endpoints),
 //! `stream` (admission and the line engine), `slots`, `models`, `cloud`, `record`, `state`,
 //! `gojson` (Go-like decoding errors), `vram` (the faithful VRAM mode: residency, the cold
 //! queue, eviction, load and unload times) and `wire` (response helpers).
@@ -29,6 +29,7 @@
 
 mod admin;
 mod agents;
+mod audio;
 mod builder;
 mod cloud;
 mod embed;

@@ -19,8 +19,8 @@ use super::schema::{
 };
 use super::types::{
     AffinityConfig, AuthConfig, CacheBackend, DashboardConfig, EmbeddingCacheConfig,
-    FairShareConfig, KeepAliveConfig, LoggingConfig, ModelSwapConfig, ProxyConfig, QueueConfig,
-    RateLimitConfig, RoutingConfig, TierConfig, WebhooksConfig,
+    FairShareConfig, KeepAliveConfig, LoggingConfig, MetadataRateLimitConfig, ModelSwapConfig,
+    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, WebhooksConfig,
 };
 
 /// Runs `check` and returns its value only if it recorded no error.
@@ -503,11 +503,37 @@ pub(crate) fn auth(
             );
         }
         let rate_limit = raw.rate_limit.unwrap_or_default();
+        let metadata = raw.metadata_rate_limit.unwrap_or_default();
+        let metadata_defaults = MetadataRateLimitConfig::default();
+        let metadata_rate_limit = MetadataRateLimitConfig {
+            per_second: ranged(
+                metadata.per_second,
+                metadata_defaults.per_second,
+                0..=100_000,
+                problems,
+                |n| {
+                    format!(
+                        "auth.metadata_rate_limit.per_second must be between 0 (no limit) and \
+                         100000, got {n}"
+                    )
+                },
+            ),
+            burst: ranged(
+                metadata.burst,
+                metadata_defaults.burst,
+                1..=1_000_000,
+                problems,
+                |n| {
+                    format!("auth.metadata_rate_limit.burst must be between 1 and 1000000, got {n}")
+                },
+            ),
+        };
         let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default(), problems);
         AuthConfig {
             enabled,
             keys,
             trusted_proxies,
+            metadata_rate_limit,
             rate_limit: RateLimitConfig {
                 max_failures: at_least(
                     rate_limit.max_failures,

@@ -183,6 +183,14 @@ pub(crate) struct RawAuth {
     pub keys: Option<Value>,
     pub rate_limit: Option<RawRateLimit>,
     pub trusted_proxies: Option<Vec<Text>>,
+    pub metadata_rate_limit: Option<RawMetadataRateLimit>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawMetadataRateLimit {
+    pub per_second: Option<Int>,
+    pub burst: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

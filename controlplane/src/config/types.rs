@@ -182,6 +182,25 @@ pub struct AuthConfig {
     /// `auth.trusted_proxies`: CIDRs (normalised, e.g. `10.0.0.0/8`) whose `X-Forwarded-For`
     /// names the client address for the throttle and logs. Empty: the header is ignored.
     pub trusted_proxies: Vec<String>,
+    pub metadata_rate_limit: MetadataRateLimitConfig,
+}
+
+/// `auth.metadata_rate_limit`: metadata reads per client (a token bucket).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetadataRateLimitConfig {
+    /// Reads added to a client's bucket per second; 0 = no limit.
+    pub per_second: u32,
+    /// The bucket's size; at least 1.
+    pub burst: u32,
+}
+
+impl Default for MetadataRateLimitConfig {
+    fn default() -> Self {
+        Self {
+            per_second: 20,
+            burst: 100,
+        }
+    }
 }
 
 /// `auth.rate_limit`: the failed-authentication throttle (per client IP).

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures_util::Stream;
+use oqp_dataplane::node_keys;
 use oqp_proto::admin::v1::{self as api, admin_service_server::AdminService};
 use oqp_proto::policy::v1 as wire;
 use sha2::{Digest, Sha256};
@@ -96,7 +97,10 @@ impl AdminApi {
                         .metadata()
                         .get(oqp_proto::NODE_TOKEN_METADATA)
                         .and_then(|value| value.to_str().ok())
-                        .is_some_and(|presented| super::secrets_match(presented, expected.expose()))
+                        .is_some_and(|presented| {
+                            let expected = node_keys::admin_credential(expected.expose());
+                            super::secrets_match(presented, &expected)
+                        })
                 });
             if needed == Scope::Read
                 || open_change_allowed(request.remote_addr(), request.local_addr(), token)
@@ -983,10 +987,24 @@ mod tests {
             .await
             .unwrap();
 
+        // The node token itself, or the key derived from it for the policy service, opens
+        // nothing here: only the admin credential derived from it does.
+        for presented in [
+            "sk-node-0123456789".to_owned(),
+            node_keys::grpc_credential("sk-node-0123456789"),
+        ] {
+            let mut other = from_peer("192.168.1.20:5000", pause());
+            other
+                .metadata_mut()
+                .insert(oqp_proto::NODE_TOKEN_METADATA, presented.parse().unwrap());
+            assert!(api.pause_tier(other).await.is_err(), "{presented}");
+        }
         let mut with_token = from_peer("192.168.1.20:5000", pause());
         with_token.metadata_mut().insert(
             oqp_proto::NODE_TOKEN_METADATA,
-            "sk-node-0123456789".parse().unwrap(),
+            node_keys::admin_credential("sk-node-0123456789")
+                .parse()
+                .unwrap(),
         );
         api.pause_tier(with_token).await.unwrap();
         api.resume_tier(from_peer("127.0.0.1:5000", pause()))

@@ -67,7 +67,8 @@ impl PolicyApi {
             .get(oqp_proto::NODE_TOKEN_METADATA)
             .and_then(|value| value.to_str().ok())
             .unwrap_or_default();
-        if super::secrets_match(presented, expected.expose()) {
+        let expected = oqp_dataplane::node_keys::grpc_credential(expected.expose());
+        if super::secrets_match(presented, &expected) {
             Ok(())
         } else if config.control_plane.node_token.is_some() {
             Err(Status::unauthenticated("invalid node token"))

@@ -106,6 +106,17 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                     .collect::<Result<_, _>>()
                     .map_err(|e| PolicyError::new(format!("auth.trusted_proxies: {e}")))?
             },
+            metadata_rate: if auth.metadata_per_second > 100_000 || auth.metadata_burst > 1_000_000
+            {
+                return Err(PolicyError::new(
+                    "auth.metadata_rate_limit: at most 100000 per second and a burst of 1000000",
+                ));
+            } else {
+                MetadataRate {
+                    per_second: auth.metadata_per_second,
+                    burst: auth.metadata_burst.max(1),
+                }
+            },
         };
 
         let mut clients = HashMap::new();

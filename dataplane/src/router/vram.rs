@@ -137,8 +137,9 @@ impl Router {
     ) -> Offer<Placement> {
         match self.choose_affine(model, chain, strategy, false, now) {
             Choice::Run(mut placement) => {
-                if let Some(name) = model {
-                    self.record(&mut placement, &ModelKey::new(name), now);
+                match model {
+                    Some(name) => self.record(&mut placement, &ModelKey::new(name), now),
+                    None => self.uncounted(&placement.host.name),
                 }
                 Offer::Run(placement)
             }
@@ -148,13 +149,15 @@ impl Router {
     }
 
     /// Records a request for `key` sent to the placement's host in that host's VRAM view, if
-    /// the host has the model (a model it lacks is answered 404 and never becomes resident);
-    /// sets `loads`. The first dispatch of a switch's model completes the switch.
+    /// the host has the model (a model it lacks is answered 404 and never becomes resident, or
+    /// was installed since the last poll: marked [`uncounted`](Self::uncounted)); sets `loads`.
+    /// The first dispatch of a switch's model completes the switch.
     fn record(&mut self, placement: &mut Placement, key: &ModelKey, now: Instant) {
         let Some(state) = self.state_of(&placement.host.name) else {
             return;
         };
         if state.rank(key, true) == super::Rank::Missing {
+            state.vram.uncounted(SystemTime::now());
             return;
         }
         placement.loads = state.vram.dispatched(&key.local, now, SystemTime::now());
@@ -187,10 +190,19 @@ impl Router {
             state.unfit = false;
         }
         let mut placement = chosen?;
-        if let Some(key) = &key {
-            self.record(&mut placement, key, now);
+        match &key {
+            Some(key) => self.record(&mut placement, key, now),
+            None => self.uncounted(&placement.host.name),
         }
         Some(placement)
+    }
+
+    /// A request whose model is not read (a route oqp does not look into) was sent to `host`:
+    /// whatever it loads there is oqp's doing (see [`crate::swap`]).
+    fn uncounted(&mut self, host: &str) {
+        if let Some(state) = self.state_of(host) {
+            state.vram.uncounted(SystemTime::now());
+        }
     }
 
     /// A request for `model` recorded on `host` will not run there after all (it failed over

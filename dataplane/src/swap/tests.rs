@@ -268,6 +268,37 @@ fn models_loaded_around_oqp_turn_holding_off_for_the_host() {
 }
 
 #[test]
+fn a_model_loaded_by_a_request_oqp_sent_uncounted_is_excused_once_and_only_within_the_grace() {
+    let now = Instant::now();
+    let t0 = SystemTime::now();
+    let at = |s: u64| t0 + Duration::from_secs(s);
+    let poll = |vram: &mut HostVram, model: &str, s: u64| {
+        vram.apply(
+            &host(Some(10 * GIB), &[(model, 6 * GIB)], at(s)),
+            now,
+            at(s),
+        );
+    };
+    let mut vram = HostVram::new(&host(Some(10 * GIB), &[("a", 6 * GIB)], t0), now);
+    // Two requests sent without their model recorded, each shown loading by the next poll.
+    vram.uncounted(at(5));
+    poll(&mut vram, "b", 10);
+    vram.uncounted(at(15));
+    poll(&mut vram, "a", 20);
+    assert!(!vram.bypassed(now), "oqp sent both: {:?}", vram.stat(now));
+    // One uncounted dispatch excuses one model, not a later one as well.
+    vram.uncounted(at(25));
+    poll(&mut vram, "b", 30);
+    poll(&mut vram, "a", 40);
+    assert!(!vram.bypassed(now), "one change around oqp is not enough");
+    // Nor one older than the grace, nor one the poll predates.
+    vram.uncounted(at(50));
+    vram.uncounted(at(200));
+    poll(&mut vram, "b", 50 + UNCOUNTED_GRACE.as_secs() + 1);
+    assert!(vram.bypassed(now), "{:?}", vram.stat(now));
+}
+
+#[test]
 fn the_load_cost_is_learned_from_load_durations_and_defaults_to_a_few_seconds() {
     let now = Instant::now();
     let wall = SystemTime::now();

@@ -199,6 +199,9 @@ ollama:
   enabled: true
   rate_limit:
     max_failures: 1000000
+  metadata_rate_limit:
+    per_second: 100000
+    burst: 1000000
   keys:
     - key: "{USER_KEY}"
       client_id: user

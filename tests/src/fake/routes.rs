@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 use super::record::{RecordedRequest, bearer};
 use super::state::{ConnCtl, Ctx, Shared, Tracker};
 use super::wire::{Reply, empty, method_not_allowed, route_not_found};
-use super::{admin, agents, embed, native, openai};
+use super::{admin, agents, audio, embed, native, openai};
 
 /// The routes the fake serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,6 +48,7 @@ enum Endpoint {
     OpenAiEmbeddings,
     Models,
     Model(String),
+    Transcriptions,
 }
 
 /// Serves one request on a connection (the hyper service).
@@ -158,6 +159,7 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
         Endpoint::OpenAiEmbeddings => openai::embeddings(ctx, body).await,
         Endpoint::Models => Ok(openai::models(ctx)),
         Endpoint::Model(id) => Ok(openai::model(ctx, &id)),
+        Endpoint::Transcriptions => audio::transcriptions(ctx, body).await,
     };
     outcome.unwrap_or_else(|reply| reply)
 }
@@ -223,6 +225,7 @@ fn endpoint(path: &str, cloud: bool) -> Option<Endpoint> {
         "/v1/responses" => Endpoint::Responses,
         "/v1/embeddings" => Endpoint::OpenAiEmbeddings,
         "/v1/models" => Endpoint::Models,
+        "/v1/audio/transcriptions" => Endpoint::Transcriptions,
         _ => {
             if let Some(digest) = path
                 .strip_prefix("/api/blobs/")

@@ -315,7 +315,9 @@ async fn the_grpc_port_pings_and_closes_a_silent_peer_while_its_data_plane_stays
     });
     hello.metadata_mut().insert(
         oqp_proto::NODE_TOKEN_METADATA,
-        stack.control.node_token().parse().unwrap(),
+        oqp_dataplane::node_keys::grpc_credential(stack.control.node_token())
+            .parse()
+            .unwrap(),
     );
     let mut snapshots = watcher.watch_policy(hello).await.unwrap().into_inner();
     assert!(snapshots.message().await.unwrap().is_some());

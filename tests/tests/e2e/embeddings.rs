@@ -83,6 +83,79 @@ async fn override_replaces_the_clients_keep_alive() {
     stack.shutdown().await;
 }
 
+/// One POST with a bearer key, answered 200.
+async fn post_as(http: &HttpClient, url: &str, key: &str, body: &str) {
+    let auth = format!("Bearer {key}");
+    let reply = http
+        .send(
+            "POST".parse().unwrap(),
+            url,
+            &[
+                ("content-type", "application/json"),
+                ("authorization", auth.as_str()),
+            ],
+            body.to_owned(),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+#[tokio::test]
+async fn while_holding_is_on_only_a_management_key_keeps_its_own_keep_alive() {
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let keys = "keep_alive:\n  default: \"10m\"\nauth:\n  enabled: true\n  keys:\n    \
+                - key: \"sk-tenant-0123456789\"\n      client_id: tenant\n    \
+                - key: \"sk-admin-01234567890\"\n      client_id: admin\n      \
+                scope: management\n";
+    let http = HttpClient::new();
+    let generate = r#"{"model":"llama3","prompt":"x","stream":false,"keep_alive":0}"#;
+    let replaced = r#"{"model":"llama3","prompt":"x","stream":false,"keep_alive":"10m"}"#;
+    let embed = r#"{"model":"all-minilm","input":"x","keep_alive":0}"#;
+    let embed_replaced = r#"{"model":"all-minilm","input":"x","keep_alive":"10m"}"#;
+    let last = |path: &str| {
+        let seen = fake.handle().requests_to(path);
+        String::from_utf8_lossy(&seen.last().unwrap().body).into_owned()
+    };
+
+    // Holding on (the default): a tenant's `keep_alive: 0` would unload a model every tenant
+    // shares; it gets the default, on the queued path and through the embedding cache.
+    let extra = format!("{keys}{MEMORY_CACHE}");
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    let url = |path: &str| format!("{}{path}", stack.url());
+    post_as(
+        &http,
+        &url("/api/generate"),
+        "sk-tenant-0123456789",
+        generate,
+    )
+    .await;
+    assert_eq!(last("/api/generate"), replaced);
+    post_as(&http, &url("/api/embed"), "sk-tenant-0123456789", embed).await;
+    assert_eq!(last("/api/embed"), embed_replaced);
+    // The operator's management key keeps its own.
+    post_as(
+        &http,
+        &url("/api/generate"),
+        "sk-admin-01234567890",
+        generate,
+    )
+    .await;
+    assert_eq!(last("/api/generate"), generate);
+    stack.shutdown().await;
+
+    // Holding off: every client's own value passes, as `keep_alive.override: false` says.
+    let extra = format!("{keys}queue:\n  model_swap:\n    enabled: false\n");
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    let url = format!("{}/api/generate", stack.url());
+    post_as(&http, &url, "sk-tenant-0123456789", generate).await;
+    assert_eq!(last("/api/generate"), generate);
+    stack.shutdown().await;
+}
+
 fn decode_base64(embedding: &Value) -> Vec<f32> {
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(embedding.as_str().unwrap())

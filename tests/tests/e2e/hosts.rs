@@ -445,7 +445,9 @@ async fn report_events_and_key_events_become_webhooks() {
     });
     report.metadata_mut().insert(
         oqp_proto::NODE_TOKEN_METADATA,
-        stack.control.node_token().parse().unwrap(),
+        oqp_dataplane::node_keys::grpc_credential(stack.control.node_token())
+            .parse()
+            .unwrap(),
     );
     policy.report_status(report).await.expect("report");
     // Filtering is synchronous: the unsubscribed event was never queued.

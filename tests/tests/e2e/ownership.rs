@@ -269,9 +269,12 @@ async fn a_second_data_plane_with_an_owners_name_is_refused() {
         node: "b".to_owned(),
         ..NodeHello::default()
     });
-    hello
-        .metadata_mut()
-        .insert("x-oqp-node-token", TOKEN.parse().unwrap());
+    hello.metadata_mut().insert(
+        "x-oqp-node-token",
+        oqp_dataplane::node_keys::grpc_credential(TOKEN)
+            .parse()
+            .unwrap(),
+    );
     let refused = policy
         .watch_policy(hello)
         .await
@@ -480,6 +483,127 @@ async fn a_hop_header_accepted_before_the_owner_restarted_is_refused_after() {
         "a replay after a restart"
     );
     assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn each_key_derived_from_the_node_token_opens_only_its_own_door() {
+    use oqp_dataplane::hop::{self, Assertion, HopKey};
+    use oqp_dataplane::node_keys;
+    use oqp_proto::policy::v1::NodeHello;
+    use oqp_proto::policy::v1::policy_service_client::PolicyServiceClient;
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let (stack, b) = edge_and_b(&owned_by_b(&fake.url())).await;
+    let body = br#"{"model":"llama3","prompt":"hi","stream":false}"#;
+    let http = HttpClient::new();
+    let url = format!("http://{}/api/generate", b.local_addr());
+    // A hop to b signed with the key `token` derives, as an edge signs it.
+    let hop_with = |token: String, id: &'static str| {
+        let (http, url) = (&http, &url);
+        async move {
+            let assertion = Assertion {
+                node: "local".into(),
+                client: "someone".into(),
+                verified: false,
+                tier: oqp_dataplane::scheduler::Tier::High,
+                body: Some(hop::body_digest(body)),
+            };
+            let request = hop::Request {
+                to: "b",
+                id,
+                method: &http::Method::POST,
+                path: "/api/generate",
+            };
+            let header = HopKey::new(&token).unwrap().sign(
+                &assertion,
+                request,
+                std::time::SystemTime::now(),
+            );
+            let request = serde_json::from_slice::<serde_json::Value>(body).unwrap();
+            let header = header.to_str().unwrap().to_owned();
+            http.post_json(
+                url,
+                &[("x-oqp-hop", &header), ("x-request-id", id)],
+                &request,
+            )
+            .await
+            .status
+        }
+    };
+    // What a data plane presents on the policy link (readable by whoever sees that link)
+    // and on the admin API cannot sign a hop.
+    let grpc = node_keys::grpc_credential(TOKEN);
+    let admin = node_keys::admin_credential(TOKEN);
+    assert_eq!(hop_with(grpc.clone(), "rid-grpc").await, 401);
+    assert_eq!(hop_with(admin.clone(), "rid-admin").await, 401);
+    assert!(fake.handle().requests_to("/api/generate").is_empty());
+    assert_eq!(hop_with(TOKEN.to_owned(), "rid-token").await, 200);
+    // Only the policy link's own key opens the policy service: not the token itself, not
+    // the hop key, not the admin credential.
+    let watch = |presented: String| {
+        let control = stack.control_url();
+        async move {
+            let mut policy = PolicyServiceClient::connect(control).await.unwrap();
+            let mut hello = tonic::Request::new(NodeHello {
+                node: "watcher".to_owned(),
+                ..NodeHello::default()
+            });
+            hello
+                .metadata_mut()
+                .insert(oqp_proto::NODE_TOKEN_METADATA, presented.parse().unwrap());
+            policy
+                .watch_policy(hello)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.code())
+        }
+    };
+    let hop_key: String = node_keys::hop_key(TOKEN)
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect();
+    for presented in [TOKEN.to_owned(), hop_key, admin] {
+        assert_eq!(
+            watch(presented.clone()).await,
+            Err(tonic::Code::Unauthenticated),
+            "{presented}"
+        );
+    }
+    assert_eq!(watch(grpc).await, Ok(()));
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_cloud_hosts_keys_reach_only_the_data_plane_that_owns_it() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let cloud = FakeOllama::builder()
+        .cloud(&["ck-first"])
+        .model("gpt-oss:20b")
+        .spawn()
+        .await;
+    let yaml = format!(
+        "control_plane: {{node_token: {TOKEN}}}\nnodes: {{local: {{port: 0}}, b: {{port: 0}}}}\n\
+         ollama:\n  hosts:\n    - {{url: \"{}\", name: gpu, node: local}}\n    \
+         - {{url: \"{}\", name: cloud, kind: cloud, node: b, api_keys: [{{key: ck-first}}]}}\n",
+        fake.url(),
+        cloud.url()
+    );
+    let (stack, b) = edge_and_b(&yaml).await;
+    let keys = |hosts: &[std::sync::Arc<oqp_dataplane::policy::Host>]| {
+        hosts
+            .iter()
+            .find(|host| &*host.name == "cloud")
+            .map(|host| host.cloud_keys.len())
+    };
+    // The owner has the key and sends to the host; the other data plane only forwards to
+    // the owner and never holds it.
+    let owner = b.app().store.load();
+    assert_eq!(keys(&owner.hosts), Some(1));
+    let edge = stack.control.dataplane().unwrap().app().store.load();
+    assert_eq!(keys(&edge.hosts), None);
+    assert_eq!(keys(&edge.remote), Some(0));
     b.shutdown().await;
     stack.shutdown().await;
 }

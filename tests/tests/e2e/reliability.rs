@@ -345,8 +345,13 @@ async fn bad_input_stack() -> (FakeOllama, Stack) {
         .slots(2)
         .spawn()
         .await;
-    let yaml =
-        one_host(&fake.url(), 2, "").replace("proxy:\n", "proxy:\n  max_request_body_mb: 1\n");
+    // The other clients beside the bad input flood the metadata path: no per-client limit.
+    let yaml = one_host(
+        &fake.url(),
+        2,
+        "auth:\n  metadata_rate_limit:\n    per_second: 0\n",
+    )
+    .replace("proxy:\n", "proxy:\n  max_request_body_mb: 1\n");
     let stack = Stack::start(&yaml).await;
     (fake, stack)
 }

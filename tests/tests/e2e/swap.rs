@@ -640,3 +640,84 @@ async fn a_switch_waits_for_a_long_request_at_most_max_defer_and_its_requester_p
     }
     stack.shutdown().await;
 }
+
+/// One `POST /v1/audio/transcriptions` for `model` through oqp with `key`: a route oqp queues
+/// without reading its body, so the model it loads is not in oqp's view of the host.
+async fn transcribe(base: &str, model: &str, key: &str) {
+    let boundary = "oqp-test-boundary";
+    let body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n{model}\r\n\
+         --{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\
+         Content-Type: audio/wav\r\n\r\nRIFF\r\n--{boundary}--\r\n"
+    );
+    let auth = format!("Bearer {key}");
+    let content_type = format!("multipart/form-data; boundary={boundary}");
+    let reply = HttpClient::new()
+        .send(
+            "POST".parse().unwrap(),
+            &format!("{base}/v1/audio/transcriptions"),
+            &[
+                ("authorization", auth.as_str()),
+                ("content-type", content_type.as_str()),
+            ],
+            body,
+        )
+        .await;
+    assert!(reply.status.is_success(), "{}", reply.text());
+}
+
+#[tokio::test]
+async fn models_a_tenant_loads_through_oqp_on_uncounted_routes_do_not_turn_holding_off() {
+    let _exclusive = crate::support::exclusive().await;
+    let fake = FakeOllama::builder()
+        .model("alpha")
+        .model("beta")
+        .model("gamma")
+        .loaded("alpha")
+        .slots(1)
+        .vram(10 * GIB)
+        .model_size("alpha", 8 * GIB)
+        .model_size("beta", 8 * GIB)
+        .model_size("gamma", 8 * GIB)
+        .load_time(LOAD)
+        .unload_time(UNLOAD)
+        .latency(SERVICE)
+        .spawn()
+        .await;
+    let yaml = config(&fake.url(), true).replace(
+        "      vram: 10GiB\n",
+        "      vram: 10GiB\n      model_sync_interval: 1\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
+    // Resident with its footprint, as a poll showed it.
+    let resident = |model: &str| {
+        dispatcher.swap_stats()[0]
+            .resident
+            .iter()
+            .any(|(name, bytes)| name.starts_with(model) && *bytes == 8 * GIB)
+    };
+    assert!(eventually(Duration::from_secs(10), || resident("alpha")).await);
+    // One tenant loads two models through oqp on a route whose model oqp does not read: each
+    // shows up only in a later poll, as a model oqp's view did not load.
+    for model in ["gamma", "beta"] {
+        transcribe(&stack.url(), model, "sk-yvonne-0123456789").await;
+        assert!(
+            eventually(Duration::from_secs(10), || resident(model)).await,
+            "{:?}",
+            dispatcher.swap_stats()
+        );
+        assert!(
+            !dispatcher.swap_stats()[0].bypassed,
+            "{model} was loaded through oqp: {:?}",
+            dispatcher.swap_stats()
+        );
+    }
+    // Holding still works for the others: alpha does not fit beside beta, so xavier's request
+    // is held and switched to, as a batch would be.
+    let reply = generate(stack.url(), "alpha", Some("sk-xavier-0123456789")).await;
+    assert!(reply.status.is_success(), "{}", reply.text());
+    let stat = &dispatcher.swap_stats()[0];
+    assert!(stat.switches >= 1 && !stat.bypassed, "{stat:?}");
+    stack.shutdown().await;
+}

@@ -520,3 +520,59 @@ async fn free_port() -> u16 {
     let listener = oqp_tests::harness::loopback().await;
     listener.local_addr().unwrap().port()
 }
+
+#[tokio::test]
+async fn metadata_reads_are_limited_per_client_with_retry_after() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let yaml = config(&fake.url(), "").replace(
+        "  rate_limit:\n",
+        "  metadata_rate_limit: {per_second: 1, burst: 3}\n  rate_limit:\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    let http = HttpClient::new();
+    let show = |key: &'static str| {
+        let (http, url) = (&http, format!("{}/api/show", stack.url()));
+        async move {
+            let auth = bearer(key);
+            http.post_json(
+                &url,
+                &[("authorization", &auth)],
+                &json!({"model": "llama3"}),
+            )
+            .await
+        }
+    };
+    // One client reads until refused: its burst of 3, plus at most what refilled meanwhile.
+    let started = std::time::Instant::now();
+    let mut served = 0;
+    let refused = loop {
+        let reply = show("sk-chat-0123456789").await;
+        if reply.status != 200 {
+            break reply;
+        }
+        served += 1;
+        assert!(served < 20, "never limited");
+    };
+    let refilled = started.elapsed().as_secs_f64().ceil() as usize;
+    assert!((3..=3 + refilled).contains(&served), "{served}");
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.header("retry-after").as_deref(), Some("1"));
+    assert_eq!(refused.json()["error"], "too many metadata requests");
+    // The refused read never reached the host; another client has its own bucket.
+    let chats = fake
+        .handle()
+        .requests_to("/api/show")
+        .iter()
+        .filter(|request| request.header("x-client-id").as_deref() == Some("chat"))
+        .count();
+    assert_eq!(chats, served);
+    let tags = http
+        .get(
+            &format!("{}/api/tags", stack.url()),
+            &[("authorization", &bearer("sk-normal-0123456789"))],
+        )
+        .await;
+    assert_eq!(tags.status, 200, "{}", tags.text());
+    assert_eq!(show("sk-normal-0123456789").await.status, 200);
+    stack.shutdown().await;
+}

@@ -2,7 +2,8 @@
 //! with a node token — its own when none is configured, which the in-process data plane
 //! presents — bounds what an authenticated reporter claims by what its slots could have
 //! done, and refuses an epoch far ahead of its clock, so that the real data plane's reports
-//! still count after one. And a tenant's own key reads only its own usage, keys and client.
+//! still count after one. And a tenant's own key reads only its own usage, keys and client, on
+//! the admin API and in the data plane's `/queue/status`.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -41,9 +42,12 @@ async fn forge(
         ..NodeReport::default()
     });
     if let Some(token) = token {
-        request
-            .metadata_mut()
-            .insert(oqp_proto::NODE_TOKEN_METADATA, token.parse().unwrap());
+        request.metadata_mut().insert(
+            oqp_proto::NODE_TOKEN_METADATA,
+            oqp_dataplane::node_keys::grpc_credential(token)
+                .parse()
+                .unwrap(),
+        );
     }
     client
         .report_status(request)
@@ -211,6 +215,38 @@ async fn a_tenants_key_sees_only_its_own_usage_keys_and_client() {
     let (usage, keys, _) = as_key(super::ADMIN_KEY).await;
     assert_eq!(usage.total.unwrap_or_default().requests, 2);
     assert!(keys.len() >= 3, "{keys:?}");
+    // The data plane's /queue/status: the tenant's key sees its own usage today, not the
+    // other tenant's (whose row, and queue figures, stay for the dashboard); the
+    // management key sees both.
+    let status = |key: &str| {
+        let url = format!("{}/queue/status", stack.url());
+        let auth = format!("Bearer {key}");
+        async move {
+            oqp_tests::client::HttpClient::new()
+                .get(&url, &[("authorization", &auth)])
+                .await
+                .json()
+        }
+    };
+    let seen = status(super::CHAT_KEY).await;
+    assert_eq!(
+        seen["clients"]["chat"]["usage_today"]["requests"], 1,
+        "{seen}"
+    );
+    assert_eq!(seen["clients"]["batch"]["processed"], 1, "{seen}");
+    assert!(
+        seen["clients"]["batch"].get("usage_today").is_none(),
+        "{seen}"
+    );
+    let seen = status(super::ADMIN_KEY).await;
+    assert_eq!(
+        seen["clients"]["batch"]["usage_today"]["requests"], 1,
+        "{seen}"
+    );
+    assert_eq!(
+        seen["clients"]["chat"]["usage_today"]["requests"], 1,
+        "{seen}"
+    );
     stack.shutdown().await;
 }
 
