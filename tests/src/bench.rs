@@ -62,9 +62,11 @@ pub const SCENARIO_FORWARDED: &str = "forwarded";
 pub const SCENARIO_SWAP: &str = "model swap";
 /// A three-model mix on per-model runners: Ollama alone, oqp with per-box and per-runner slots.
 pub const SCENARIO_RUNNERS: &str = "runners";
+/// Conversation affinity.
+pub const SCENARIO_AFFINITY: &str = "affinity";
 
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 15] = [
+pub const SCENARIOS: [&str; 16] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -80,6 +82,7 @@ pub const SCENARIOS: [&str; 15] = [
     SCENARIO_FORWARDED,
     SCENARIO_SWAP,
     SCENARIO_RUNNERS,
+    SCENARIO_AFFINITY,
 ];
 
 /// The command documented in the README.
@@ -202,6 +205,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_FORWARDED], scenarios::forwarded::run);
     scenario!(&[SCENARIO_SWAP], scenarios::swap::run);
     scenario!(&[SCENARIO_RUNNERS], scenarios::runners::run);
+    scenario!(&[SCENARIO_AFFINITY], scenarios::affinity::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);

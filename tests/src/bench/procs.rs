@@ -54,6 +54,9 @@ pub struct FakeSpec {
     /// Per-model runners with this many slots each (`--runners`), off when `None`; the chat
     /// model `qwen` is installed too.
     pub runners: Option<usize>,
+    /// The runners' prompt cache, with this prefill time per 1,000 uncached tokens
+    /// (`--prompt-cache-ms-per-1k`), off when `None`.
+    pub prompt_cache_ms_per_1k: Option<f64>,
 }
 
 /// The fake's VRAM mode: room for so many bytes of models, loads and unloads that take time.
@@ -92,6 +95,7 @@ impl Default for FakeSpec {
             tokens: 5,
             vram: None,
             runners: None,
+            prompt_cache_ms_per_1k: None,
         }
     }
 }
@@ -219,6 +223,9 @@ pub async fn spawn_fake(binaries: &Binaries, spec: FakeSpec) -> anyhow::Result<P
                 "--loaded",
                 "all-minilm",
             ]);
+    }
+    if let Some(ms) = spec.prompt_cache_ms_per_1k {
+        command.arg("--prompt-cache-ms-per-1k").arg(ms.to_string());
     }
     spawn_announcing("fake-ollama", command).await
 }

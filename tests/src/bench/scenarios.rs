@@ -2,6 +2,7 @@
 //! (direct to the fake, the minimal proxy, oqp), the oqp config they run on,
 //! and the requests they send.
 
+pub mod affinity;
 pub mod cache;
 pub mod cpu;
 pub mod fairness;

@@ -52,6 +52,10 @@ struct Args {
     /// embedding models); `--slots` then bounds the whole box.
     #[arg(long)]
     runners: Option<usize>,
+    /// With runners: model each slot's prompt cache, reading uncached prompt tokens at this
+    /// many milliseconds per 1,000.
+    #[arg(long)]
+    prompt_cache_ms_per_1k: Option<f64>,
     /// Keep only the latest N requests in memory.
     #[arg(long, default_value_t = 1024)]
     record_limit: usize,
@@ -104,6 +108,9 @@ async fn main() -> anyhow::Result<()> {
     }
     for name in &args.loaded {
         builder = builder.loaded(name);
+    }
+    if let Some(ms) = args.prompt_cache_ms_per_1k {
+        builder = builder.prompt_cache(ms);
     }
     if let Some(num_parallel) = args.runners {
         builder = builder.runners(num_parallel);
