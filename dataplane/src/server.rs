@@ -9,14 +9,9 @@
 pub mod watch;
 
 use std::convert::Infallible;
-use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
-
-use http::{Response, StatusCode};
 
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -26,7 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
 use crate::auth::ListenerKind;
-use crate::body::{self, Body};
 use crate::policy::ConnectionLimits;
 use crate::service;
 
@@ -148,11 +142,8 @@ async fn serve_connection(
         // watched instead (see `Tracked`).
         let stall =
             (request.version() == http::Version::HTTP_2).then_some(limits.client_stall_timeout);
-        let handler = Handler(tokio::spawn(async move {
-            service::handle(app, &kind, peer, request).await
-        }));
         async move {
-            let response = handler.await;
+            let response = service::handle(app, &kind, peer, request).await;
             Ok::<_, Infallible>(response.map(|body| Tracked::new(body, in_flight, stall)))
         }
     });
@@ -189,40 +180,6 @@ async fn serve_connection(
                 }
             }
         }
-    }
-}
-
-/// A request's handler, run as a task of its own rather than inside the
-/// connection's task: hyper's HTTP/1 dispatcher hands the request body to
-/// the handler through a channel and is told through another when the
-/// handler wants more, and inside one task each of those wakes the task
-/// from within its own poll, which the runtime answers by requeueing it and
-/// waking an idle worker thread (a futex wake and wait per wake, several per
-/// request). Across two tasks the same wakes are plain hand-offs on the
-/// current worker. Dropped (the client went away, or the connection
-/// closed), it aborts the task, so the work stops as it did before.
-struct Handler(tokio::task::JoinHandle<Response<Body>>);
-
-impl Future for Handler {
-    type Output = Response<Body>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        Pin::new(&mut self.0).poll(cx).map(|joined| {
-            joined.unwrap_or_else(|error| {
-                tracing::error!(%error, "request handler failed");
-                let mut response = body::json_response(
-                    serde_json::json!({ "error": "internal error" }),
-                );
-                *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-                response
-            })
-        })
-    }
-}
-
-impl Drop for Handler {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
