@@ -15,6 +15,7 @@
 //! [`run`] is the library entry: the binary calls it, and so does the smoke
 //! test (`--quick`, tiny counts).
 
+pub mod baseline;
 pub mod load;
 pub mod minimal;
 pub mod procs;
@@ -112,6 +113,13 @@ pub struct Args {
     /// Do not pin processes to CPUs.
     #[arg(long)]
     pub no_pin: bool,
+    /// The baseline to warn against (default: docs/bench-baseline.tsv in
+    /// the workspace).
+    #[arg(long)]
+    pub baseline: Option<PathBuf>,
+    /// Record this run's µs figures in the baseline (the rows it ran).
+    #[arg(long)]
+    pub write_baseline: bool,
     /// The fake-ollama binary (default: beside this one).
     #[arg(long)]
     pub fake_bin: Option<PathBuf>,
@@ -209,6 +217,38 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);
+    let baseline_path = args
+        .baseline
+        .clone()
+        .unwrap_or_else(|| workspace().join("docs/bench-baseline.tsv"));
+    let recorded = baseline::read(&baseline_path);
+    let figures = baseline::figures(&report);
+    // The quick run's counts are too small to compare with anything.
+    let warnings = if args.quick {
+        Vec::new()
+    } else {
+        baseline::regressions(&recorded, &figures)
+    };
+    for warning in &warnings {
+        eprintln!("oqp-bench: warning: slower than the baseline: {warning}");
+    }
+    if !warnings.is_empty() {
+        report.notes.push(String::new());
+        report.notes.push(format!(
+            "**Warning**: slower than the baseline (`{}`) by more than {:.0} µs:",
+            baseline_path
+                .strip_prefix(workspace())
+                .unwrap_or(&baseline_path)
+                .display(),
+            baseline::MARGIN_US
+        ));
+        report
+            .notes
+            .extend(warnings.iter().map(|warning| format!("- {warning}")));
+    }
+    if args.write_baseline {
+        write(&baseline_path, &baseline::render(&recorded, &figures))?;
+    }
     let text = report.to_markdown();
     let out = args
         .out

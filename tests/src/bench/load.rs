@@ -157,6 +157,28 @@ impl Conn {
         Ok((started.elapsed(), answer))
     }
 
+    /// Sends `request` and times it to the first byte of the answer's body
+    /// (then reads the rest, untimed).
+    pub async fn first_byte(&mut self, request: &Req) -> anyhow::Result<(Duration, Answer)> {
+        let started = Instant::now();
+        let response = self.start(request).await?;
+        let (parts, mut body) = response.into_parts();
+        let mut took = None;
+        let mut bytes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            if let Some(data) = frame?.data_ref() {
+                took.get_or_insert_with(|| started.elapsed());
+                bytes.extend_from_slice(data);
+            }
+        }
+        let answer = Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: bytes.into(),
+        };
+        Ok((took.unwrap_or_else(|| started.elapsed()), answer))
+    }
+
     /// Sends `request` and reads the answer line by line, noting when each
     /// line arrived. Returns when the request was sent, and the lines.
     pub async fn lines(&mut self, request: &Req) -> anyhow::Result<(Instant, Vec<Line>)> {

@@ -28,6 +28,9 @@ use crate::cluster::Cluster;
 
 /// The hop's added latency target, p50, in µs.
 const TARGET_US: f64 = 100.0;
+/// The hop's added latency at most this many times a minimal proxy's in the
+/// same place (the floor of one more pass through a proxy).
+const TARGET_RATIO: f64 = 2.0;
 /// Every line over the hop less than this late, in ms.
 const TARGET_MS: f64 = 5.0;
 /// The node token of the scenario's cluster.
@@ -362,6 +365,25 @@ fn push_rows(report: &mut Report, samples: &Samples, gap: Duration, tokens: usiz
             added.map(|added| {
                 added.median <= TARGET_US && samples.failures == 0 && all_forwarded
             }),
+        ),
+    );
+    let ratios: Vec<f64> = samples
+        .added
+        .iter()
+        .zip(&samples.minimal_added)
+        .filter(|(_, minimal)| **minimal > 0.0)
+        .map(|(hop, minimal)| hop / minimal)
+        .collect();
+    let ratio = Spread::of(&ratios);
+    report.push(
+        Row::new(
+            SCENARIO_FORWARDED,
+            "the hop's added latency ÷ the minimal proxy's in front of owner b (per round)",
+        )
+        .oqp(report::ratio(ratio))
+        .target(
+            &format!("hop ≤ {TARGET_RATIO:.0}× a minimal proxy"),
+            ratio.map(|ratio| ratio.median <= TARGET_RATIO && all_forwarded),
         ),
     );
     let incomplete = if samples.incomplete > 0 {

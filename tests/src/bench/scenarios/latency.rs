@@ -1,5 +1,5 @@
 //! Added latency, one request at a time: a metadata GET, a non-streamed
-//! generate and an embed, each sent to direct / minimal / oqp in turn
+//! generate, an embed and a streamed chat's first byte, each sent to direct / minimal / oqp in turn
 //! (the order rotating every request), so that each oqp sample has a
 //! minimal-proxy sample taken moments before or after it: the median of
 //! those paired differences is the figure least disturbed by the machine's
@@ -16,6 +16,18 @@ use crate::bench::{Bench, SCENARIO_LATENCY_PINNED, SCENARIO_LATENCY_UNPINNED};
 /// The added-latency target over the minimal proxy, pinned, in µs.
 const TARGET_US: f64 = 50.0;
 
+/// The streamed chat's row name: timed to its first body byte.
+const CHAT_FIRST_BYTE: &str = "POST /api/chat, streamed: first byte";
+
+/// A streamed `/api/chat` (timed to its first body byte).
+fn chat_stream(key: &str) -> Req {
+    Req::post(
+        "/api/chat",
+        Some(key),
+        r#"{"model":"llama3","messages":[{"role":"user","content":"Why is the sky blue?"}],"stream":true}"#,
+    )
+}
+
 /// Per-round figures of one endpoint.
 #[derive(Debug, Default)]
 struct Rounds {
@@ -30,10 +42,11 @@ struct Rounds {
 /// Runs both placements and adds their rows.
 pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let trio = Trio::start(bench, FakeSpec::default(), 64).await?;
-    let endpoints: [(&str, Req); 3] = [
+    let endpoints: [(&str, Req); 4] = [
         ("GET /api/tags", tags(USER_KEY)),
         ("POST /api/generate, not streamed", generate(USER_KEY)),
         ("POST /api/embed", embed(USER_KEY, "the quick brown fox")),
+        (CHAT_FIRST_BYTE, chat_stream(USER_KEY)),
     ];
     let own = std::process::id();
     let original = procs::affinity(own).unwrap_or_else(|| "0-1".to_owned());
@@ -49,7 +62,7 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let result = async {
         if pinned {
             for (name, request) in &endpoints {
-                let rounds = measure(bench, &trio, request).await?;
+                let rounds = measure(bench, &trio, request, *name == CHAT_FIRST_BYTE).await?;
                 push_rows(report, SCENARIO_LATENCY_PINNED, name, &rounds, true);
             }
         } else {
@@ -64,7 +77,7 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
             procs::pin(pid, &original);
         }
         for (name, request) in &endpoints {
-            let rounds = measure(bench, &trio, request).await?;
+            let rounds = measure(bench, &trio, request, *name == CHAT_FIRST_BYTE).await?;
             push_rows(report, SCENARIO_LATENCY_UNPINNED, name, &rounds, false);
         }
         anyhow::Ok(())
@@ -75,7 +88,14 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     result
 }
 
-async fn measure(bench: &Bench, trio: &Trio, request: &Req) -> anyhow::Result<Rounds> {
+/// `first_byte`: each sample is the time to the answer's first body byte,
+/// else to its end.
+async fn measure(
+    bench: &Bench,
+    trio: &Trio,
+    request: &Req,
+    first_byte: bool,
+) -> anyhow::Result<Rounds> {
     let per_round = size(bench, 1500, 40);
     let warm = size(bench, 200, 5);
     let mut rounds = Rounds::default();
@@ -92,7 +112,12 @@ async fn measure(bench: &Bench, trio: &Trio, request: &Req) -> anyhow::Result<Ro
         let mut samples: [Vec<f64>; 3] = Default::default();
         for i in 0..per_round {
             for target in Target::rotated(i + round) {
-                let (took, answer) = conns[target.index()].timed(request).await?;
+                let conn = &mut conns[target.index()];
+                let (took, answer) = if first_byte {
+                    conn.first_byte(request).await?
+                } else {
+                    conn.timed(request).await?
+                };
                 if !answer.status.is_success() {
                     rounds.failures += 1;
                 }
