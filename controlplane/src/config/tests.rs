@@ -1640,3 +1640,45 @@ fn key_models_and_users() {
         ]
     );
 }
+
+#[test]
+fn routing_affinity_reads_its_keys_and_names_a_bad_value() {
+    let loaded = load(&with_host(
+        "routing:\n  affinity:\n    enabled: false\n    session_header: X-Session-Id\n    epsilon: 0.5\n    \
+         share_across_keys: true\n    ram_cache_per_runner: 2\n    prefill_ms_per_1k: 100\n    max_conversations: 500\n",
+    ));
+    let affinity = &loaded.config.routing.affinity;
+    assert!(!affinity.enabled);
+    assert_eq!(affinity.session_header.as_deref(), Some("X-Session-Id"));
+    assert_eq!(affinity.epsilon, 0.5);
+    assert!(affinity.share_across_keys);
+    assert_eq!(affinity.ram_cache_per_runner, 2);
+    assert_eq!(affinity.prefill_ms_per_1k, 100.0);
+    assert_eq!(affinity.max_conversations, 500);
+    assert_eq!(
+        load(ONE_HOST).config.routing.affinity,
+        AffinityConfig::default()
+    );
+    let errors = problems_of(&with_host(
+        "routing:\n  affinity:\n    epsilon: -1\n    session_header: \"bad header\"\n    max_conversations: 0\n",
+    ));
+    assert_eq!(errors.len(), 3, "{errors:?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("routing.affinity.epsilon must be")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("routing.affinity.session_header 'bad header'")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.starts_with("routing.affinity.max_conversations must be")),
+        "{errors:?}"
+    );
+}

@@ -11,6 +11,7 @@
 use std::time::{Duration, Instant};
 
 use http::Method;
+use oqp_tests::bench::scenarios::affinity::filler;
 use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::{FakeHandle, FakeOllama};
 use oqp_tests::harness::Stack;
@@ -70,17 +71,6 @@ async fn gpu() -> FakeOllama {
         .prompt_cache(PREFILL_MS_PER_1K)
         .spawn()
         .await
-}
-
-/// Text of `bytes` bytes (4 a token) that no other conversation or turn shares.
-fn filler(conversation: usize, turn: usize, bytes: usize) -> String {
-    let head = format!("conversation {conversation} turn {turn}: ");
-    let mut text = head.clone();
-    while text.len() < bytes {
-        text.push_str("the history of an agent's work, file by file. ");
-    }
-    text.truncate(bytes);
-    text
 }
 
 /// One conversation's history.
