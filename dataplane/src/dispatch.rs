@@ -609,13 +609,6 @@ impl Dispatcher {
         self.lock().router.answered(slot, point);
     }
 
-    /// Placements so far by affinity outcome ([`crate::affinity::Outcome::ALL`]'s order),
-    /// and the conversations the index holds per runner.
-    pub fn affinity(&self) -> ([u64; 4], Vec<crate::affinity::RunnerWarmth>) {
-        let inner = self.lock();
-        (inner.router.affinity_counts(), inner.router.warmth())
-    }
-
     /// Gives a slot freed outside the usual paths (a lease moving to
     /// another host) to the requests already waiting.
     fn dispatch_freed(self: &Arc<Self>) {

@@ -355,9 +355,7 @@ async fn forward(
     let span = tracing::Span::current();
     span.record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
         .record("tier", tier.as_str());
-    let session = session_of(&identity, &parts.headers)
-        .or_else(|| affinity_session(policy, &parts.headers))
-        .map(str::to_owned);
+    let session = session_of(&identity, policy, &parts.headers).map(str::to_owned);
     if let Some(session) = &session {
         span.record("session", session.as_str());
     }
@@ -426,21 +424,23 @@ async fn forward(
     if let Some(model) = &model {
         identity.allow_model(model)?;
     }
+    // Its conversation, for a chat-shaped request (the keep_alive inserted below is not part
+    // of it).
+    let chain = conversation(
+        policy,
+        inference,
+        &outbound,
+        &body,
+        &client,
+        model.as_deref(),
+        session.as_deref(),
+    );
     if let Some(hop) = &hopped {
         // The body is the one the edge signed, or the hop is refused.
         if hop.body.as_deref() != Some(hop::body_digest(&body).as_str()) {
             tracing::warn!("node hop refused: the body is not the one signed");
             return Err(ProxyError::HopUnverified);
         }
-        let chain = conversation(
-            policy,
-            inference,
-            &outbound,
-            &body,
-            &client,
-            model.as_deref(),
-            session.as_deref(),
-        );
         outbound.body = RequestBody::Buffered(body);
         return queued::send_conversation(queue, policy, client, tier, model, chain, outbound)
             .await;
@@ -474,15 +474,6 @@ async fn forward(
         outbound.body = RequestBody::Buffered(body);
         return embeddings::send_uncached(queue, policy, client, tier, outbound, inputs).await;
     }
-    let chain = conversation(
-        policy,
-        inference,
-        &outbound,
-        &body,
-        &client,
-        model.as_deref(),
-        session.as_deref(),
-    );
     outbound.body = RequestBody::Buffered(body);
     queued::send_conversation(queue, policy, client, tier, model, chain, outbound).await
 }
@@ -522,26 +513,33 @@ fn conversation(
     affinity::Chain::of(shape, body, scope, &model, session).map(Arc::new)
 }
 
-/// The conversation `routing.affinity.session_header` names, if the request sends one (at
-/// most [`auth::MAX_USER_BYTES`] of printable ASCII).
-fn affinity_session<'a>(policy: &Policy, headers: &'a http::HeaderMap) -> Option<&'a str> {
-    let name = policy.routing.affinity.session_header.as_ref()?;
-    let value = headers.get(name)?.to_str().ok()?;
-    (!value.is_empty()
-        && value.len() <= auth::MAX_USER_BYTES
-        && value.bytes().all(|byte| byte.is_ascii_graphic()))
-    .then_some(value)
-}
-
-/// The conversation an app key's request names (`users.session_header`), for the logs: at
-/// most [`auth::MAX_USER_BYTES`] of printable ASCII, else not recorded.
-fn session_of<'a>(identity: &Identity, headers: &'a http::HeaderMap) -> Option<&'a str> {
-    let name = identity.key()?.users.as_ref()?.session_header.as_ref()?;
-    let value = headers.get(name)?.to_str().ok()?;
-    (!value.is_empty()
-        && value.len() <= auth::MAX_USER_BYTES
-        && value.bytes().all(|byte| byte.is_ascii_graphic()))
-    .then_some(value)
+/// The conversation a request names: in its app key's `users.session_header`, else in
+/// `routing.affinity.session_header`; at most [`auth::MAX_USER_BYTES`] of printable ASCII,
+/// else none.
+fn session_of<'a>(
+    identity: &Identity,
+    policy: &Policy,
+    headers: &'a http::HeaderMap,
+) -> Option<&'a str> {
+    let app = identity
+        .key()
+        .and_then(|key| key.users.as_ref())
+        .and_then(|users| users.session_header.as_ref());
+    let value = |name: &http::HeaderName| {
+        let value = headers.get(name)?.to_str().ok()?;
+        (!value.is_empty()
+            && value.len() <= auth::MAX_USER_BYTES
+            && value.bytes().all(|byte| byte.is_ascii_graphic()))
+        .then_some(value)
+    };
+    app.and_then(value).or_else(|| {
+        policy
+            .routing
+            .affinity
+            .session_header
+            .as_ref()
+            .and_then(value)
+    })
 }
 
 /// A metadata read: `/api/tags` and `/api/ps` answer the union over the

@@ -384,15 +384,17 @@ pub struct AffinityConfig {
 }
 
 impl Default for AffinityConfig {
+    /// The data plane's defaults: one source for both.
     fn default() -> Self {
+        let defaults = oqp_dataplane::policy::Affinity::default();
         Self {
-            enabled: true,
+            enabled: defaults.enabled,
             session_header: None,
-            epsilon: 0.25,
-            share_across_keys: false,
-            ram_cache_per_runner: 0,
-            prefill_ms_per_1k: 250.0,
-            max_conversations: 100_000,
+            epsilon: defaults.epsilon,
+            share_across_keys: defaults.share_across_keys,
+            ram_cache_per_runner: defaults.ram_cache_per_runner,
+            prefill_ms_per_1k: defaults.prefill_per_token * 1_000_000.0,
+            max_conversations: defaults.max_conversations,
         }
     }
 }

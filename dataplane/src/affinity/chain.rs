@@ -14,7 +14,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 use serde::de::IgnoredAny;
-use xxhash_rust::xxh3::{Xxh3, xxh3_64, xxh3_64_with_seed};
+use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
 
 /// The bytes of a prompt block (prompt routes): about 64 tokens.
 pub const BLOCK: usize = 256;
@@ -298,11 +298,6 @@ impl Chain {
             tokens: last.tokens.saturating_add(turn_tokens(answer)),
         })
     }
-
-    /// Estimated heap bytes this chain holds (for the memory the queue keeps).
-    pub fn heap_bytes(&self) -> usize {
-        self.points.capacity() * std::mem::size_of::<Point>() + self.tail.capacity()
-    }
 }
 
 /// The hash of the model and the reload options a request sets.
@@ -390,11 +385,6 @@ fn turns(shape: Shape, body: &Body<'_>) -> Vec<Turn> {
         });
     }
     turns
-}
-
-/// A scope's hash, for the tenant-scoped session map and tests.
-pub fn scope_hash(scope: &str) -> u64 {
-    xxh3_64(scope.as_bytes())
 }
 
 #[cfg(test)]

@@ -458,15 +458,6 @@ impl Index {
         }
     }
 
-    /// The models `host` has runners with warm conversations for.
-    pub fn warm_models(&self, host: &str) -> Vec<String> {
-        self.runners
-            .iter()
-            .filter(|runner| &*runner.host == host && !runner.entries.is_empty())
-            .map(|runner| runner.model.clone())
-            .collect()
-    }
-
     /// Every runner with warm conversations.
     pub fn warmth(&self) -> Vec<RunnerWarmth> {
         self.runners

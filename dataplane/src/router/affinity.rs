@@ -45,8 +45,6 @@ pub(super) struct State {
     /// Hosts healthy at the last snapshot, and the models resident on each: a change means
     /// the runners' caches are gone.
     seen: HashMap<Arc<str>, (bool, Vec<String>)>,
-    /// Placements by outcome, for `oqp_affinity_total`.
-    pub(super) counts: [u64; 4],
 }
 
 impl Default for State {
@@ -57,7 +55,6 @@ impl Default for State {
             settings,
             ahead: HashMap::new(),
             seen: HashMap::new(),
-            counts: [0; 4],
         }
     }
 }
@@ -78,11 +75,6 @@ impl Router {
         }
         state.index.set_cap(settings.max_conversations as usize);
         state.settings = settings.clone();
-    }
-
-    /// Placements so far by affinity outcome, in [`Outcome::ALL`]'s order.
-    pub fn affinity_counts(&self) -> [u64; 4] {
-        self.affinity.counts
     }
 
     /// The conversations the index holds per runner.
@@ -359,8 +351,6 @@ impl Router {
             .index
             .place(&host.name, &key.local, capacity, chain);
         self.affinity.index.started(&host.name, &key.local, now);
-        let index = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
-        self.affinity.counts[index] += 1;
         placement.affinity = Some(Verdict {
             outcome,
             cached_tokens,
