@@ -7,27 +7,40 @@
 //! must not believe anyone else who says so. So the edge sends one header,
 //!
 //! ```text
-//! x-oqp-hop: v1;n=<edge node, hex>;c=<client id, hex>;v=<1|0>;t=<tier>;b=<body sha-256, hex, or ->;ts=<unix ms>;r=<nonce, hex>;s=<hmac, hex>
+//! x-oqp-hop: v1;n=<edge node, hex>;c=<client id, hex>;v=<1|0>;t=<tier>;b=<body>;ts=<unix ms>;r=<nonce, hex>;s=<hmac, hex>
 //! ```
 //!
-//! where the HMAC-SHA256 is keyed by the node token (which every data plane
-//! presents to the control plane, and which never crosses the policy stream)
-//! over those fields, the node it is addressed to, the request id, the
-//! method and the path; the owner checks the body it reads against `b` (a
-//! streamed body, never retried, has none). The owner refuses a request
-//! whose header does not verify, is more than [`MAX_SKEW`] away from its own
-//! clock, or was seen before ([`Replays`]), or was signed before this data
-//! plane started (the headers seen are remembered in memory, so one accepted by
-//! the previous run cannot be replayed to a restarted owner): a consumer who
-//! sends the header, or replays one captured on the wire, gains nothing. The header never
-//! reaches Ollama.
+//! where the HMAC-SHA256 is keyed by the hop key (derived from the node token
+//! every data plane presents to the control plane, which never crosses the
+//! policy stream) over those fields, the node it is addressed to, the request
+//! id, the method and the path. `b` binds the body ([`Body`]): for a body the
+//! edge read whole, its SHA-256 in hex, which the owner checks against the body
+//! it reads; for a streamed body (uploads, model management), `~` and the
+//! declared length if there was one (`~1024`), meaning the digest comes after
+//! the body, in the chunked trailer [`BODY_TRAILER`]: an HMAC under the same
+//! key over this header and the body's SHA-256 ([`HopKey::seal_body`]), which
+//! only a holder of the key can compute and which fits no other hop. The owner
+//! hashes the streamed body on its way to Ollama and holds back its last frame
+//! until the trailer has verified ([`streamed`]): a body changed on the wire,
+//! cut, lengthened, or sent without its trailer never reaches Ollama whole. A
+//! header without a `b` of either form is refused.
+//!
+//! The owner refuses a request whose header does not verify, is more than
+//! [`MAX_SKEW`] away from its own clock, or was seen before ([`Replays`]), or
+//! was signed before this data plane started (the headers seen are remembered
+//! in memory, so one accepted by the previous run cannot be replayed to a
+//! restarted owner): a consumer who sends the header, or replays one captured
+//! on the wire, gains nothing. Neither the header nor the trailer reaches
+//! Ollama.
+
+pub mod streamed;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hmac::{Hmac, Mac};
-use http::{HeaderValue, Method};
+use http::{HeaderName, HeaderValue, Method};
 use sha2::{Digest, Sha256};
 
 use crate::scheduler::Tier;
@@ -40,6 +53,9 @@ pub use crate::headers::HOP_ELAPSED as ELAPSED;
 /// Set by an owner on a refusal that another GPU box may not give (its queue
 /// is full, its hosts failed, it is shutting down): the edge tries the next box.
 pub use crate::headers::HOP_REFUSED as REFUSED;
+
+/// The chunked trailer that binds a streamed body to its hop ([`HopKey::seal_body`]).
+pub const BODY_TRAILER: HeaderName = HeaderName::from_static("x-oqp-hop-body");
 
 /// Largest difference between the edge's timestamp and the owner's clock.
 pub const MAX_SKEW: Duration = Duration::from_secs(60);
@@ -55,8 +71,44 @@ pub struct Assertion {
     pub verified: bool,
     /// The tier, after the client's ceiling.
     pub tier: Tier,
-    /// The hex SHA-256 of the body sent ([`body_digest`]); `None` for a streamed body.
-    pub body: Option<String>,
+    /// How the body is bound to the header.
+    pub body: Body,
+}
+
+/// How a hop binds its body (the header's `b` field).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Body {
+    /// A body read whole: its hex SHA-256 ([`body_digest`]).
+    Digest(String),
+    /// A streamed body, of the declared length if any: bound by the trailer
+    /// [`BODY_TRAILER`] after its last byte.
+    Trailer(Option<u64>),
+}
+
+impl Body {
+    /// The `b` field.
+    fn field(&self) -> String {
+        match self {
+            Self::Digest(digest) => digest.clone(),
+            Self::Trailer(None) => "~".to_owned(),
+            Self::Trailer(Some(length)) => format!("~{length}"),
+        }
+    }
+
+    fn parse(field: &str) -> Option<Self> {
+        if let Some(length) = field.strip_prefix('~') {
+            if length.is_empty() {
+                return Some(Self::Trailer(None));
+            }
+            // Digits only: `+1` or ` 1` would sign another text for the same length.
+            if !length.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            return length.parse().ok().map(|length| Self::Trailer(Some(length)));
+        }
+        (field.len() == 64 && field.bytes().all(|b| b.is_ascii_hexdigit()))
+            .then(|| Self::Digest(field.to_owned()))
+    }
 }
 
 /// The HMAC key: derived from the node token for the hop alone
@@ -91,6 +143,12 @@ pub enum HopError {
     /// Signed before this data plane started: a previous run may have accepted it.
     #[error("signed before this node started")]
     BeforeStart,
+    /// A streamed body ended without its trailer.
+    #[error("the streamed body has no trailer")]
+    NoTrailer,
+    /// The body is not the one signed: another digest, or another length.
+    #[error("the body is not the one signed")]
+    BodyMismatch,
 }
 
 /// What the signature covers besides the assertion.
@@ -137,7 +195,7 @@ impl HopKey {
             hex::encode(assertion.client.as_bytes()),
             u8::from(assertion.verified),
             assertion.tier.as_str(),
-            assertion.body.as_deref().unwrap_or("-"),
+            assertion.body.field(),
         );
         let mut value = HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("v1"));
         value.set_sensitive(true);
@@ -187,6 +245,7 @@ impl HopKey {
         // Each field with its length first, so that no two field lists sign alike.
         let ts = ts.to_string();
         let verified = if assertion.verified { "1" } else { "0" };
+        let body = assertion.body.field();
         for field in [
             "oqp-hop-v1",
             &assertion.node,
@@ -199,10 +258,45 @@ impl HopKey {
             request.id,
             request.method.as_str(),
             request.path,
-            assertion.body.as_deref().unwrap_or("-"),
+            &body,
         ] {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field.as_bytes());
+        }
+        Some(mac)
+    }
+}
+
+impl HopKey {
+    /// The trailer value binding a streamed body of SHA-256 `digest` to the hop whose
+    /// header is `header`: no other hop's header (each has its own nonce) gives the same.
+    pub fn seal_body(&self, header: &HeaderValue, digest: &[u8; 32]) -> HeaderValue {
+        let seal = self
+            .body_mac(header, digest)
+            .map(|mac| hex::encode(mac.finalize().into_bytes()))
+            .unwrap_or_default();
+        HeaderValue::from_str(&seal).unwrap_or(HeaderValue::from_static("-"))
+    }
+
+    /// Whether `seal` is [`HopKey::seal_body`] of `header` and `digest`.
+    pub fn check_body(
+        &self,
+        header: &HeaderValue,
+        digest: &[u8; 32],
+        seal: &HeaderValue,
+    ) -> Result<(), HopError> {
+        let seal = hex::decode(seal.as_bytes()).map_err(|_| HopError::BodyMismatch)?;
+        self.body_mac(header, digest)
+            .ok_or(HopError::BodyMismatch)?
+            .verify_slice(&seal)
+            .map_err(|_| HopError::BodyMismatch)
+    }
+
+    fn body_mac(&self, header: &HeaderValue, digest: &[u8; 32]) -> Option<Hmac<Sha256>> {
+        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).ok()?;
+        for field in [&b"oqp-hop-body-v1"[..], header.as_bytes(), digest] {
+            mac.update(&(field.len() as u64).to_be_bytes());
+            mac.update(field);
         }
         Some(mac)
     }
@@ -306,13 +400,7 @@ impl<'a> Fields<'a> {
         let tier = Tier::ALL
             .into_iter()
             .find(|tier| tier.as_str() == tier_name)?;
-        let body = match field("b")? {
-            "-" => None,
-            digest if digest.len() == 64 && digest.bytes().all(|b| b.is_ascii_hexdigit()) => {
-                Some(digest.to_owned())
-            }
-            _ => return None,
-        };
+        let body = Body::parse(field("b")?)?;
         let ts = field("ts")?.parse().ok()?;
         let nonce = field("r")?;
         let signature = field("s")?;
@@ -354,7 +442,7 @@ mod tests {
             client: Arc::from("chat;ui=1"),
             verified: true,
             tier: Tier::High,
-            body: Some(body_digest(b"{}")),
+            body: Body::Digest(body_digest(b"{}")),
         }
     }
 
@@ -498,6 +586,10 @@ mod tests {
             "v2;n=00",
             "v1;n=zz;c=00;v=1;t=high;b=-;ts=1;r=00;s=00",
             "v1;n=00;c=00;v=1;t=high;b=xyz;ts=1;r=00;s=00",
+            // No unbound form: a streamed body is bound by its trailer.
+            "v1;n=00;c=00;v=1;t=high;b=-;ts=1;r=00;s=00",
+            "v1;n=00;c=00;v=1;t=high;b=~+1;ts=1;r=00;s=00",
+            "v1;n=00;c=00;v=1;t=high;b=~1x;ts=1;r=00;s=00",
             "admin",
         ] {
             assert_eq!(
@@ -527,5 +619,80 @@ mod tests {
     fn an_empty_token_is_no_key_and_the_key_never_prints() {
         assert!(HopKey::new("").is_none() && HopKey::new("  \n").is_none());
         assert_eq!(format!("{:?}", key()), "HopKey(…)");
+    }
+
+    #[test]
+    fn a_streamed_body_is_signed_with_its_length_and_sealed_by_its_trailer() {
+        let key = key();
+        let now = SystemTime::now();
+        let at = request("r1", "/api/blobs/sha256:00", "");
+        for length in [None, Some(0), Some(5)] {
+            let streamed = Assertion {
+                body: Body::Trailer(length),
+                ..assertion()
+            };
+            let header = key.sign(&streamed, at, now);
+            assert_eq!(key.verify(&header, at, now).unwrap(), streamed);
+        }
+        let header = key.sign(
+            &Assertion {
+                body: Body::Trailer(Some(5)),
+                ..assertion()
+            },
+            at,
+            now,
+        );
+        assert!(header.to_str().unwrap().contains(";b=~5;"));
+        let lengthened =
+            HeaderValue::from_str(&header.to_str().unwrap().replace(";b=~5;", ";b=~6;")).unwrap();
+        assert_eq!(
+            key.verify(&lengthened, at, now),
+            Err(HopError::BadSignature),
+            "the length is signed"
+        );
+        let unbound =
+            HeaderValue::from_str(&header.to_str().unwrap().replace(";b=~5;", ";b=~;")).unwrap();
+        assert_eq!(key.verify(&unbound, at, now), Err(HopError::BadSignature));
+
+        let digest: [u8; 32] = Sha256::digest(b"hello").into();
+        let seal = key.seal_body(&header, &digest);
+        assert_eq!(key.check_body(&header, &digest, &seal), Ok(()));
+        let changed: [u8; 32] = Sha256::digest(b"hellp").into();
+        assert_eq!(
+            key.check_body(&header, &changed, &seal),
+            Err(HopError::BodyMismatch),
+            "a changed byte"
+        );
+        assert_eq!(
+            key.check_body(&header, &changed, &key.seal_body(&header, &[0; 32])),
+            Err(HopError::BodyMismatch),
+            "another digest"
+        );
+        let other = key.sign(
+            &Assertion {
+                body: Body::Trailer(Some(5)),
+                ..assertion()
+            },
+            at,
+            now,
+        );
+        assert_eq!(
+            key.check_body(&header, &digest, &key.seal_body(&other, &digest)),
+            Err(HopError::BodyMismatch),
+            "another hop's trailer, for the same body"
+        );
+        assert_eq!(
+            HopKey::new("other")
+                .unwrap()
+                .check_body(&header, &digest, &seal),
+            Err(HopError::BodyMismatch),
+            "another key"
+        );
+        for garbage in ["", "zz", "00"] {
+            assert_eq!(
+                key.check_body(&header, &digest, &HeaderValue::from_static(garbage)),
+                Err(HopError::BodyMismatch)
+            );
+        }
     }
 }

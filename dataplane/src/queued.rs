@@ -175,7 +175,8 @@ async fn placed(
         client: client.id.clone(),
         verified: client.verified,
         tier,
-        body: None,
+        // Set by the relay, from the body it sends.
+        body: crate::hop::Body::Trailer(None),
     };
     let relay = relay::Parts {
         peers,

@@ -3,7 +3,8 @@
 //!
 //! The request leaves as the edge prepared it (body read and rewritten,
 //! consumer credentials dropped, `X-Request-ID` set) with the signed
-//! identity ([`crate::hop`]). What comes back decides what the edge does:
+//! identity ([`crate::hop`]); a streamed body leaves chunked, ending with the
+//! trailer that binds it to the hop ([`crate::hop::streamed`]). What comes back decides what the edge does:
 //!
 //! - a connection refused (nothing was delivered): the peer is marked down
 //!   and the next box is tried;
@@ -86,14 +87,25 @@ pub async fn send(
         method: &method,
         path: path_and_query.as_str(),
     };
+    let binding = match &body {
+        RequestBody::Buffered(bytes) => hop::Body::Digest(hop::body_digest(bytes)),
+        RequestBody::Streamed(_) => {
+            // Sent chunked, so that the trailer binding it can follow; the owner restores
+            // the length, which the header signs.
+            let length = headers
+                .remove(header::CONTENT_LENGTH)
+                .and_then(|value| value.to_str().ok()?.parse().ok());
+            headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+            headers.insert(header::TRAILER, HeaderValue::from(hop::BODY_TRAILER));
+            hop::Body::Trailer(length)
+        }
+    };
     let caller = Assertion {
-        body: match &body {
-            RequestBody::Buffered(bytes) => Some(hop::body_digest(bytes)),
-            RequestBody::Streamed(_) => None,
-        },
+        body: binding,
         ..caller.clone()
     };
-    headers.insert(hop::HEADER, key.sign(&caller, signed, SystemTime::now()));
+    let claim = key.sign(&caller, signed, SystemTime::now());
+    headers.insert(hop::HEADER, claim.clone());
     let uri = http::Uri::builder()
         .scheme(base.scheme)
         .authority(base.authority)
@@ -103,7 +115,7 @@ pub async fn send(
     let mut request = http::Request::new(match body {
         RequestBody::Buffered(bytes) if bytes.is_empty() => body::empty(),
         RequestBody::Buffered(bytes) => body::full(bytes),
-        RequestBody::Streamed(body) => body,
+        RequestBody::Streamed(body) => hop::streamed::seal(body, key.clone(), claim),
     });
     *request.method_mut() = method;
     *request.uri_mut() = uri;

@@ -239,6 +239,7 @@ fn hopped_identity(
     let hop = Hop {
         tier: identity.tier(Some(assertion.tier)),
         body: assertion.body,
+        claim: claim.clone(),
     };
     Ok((identity, hop))
 }
@@ -248,8 +249,46 @@ fn hopped_identity(
 struct Hop {
     /// The tier, after the client's ceiling here.
     tier: crate::scheduler::Tier,
-    /// The body's SHA-256 the edge signed (a buffered body must match it).
-    body: Option<String>,
+    /// How the edge bound the body: a buffered body must match the digest, a streamed one
+    /// its trailer.
+    body: hop::Body,
+    /// The header, which a streamed body's trailer is bound to.
+    claim: HeaderValue,
+}
+
+impl Hop {
+    /// The streamed `body`, passed on only if it is the one the edge signed
+    /// ([`hop::streamed::check`]).
+    fn check(
+        &self,
+        key: Option<&hop::HopKey>,
+        body: Body,
+    ) -> Result<(Body, hop::streamed::Verdict), ProxyError> {
+        match (&self.body, key) {
+            (hop::Body::Trailer(length), Some(key)) => Ok(hop::streamed::check(
+                body,
+                key.clone(),
+                self.claim.clone(),
+                *length,
+            )),
+            _ => Err(ProxyError::HopUnverified),
+        }
+    }
+}
+
+/// `sent`, unless the streamed body of a hop failed its check on the way (Ollama then
+/// never received it whole).
+fn unless_unbound(
+    verdict: Option<&hop::streamed::Verdict>,
+    sent: Result<Response<Body>, ProxyError>,
+) -> Result<Response<Body>, ProxyError> {
+    match verdict.and_then(hop::streamed::Verdict::refused) {
+        Some(error) => {
+            tracing::warn!(%error, "node hop refused: its streamed body");
+            Err(ProxyError::HopUnverified)
+        }
+        None => sent,
+    }
 }
 
 /// The read-only surfaces (scope `read`): status, summary, metrics and the
@@ -321,11 +360,28 @@ async fn forward(
     // A model blob (`ollama create` from a local file) is as large as the model: streamed
     // and paced like any streamed body, never capped by `max_request_body_mb`.
     let uncapped = endpoint::is_blob(path);
-    let (parts, incoming) = request.into_parts();
+    let (mut parts, incoming) = request.into_parts();
+    if let Some(hop) = &hopped {
+        // A body read whole is bound by its digest, a streamed one by its trailer: the form
+        // the route's body does not take is refused.
+        if matches!(hop.body, hop::Body::Digest(_)) != endpoint.reads_body() {
+            tracing::warn!("node hop refused: its body is not bound as its route needs");
+            return Err(ProxyError::HopUnverified);
+        }
+        // A streamed hop comes chunked, with its length (if it had one) in the header
+        // signed: the limit, admission and Ollama see it as the edge received it.
+        if let hop::Body::Trailer(Some(length)) = hop.body {
+            parts
+                .headers
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(length));
+        }
+    }
     let limit = policy.proxy.max_request_body_bytes;
     // Held until this request has an answer's head (or is refused): the
     // body is in memory all that time.
     let mut reservation = app.body_budget.reserve(policy.queue.max_queued_bytes);
+    // A streamed hop's check, which may fail it on its way to Ollama.
+    let mut verdict = None;
     let body = if endpoint.reads_body() {
         let read = proxy::BodyRead {
             limit,
@@ -338,12 +394,20 @@ async fn forward(
         };
         RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
     } else {
-        RequestBody::Streamed(proxy::stream_body(
+        let streamed = proxy::stream_body(
             incoming,
             &parts.headers,
             if uncapped { u64::MAX } else { limit },
             policy.proxy.body_read_timeout,
-        )?)
+        )?;
+        RequestBody::Streamed(match &hopped {
+            Some(hop) => {
+                let (checked, bound) = hop.check(app.peers.key(), streamed)?;
+                verdict = Some(bound);
+                checked
+            }
+            None => streamed,
+        })
     };
     // An app key's end user, from its header or its body field: from here on the caller.
     let read = match &body {
@@ -411,7 +475,8 @@ async fn forward(
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
         queue.accounted = false;
-        return queued::send(queue, policy, client, tier, None, outbound).await;
+        let sent = queued::send(queue, policy, client, tier, None, outbound).await;
+        return unless_unbound(verdict.as_ref(), sent);
     };
     let RequestBody::Buffered(body) =
         std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
@@ -437,7 +502,7 @@ async fn forward(
     );
     if let Some(hop) = &hopped {
         // The body is the one the edge signed, or the hop is refused.
-        if hop.body.as_deref() != Some(hop::body_digest(&body).as_str()) {
+        if hop.body != hop::Body::Digest(hop::body_digest(&body)) {
             tracing::warn!("node hop refused: the body is not the one signed");
             return Err(ProxyError::HopUnverified);
         }
