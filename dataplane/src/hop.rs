@@ -104,7 +104,10 @@ impl Body {
             if !length.bytes().all(|b| b.is_ascii_digit()) {
                 return None;
             }
-            return length.parse().ok().map(|length| Self::Trailer(Some(length)));
+            return length
+                .parse()
+                .ok()
+                .map(|length| Self::Trailer(Some(length)));
         }
         (field.len() == 64 && field.bytes().all(|b| b.is_ascii_hexdigit()))
             .then(|| Self::Digest(field.to_owned()))

@@ -95,7 +95,10 @@ pub async fn send(
             let length = headers
                 .remove(header::CONTENT_LENGTH)
                 .and_then(|value| value.to_str().ok()?.parse().ok());
-            headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+            headers.insert(
+                header::TRANSFER_ENCODING,
+                HeaderValue::from_static("chunked"),
+            );
             headers.insert(header::TRAILER, HeaderValue::from(hop::BODY_TRAILER));
             hop::Body::Trailer(length)
         }

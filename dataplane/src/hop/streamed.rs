@@ -352,7 +352,10 @@ mod tests {
             HopError::BodyMismatch,
         )
         .await;
-        assert_eq!(seen.last().unwrap(), "[error: the body is not the one signed]");
+        assert_eq!(
+            seen.last().unwrap(),
+            "[error: the body is not the one signed]"
+        );
         assert!(!seen.contains(&"!".to_owned()));
         // Another hop's trailer, for the very same bytes.
         let other = self::header(Some(10));
@@ -379,20 +382,23 @@ mod tests {
             let (socket, _) = listener.accept().await.unwrap();
             let (sender, receiver) = tokio::sync::oneshot::channel();
             let sender = std::sync::Mutex::new(Some(sender));
-            let service = hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
-                let header = owner_header.clone();
-                let sender = sender.lock().unwrap().take();
-                async move {
-                    let (parts, incoming) = request.into_parts();
-                    let body = incoming.map_err(|error| -> BoxError { Box::new(error) }).boxed();
-                    let (body, verdict) = check(body, key(), header, Some(10));
-                    let seen = drain(body).await;
-                    if let Some(sender) = sender {
-                        let _ = sender.send((parts.headers, seen, verdict.refused().cloned()));
+            let service =
+                hyper::service::service_fn(move |request: http::Request<hyper::body::Incoming>| {
+                    let header = owner_header.clone();
+                    let sender = sender.lock().unwrap().take();
+                    async move {
+                        let (parts, incoming) = request.into_parts();
+                        let body = incoming
+                            .map_err(|error| -> BoxError { Box::new(error) })
+                            .boxed();
+                        let (body, verdict) = check(body, key(), header, Some(10));
+                        let seen = drain(body).await;
+                        if let Some(sender) = sender {
+                            let _ = sender.send((parts.headers, seen, verdict.refused().cloned()));
+                        }
+                        Ok::<_, std::convert::Infallible>(http::Response::new(crate::body::empty()))
                     }
-                    Ok::<_, std::convert::Infallible>(http::Response::new(crate::body::empty()))
-                }
-            });
+                });
             hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(socket), service)
                 .await
@@ -414,7 +420,10 @@ mod tests {
         assert_eq!(response.status(), 200);
         drop(sender);
         let (headers, seen, refused) = server.await.unwrap();
-        assert_eq!(headers.get(http::header::TRANSFER_ENCODING).unwrap(), "chunked");
+        assert_eq!(
+            headers.get(http::header::TRANSFER_ENCODING).unwrap(),
+            "chunked"
+        );
         assert_eq!(seen, ["hello", "world"]);
         assert_eq!(refused, None);
     }

@@ -301,7 +301,7 @@ async fn a_captured_hop_cannot_be_replayed_or_carry_another_body() {
             client: "someone".into(),
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::High,
-            body: Some(hop::body_digest(body)),
+            body: hop::Body::Digest(hop::body_digest(body)),
         };
         let request = hop::Request {
             to: "b",
@@ -447,7 +447,7 @@ async fn a_hop_header_accepted_before_the_owner_restarted_is_refused_after() {
             client: "anonymous".into(),
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::Normal,
-            body: Some(digest.clone()),
+            body: hop::Body::Digest(digest.clone()),
         },
         hop::Request {
             to: "b",
@@ -507,7 +507,7 @@ async fn each_key_derived_from_the_node_token_opens_only_its_own_door() {
                 client: "someone".into(),
                 verified: false,
                 tier: oqp_dataplane::scheduler::Tier::High,
-                body: Some(hop::body_digest(body)),
+                body: hop::Body::Digest(hop::body_digest(body)),
             };
             let request = hop::Request {
                 to: "b",
@@ -604,6 +604,254 @@ async fn a_cloud_hosts_keys_reach_only_the_data_plane_that_owns_it() {
     let edge = stack.control.dataplane().unwrap().app().store.load();
     assert_eq!(keys(&edge.hosts), None);
     assert_eq!(keys(&edge.remote), Some(0));
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+/// [`owned_by_b`] with model management on (uploads, pulls, deletes).
+fn managed_by_b(fake: &str) -> String {
+    owned_by_b(fake).replace(
+        "proxy: {max_concurrent: 2}",
+        "proxy: {max_concurrent: 2, allow_model_management: true}",
+    )
+}
+
+#[tokio::test]
+async fn a_blob_upload_through_an_edge_reaches_the_owners_ollama_whole() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let (stack, b) = edge_and_b(&managed_by_b(&fake.url())).await;
+    // Large enough to cross the hop in many frames.
+    let blob: Vec<u8> = (0..300_000u32).map(|n| (n % 251) as u8).collect();
+    let digest = {
+        use sha2::Digest;
+        format!("sha256:{:x}", sha2::Sha256::digest(&blob))
+    };
+    let path = format!("/api/blobs/{digest}");
+    let reply = HttpClient::new()
+        .send(
+            http::Method::POST,
+            &format!("{}{path}", stack.url()),
+            &[],
+            blob.clone(),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{}", reply.text());
+    assert_eq!(reply.header("x-failover-host").as_deref(), Some("gpu"));
+    let recorded = fake.handle().requests_to(&path);
+    assert_eq!(recorded.len(), 1);
+    let upload = &recorded[0];
+    assert!(upload.body == blob, "the blob arrives whole");
+    assert_eq!(
+        upload.header("content-length"),
+        Some(blob.len().to_string()),
+        "with the length the client declared"
+    );
+    for name in ["transfer-encoding", "trailer", "te"] {
+        assert!(
+            upload.header(name).is_none(),
+            "{name}: {:?}",
+            upload.headers
+        );
+    }
+    assert!(
+        !upload
+            .headers
+            .keys()
+            .any(|name| name.as_str().starts_with("x-oqp")),
+        "{:?}",
+        upload.headers
+    );
+    let status = HttpClient::new()
+        .get(&format!("{}/queue/status", stack.url()), &[])
+        .await
+        .json();
+    assert_eq!(
+        status["node"]["peers"][0]["forwarded"], 1,
+        "it went through b"
+    );
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+/// A hop header for `DELETE /api/delete` to b, as an edge signs it for a streamed body of
+/// `length` bytes.
+fn streamed_hop(id: &str, length: usize) -> http::HeaderValue {
+    use oqp_dataplane::hop::{self, Assertion, HopKey};
+    HopKey::new(TOKEN).unwrap().sign(
+        &Assertion {
+            node: "local".into(),
+            client: "someone".into(),
+            verified: false,
+            tier: oqp_dataplane::scheduler::Tier::Normal,
+            body: hop::Body::Trailer(Some(length as u64)),
+        },
+        hop::Request {
+            to: "b",
+            id,
+            method: &http::Method::DELETE,
+            path: "/api/delete",
+        },
+        std::time::SystemTime::now(),
+    )
+}
+
+/// The trailer an edge ends `body` with, on the hop of `header`.
+fn seal(header: &http::HeaderValue, body: &[u8]) -> String {
+    use sha2::Digest;
+    let digest: [u8; 32] = sha2::Sha256::digest(body).into();
+    let key = oqp_dataplane::hop::HopKey::new(TOKEN).unwrap();
+    key.seal_body(header, &digest).to_str().unwrap().to_owned()
+}
+
+/// Sends `DELETE /api/delete` to `addr` as a hop, written by hand as it would cross the
+/// wire: `header`, the body in `chunks`, then `trailer` (none: the body ends without one).
+/// The answer's status.
+async fn raw_hop(
+    addr: std::net::SocketAddr,
+    id: &str,
+    header: &str,
+    chunks: &[&[u8]],
+    trailer: Option<&str>,
+) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut wire = format!(
+        "DELETE /api/delete HTTP/1.1\r\nhost: b\r\nx-oqp-hop: {header}\r\nx-request-id: {id}\r\n\
+         content-type: application/json\r\ntransfer-encoding: chunked\r\n\
+         trailer: x-oqp-hop-body\r\nconnection: close\r\n\r\n"
+    )
+    .into_bytes();
+    for chunk in chunks {
+        wire.extend_from_slice(format!("{:x}\r\n", chunk.len()).as_bytes());
+        wire.extend_from_slice(chunk);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(b"0\r\n");
+    if let Some(trailer) = trailer {
+        wire.extend_from_slice(format!("x-oqp-hop-body: {trailer}\r\n").as_bytes());
+    }
+    wire.extend_from_slice(b"\r\n");
+    let mut socket = tokio::net::TcpStream::connect(addr).await.unwrap();
+    socket.write_all(&wire).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = socket.read_to_end(&mut answer).await;
+    let answer = String::from_utf8_lossy(&answer);
+    answer
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no answer: {answer:?}"))
+}
+
+#[tokio::test]
+async fn a_streamed_hop_with_another_body_never_reaches_ollama_whole() {
+    let fake = FakeOllama::builder()
+        .model("llama2")
+        .model("llama3")
+        .spawn()
+        .await;
+    let (stack, b) = edge_and_b(&managed_by_b(&fake.url())).await;
+    let addr = b.local_addr();
+    // The edge signed a delete of llama2; someone on the wire makes it delete llama3.
+    let signed: &[u8] = br#"{"model":"llama2"}"#;
+    let (first, last): (&[u8], &[u8]) = signed.split_at(9);
+    let changed: &[u8] = br#"ma3"}"#;
+    let header = streamed_hop("rid-changed", signed.len());
+    let trailer = seal(&header, signed);
+    let header_text = header.to_str().unwrap();
+    let refused = [
+        (
+            "a changed byte",
+            raw_hop(
+                addr,
+                "rid-changed",
+                header_text,
+                &[first, changed],
+                Some(&trailer),
+            )
+            .await,
+        ),
+        ("no trailer", {
+            let header = streamed_hop("rid-bare", signed.len());
+            raw_hop(
+                addr,
+                "rid-bare",
+                header.to_str().unwrap(),
+                &[first, last],
+                None,
+            )
+            .await
+        }),
+        ("more bytes than signed", {
+            let header = streamed_hop("rid-longer", signed.len());
+            let trailer = seal(&header, signed);
+            let header = header.to_str().unwrap();
+            raw_hop(
+                addr,
+                "rid-longer",
+                header,
+                &[first, last, b" "],
+                Some(&trailer),
+            )
+            .await
+        }),
+        ("another hop's trailer", {
+            let header = streamed_hop("rid-other", signed.len());
+            raw_hop(
+                addr,
+                "rid-other",
+                header.to_str().unwrap(),
+                &[first, last],
+                Some(&trailer),
+            )
+            .await
+        }),
+        ("the old unbound form", {
+            let header = streamed_hop("rid-unbound", signed.len());
+            let header = header
+                .to_str()
+                .unwrap()
+                .replace(&format!(";b=~{};", signed.len()), ";b=-;");
+            raw_hop(addr, "rid-unbound", &header, &[first, changed], None).await
+        }),
+    ];
+    for (case, status) in refused {
+        assert_eq!(status, 401, "{case}");
+    }
+    // Ollama never got a whole body: nothing was deleted.
+    for request in fake.handle().requests_to("/api/delete") {
+        assert!(
+            request.body.len() < signed.len(),
+            "a body reached Ollama whole: {:?}",
+            request.body
+        );
+    }
+    let tags = HttpClient::new()
+        .get(&format!("{}/api/tags", fake.url()), &[])
+        .await
+        .json();
+    assert_eq!(tags["models"].as_array().map(Vec::len), Some(2), "{tags}");
+
+    // The hop as the edge sent it is served.
+    let header = streamed_hop("rid-honest", signed.len());
+    let trailer = seal(&header, signed);
+    let status = raw_hop(
+        addr,
+        "rid-honest",
+        header.to_str().unwrap(),
+        &[first, last],
+        Some(&trailer),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let deleted = fake.handle().requests_to("/api/delete");
+    let deleted = deleted.last().unwrap();
+    assert_eq!(deleted.json(), json!({"model": "llama2"}));
+    assert_eq!(deleted.header("content-length").as_deref(), Some("18"));
+    let tags = HttpClient::new()
+        .get(&format!("{}/api/tags", fake.url()), &[])
+        .await
+        .json();
+    assert_eq!(tags["models"][0]["name"], "llama3:latest", "{tags}");
     b.shutdown().await;
     stack.shutdown().await;
 }
