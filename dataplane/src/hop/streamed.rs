@@ -293,6 +293,13 @@ mod tests {
         assert_eq!(drain(body).await, ["hello", "world"]);
         assert!(verdict.refused().is_none());
 
+        // Without a declared length, the digest alone binds it.
+        let header = self::header(None);
+        let sent = sealed(&header, &["hello", "world", "!"]).await;
+        let (body, verdict) = check(frames(sent), key(), header, None);
+        assert_eq!(drain(body).await, ["hello", "world", "!"]);
+        assert!(verdict.refused().is_none());
+
         // Even an empty body carries its trailer, and checks.
         let header = self::header(Some(0));
         let sent = sealed(&header, &[]).await;
