@@ -669,6 +669,18 @@ async fn a_blob_upload_through_an_edge_reaches_the_owners_ollama_whole() {
         status["node"]["peers"][0]["forwarded"], 1,
         "it went through b"
     );
+    // `ollama create` asks first whether the blob is there: a HEAD, with no body, crosses
+    // the hop too.
+    let exists = HttpClient::new()
+        .send(
+            http::Method::HEAD,
+            &format!("{}{path}", stack.url()),
+            &[],
+            bytes::Bytes::new(),
+        )
+        .await;
+    assert_eq!(exists.status, 200);
+    assert_eq!(fake.handle().requests_to(&path).len(), 2);
     b.shutdown().await;
     stack.shutdown().await;
 }
