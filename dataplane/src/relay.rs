@@ -4,7 +4,8 @@
 //! The request leaves as the edge prepared it (body read and rewritten,
 //! consumer credentials dropped, `X-Request-ID` set) with the signed
 //! identity ([`crate::hop`]); a streamed body leaves chunked, ending with the
-//! trailer that binds it to the hop ([`crate::hop::streamed`]). What comes back decides what the edge does:
+//! trailer that binds it to the hop ([`crate::hop::streamed`]). What comes
+//! back decides what the edge does:
 //!
 //! - a connection refused (nothing was delivered): the peer is marked down
 //!   and the next box is tried;
