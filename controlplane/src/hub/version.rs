@@ -153,7 +153,14 @@ mod tests {
             shutdown.clone(),
         ));
         let version = hub.update_runtime(|_| {});
-        let saved = eventually(|| read(dir.path()) == version).await;
+        // Read the file as it is: `read` also removes the temporaries of an unfinished write,
+        // which would pull the one in progress from under the writer.
+        let on_disk = || {
+            std::fs::read_to_string(path(dir.path()))
+                .ok()
+                .and_then(|text| text.parse::<u64>().ok())
+        };
+        let saved = eventually(|| on_disk() == Some(version)).await;
         assert!(saved, "the version was saved");
         let mode = std::fs::metadata(path(dir.path()))
             .unwrap()
