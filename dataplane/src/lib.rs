@@ -41,6 +41,7 @@ pub mod error;
 pub mod forward;
 pub mod headers;
 pub mod hop;
+pub mod inline;
 pub mod listeners;
 pub mod metadata_limit;
 pub mod metrics;

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
 use crate::auth::ListenerKind;
+use crate::inline::Inline;
 use crate::policy::ConnectionLimits;
 use crate::service;
 
@@ -93,10 +94,12 @@ pub async fn serve(
         let kind = kind.clone();
         let shutdown = shutdown.clone();
         let open = open.subscribe();
-        tokio::spawn(async move {
+        // hyper wakes a connection's task from inside its own poll (the request body's
+        // channel): taken inline (`crate::inline`).
+        tokio::spawn(Inline::new(async move {
             serve_connection(stream, peer, app, kind, &builder, limits, shutdown).await;
             drop((slot, open));
-        });
+        }));
     }
     drop(listener);
     if tokio::time::timeout(drain(), open.closed()).await.is_err() {
@@ -150,14 +153,15 @@ async fn serve_connection(
     let io = TokioIo::new(StallGuarded::new(stream, limits.client_stall_timeout));
     let connection = builder.serve_connection_with_upgrades(io, service);
     tokio::pin!(connection);
-    let timer = tokio::time::sleep(limits.first_request_timeout);
+    // Nothing tells this loop when a request starts or ends: it looks at the connection's
+    // deadline when its timer fires, and never sleeps longer than `idle_timeout`, the
+    // soonest a request that has not yet ended could make the connection due. So a
+    // connection is closed when its deadline passes, and a busy one is looked at once per
+    // `idle_timeout`.
+    let timer = tokio::time::sleep(limits.first_request_timeout.min(limits.idle_timeout));
     tokio::pin!(timer);
     let mut draining = false;
     loop {
-        let deadline = activity.deadline(&limits);
-        if let Some(deadline) = deadline {
-            timer.as_mut().reset(deadline);
-        }
         tokio::select! {
             result = connection.as_mut() => {
                 if let Err(error) = result {
@@ -169,14 +173,16 @@ async fn serve_connection(
                 draining = true;
                 connection.as_mut().graceful_shutdown();
             }
-            () = activity.changed() => {}
-            () = &mut timer, if deadline.is_some() => {
-                if activity
-                    .deadline(&limits)
-                    .is_some_and(|deadline| deadline <= tokio::time::Instant::now())
-                {
-                    tracing::debug!(%peer, "closing a connection with no request in time");
-                    return;
+            () = &mut timer => {
+                let now = tokio::time::Instant::now();
+                let soonest = now + limits.idle_timeout;
+                match activity.deadline(&limits) {
+                    Some(deadline) if deadline <= now => {
+                        tracing::debug!(%peer, "closing a connection with no request in time");
+                        return;
+                    }
+                    Some(deadline) => timer.as_mut().reset(deadline.min(soonest)),
+                    None => timer.as_mut().reset(soonest),
                 }
             }
         }

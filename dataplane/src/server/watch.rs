@@ -23,7 +23,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::{Instant, Sleep};
 
@@ -37,7 +36,6 @@ pub struct Activity {
     seen: AtomicBool,
     /// When the last request ended, in nanoseconds after `opened`.
     idle_since: AtomicU64,
-    changed: Notify,
 }
 
 /// One request in flight on its connection; dropping it ends the request.
@@ -52,7 +50,6 @@ impl Activity {
             in_flight: AtomicU32::new(0),
             seen: AtomicBool::new(false),
             idle_since: AtomicU64::new(0),
-            changed: Notify::new(),
         })
     }
 
@@ -68,11 +65,6 @@ impl Activity {
         let idle_since = Duration::from_nanos(self.idle_since.load(Ordering::Acquire));
         Some(self.opened + idle_since + limits.idle_timeout)
     }
-
-    /// Resolves when a request starts or ends.
-    pub async fn changed(&self) {
-        self.changed.notified().await;
-    }
 }
 
 impl InFlight {
@@ -80,7 +72,6 @@ impl InFlight {
     pub fn start(activity: &Arc<Activity>) -> Self {
         activity.in_flight.fetch_add(1, Ordering::AcqRel);
         activity.seen.store(true, Ordering::Release);
-        activity.changed.notify_one();
         Self(activity.clone())
     }
 }
@@ -91,7 +82,6 @@ impl Drop for InFlight {
         let since = u64::try_from(activity.opened.elapsed().as_nanos()).unwrap_or(u64::MAX);
         activity.idle_since.store(since, Ordering::Release);
         activity.in_flight.fetch_sub(1, Ordering::AcqRel);
-        activity.changed.notify_one();
     }
 }
 

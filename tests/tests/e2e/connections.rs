@@ -149,6 +149,67 @@ async fn an_idle_http1_keep_alive_is_closed_at_the_idle_timeout() {
     stack.shutdown().await;
 }
 
+#[tokio::test]
+async fn a_request_running_past_the_idle_timeout_is_not_cut_and_its_connection_idles_after_it() {
+    let (fake, stack) = stack("  first_request_timeout: 10\n  idle_timeout: 0.3\n", "").await;
+    let upstream = fake.handle();
+    upstream.hold();
+    let mut busy = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    let body = r#"{"model":"llama3","prompt":"hi","stream":false}"#;
+    busy.write_all(
+        format!(
+            "POST /api/generate HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        eventually(PATIENCE, || upstream.in_flight() == 1).await,
+        "the request never reached the fake"
+    );
+    // Two idle connections, one after the other, each closed at its idle timeout: the held
+    // request has run through two of its own connection's idle periods when they are gone.
+    for _ in 0..2 {
+        let mut idle = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+        idle.write_all(b"GET /health HTTP/1.1\r\nHost: oqp\r\n\r\n")
+            .await
+            .unwrap();
+        let answered = Instant::now();
+        let after = closed_within(&mut idle, answered).await;
+        assert!(
+            after.is_some_and(|after| after >= Duration::from_millis(300)),
+            "an idle keep-alive: closed after {after:?}"
+        );
+    }
+    // The connection's idle clock starts when the answer has gone out: after this.
+    let released = Instant::now();
+    upstream.release_all();
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 4096];
+    while !answer.windows(6).any(|window| window == b"\"done\"") {
+        let n = tokio::time::timeout(PATIENCE, busy.read(&mut buffer))
+            .await
+            .expect("no answer")
+            .unwrap();
+        assert!(n > 0, "the connection of a running request was closed");
+        answer.extend_from_slice(&buffer[..n]);
+    }
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    // Once it has ended, its connection is idle and closed at the idle timeout.
+    let after = closed_within(&mut busy, released).await;
+    assert!(
+        after.is_some_and(|after| after >= Duration::from_millis(300)),
+        "after its request: closed after {after:?}"
+    );
+    stack.shutdown().await;
+}
+
 /// A client with one keep-alive connection, served once.
 async fn served_client(addr: SocketAddr) -> Conn {
     let mut client = Conn::open(addr).await.unwrap();
