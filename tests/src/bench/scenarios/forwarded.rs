@@ -98,6 +98,9 @@ struct Samples {
     forwarded: Option<u64>,
     /// Delay of every streamed line, ms.
     delay: [Vec<f64>; 4],
+    /// CPU time per request, µs, per round: `[owner b for a request sent to it, the minimal
+    /// proxy, edge a, owner b for a hop from a]`.
+    cpu: [Vec<f64>; 4],
     incomplete: usize,
 }
 
@@ -141,6 +144,7 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let result = async {
         let mut samples = Samples::default();
         latency(bench, &setup, &mut samples).await?;
+        cpu(bench, &setup, &mut samples).await?;
         streams(bench, &setup, tokens, &mut samples).await?;
         anyhow::Ok(samples)
     }
@@ -242,6 +246,47 @@ async fn latency(bench: &Bench, setup: &Setup, samples: &mut Samples) -> anyhow:
         (Some(before), Some(after)) => Some(after.saturating_sub(before)),
         _ => None,
     };
+    Ok(())
+}
+
+/// CPU time per request of each process a request passes that is not the fake's or the
+/// client's: the same requests sent in turn, each path alone for a while, straight to owner
+/// b, through the minimal proxy and through edge a, with the user + system time of b, of the
+/// minimal proxy and of a read around each (`/proc/<pid>/stat`: 10 ms ticks, so the run is
+/// long enough for a tick to be a few per cent of it).
+async fn cpu(bench: &Bench, setup: &Setup, samples: &mut Samples) -> anyhow::Result<()> {
+    let per_path = size(bench, 3000, 30);
+    let request = generate(USER_KEY);
+    let owner = setup.cluster.pid("b");
+    let (edge, minimal) = (setup.cluster.pid("a"), setup.minimal.pid());
+    let mut conns = Vec::new();
+    for path in [Path::Owner, Path::Minimal, Path::Edge] {
+        conns.push((path, Conn::open(setup.addr(path)).await?));
+    }
+    let times = || [owner, minimal, edge].map(procs::cpu_time);
+    for _ in 0..bench.rounds.min(3) {
+        for (path, conn) in &mut conns {
+            let before = times();
+            for _ in 0..per_path {
+                conn.send(&request).await?;
+            }
+            let after = times();
+            let per_request = |i: usize| match (before[i], after[i]) {
+                (Some(before), Some(after)) => {
+                    Some(micros(after.saturating_sub(before)) / per_path as f64)
+                }
+                _ => None,
+            };
+            let figures = match path {
+                Path::Owner => [(0, per_request(0))].to_vec(),
+                Path::Minimal => [(1, per_request(1))].to_vec(),
+                _ => [(2, per_request(2)), (3, per_request(0))].to_vec(),
+            };
+            for (i, figure) in figures {
+                samples.cpu[i].extend(figure);
+            }
+        }
+    }
     Ok(())
 }
 
@@ -385,6 +430,23 @@ fn push_rows(report: &mut Report, samples: &Samples, gap: Duration, tokens: usiz
             &format!("hop ≤ {TARGET_RATIO:.0}× a minimal proxy"),
             ratio.map(|ratio| ratio.median <= TARGET_RATIO && all_forwarded),
         ),
+    );
+    let cpu = |i: usize| report::micros(Spread::of(&samples.cpu[i]));
+    report.push(
+        Row::new(
+            SCENARIO_FORWARDED,
+            "CPU time per request in front of owner b (minimal: the minimal proxy; oqp: edge a)",
+        )
+        .minimal(cpu(1))
+        .oqp(cpu(2)),
+    );
+    report.push(
+        Row::new(
+            SCENARIO_FORWARDED,
+            "CPU time per request at owner b (direct: a request sent to b; oqp: a hop from a)",
+        )
+        .direct(cpu(0))
+        .oqp(cpu(3)),
     );
     let incomplete = if samples.incomplete > 0 {
         format!(" — {} incomplete streams", samples.incomplete)
