@@ -115,9 +115,10 @@ impl Body {
 }
 
 /// The HMAC key: derived from the node token for the hop alone
-/// ([`node_keys::hop_key`](crate::node_keys::hop_key)). Prints as `HopKey(…)`.
+/// ([`node_keys::hop_key`](crate::node_keys::hop_key)), kept keyed (each signature
+/// starts from a copy, not from the key). Prints as `HopKey(…)`.
 #[derive(Clone)]
-pub struct HopKey(Arc<[u8]>);
+pub struct HopKey(Arc<Hmac<Sha256>>);
 
 impl std::fmt::Debug for HopKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -176,7 +177,12 @@ impl HopKey {
     /// The key for a node token; `None` for an empty one (an unset variable, an empty
     /// file), which would let anyone sign.
     pub fn new(token: &str) -> Option<Self> {
-        (!token.trim().is_empty()).then(|| Self(Arc::from(crate::node_keys::hop_key(token))))
+        if token.trim().is_empty() {
+            return None;
+        }
+        // HMAC takes keys of any length (it hashes long ones): this never fails.
+        let keyed = Hmac::<Sha256>::new_from_slice(&crate::node_keys::hop_key(token)).ok()?;
+        Some(Self(Arc::new(keyed)))
     }
 
     /// The header asserting `assertion` for `request`, signed at `now`.
@@ -188,10 +194,11 @@ impl HopKey {
     ) -> HeaderValue {
         let ts = unix_ms(now);
         let nonce = hex::encode(rand::random::<[u8; 12]>());
-        let signature = self
-            .mac(assertion, request, ts, &nonce)
-            .map(|mac| hex::encode(mac.finalize().into_bytes()))
-            .unwrap_or_default();
+        let signature = hex::encode(
+            self.mac(assertion, request, ts, &nonce)
+                .finalize()
+                .into_bytes(),
+        );
         let text = format!(
             "v1;n={};c={};v={};t={};b={};ts={ts};r={nonce};s={signature}",
             hex::encode(assertion.node.as_bytes()),
@@ -226,7 +233,6 @@ impl HopKey {
         let fields = Fields::parse(header).ok_or(HopError::Malformed)?;
         let signature = hex::decode(fields.signature).map_err(|_| HopError::Malformed)?;
         self.mac(&fields.assertion, request, fields.ts, fields.nonce)
-            .ok_or(HopError::BadSignature)?
             .verify_slice(&signature)
             .map_err(|_| HopError::BadSignature)?;
         let skew = unix_ms(now).abs_diff(fields.ts);
@@ -242,9 +248,8 @@ impl HopKey {
         request: Request<'_>,
         ts: u64,
         nonce: &str,
-    ) -> Option<Hmac<Sha256>> {
-        // HMAC takes keys of any length (it hashes long ones): this never fails.
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).ok()?;
+    ) -> Hmac<Sha256> {
+        let mut mac = Hmac::clone(&self.0);
         // Each field with its length first, so that no two field lists sign alike.
         let ts = ts.to_string();
         let verified = if assertion.verified { "1" } else { "0" };
@@ -266,7 +271,7 @@ impl HopKey {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field.as_bytes());
         }
-        Some(mac)
+        mac
     }
 }
 
@@ -274,10 +279,7 @@ impl HopKey {
     /// The trailer value binding a streamed body of SHA-256 `digest` to the hop whose
     /// header is `header`: no other hop's header (each has its own nonce) gives the same.
     pub fn seal_body(&self, header: &HeaderValue, digest: &[u8; 32]) -> HeaderValue {
-        let seal = self
-            .body_mac(header, digest)
-            .map(|mac| hex::encode(mac.finalize().into_bytes()))
-            .unwrap_or_default();
+        let seal = hex::encode(self.body_mac(header, digest).finalize().into_bytes());
         HeaderValue::from_str(&seal).unwrap_or(HeaderValue::from_static("-"))
     }
 
@@ -290,18 +292,17 @@ impl HopKey {
     ) -> Result<(), HopError> {
         let seal = hex::decode(seal.as_bytes()).map_err(|_| HopError::BodyMismatch)?;
         self.body_mac(header, digest)
-            .ok_or(HopError::BodyMismatch)?
             .verify_slice(&seal)
             .map_err(|_| HopError::BodyMismatch)
     }
 
-    fn body_mac(&self, header: &HeaderValue, digest: &[u8; 32]) -> Option<Hmac<Sha256>> {
-        let mut mac = Hmac::<Sha256>::new_from_slice(&self.0).ok()?;
+    fn body_mac(&self, header: &HeaderValue, digest: &[u8; 32]) -> Hmac<Sha256> {
+        let mut mac = Hmac::clone(&self.0);
         for field in [&b"oqp-hop-body-v1"[..], header.as_bytes(), digest] {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field);
         }
-        Some(mac)
+        mac
     }
 }
 
