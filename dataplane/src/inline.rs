@@ -52,14 +52,23 @@ impl Wake for State {
 
     fn wake_by_ref(self: &Arc<Self>) {
         // While a poll runs, the wake-up is noted and taken by that poll; otherwise it is the
-        // task's.
-        if self
-            .phase
-            .compare_exchange(POLLING, WOKEN, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-            && self.phase.load(Ordering::Acquire) == IDLE
-        {
-            self.task.wake();
+        // task's. Noting it always writes (the poll's swap then sees every write made before
+        // the wake-up).
+        let mut phase = self.phase.load(Ordering::Acquire);
+        loop {
+            if phase == IDLE {
+                self.task.wake();
+                return;
+            }
+            match self.phase.compare_exchange_weak(
+                phase,
+                WOKEN,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return,
+                Err(actual) => phase = actual,
+            }
         }
     }
 }
@@ -98,13 +107,9 @@ impl<F: Future> Future for Inline<F> {
                 this.state.phase.store(IDLE, Ordering::Release);
                 return Poll::Ready(output);
             }
-            if this
-                .state
-                .phase
-                .compare_exchange(POLLING, IDLE, Ordering::AcqRel, Ordering::Acquire)
-                .is_ok()
-            {
-                // Not woken during the poll: a later wake-up goes to the task.
+            // From here on a wake-up goes to the task; one that came during the poll is
+            // taken by polling again.
+            if this.state.phase.swap(IDLE, Ordering::AcqRel) == POLLING {
                 return Poll::Pending;
             }
             if !tokio::task::coop::has_budget_remaining() {
@@ -112,7 +117,6 @@ impl<F: Future> Future for Inline<F> {
             }
         }
         // Woken during every poll, or out of budget: the runtime decides when to go on.
-        this.state.phase.store(IDLE, Ordering::Release);
         cx.waker().wake_by_ref();
         Poll::Pending
     }
@@ -151,6 +155,22 @@ mod tests {
             }
         }));
         assert_eq!(poll_once(&mut future), (Poll::Ready(3), 0));
+    }
+
+    #[test]
+    fn a_wake_up_from_another_thread_during_the_poll_is_taken_by_polling_again() {
+        let mut polls = 0;
+        let mut future = Inline::new(std::future::poll_fn(move |cx| {
+            polls += 1;
+            if polls == 1 {
+                let waker = cx.waker().clone();
+                std::thread::spawn(move || waker.wake()).join().unwrap();
+                Poll::Pending
+            } else {
+                Poll::Ready(polls)
+            }
+        }));
+        assert_eq!(poll_once(&mut future), (Poll::Ready(2), 0));
     }
 
     #[test]
