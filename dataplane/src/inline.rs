@@ -128,16 +128,23 @@ mod tests {
 
     use super::*;
 
+    /// A waker that counts its wake-ups.
+    struct Count(AtomicUsize);
+
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn counting() -> (Waker, Arc<Count>) {
+        let count = Arc::new(Count(AtomicUsize::new(0)));
+        (Waker::from(count.clone()), count)
+    }
+
     /// Polls `future` once with a waker that counts its wake-ups.
     fn poll_once<F: Future>(future: &mut Inline<F>) -> (Poll<F::Output>, usize) {
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let waker = Waker::from(count.clone());
+        let (waker, count) = counting();
         let poll = Pin::new(future).poll(&mut Context::from_waker(&waker));
         (poll, count.0.load(Ordering::SeqCst))
     }
@@ -190,19 +197,9 @@ mod tests {
             *keep.lock().unwrap() = Some(cx.waker().clone());
             Poll::<()>::Pending
         }));
-        struct Count(AtomicUsize);
-        impl Wake for Count {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let count = Arc::new(Count(AtomicUsize::new(0)));
-        let waker = Waker::from(count.clone());
-        assert!(
-            Pin::new(&mut future)
-                .poll(&mut Context::from_waker(&waker))
-                .is_pending()
-        );
+        let (waker, count) = counting();
+        let poll = Pin::new(&mut future).poll(&mut Context::from_waker(&waker));
+        assert!(poll.is_pending());
         assert_eq!(
             count.0.load(Ordering::SeqCst),
             0,
