@@ -475,13 +475,15 @@ async fn forward(
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
         queue.accounted = false;
-        let sent = queued::send(queue, policy, client, tier, None, outbound).await;
+        // Boxed, as the other sends a queued request does not wait in: the future of a
+        // request that waits in the queue is sized for its largest path.
+        let sent = Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
         return unless_unbound(verdict.as_ref(), sent);
     };
     let RequestBody::Buffered(body) =
         std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
     else {
-        return queued::send(queue, policy, client, tier, None, outbound).await;
+        return Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
     };
     // A model the key may not use is refused before anything else sees the request: no
     // cache, no queue, no host.
@@ -537,7 +539,10 @@ async fn forward(
         // Counted by the same walk as the embedding handler's, without building the inputs.
         let inputs = embeddings::input_count(&body);
         outbound.body = RequestBody::Buffered(body);
-        return embeddings::send_uncached(queue, policy, client, tier, outbound, inputs).await;
+        return Box::pin(embeddings::send_uncached(
+            queue, policy, client, tier, outbound, inputs,
+        ))
+        .await;
     }
     outbound.body = RequestBody::Buffered(body);
     queued::send_conversation(queue, policy, client, tier, model, chain, outbound).await
