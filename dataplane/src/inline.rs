@@ -1,12 +1,12 @@
 //! A connection's wake-ups from inside its own poll, taken inline.
 //!
 //! hyper serves an HTTP/1 connection and runs its handler in one task, and the two talk
-//! through the request body's channel: the handler reading the body wakes the connection's
-//! dispatcher, and the dispatcher handing it a chunk wakes the handler, each time the same
-//! task, woken while it runs. tokio reschedules such a task at the back of its worker's
-//! queue and wakes an idle worker to share it, which finds nothing to do and parks again:
-//! two system calls and a context switch on the other CPU for every request that has a
-//! body (`docs/performance.md`). [`Inline`] notices a wake-up that arrives while the
+//! through channels (the request body, the dispatcher's read and write notifications): the
+//! handler reading the body wakes the connection's dispatcher, and the dispatcher handing it
+//! a chunk wakes the handler, each time the same task, woken while it runs. tokio
+//! reschedules such a task at the back of its worker's queue and wakes an idle worker to
+//! share it, which finds nothing to do and parks again: four futex calls and a context
+//! switch on the other CPU per request (`docs/performance.md`). [`Inline`] notices a wake-up that arrives while the
 //! future it wraps is being polled and polls it again at once instead, while the task has
 //! scheduling budget left ([`tokio::task::coop`]) and at most [`MAX_INLINE`] times a
 //! poll; any other wake-up, from another task or thread or after the poll, goes to the

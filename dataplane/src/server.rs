@@ -94,8 +94,8 @@ pub async fn serve(
         let kind = kind.clone();
         let shutdown = shutdown.clone();
         let open = open.subscribe();
-        // hyper wakes a connection's task from inside its own poll (the request body's
-        // channel): taken inline (`crate::inline`).
+        // hyper wakes a connection's task from inside its own poll (the request body's and
+        // the dispatcher's channels): taken inline (`crate::inline`).
         tokio::spawn(Inline::new(async move {
             serve_connection(stream, peer, app, kind, &builder, limits, shutdown).await;
             drop((slot, open));
