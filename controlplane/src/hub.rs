@@ -63,6 +63,9 @@ pub struct Node {
     pub reported_at: Option<Instant>,
     /// Open watch streams from it.
     pub watches: usize,
+    /// The usage epoch each open watch presented, in the order they opened: the first
+    /// holds the name, and only its batches are taken ([`Hub::holder`]).
+    pub epochs: Vec<u64>,
 }
 
 impl Node {
@@ -75,6 +78,7 @@ impl Node {
             },
             reported_at: None,
             watches: 0,
+            epochs: Vec::new(),
         }
     }
 }
@@ -342,9 +346,11 @@ impl Hub {
         }
     }
 
-    /// Opens a watch for `node` unless one is open already and `node` owns hosts: two data
-    /// planes started with the same `--node` would both send to its hosts. `false` = refused.
-    pub fn open_watch(&self, node: &str) -> bool {
+    /// Opens a watch for `node`, presenting usage epoch `epoch` (0: an older data plane
+    /// that presents none), unless one is open already and `node` owns hosts: two data
+    /// planes started with the same `--node` would both send to its hosts. `false` =
+    /// refused.
+    pub fn open_watch(&self, node: &str, epoch: u64) -> bool {
         let mut state = self.lock();
         let owns = state
             .config
@@ -360,20 +366,35 @@ impl Hub {
             return false;
         }
         entry.watches += 1;
+        entry.epochs.push(epoch);
         true
     }
 
-    /// Counts a watch stream opened (`+1`) or closed (`-1`) by `node`.
-    pub fn watch_changed(&self, node: &str, opened: bool) {
+    /// Counts a watch stream of `node` that presented `epoch` closed.
+    pub fn close_watch(&self, node: &str, epoch: u64) {
         let mut state = self.lock();
-        let entry = state
-            .nodes
-            .entry(node.to_owned())
-            .or_insert_with(|| Node::new(node));
-        if opened {
-            entry.watches += 1;
-        } else {
+        if let Some(entry) = state.nodes.get_mut(node) {
             entry.watches = entry.watches.saturating_sub(1);
+            if let Some(at) = entry.epochs.iter().position(|open| *open == epoch) {
+                entry.epochs.remove(at);
+            }
+        }
+    }
+
+    /// Whose usage batches are taken under `node`'s name: those of the epoch its holding
+    /// watch (the first open) presented; any epoch for a holder that presented none (an
+    /// older data plane); none while no watch is open.
+    pub fn holder(&self, node: &str) -> crate::usage::Holder {
+        use crate::usage::Holder;
+        match self
+            .lock()
+            .nodes
+            .get(node)
+            .and_then(|entry| entry.epochs.first())
+        {
+            None => Holder::Nobody,
+            Some(0) => Holder::Any,
+            Some(epoch) => Holder::Epoch(*epoch),
         }
     }
 

@@ -8,8 +8,10 @@
 //! data planes' `/queue/status`, and what each client with a budget has used in its current
 //! window: in each snapshot as the policy stream sends it ([`UsageStore::fill`]) and in each
 //! report's ack ([`UsageStore::budgets`]). Reports come only from authenticated data
-//! planes ([`crate::node_token`]), and each batch is bounded by what the node's slots could
-//! have done ([`bound`]); an epoch far ahead of this clock is refused ([`ledger`]). A client that reaches a budget raises
+//! planes ([`crate::node_token`]), under a name only from the data plane whose watch holds
+//! it, and each batch is bounded by what the slots of the node's allowance could have done
+//! ([`bound`]: every name nobody configured shares one); an epoch ahead of this clock is
+//! refused ([`ledger`]). A client that reaches a budget raises
 //! `client.budget_exceeded` once per window ([`UsageStore::exceeded`]).
 
 use std::path::{Path, PathBuf};
@@ -27,7 +29,7 @@ pub mod bound;
 pub mod file;
 pub mod ledger;
 
-pub use ledger::{Applied, By, Ledger, Totals};
+pub use ledger::{Applied, By, Holder, Ledger, Totals};
 
 /// Most users of one app key whose budget figures an ack carries (the busiest first); the
 /// others are held to their budget by what each data plane itself saw.
@@ -54,6 +56,55 @@ struct Inner {
     /// A batch applied in memory whose day file could not be written: no batch is
     /// acknowledged until a write succeeds (the data plane resends meanwhile).
     unsaved: bool,
+    /// When each node's last refusal was logged at warn.
+    refusals: Refusals,
+}
+
+/// A data plane that sends a batch, as the policy service knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reporter {
+    /// The name it reports under.
+    pub node: String,
+    /// The allowance it draws on ([`bound::allowance`]): its own, or the one every name
+    /// nobody configured shares.
+    pub allowance: String,
+    /// The slots of that allowance.
+    pub slots: u64,
+    /// Whose batches are taken under `node` ([`crate::hub::Hub::holder`]).
+    pub holder: Holder,
+}
+
+/// What became of a batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Receipt {
+    /// The batch's number when it is kept (the ack's `usage_seq`); 0 otherwise.
+    pub seq: u64,
+    /// Why it was refused for good, when it was.
+    pub refused: Option<String>,
+}
+
+/// Refusals are logged at warn once a minute per node (a refused data plane backs off,
+/// an older one may not), else at debug.
+#[derive(Debug, Default)]
+struct Refusals {
+    last: std::collections::HashMap<String, i64>,
+}
+
+impl Refusals {
+    /// Most nodes remembered; past it the list starts again (only authenticated reporters
+    /// reach it).
+    const MAX: usize = 1_024;
+
+    fn due(&mut self, node: &str, now: i64) -> bool {
+        if self.last.get(node).is_some_and(|at| now - *at < 60) {
+            return false;
+        }
+        if self.last.len() >= Self::MAX {
+            self.last.clear();
+        }
+        self.last.insert(node.to_owned(), now);
+        true
+    }
 }
 
 impl UsageStore {
@@ -68,6 +119,7 @@ impl UsageStore {
                 ledger,
                 bounds: bound::Bounds::default(),
                 unsaved: false,
+                refusals: Refusals::default(),
             }),
             warned: AtomicBool::new(false),
         }))
@@ -79,14 +131,9 @@ impl UsageStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Applies `node`'s batch at `now`, bounded by what its `slots` could have done
-    /// ([`bound`]), and writes the day it changed, when the state
-    /// directory exists (as for `state_dir/version`; blocking file I/O: call it off the
-    /// async workers). Returns the batch's number when it is applied (now
-    /// or before) and kept, for the ack; 0 when there was none, when it was refused (an
-    /// earlier epoch, or one far ahead of this clock) or when the day file could
-    /// not be written (the batch is kept in memory, counted once, and acknowledged when it
-    /// is resent after a write succeeds).
+    /// Applies `node`'s batch at `at` as [`UsageStore::apply_from`] does, from a data plane
+    /// with its own allowance, holding its name with no epoch presented; the batch's
+    /// number when it is kept, else 0.
     pub fn apply(
         &self,
         node: &str,
@@ -94,47 +141,82 @@ impl UsageStore {
         slots: u64,
         at: SystemTime,
     ) -> u64 {
-        let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
-            return 0;
+        let reporter = Reporter {
+            node: node.to_owned(),
+            allowance: node.to_owned(),
+            slots,
+            holder: Holder::Any,
         };
+        self.apply_from(&reporter, batch, at).seq
+    }
+
+    /// Applies `reporter`'s batch at `at`, bounded by what the slots of its allowance could
+    /// have done ([`bound`]), and writes the day it changed, when the state directory
+    /// exists (as for `state_dir/version`; blocking file I/O: call it off the async
+    /// workers). The receipt names the batch when it is applied (now or before) and kept,
+    /// for the ack; 0 when there was none, when it was refused (with why: not the name's
+    /// holder, an earlier epoch, one ahead of this clock) or when the day file could not
+    /// be written (the batch is kept in memory, counted once, and acknowledged when it is
+    /// resent after a write succeeds).
+    pub fn apply_from(
+        &self,
+        reporter: &Reporter,
+        batch: Option<&wire::UsageBatch>,
+        at: SystemTime,
+    ) -> Receipt {
+        let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
+            return Receipt::default();
+        };
+        let node = reporter.node.as_str();
         let now = unix_s(at);
         let mut inner = self.lock();
-        let applied = inner.ledger.check(node, batch, now);
-        match applied {
-            Applied::Stale => {
+        let applied = inner.ledger.check(node, batch, now, reporter.holder);
+        let refused = match applied {
+            Applied::Stale => Some(
+                "a usage batch from an earlier run of this data plane (or a second data plane \
+                 under its name) was refused",
+            ),
+            Applied::Ahead => Some(
+                "a usage batch whose data plane claims to start after this clock's now was \
+                 refused (it is taken once this clock has passed that start; check the clocks \
+                 of both boxes)",
+            ),
+            Applied::NotHolder => Some(
+                "a usage batch was refused: it is not from the data plane holding this node's \
+                 name (another one watches under it, or none does)",
+            ),
+            Applied::Now | Applied::Already => None,
+        };
+        if let Some(reason) = refused {
+            if inner.refusals.due(node, now) {
+                tracing::warn!(node, epoch = batch.epoch, "{reason}");
+            } else {
+                tracing::debug!(node, epoch = batch.epoch, "{reason}");
+            }
+            return Receipt {
+                seq: 0,
+                refused: Some(reason.to_owned()),
+            };
+        }
+        if applied == Applied::Now {
+            let mut bounded = batch.clone();
+            let slots = reporter.slots;
+            if let Some(cut) =
+                inner
+                    .bounds
+                    .bound(&reporter.allowance, slots, &mut bounded, unix_ms(at))
+            {
                 tracing::warn!(
                     node,
-                    epoch = batch.epoch,
-                    "a usage batch from an earlier run of this data plane (or a second data \
-                     plane under its name) was refused"
+                    allowance = %reporter.allowance,
+                    slots,
+                    claimed_slot_seconds = cut.claimed as f64 / 1e9,
+                    allowed_slot_seconds = cut.allowed as f64 / 1e9,
+                    "a usage batch claimed more than the slots it may use could have done; its \
+                     GPU time and tokens were cut to fit"
                 );
-                return 0;
             }
-            Applied::Ahead => {
-                tracing::warn!(
-                    node,
-                    epoch = batch.epoch,
-                    "a usage batch whose data plane claims to start more than {} s ahead of \
-                     this clock was refused (check the clocks of both boxes)",
-                    ledger::MAX_EPOCH_AHEAD_S
-                );
-                return 0;
-            }
-            Applied::Now => {
-                let mut bounded = batch.clone();
-                if let Some(cut) = inner.bounds.bound(node, slots, &mut bounded, unix_ms(at)) {
-                    tracing::warn!(
-                        node,
-                        slots,
-                        claimed_slot_seconds = cut.claimed as f64 / 1e9,
-                        allowed_slot_seconds = cut.allowed as f64 / 1e9,
-                        "a usage batch claimed more than this data plane's slots could have \
-                         done; its GPU time and tokens were cut to fit"
-                    );
-                }
-                inner.ledger.add(node, &bounded, now);
-            }
-            Applied::Already => {}
+            inner.ledger.add(node, &bounded, now);
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
@@ -142,9 +224,12 @@ impl UsageStore {
             inner.unsaved = !saved;
         }
         if inner.unsaved {
-            return 0;
+            return Receipt::default();
         }
-        batch.seq
+        Receipt {
+            seq: batch.seq,
+            refused: None,
+        }
     }
 
     /// Writes today's file (and removes the days `dropped`), when the state directory

@@ -75,6 +75,7 @@ impl App {
         store: Arc<PolicyStore>,
         control: Arc<ControlLink>,
         admin: AdminClient,
+        started: std::time::SystemTime,
     ) -> Self {
         let policy = store.load();
         let timeout = policy.proxy.request_timeout;
@@ -86,7 +87,7 @@ impl App {
         ));
         let metrics = Arc::new(Metrics::new(&policy));
         Self {
-            usage: Arc::new(crate::usage::Usage::new(metrics.clone())),
+            usage: Arc::new(crate::usage::Usage::with_epoch(metrics.clone(), started)),
             dispatcher,
             embedding_cache: arc_swap::ArcSwapOption::empty(),
             cloud: {

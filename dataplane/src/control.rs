@@ -191,6 +191,8 @@ pub struct Watcher {
     held: u64,
     // Whether this stream's staleness was logged already.
     warned_stale: bool,
+    // The epoch of this data plane's usage batches, presented when a stream opens.
+    usage_epoch: u64,
 }
 
 impl std::fmt::Debug for Watcher {
@@ -202,8 +204,8 @@ impl std::fmt::Debug for Watcher {
 }
 
 impl Watcher {
-    /// A watcher for `node` on `client`.
-    pub fn new(client: Client, node: &str, link: Arc<ControlLink>) -> Self {
+    /// A watcher for `node` on `client`, whose usage batches carry `usage_epoch`.
+    pub fn new(client: Client, node: &str, link: Arc<ControlLink>, usage_epoch: u64) -> Self {
         Self {
             client,
             node: node.to_owned(),
@@ -212,6 +214,7 @@ impl Watcher {
             backoff: Backoff::default(),
             held: 0,
             warned_stale: false,
+            usage_epoch,
         }
     }
 
@@ -224,6 +227,7 @@ impl Watcher {
                     node: self.node.clone(),
                     software_version: env!("CARGO_PKG_VERSION").to_owned(),
                     applied_version: self.held,
+                    usage_epoch: self.usage_epoch,
                 };
                 match self.client.watch_policy(hello).await {
                     Ok(response) => {
@@ -319,8 +323,9 @@ pub const FINAL_REPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// policy changes, until `shutdown`, handing each acknowledgement (with the
 /// other nodes' loads) to `on_ack`. Failures only mark the link down. On
 /// `shutdown` it goes on reporting until `settled()` (every usage batch
-/// acknowledged), for at most [`FINAL_REPORT_TIMEOUT`], or until the control
-/// plane is found unreachable.
+/// acknowledged, or refused for good), for at most [`FINAL_REPORT_TIMEOUT`],
+/// with a backoff between tries, or until the control plane is found
+/// unreachable or refuses the batch.
 pub async fn report_loop(
     mut client: Client,
     store: Arc<PolicyStore>,
@@ -350,10 +355,20 @@ pub async fn report_loop(
     // (the requests that finished while serving drained), so that a graceful stop loses
     // no usage while the control plane answers.
     let deadline = tokio::time::Instant::now() + FINAL_REPORT_TIMEOUT;
+    let mut backoff = Backoff::default();
     while !settled() {
         let call = client.report_status(report());
         match tokio::time::timeout_at(deadline, call).await {
-            Ok(Ok(ack)) => on_ack(ack.into_inner()),
+            Ok(Ok(ack)) => {
+                let ack = ack.into_inner();
+                let refused = !ack.usage_refused.is_empty();
+                on_ack(ack);
+                if refused {
+                    // Refused for good: sending it again until the bound would only
+                    // delay the stop.
+                    break;
+                }
+            }
             Ok(Err(status)) if status.code() == Code::Unavailable => {
                 // Unreachable: waiting out the bound would only delay the stop.
                 tracing::debug!(error = %describe(&status), "last report: no control plane");
@@ -361,14 +376,19 @@ pub async fn report_loop(
             }
             Ok(Err(status)) => {
                 tracing::debug!(error = %describe(&status), "last report failed");
-                let retry = tokio::time::Instant::now() + Duration::from_millis(100);
-                if retry >= deadline {
-                    break;
-                }
-                tokio::time::sleep_until(retry).await;
             }
             Err(_) => break,
         }
+        if settled() {
+            break;
+        }
+        // Not taken yet (the control plane could not write it, say): again after a
+        // backoff, never in a loop as fast as the link.
+        let retry = tokio::time::Instant::now() + backoff.next_delay();
+        if retry >= deadline {
+            break;
+        }
+        tokio::time::sleep_until(retry).await;
     }
     if !settled() {
         tracing::warn!("stopping with usage the control plane has not acknowledged; it is lost");

@@ -77,6 +77,11 @@ pub struct DataPlane {
     stop_reports: CancellationToken,
     /// The report loop (a set of one, so that dropping the data plane aborts it).
     reports: JoinSet<()>,
+    /// Stops the watch, after the last reports: the control plane takes usage under this
+    /// node's name only while its watch holds the name.
+    stop_watch: CancellationToken,
+    /// The watch (a set of one, as `reports`).
+    watch: JoinSet<()>,
 }
 
 impl DataPlane {
@@ -85,7 +90,14 @@ impl DataPlane {
     pub async fn start(options: Options) -> Result<Self, StartError> {
         let link = Arc::new(ControlLink::default());
         let (client, admin) = control::clients(&options.control)?;
-        let mut watcher = Watcher::new(client.clone(), &options.control.node, link.clone());
+        // The usage epoch, presented by the watch and carried by every usage batch.
+        let started = std::time::SystemTime::now();
+        let mut watcher = Watcher::new(
+            client.clone(),
+            &options.control.node,
+            link.clone(),
+            crate::usage::epoch_of(started),
+        );
         let policy = loop {
             let snapshot = watcher.next(true).await?;
             let version = snapshot.version;
@@ -126,6 +138,7 @@ impl DataPlane {
             store.clone(),
             link,
             admin,
+            started,
         ));
         let settings = &store.load().embedding_cache;
         if settings.enabled {
@@ -138,7 +151,9 @@ impl DataPlane {
 
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
-        tasks.spawn(watcher.run(store.clone(), shutdown.clone()));
+        let stop_watch = CancellationToken::new();
+        let mut watch = JoinSet::new();
+        watch.spawn(watcher.run(store.clone(), stop_watch.clone()));
         let reporter_app = app.clone();
         let peers = app.peers.clone();
         let usage = app.usage.clone();
@@ -181,6 +196,8 @@ impl DataPlane {
             tasks,
             stop_reports,
             reports,
+            stop_watch,
+            watch,
         })
     }
 
@@ -201,8 +218,13 @@ impl DataPlane {
         self.app.begin_shutdown();
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
+        // A batch refused before gets one more try, now: the stop does not wait out its
+        // backoff, and a batch refused again ends the last reports at once.
+        self.app.usage.retry_now();
         self.stop_reports.cancel();
         while self.reports.join_next().await.is_some() {}
+        self.stop_watch.cancel();
+        while self.watch.join_next().await.is_some() {}
     }
 }
 

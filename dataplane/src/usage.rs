@@ -124,12 +124,32 @@ struct Inner {
     /// The batch sent and not acknowledged yet, with its number.
     sent: Option<(u64, Ledger)>,
     last_seq: u64,
+    /// The control plane refused the batch sent, for good as far as it knows: it is
+    /// sent again only after a backoff.
+    refused: Option<Refused>,
+    /// Reports that carried a batch.
+    batches_sent: u64,
     /// The control plane's figures of budgeted clients, from the last ack.
     used: HashMap<Arc<str>, Used>,
     /// Each client's usage today over all data planes, from the last ack, and the UTC day
     /// (Unix days) it is for.
     today: (i64, HashMap<Arc<str>, Totals>),
 }
+
+/// A batch the control plane refused, and when it is sent again.
+#[derive(Debug, Clone)]
+struct Refused {
+    reason: String,
+    delay: Duration,
+    resend_at: std::time::Instant,
+}
+
+/// The first wait before a refused batch is sent again; it doubles at each refusal up to
+/// [`REFUSED_MAX_DELAY`].
+pub const REFUSED_FIRST_DELAY: Duration = Duration::from_secs(1);
+
+/// The longest wait before a refused batch is sent again.
+pub const REFUSED_MAX_DELAY: Duration = Duration::from_secs(60);
 
 /// Increments per client and model (labels bounded like the metrics' labels).
 #[derive(Debug, Default)]
@@ -184,14 +204,17 @@ impl Usage {
     /// data plane to the next, and the control plane refuses a batch from an epoch below
     /// the last it applied for the node.
     pub fn with_epoch(metrics: Arc<Metrics>, started: SystemTime) -> Self {
-        let ms = started.duration_since(UNIX_EPOCH).map_or(0, |since| {
-            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
-        });
         Self {
             metrics,
-            epoch: ms.max(1),
+            epoch: epoch_of(started),
             inner: Mutex::default(),
         }
+    }
+
+    /// The epoch of this ledger's batches (Unix ms of its start), which the watch presents
+    /// too, so that the control plane takes batches under this node's name only from it.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -216,9 +239,22 @@ impl Usage {
     }
 
     /// The batch for the next report: the one sent and not acknowledged, else everything
-    /// recorded since, under a new number; `None` when there is nothing to report.
+    /// recorded since, under a new number; `None` when there is nothing to report, or
+    /// while a batch the control plane refused waits out its backoff.
     pub fn report(&self) -> Option<wire::UsageBatch> {
+        self.report_at(std::time::Instant::now())
+    }
+
+    fn report_at(&self, now: std::time::Instant) -> Option<wire::UsageBatch> {
         let mut inner = self.lock();
+        if inner
+            .refused
+            .as_ref()
+            .is_some_and(|refused| now < refused.resend_at)
+        {
+            return None;
+        }
+        inner.batches_sent += 1;
         if inner.sent.is_none() && !inner.pending.rows.is_empty() {
             inner.last_seq += 1;
             let seq = inner.last_seq;
@@ -239,6 +275,26 @@ impl Usage {
         })
     }
 
+    /// How many reports carried a batch so far.
+    pub fn batches_sent(&self) -> u64 {
+        self.lock().batches_sent
+    }
+
+    /// Why the control plane refused the batch sent, while it is refused.
+    pub fn refused(&self) -> Option<String> {
+        self.lock()
+            .refused
+            .as_ref()
+            .map(|refused| refused.reason.clone())
+    }
+
+    /// Lets a refused batch be sent again at once (a stopping data plane's last try).
+    pub fn retry_now(&self) {
+        if let Some(refused) = self.lock().refused.as_mut() {
+            refused.resend_at = std::time::Instant::now();
+        }
+    }
+
     /// Whether everything recorded has been acknowledged.
     pub fn settled(&self) -> bool {
         let inner = self.lock();
@@ -248,6 +304,10 @@ impl Usage {
     /// Takes in a report's ack: drops the batch it names, keeps the control plane's
     /// figures of budgets and of today.
     pub fn acked(&self, ack: &wire::ReportAck, now: SystemTime) {
+        self.acked_at(ack, now, std::time::Instant::now());
+    }
+
+    fn acked_at(&self, ack: &wire::ReportAck, now: SystemTime, instant: std::time::Instant) {
         let mut inner = self.lock();
         if ack.usage_seq != 0
             && inner
@@ -256,6 +316,28 @@ impl Usage {
                 .is_some_and(|(seq, _)| *seq == ack.usage_seq)
         {
             inner.sent = None;
+            inner.refused = None;
+        }
+        if !ack.usage_refused.is_empty() && inner.sent.is_some() {
+            let delay = inner
+                .refused
+                .as_ref()
+                .map_or(REFUSED_FIRST_DELAY, |refused| {
+                    (refused.delay * 2).min(REFUSED_MAX_DELAY)
+                });
+            if inner.refused.is_none() {
+                tracing::warn!(
+                    reason = %ack.usage_refused,
+                    "the control plane refused this node's usage batch; it is sent again \
+                     with a growing backoff (up to {} s)",
+                    REFUSED_MAX_DELAY.as_secs()
+                );
+            }
+            inner.refused = Some(Refused {
+                reason: ack.usage_refused.clone(),
+                delay,
+                resend_at: instant + delay,
+            });
         }
         inner.used = ack
             .budgets
@@ -414,6 +496,16 @@ pub fn seconds(ns: u64) -> String {
         let text = format!("{:.3}", Duration::from_nanos(ns).as_secs_f64());
         text.trim_end_matches('0').trim_end_matches('.').to_owned()
     }
+}
+
+/// The epoch of a data plane started at `started`: Unix ms, at least 1.
+pub fn epoch_of(started: SystemTime) -> u64 {
+    started
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| {
+            u64::try_from(since.as_millis()).unwrap_or(u64::MAX)
+        })
+        .max(1)
 }
 
 fn unix_s(at: SystemTime) -> i64 {

@@ -21,7 +21,7 @@ use crate::compile::{self, tier_from_wire};
 use crate::config::{Secret, WebhookEvent};
 use crate::hub::Hub;
 use crate::node_token;
-use crate::usage::{UsageStore, bound};
+use crate::usage::{Reporter, UsageStore, bound};
 use crate::webhooks::Notice;
 
 /// Serves the policy stream.
@@ -88,11 +88,12 @@ type SnapshotStream = Pin<Box<dyn Stream<Item = Result<PolicySnapshot, Status>> 
 struct WatchGuard {
     hub: Arc<Hub>,
     node: String,
+    epoch: u64,
 }
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
-        self.hub.watch_changed(&self.node, false);
+        self.hub.close_watch(&self.node, self.epoch);
         tracing::info!(node = %self.node, "data plane stopped watching");
     }
 }
@@ -115,7 +116,7 @@ impl PolicyService for PolicyApi {
         tracing::info!(%node, version = %hello.software_version, held = hello.applied_version, "data plane watching");
         // Before subscribing, so that the stream's first snapshot is already
         // above what the node holds.
-        if !self.hub.open_watch(&node) {
+        if !self.hub.open_watch(&node, hello.usage_epoch) {
             tracing::warn!(%node, "refused a second data plane watching as a node that owns hosts");
             return Err(Status::already_exists(format!(
                 "a data plane is already connected as node '{node}', which owns hosts: two would \
@@ -126,6 +127,7 @@ impl PolicyService for PolicyApi {
         let guard = WatchGuard {
             hub: self.hub.clone(),
             node: node.clone(),
+            epoch: hello.usage_epoch,
         };
         let hub = self.hub.clone();
         let usage = self.usage.clone();
@@ -174,11 +176,17 @@ impl PolicyService for PolicyApi {
         let from = node.clone();
         let snapshot = self.hub.current();
         let clients = snapshot.clone();
-        let slots = bound::slots(&self.hub.config().ollama.hosts, &node);
-        let (usage_seq, notices) = tokio::task::spawn_blocking(move || {
+        let config = self.hub.config();
+        let reporter = Reporter {
+            allowance: bound::allowance(&config, &node),
+            slots: bound::slots(&config.ollama.hosts, &node),
+            holder: self.hub.holder(&node),
+            node: from,
+        };
+        let (receipt, notices) = tokio::task::spawn_blocking(move || {
             let now = SystemTime::now();
-            let seq = usage.apply(&from, batch.as_ref(), slots, now);
-            (seq, usage.exceeded(&clients.clients, now))
+            let receipt = usage.apply_from(&reporter, batch.as_ref(), now);
+            (receipt, usage.exceeded(&clients.clients, now))
         })
         .await
         .map_err(|error| Status::internal(format!("usage task failed: {error}")))?;
@@ -189,9 +197,10 @@ impl PolicyService for PolicyApi {
         Ok(Response::new(ReportAck {
             current_version: snapshot.version,
             nodes: self.hub.loads_for(&node),
-            usage_seq,
+            usage_seq: receipt.seq,
             budgets: self.usage.budgets(&snapshot.clients, now),
             today: self.usage.today(now),
+            usage_refused: receipt.refused.unwrap_or_default(),
         }))
     }
 }

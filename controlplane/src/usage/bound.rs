@@ -9,7 +9,8 @@
 //! [`BURST_S`] seconds. A batch costs its GPU time, or its tokens at
 //! [`TOKENS_PER_SLOT_SECOND`], whichever is more; a batch costing more than the allowance
 //! has its GPU time and tokens scaled down to fit (it is still applied and acknowledged,
-//! so the data plane does not resend it for ever). Request and embedding-input counts are
+//! so the data plane does not resend it for ever). An allowance is a configured node's
+//! own, or the one every name nobody configured shares ([`allowance`]). Request and embedding-input counts are
 //! not scaled: no budget counts them.
 
 use std::collections::HashMap;
@@ -122,6 +123,29 @@ fn cost(batch: &wire::UsageBatch) -> u128 {
 
 fn scale(value: u64, allowed: u128, claimed: u128) -> u64 {
     u64::try_from(u128::from(value) * allowed / claimed.max(1)).unwrap_or(u64::MAX)
+}
+
+/// The allowance of every node name nobody configured.
+pub const UNCONFIGURED: &str = "(unconfigured)";
+
+/// The name of the allowance `node`'s reports draw on: its own when it is configured
+/// (listed under `nodes`, or owning a host) or is `local` (the control plane's own data
+/// plane); else [`UNCONFIGURED`], one allowance shared by every other name, so that a
+/// reporter inventing names gets no new allowance with each (their slots are the unowned
+/// hosts', which every such node shares anyway).
+pub fn allowance(config: &crate::config::Config, node: &str) -> String {
+    let configured = node == "local"
+        || config.nodes.contains_key(node)
+        || config
+            .ollama
+            .hosts
+            .iter()
+            .any(|host| host.node.as_deref() == Some(node));
+    if configured {
+        node.to_owned()
+    } else {
+        UNCONFIGURED.to_owned()
+    }
 }
 
 /// The slots `node` may send to in `hosts`: the `max_concurrent` of its own and of the

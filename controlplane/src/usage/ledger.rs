@@ -150,58 +150,78 @@ pub enum Applied {
     Now,
     /// Added before (a resend), or no batch (seq 0): nothing to add.
     Already,
-    /// From an epoch below the last one applied for its node (an earlier run of that data
-    /// plane, or another one under its name): refused, never added.
+    /// From an epoch below the last one applied for its node, under a name whose holder
+    /// presented no epoch (an older data plane): an earlier run of that data plane, or
+    /// another one under its name. Refused, never added.
     Stale,
-    /// From an epoch more than [`MAX_EPOCH_AHEAD_S`] ahead of the control plane's clock: a
-    /// data plane cannot have started in the future, and keeping such an epoch would
-    /// refuse that node's real batches for ever. Refused, never added, not kept.
+    /// From an epoch ahead of the control plane's clock: a data plane cannot have started
+    /// in the future. Refused, never added, not kept (a data plane whose clock is ahead has
+    /// its batches taken once this clock has passed its start).
     Ahead,
+    /// Not from the data plane holding the node's name: no watch is open under it, or
+    /// the one holding it presented another epoch. Refused, never added, not kept.
+    NotHolder,
 }
 
-/// How far (seconds) a batch's epoch may be ahead of the control plane's clock: the clock
-/// skew tolerated between the boxes.
-pub const MAX_EPOCH_AHEAD_S: i64 = 300;
+/// Which batches under a node's name are taken: the holder's, the data plane whose watch
+/// under that name opened first and is still open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holder {
+    /// No watch is open under the name: no batch is taken.
+    Nobody,
+    /// The holder presented this usage epoch: only its batches are taken.
+    Epoch(u64),
+    /// The holder presented no epoch (an older data plane): any, as before epochs were
+    /// presented (an epoch below the last applied is [`Applied::Stale`]).
+    Any,
+}
 
-/// Whether `epoch` (Unix ms) is further ahead of `now` (Unix seconds) than the skew allowed.
+/// Whether `epoch` (Unix ms) is ahead of `now` (Unix seconds): a start after this second.
 pub fn epoch_ahead(epoch: u64, now: i64) -> bool {
-    i64::try_from(epoch / 1000).map_or(true, |seconds| {
-        seconds > now.saturating_add(MAX_EPOCH_AHEAD_S)
-    })
+    i64::try_from(epoch / 1000).map_or(true, |seconds| seconds > now)
 }
 
 impl Ledger {
     /// Applies a data plane's batch at `now` (Unix seconds) unless it was applied already
     /// (the same epoch and a seq not above the last) or comes from an epoch below the
-    /// node's last (epochs are the data planes' start times, in ms: they only grow).
+    /// node's last (epochs are the data planes' start times, in ms: they only grow), as
+    /// from a holder that presented no epoch ([`Holder::Any`]).
     pub fn apply(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> Applied {
-        let check = self.check(node, batch, now);
+        let check = self.check(node, batch, now, Holder::Any);
         if check == Applied::Now {
             self.add(node, batch, now);
         }
         check
     }
 
-    /// What [`Ledger::apply`] would do with `batch` at `now`, changing nothing. A node's
-    /// last epoch that is itself far ahead (kept before such epochs were refused) counts as
-    /// none, so that the node's real batches are taken again.
-    pub fn check(&self, node: &str, batch: &wire::UsageBatch, now: i64) -> Applied {
+    /// What [`Ledger::apply`] would do with `batch` from `holder`'s name `node` at `now`,
+    /// changing nothing. A batch of the holder's own epoch is that data plane's whatever
+    /// the last epoch applied under the name (a data plane that took the name over, or
+    /// a clock set back). A node's last epoch that is itself ahead (kept before such
+    /// epochs were refused) counts as none, so that the node's real batches are taken
+    /// again.
+    pub fn check(&self, node: &str, batch: &wire::UsageBatch, now: i64, holder: Holder) -> Applied {
         if batch.seq == 0 {
             return Applied::Already;
         }
         if epoch_ahead(batch.epoch, now) {
             return Applied::Ahead;
         }
+        match holder {
+            Holder::Nobody => return Applied::NotHolder,
+            Holder::Epoch(epoch) if epoch != batch.epoch => return Applied::NotHolder,
+            Holder::Epoch(_) | Holder::Any => {}
+        }
         if let Some((epoch, seq)) = self
             .applied
             .get(node)
             .filter(|(epoch, _)| !epoch_ahead(*epoch, now))
         {
-            if batch.epoch < *epoch {
-                return Applied::Stale;
-            }
             if *epoch == batch.epoch && *seq >= batch.seq {
                 return Applied::Already;
+            }
+            if batch.epoch < *epoch && holder == Holder::Any {
+                return Applied::Stale;
             }
         }
         Applied::Now
@@ -424,23 +444,25 @@ mod tests {
     }
 
     #[test]
-    fn an_epoch_far_ahead_is_refused_and_one_kept_before_is_forgotten() {
+    fn an_epoch_ahead_is_refused_and_one_kept_before_is_forgotten() {
         let mut ledger = Ledger::default();
         let now_ms = u64::try_from(NOW).unwrap() * 1000;
-        let skew_ms = u64::try_from(MAX_EPOCH_AHEAD_S).unwrap() * 1000;
         assert_eq!(
             ledger.apply("a", &batch(1 << 63, 1, &[("chat", "m", 9)]), NOW),
             Applied::Ahead
         );
         assert!(ledger.applied.is_empty(), "not kept");
+        // Four minutes ahead (within what a clock skew could be): refused too, so that it
+        // cannot make the node's real batches look stale.
         assert_eq!(
-            ledger.apply("a", &batch(now_ms + skew_ms + 1000, 1, &[]), NOW),
+            ledger.apply("a", &batch(now_ms + 240_000, 1, &[]), NOW),
             Applied::Ahead
         );
+        assert!(ledger.applied.is_empty(), "not kept");
         assert_eq!(
-            ledger.apply("a", &batch(now_ms + skew_ms, 1, &[("chat", "m", 1)]), NOW),
+            ledger.apply("a", &batch(now_ms + 999, 1, &[("chat", "m", 1)]), NOW),
             Applied::Now,
-            "within the skew tolerated"
+            "within this second"
         );
         // A far-ahead epoch a state file holds from before: the node's batches count again.
         ledger.applied.insert("b".to_owned(), (1 << 63, 5));
@@ -449,6 +471,34 @@ mod tests {
             Applied::Now
         );
         assert_eq!(ledger.applied["b"], (now_ms - 1000, 1));
+    }
+
+    #[test]
+    fn only_the_holders_epoch_is_taken_under_a_name() {
+        let mut ledger = Ledger::default();
+        let one = |epoch, seq| batch(epoch, seq, &[("chat", "m", 1)]);
+        assert_eq!(
+            ledger.check("a", &one(7, 1), NOW, Holder::Nobody),
+            Applied::NotHolder,
+            "no watch open under the name"
+        );
+        assert_eq!(
+            ledger.check("a", &one(7, 1), NOW, Holder::Epoch(8)),
+            Applied::NotHolder,
+            "another data plane holds it"
+        );
+        // Another run took the name for a while (epoch 9, applied); the holder of epoch 7
+        // is taken again once it holds the name, not refused as stale.
+        ledger.add("a", &one(9, 4), NOW);
+        assert_eq!(
+            ledger.check("a", &one(7, 1), NOW, Holder::Epoch(7)),
+            Applied::Now
+        );
+        assert_eq!(
+            ledger.check("a", &one(7, 1), NOW, Holder::Any),
+            Applied::Stale,
+            "an older data plane's name keeps the rule of growing epochs"
+        );
     }
 
     #[test]

@@ -233,3 +233,42 @@ fn the_epoch_is_the_start_time_in_ms_and_grows_from_run_to_run() {
     assert_eq!(first, NOW.unsigned_abs() * 1000 + 250);
     assert!(run(started + Duration::from_millis(1)) > first);
 }
+
+#[test]
+fn a_refused_batch_is_sent_again_only_after_a_growing_backoff() {
+    let usage = usage();
+    let start = std::time::Instant::now();
+    let after = |delay: Duration| start + delay;
+    usage.record("batch", "llama3", gpu(1), at(NOW));
+    let batch = usage.report_at(start).unwrap();
+    let refused = wire::ReportAck {
+        usage_refused: "not the holder".into(),
+        ..wire::ReportAck::default()
+    };
+    usage.acked_at(&refused, at(NOW), start);
+    assert_eq!(usage.refused().as_deref(), Some("not the holder"));
+    assert_eq!(usage.report_at(start), None, "backing off");
+    let one = REFUSED_FIRST_DELAY;
+    assert_eq!(
+        usage.report_at(after(one)),
+        Some(batch.clone()),
+        "the same batch, again"
+    );
+    usage.acked_at(&refused, at(NOW), after(one));
+    assert_eq!(usage.report_at(after(2 * one)), None, "the backoff doubled");
+    assert!(usage.report_at(after(3 * one)).is_some());
+    for _ in 0..10 {
+        usage.acked_at(&refused, at(NOW), after(3 * one));
+    }
+    assert!(
+        usage
+            .report_at(after(3 * one + REFUSED_MAX_DELAY))
+            .is_some(),
+        "at most a minute"
+    );
+    // Taken at last: the backoff ends with it.
+    usage.acked(&ack(batch.seq, Vec::new()), at(NOW));
+    assert_eq!(usage.refused(), None);
+    assert!(usage.settled());
+    assert_eq!(usage.batches_sent(), 4);
+}

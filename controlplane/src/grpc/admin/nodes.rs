@@ -160,6 +160,7 @@ mod tests {
             },
             reported_at: Some(std::time::Instant::now()),
             watches: 1,
+            epochs: vec![1],
         }
     }
 

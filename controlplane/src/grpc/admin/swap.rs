@@ -87,6 +87,7 @@ mod tests {
             report,
             reported_at: Instant::now().checked_sub(age),
             watches: 1,
+            epochs: vec![1],
         };
         (name.to_owned(), node)
     }

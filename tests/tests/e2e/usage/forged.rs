@@ -15,6 +15,33 @@ use serde_json::json;
 
 use super::{SECOND, config, fake, post, usage_of, wait_for_requests};
 
+/// A watch under `node` presenting usage epoch `epoch`, with `token`: the stream, kept open
+/// as long as it is held.
+async fn hold(
+    control_url: &str,
+    token: &str,
+    node: &str,
+    epoch: u64,
+) -> tonic::Streaming<oqp_proto::policy::v1::PolicySnapshot> {
+    let mut client = PolicyServiceClient::connect(control_url.to_owned())
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(oqp_proto::policy::v1::NodeHello {
+        node: node.to_owned(),
+        usage_epoch: epoch,
+        ..Default::default()
+    });
+    request.metadata_mut().insert(
+        oqp_proto::NODE_TOKEN_METADATA,
+        oqp_dataplane::node_keys::grpc_credential(token)
+            .parse()
+            .unwrap(),
+    );
+    let mut stream = client.watch_policy(request).await.unwrap().into_inner();
+    stream.message().await.unwrap().expect("a first snapshot");
+    stream
+}
+
 /// A report from `node` claiming `gpu_s` GPU-seconds for client `chat`, presenting `token`.
 async fn forge(
     control_url: &str,
@@ -94,6 +121,7 @@ async fn forged_usage_reports_are_refused_bounded_or_kept_from_blocking_the_real
 
     // A reporter holding the token claims 10,000 GPU-s for a box of 4 slots that started a
     // second ago: cut to what 4 slots could have done (at most a minute each, first seen).
+    let _watch = hold(&control_url, &token, "forger", now_ms - 1_000).await;
     assert_eq!(
         forge(&control_url, Some(&token), "forger", now_ms - 1_000, 10_000)
             .await
@@ -257,4 +285,146 @@ fn authorized<T>(key: &str, message: T) -> tonic::Request<T> {
         .metadata_mut()
         .insert("authorization", format!("Bearer {key}").parse().unwrap());
     request
+}
+
+fn now_ms() -> u64 {
+    u64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap()
+}
+
+#[tokio::test]
+async fn names_nobody_configured_share_one_allowance_and_only_a_names_holder_reports() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    let control_url = stack.control_url();
+    let token = stack.control.node_token().to_owned();
+    let an_hour_ago = now_ms() - 3_600_000;
+
+    // A name no watch holds: refused, nothing counted.
+    assert_eq!(
+        forge(&control_url, Some(&token), "ghost-9", an_hour_ago, 10_000)
+            .await
+            .unwrap(),
+        0
+    );
+    // Three names nobody configured, each held by a watch, each claiming 10,000 GPU-s of a
+    // box that has run an hour: they share one allowance, an hour of the 4 unowned slots
+    // (14,400 s), where each name had one of its own before (30,000 s charged).
+    let mut watches = Vec::new();
+    for ghost in ["ghost-0", "ghost-1", "ghost-2"] {
+        watches.push(hold(&control_url, &token, ghost, an_hour_ago).await);
+        assert_eq!(
+            forge(&control_url, Some(&token), ghost, an_hour_ago, 10_000)
+                .await
+                .unwrap(),
+            1,
+            "{ghost}: applied (cut) and acknowledged"
+        );
+    }
+    let gpu = usage_of(&control_url, 0, true, true)
+        .await
+        .total
+        .unwrap_or_default()
+        .gpu_ns;
+    // The allowance fills at 4 slot-seconds a second while the test runs: a minute of
+    // slack covers a slow machine.
+    assert!(gpu <= (4 * 3_600 + 4 * 60) * SECOND, "{} s", gpu / SECOND);
+
+    // Under the name of the in-process data plane, which holds `local`: an empty batch 4
+    // minutes ahead (which froze its accounting until a restart), and one of another epoch
+    // now, are both refused, with why.
+    for epoch in [now_ms() + 240_000, now_ms()] {
+        let mut client = PolicyServiceClient::connect(control_url.clone())
+            .await
+            .unwrap();
+        let mut request = tonic::Request::new(NodeReport {
+            node: "local".to_owned(),
+            usage: Some(UsageBatch {
+                epoch,
+                seq: 1,
+                rows: Vec::new(),
+            }),
+            ..NodeReport::default()
+        });
+        request.metadata_mut().insert(
+            oqp_proto::NODE_TOKEN_METADATA,
+            oqp_dataplane::node_keys::grpc_credential(&token)
+                .parse()
+                .unwrap(),
+        );
+        let ack = client.report_status(request).await.unwrap().into_inner();
+        assert_eq!(ack.usage_seq, 0);
+        assert!(!ack.usage_refused.is_empty(), "{ack:?}");
+    }
+    let before = usage_of(&control_url, 0, true, true)
+        .await
+        .total
+        .unwrap_or_default();
+    post(
+        &stack.url(),
+        "/api/generate",
+        "total_duration=2000000000,prompt_eval_count=1,eval_count=1",
+        json!({"model": "llama3", "prompt": "hi", "stream": false}),
+    )
+    .await;
+    let usage = wait_for_requests(&control_url, before.requests + 1).await;
+    assert_eq!(
+        usage.total.unwrap_or_default().gpu_ns,
+        before.gpu_ns + 2 * SECOND,
+        "the real data plane's request, counted"
+    );
+    drop(watches);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_data_plane_whose_batch_is_refused_backs_off_and_stops_at_once() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
+    // Two data planes started with the same --node (owning no host, so both may watch):
+    // the first holds the name, the second's batches are refused.
+    let first = stack.start_dataplane("edge", None).await.unwrap();
+    let second = stack.start_dataplane("edge", None).await.unwrap();
+    let usage = second.app().usage.clone();
+    post(
+        &format!("http://{}", second.local_addr()),
+        "/api/generate",
+        "total_duration=1000000000,prompt_eval_count=1,eval_count=1",
+        json!({"model": "llama3", "prompt": "hi", "stream": false}),
+    )
+    .await;
+    assert!(
+        oqp_tests::client::eventually(std::time::Duration::from_secs(10), || usage
+            .refused()
+            .is_some())
+        .await,
+        "the second data plane's batch was refused"
+    );
+    // Stopping: no more sends of a batch refused for good (it was sent again as fast as
+    // the link allowed, for 5 s, before).
+    let sent = usage.batches_sent();
+    second.shutdown().await;
+    assert!(
+        usage.batches_sent() <= sent + 1,
+        "{} more",
+        usage.batches_sent() - sent
+    );
+    // The holder's usage counts.
+    post(
+        &format!("http://{}", first.local_addr()),
+        "/api/generate",
+        "total_duration=1000000000,prompt_eval_count=1,eval_count=1",
+        json!({"model": "llama3", "prompt": "hi", "stream": false}),
+    )
+    .await;
+    wait_for_requests(&stack.control_url(), 1).await;
+    first.shutdown().await;
+    stack.shutdown().await;
 }
