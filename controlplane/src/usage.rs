@@ -31,8 +31,9 @@ pub mod ledger;
 
 pub use ledger::{Applied, By, Holder, Ledger, Totals};
 
-/// Most users of one app key whose budget figures an ack carries (the busiest first); the
-/// others are held to their budget by what each data plane itself saw.
+/// Most users of one app key whose budget figures an ack carries (the nearest their budget
+/// first, by the fraction used of their nearest limit), besides every user at or over it;
+/// each data plane keeps the last figure it was sent for the others.
 pub const MAX_USER_BUDGETS: usize = 1_000;
 
 /// Most clients the acks' `today` list carries (the busiest first).
@@ -295,9 +296,20 @@ impl UsageStore {
                 .users_since(&client.client_id, start)
                 .into_iter()
                 .collect();
-            // The users nearest their budget first, so that a bound on the list keeps them.
-            users.sort_by(|a, b| b.1.gpu_ns.cmp(&a.1.gpu_ns).then_with(|| a.0.cmp(&b.0)));
-            users.truncate(MAX_USER_BUDGETS);
+            // The users nearest their budget first (the fraction used of whichever of its
+            // limits is nearest), so that a bound on the list keeps them; every user at or
+            // over it is sent, whatever the bound.
+            let mut ranked: Vec<(f64, String, Totals)> = users
+                .into_iter()
+                .map(|(user, totals)| (fraction_used(budget, &totals), user, totals))
+                .collect();
+            ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+            let over = ranked.iter().take_while(|(used, ..)| *used >= 1.0).count();
+            ranked.truncate(over.max(MAX_USER_BUDGETS));
+            let users: Vec<(String, Totals)> = ranked
+                .into_iter()
+                .map(|(_, user, totals)| (user, totals))
+                .collect();
             budgets.extend(
                 users
                     .iter()
@@ -457,6 +469,19 @@ impl UsageStore {
         }
         notices
     }
+}
+
+/// How much of `budget` `totals` used: the largest fraction over its limits (GPU time,
+/// tokens); 1.0 and above is at or over the budget.
+pub fn fraction_used(budget: &wire::Budget, totals: &Totals) -> f64 {
+    let of = |used: u64, limit: u64| {
+        if limit == 0 {
+            0.0
+        } else {
+            used as f64 / limit as f64
+        }
+    };
+    of(totals.gpu_ns, budget.gpu_ns).max(of(totals.tokens(), budget.tokens))
 }
 
 fn used(client: &str, start: i64, totals: &Totals, now: SystemTime) -> wire::BudgetUsed {

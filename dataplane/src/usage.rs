@@ -339,11 +339,22 @@ impl Usage {
                 resend_at: instant + delay,
             });
         }
-        inner.used = ack
-            .budgets
-            .iter()
-            .map(|used| (Arc::from(used.client_id.as_str()), Used::from_wire(used)))
-            .collect();
+        // Merged, not replaced: a user the ack leaves out (others nearer their budgets
+        // filled its list) keeps the last figure this node was sent; the newest of two
+        // copies wins.
+        for used in &ack.budgets {
+            let figure = Used::from_wire(used);
+            match inner.used.get_mut(used.client_id.as_str()) {
+                Some(kept) if kept.as_of_unix_ms > figure.as_of_unix_ms => {}
+                Some(kept) => *kept = figure,
+                None => {
+                    inner
+                        .used
+                        .insert(Arc::from(used.client_id.as_str()), figure);
+                }
+            }
+        }
+        forget_old_figures(&mut inner.used, now);
         inner.today = (
             unix_s(now).div_euclid(86_400),
             ack.today
@@ -436,6 +447,27 @@ impl Usage {
             totals.add(&sent.client(client, since));
         }
         totals
+    }
+}
+
+/// Most figures kept from acks; past it, those of the oldest windows are forgotten first.
+pub const MAX_FIGURES: usize = 100_000;
+
+/// Forgets figures of windows that ended (none lasts over 30 days) and, past
+/// [`MAX_FIGURES`], those of the oldest windows.
+fn forget_old_figures(used: &mut HashMap<Arc<str>, Used>, now: SystemTime) {
+    const LONGEST_WINDOW_S: i64 = 30 * 86_400;
+    let now = unix_s(now);
+    used.retain(|_, figure| figure.window_start_unix_s > now - LONGEST_WINDOW_S);
+    if used.len() > MAX_FIGURES {
+        let mut starts: Vec<i64> = used
+            .values()
+            .map(|figure| figure.window_start_unix_s)
+            .collect();
+        let cut = starts.len() - MAX_FIGURES;
+        let (_, oldest_kept, _) = starts.select_nth_unstable(cut);
+        let oldest_kept = *oldest_kept;
+        used.retain(|_, figure| figure.window_start_unix_s >= oldest_kept);
     }
 }
 

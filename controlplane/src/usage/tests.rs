@@ -263,3 +263,75 @@ fn an_apps_budget_counts_its_users_and_each_user_has_a_figure_of_its_own() {
     assert!(format!("{notices:?}").contains("webui/alice"));
     assert!(store.exceeded(&clients, at(NOW)).is_empty());
 }
+
+#[test]
+fn acks_rank_users_by_the_fraction_of_their_budget_used_and_keep_everyone_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let app = wire::Client {
+        client_id: "webui".to_owned(),
+        users: Some(wire::Users {
+            budget: Some(wire::Budget {
+                gpu_ns: 0,
+                tokens: 50,
+                window_seconds: 86_400,
+                window_anchor_unix_s: 0,
+                window: "1d".to_owned(),
+                used: None,
+            }),
+            ..wire::Users::default()
+        }),
+        ..wire::Client::default()
+    };
+    // 1,100 users each with a lot of GPU time and 2 tokens; one with little GPU time and
+    // 41 tokens (82% of its budget), and MAX_USER_BUDGETS + 5 users over it.
+    let mut rows: Vec<wire::UsageRow> = (0..1_100)
+        .map(|user| wire::UsageRow {
+            client_id: format!("webui/busy-{user}"),
+            model: "llama3".to_owned(),
+            gpu_ns: 100 * SECOND,
+            prompt_tokens: 1,
+            completion_tokens: 1,
+            requests: 1,
+            ..wire::UsageRow::default()
+        })
+        .collect();
+    rows.push(wire::UsageRow {
+        client_id: "webui/thrifty".to_owned(),
+        model: "llama3".to_owned(),
+        gpu_ns: 1,
+        completion_tokens: 41,
+        requests: 1,
+        ..wire::UsageRow::default()
+    });
+    let over = MAX_USER_BUDGETS + 5;
+    rows.extend((0..over).map(|user| wire::UsageRow {
+        client_id: format!("webui/over-{user}"),
+        model: "llama3".to_owned(),
+        completion_tokens: 50,
+        requests: 1,
+        ..wire::UsageRow::default()
+    }));
+    let batch = wire::UsageBatch {
+        epoch: 1,
+        seq: 1,
+        rows,
+    };
+    assert_eq!(store.apply("box", Some(&batch), 1 << 20, at(NOW)), 1);
+    let budgets = store.budgets(std::slice::from_ref(&app), at(NOW));
+    assert_eq!(budgets.len(), over, "every user over, even past the bound");
+    assert!(budgets.iter().all(|used| used.tokens >= 50));
+    // Under the bound, the nearest first: the thrifty user before any busy one (which a
+    // ranking by GPU time left out).
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let mut batch = batch;
+    batch
+        .rows
+        .retain(|row| !row.client_id.starts_with("webui/over-"));
+    assert_eq!(store.apply("box", Some(&batch), 1 << 20, at(NOW)), 1);
+    let budgets = store.budgets(&[app], at(NOW));
+    assert_eq!(budgets.len(), MAX_USER_BUDGETS);
+    assert_eq!(budgets[0].client_id, "webui/thrifty");
+    assert_eq!(budgets[0].tokens, 41);
+}

@@ -272,3 +272,27 @@ fn a_refused_batch_is_sent_again_only_after_a_growing_backoff() {
     assert!(usage.settled());
     assert_eq!(usage.batches_sent(), 4);
 }
+
+#[test]
+fn a_figure_left_out_of_the_next_ack_is_kept() {
+    let usage = usage();
+    let client = client(Some(daily(0, 50, Used::default())));
+    let figure = |tokens, as_of_unix_ms| wire::BudgetUsed {
+        client_id: "batch".into(),
+        window_start_unix_s: DAY_START,
+        gpu_ns: 0,
+        tokens,
+        as_of_unix_ms,
+    };
+    usage.acked(&ack(0, vec![figure(60, NOW * 1000)]), at(NOW));
+    assert!(usage.check(&client, at(NOW)).is_err());
+    // The next ack lists others nearer their budgets, not this client: it stays refused.
+    usage.acked(&ack(0, Vec::new()), at(NOW + 1));
+    assert!(usage.check(&client, at(NOW + 1)).is_err());
+    // An older copy does not replace a newer one.
+    usage.acked(&ack(0, vec![figure(10, NOW * 1000 - 1)]), at(NOW + 1));
+    assert!(usage.check(&client, at(NOW + 1)).is_err());
+    // Figures of windows over 30 days old are forgotten.
+    usage.acked(&ack(0, Vec::new()), at(DAY_START + 31 * 86_400));
+    assert!(usage.lock().used.is_empty());
+}
