@@ -14,6 +14,7 @@
 //! refused ([`ledger`]). A client that reaches a budget raises
 //! `client.budget_exceeded` once per window ([`UsageStore::exceeded`]).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -217,7 +218,16 @@ impl UsageStore {
                      GPU time and tokens were cut to fit"
                 );
             }
-            inner.ledger.add(node, &bounded, now);
+            for app in inner.ledger.add(node, &bounded, now) {
+                tracing::warn!(
+                    app,
+                    cap = ledger::MAX_USERS_PER_APP_HOUR,
+                    "an app has more distinct users this hour than are kept apart; the \
+                     others' usage is summed under '{app}/{}' until the hour ends (the app's \
+                     budget counts it, their own per-user budgets only on each data plane)",
+                    ledger::OTHER
+                );
+            }
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
@@ -291,7 +301,7 @@ impl UsageStore {
                 continue;
             };
             let start = budget.window_start(seconds);
-            let mut users: Vec<(String, Totals)> = inner
+            let users: Vec<(String, Totals)> = inner
                 .ledger
                 .users_since(&client.client_id, start)
                 .into_iter()
@@ -305,7 +315,7 @@ impl UsageStore {
                 .collect();
             ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
             let over = ranked.iter().take_while(|(used, ..)| *used >= 1.0).count();
-            ranked.truncate(over.max(MAX_USER_BUDGETS));
+            ranked.truncate(over.clamp(MAX_USER_BUDGETS, ledger::MAX_USERS_PER_APP_HOUR));
             let users: Vec<(String, Totals)> = ranked
                 .into_iter()
                 .map(|(_, user, totals)| (user, totals))
@@ -416,6 +426,14 @@ impl UsageStore {
                 }
             }
         }
+        // Users announced per (app, window): at most MAX_USERS_PER_APP_HOUR each, so that
+        // the list kept (and saved) is bounded like the ledger's users.
+        let mut per_app: HashMap<(String, i64), usize> = HashMap::new();
+        for (client, start) in &inner.ledger.announced {
+            if let Some((app, _)) = client.split_once('/') {
+                *per_app.entry((app.to_owned(), *start)).or_default() += 1;
+            }
+        }
         let mut notices = Vec::new();
         for (client_id, budget, start, used) in &budgeted {
             if inner
@@ -423,6 +441,14 @@ impl UsageStore {
                 .announced
                 .contains(&(client_id.clone(), *start))
             {
+                continue;
+            }
+            let app_window = client_id
+                .split_once('/')
+                .map(|(app, _)| (app.to_owned(), *start));
+            if app_window.as_ref().is_some_and(|key| {
+                per_app.get(key).copied().unwrap_or(0) >= ledger::MAX_USERS_PER_APP_HOUR
+            }) {
                 continue;
             }
             let over = if budget.gpu_ns > 0 && used.gpu_ns >= budget.gpu_ns {
@@ -439,6 +465,9 @@ impl UsageStore {
             let Some((kind, limit, spent)) = over else {
                 continue;
             };
+            if let Some(key) = app_window {
+                *per_app.entry(key).or_default() += 1;
+            }
             inner.ledger.announced.insert((client_id.clone(), *start));
             let resets = start.saturating_add(i64::try_from(budget.window_seconds).unwrap_or(0));
             let reset_at = UNIX_EPOCH + std::time::Duration::from_secs(resets.unsigned_abs());

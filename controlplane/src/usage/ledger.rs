@@ -2,7 +2,7 @@
 //! time is passed in. Days are groups of hours; budget windows and `--since` periods are
 //! sums of whole hours.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use oqp_proto::policy::v1 as wire;
 use serde::{Deserialize, Serialize};
@@ -84,6 +84,12 @@ impl Totals {
     }
 }
 
+/// Most distinct users of one app one hour keeps; past it a new user's usage is summed
+/// under `<app>/(other)` ([`OTHER`]) and the first such fold of the hour is logged. Its
+/// app's totals, and so the app's budget, still count it; its own per-user budget is then
+/// held only by the data planes' own figures.
+pub const MAX_USERS_PER_APP_HOUR: usize = 10_000;
+
 /// One hour's totals.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Hour {
@@ -91,15 +97,59 @@ pub struct Hour {
     pub rows: HashMap<(String, String), Totals>,
     /// Per client, all models.
     pub clients: HashMap<String, Totals>,
+    /// Per app (a client id's part before `/`): itself and its users together, and which
+    /// of its users this hour has, so that an app's figures are read without scanning
+    /// every client.
+    pub apps: HashMap<String, App>,
+}
+
+/// One app's hour.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct App {
+    /// The app and its users together.
+    pub total: Totals,
+    /// Its users this hour (sub-client ids, `<app>/<user>`), at most
+    /// [`MAX_USERS_PER_APP_HOUR`] and `<app>/(other)`.
+    pub users: HashSet<String>,
+}
+
+/// What [`Hour::add`] did with a client's usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Added {
+    /// Kept under its own client id.
+    Kept,
+    /// A user past [`MAX_USERS_PER_APP_HOUR`], folded into `<app>/(other)`; `first` when it
+    /// is the hour's first fold for this app.
+    Folded {
+        /// The first fold of this app in this hour.
+        first: bool,
+    },
 }
 
 impl Hour {
     /// Adds `totals` for `client` and `model`.
-    pub fn add(&mut self, client: &str, model: &str, totals: &Totals) {
+    pub fn add(&mut self, client: &str, model: &str, totals: &Totals) -> Added {
         let model = if model.len() > MAX_MODEL_BYTES {
             OTHER
         } else {
             model
+        };
+        let app_id = client.split_once('/').map_or(client, |(app, _)| app);
+        let app = self.apps.entry(app_id.to_owned()).or_default();
+        app.total.add(totals);
+        let mut added = Added::Kept;
+        let folded;
+        let client = if client.len() == app_id.len() || app.users.contains(client) {
+            client
+        } else if app.users.len() < MAX_USERS_PER_APP_HOUR {
+            app.users.insert(client.to_owned());
+            client
+        } else {
+            folded = format!("{app_id}/{OTHER}");
+            added = Added::Folded {
+                first: app.users.insert(folded.clone()),
+            };
+            folded.as_str()
         };
         let key = (client.to_owned(), model.to_owned());
         let key = if self.rows.contains_key(&key) || self.rows.len() < MAX_ROWS_PER_HOUR {
@@ -109,6 +159,7 @@ impl Hour {
         };
         self.clients.entry(key.0.clone()).or_default().add(totals);
         self.rows.entry(key).or_default().add(totals);
+        added
     }
 }
 
@@ -229,13 +280,20 @@ impl Ledger {
 
     /// Adds `batch` to the hour of `now` and records it as `node`'s last, unchecked (see
     /// [`Ledger::check`]).
-    pub fn add(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) {
+    /// Returns the apps whose users were first folded into `<app>/(other)` this hour.
+    pub fn add(&mut self, node: &str, batch: &wire::UsageBatch, now: i64) -> Vec<String> {
         let hour = self.hours.entry(now.div_euclid(3600)).or_default();
+        let mut folded = Vec::new();
         for row in &batch.rows {
-            hour.add(&row.client_id, &row.model, &Totals::from_row(row));
+            let added = hour.add(&row.client_id, &row.model, &Totals::from_row(row));
+            if added == (Added::Folded { first: true }) {
+                let app = row.client_id.split_once('/').map_or("", |(app, _)| app);
+                folded.push(app.to_owned());
+            }
         }
         self.applied
             .insert(node.to_owned(), (batch.epoch, batch.seq));
+        folded
     }
 
     /// Forgets hours before the first day kept at `now`; the days (Unix days) dropped.
@@ -257,14 +315,12 @@ impl Ledger {
             .range(start.div_euclid(3600)..)
             .map(|(_, hour)| hour)
         {
-            if let Some(used) = hour.clients.get(client) {
-                totals.add(used);
-            }
-            let users = hour.clients.iter().filter(|(id, _)| {
-                id.strip_prefix(client)
-                    .is_some_and(|rest| rest.starts_with('/'))
-            });
-            for (_, used) in users {
+            let used = if client.contains('/') {
+                hour.clients.get(client)
+            } else {
+                hour.apps.get(client).map(|app| &app.total)
+            };
+            if let Some(used) = used {
                 totals.add(used);
             }
         }
@@ -279,11 +335,11 @@ impl Ledger {
             .range(start.div_euclid(3600)..)
             .map(|(_, hour)| hour)
         {
-            for (id, used) in &hour.clients {
-                if id
-                    .strip_prefix(client)
-                    .is_some_and(|rest| rest.starts_with('/'))
-                {
+            let Some(app) = hour.apps.get(client) else {
+                continue;
+            };
+            for id in &app.users {
+                if let Some(used) = hour.clients.get(id) {
                     users.entry(id.clone()).or_default().add(used);
                 }
             }
@@ -585,6 +641,63 @@ mod tests {
             hour.rows[&("chat".to_owned(), "model-7".to_owned())].gpu_ns,
             2
         );
+    }
+
+    #[test]
+    fn an_apps_distinct_users_per_hour_are_bounded_and_the_rest_folded() {
+        let mut ledger = Ledger::default();
+        let rows: Vec<wire::UsageRow> = (0..MAX_USERS_PER_APP_HOUR + 5)
+            .map(|user| wire::UsageRow {
+                client_id: format!("webui/user-{user}"),
+                model: "m".to_owned(),
+                gpu_ns: SECOND,
+                requests: 1,
+                ..wire::UsageRow::default()
+            })
+            .chain(std::iter::once(wire::UsageRow {
+                client_id: "webui".to_owned(),
+                model: "m".to_owned(),
+                gpu_ns: SECOND,
+                ..wire::UsageRow::default()
+            }))
+            .collect();
+        let batch = wire::UsageBatch {
+            epoch: 1,
+            seq: 1,
+            rows,
+        };
+        assert_eq!(
+            ledger.add("a", &batch, NOW),
+            ["webui"],
+            "the first fold, once"
+        );
+        let hour = &ledger.hours[&NOW.div_euclid(3600)];
+        assert_eq!(hour.apps["webui"].users.len(), MAX_USERS_PER_APP_HOUR + 1);
+        let other = format!("webui/{OTHER}");
+        assert_eq!(hour.clients[&other].gpu_ns, 5 * SECOND);
+        // The app's total counts everyone; its users are read from its index.
+        let users = ledger.users_since("webui", 0);
+        assert_eq!(users.len(), MAX_USERS_PER_APP_HOUR + 1);
+        assert_eq!(users["webui/user-7"].gpu_ns, SECOND);
+        assert_eq!(
+            ledger.client_since("webui", 0).gpu_ns,
+            (MAX_USERS_PER_APP_HOUR as u64 + 6) * SECOND
+        );
+        assert_eq!(ledger.client_since("webui/user-7", 0).gpu_ns, SECOND);
+        // A user already kept this hour stays itself; the next hour starts afresh.
+        let again = |client: &str| wire::UsageBatch {
+            epoch: 1,
+            seq: 2,
+            rows: vec![wire::UsageRow {
+                client_id: client.to_owned(),
+                model: "m".to_owned(),
+                gpu_ns: SECOND,
+                ..wire::UsageRow::default()
+            }],
+        };
+        assert!(ledger.add("a", &again("webui/user-7"), NOW).is_empty());
+        assert!(ledger.add("a", &again("webui/late"), NOW + 3600).is_empty());
+        assert_eq!(ledger.users_since("webui", 0)["webui/late"].gpu_ns, SECOND);
     }
 
     #[test]
