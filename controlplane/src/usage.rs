@@ -29,6 +29,7 @@ use crate::webhooks::Notice;
 pub mod bound;
 pub mod file;
 pub mod ledger;
+pub mod log;
 
 pub use ledger::{Applied, By, Holder, Ledger, Totals};
 
@@ -60,6 +61,8 @@ struct Inner {
     unsaved: bool,
     /// When each node's last refusal was logged at warn.
     refusals: Refusals,
+    /// The day's append log.
+    log: log::Log,
 }
 
 /// A data plane that sends a batch, as the policy service knows it.
@@ -113,7 +116,7 @@ impl UsageStore {
     /// The totals kept in `state_dir` (none yet if it has no `usage/`), at `now`.
     pub fn load(state_dir: &Path, now: SystemTime) -> Result<Arc<Self>, String> {
         let dir = file::dir(state_dir);
-        let ledger = file::load(&dir, unix_s(now))?;
+        let (ledger, log) = file::load_with_log(&dir, unix_s(now))?;
         Ok(Arc::new(Self {
             state_dir: state_dir.to_path_buf(),
             dir,
@@ -122,6 +125,7 @@ impl UsageStore {
                 bounds: bound::Bounds::default(),
                 unsaved: false,
                 refusals: Refusals::default(),
+                log,
             }),
             warned: AtomicBool::new(false),
         }))
@@ -200,6 +204,7 @@ impl UsageStore {
                 refused: Some(reason.to_owned()),
             };
         }
+        let mut line = None;
         if applied == Applied::Now {
             let mut bounded = batch.clone();
             let slots = reporter.slots;
@@ -228,10 +233,11 @@ impl UsageStore {
                     ledger::OTHER
                 );
             }
+            line = Some(log::Line::of(node, &bounded, now));
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
-            let saved = self.save(&inner.ledger, now, &dropped);
+            let saved = self.save(&mut inner, now, &dropped, line.as_ref());
             inner.unsaved = !saved;
         }
         if inner.unsaved {
@@ -243,21 +249,41 @@ impl UsageStore {
         }
     }
 
-    /// Writes today's file (and removes the days `dropped`), when the state directory
-    /// exists; `false` when the write failed.
-    fn save(&self, ledger: &Ledger, now: i64, dropped: &[i64]) -> bool {
-        if !self.state_dir.is_dir() {
-            if !self.warned.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
-                    state_dir = %self.state_dir.display(),
-                    "the state directory does not exist: usage totals are kept in memory \
-                     only (create it to keep them across restarts)"
-                );
-            }
+    /// Saves the batch `line` applied at `now` (and removes the days `dropped`), when the
+    /// state directory exists: appended to the day's log, or, with the day's log past
+    /// [`log::COMPACT_BYTES`], on a new day, after a failed write or with no line (a batch
+    /// kept in memory only), the day file written whole and a new log begun; `false` when
+    /// the write failed.
+    fn save(&self, inner: &mut Inner, now: i64, dropped: &[i64], line: Option<&log::Line>) -> bool {
+        if !self.dir_exists() {
             return true;
         }
         file::remove_days(&self.dir, dropped);
-        match file::write_day(&self.dir, ledger, now.div_euclid(86_400)) {
+        let today = now.div_euclid(86_400);
+        let append = line.filter(|_| {
+            !inner.unsaved && inner.log.day == today && inner.log.bytes < log::COMPACT_BYTES
+        });
+        let written = match append {
+            Some(line) => log::append(&self.dir, &inner.log, line).map(|bytes| {
+                inner.log.bytes = bytes;
+            }),
+            None => {
+                let generation = if inner.log.day == today {
+                    inner.log.generation + 1
+                } else {
+                    1
+                };
+                file::write_day_at(&self.dir, &inner.ledger, today, generation).map(|()| {
+                    file::remove_logs_below(&self.dir, today, generation);
+                    inner.log = log::Log {
+                        day: today,
+                        generation,
+                        bytes: 0,
+                    };
+                })
+            }
+        };
+        match written {
             Ok(()) => true,
             Err(error) => {
                 // The totals stay in memory and the next report writes the day again.
@@ -269,6 +295,21 @@ impl UsageStore {
                 false
             }
         }
+    }
+
+    /// Whether the state directory exists (warned once when it does not).
+    fn dir_exists(&self) -> bool {
+        if self.state_dir.is_dir() {
+            return true;
+        }
+        if !self.warned.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                state_dir = %self.state_dir.display(),
+                "the state directory does not exist: usage totals are kept in memory \
+                 only (create it to keep them across restarts)"
+            );
+        }
+        false
     }
 
     /// What `client` has used of `budget` in its window at `now`.
@@ -493,8 +534,11 @@ impl UsageStore {
                 .iter()
                 .any(|(known, _, known_start, _)| known == client && known_start == start)
         });
-        if !notices.is_empty() || inner.ledger.announced.len() != before {
-            self.save(&inner.ledger, seconds, &[]);
+        if (!notices.is_empty() || inner.ledger.announced.len() != before)
+            && self.dir_exists()
+            && let Err(error) = file::write_state(&self.dir, &inner.ledger)
+        {
+            tracing::warn!(dir = %self.dir.display(), %error, "budgets announced not saved");
         }
         notices
     }

@@ -1,6 +1,7 @@
 //! The totals on disk: `state_dir/usage/YYYY-MM-DD.json`, one file per UTC day with its
-//! hours, written atomically with mode 0600 (the key store's writing) whenever a batch
-//! changes it. Beside them, `state_dir/usage/state.json` (the same writing) carries the
+//! hours, written atomically with mode 0600 (the key store's writing), continued by the
+//! day's append log `YYYY-MM-DD.G.jsonl` ([`super::log`]), which each batch is appended
+//! to; the day file is written whole only when the log is compacted into it. Beside them, `state_dir/usage/state.json` (the same writing) carries the
 //! last batch applied from each data plane, so that a restarted control plane does not
 //! apply a resent batch twice, and the budgets already announced as exceeded. It is a file
 //! of its own so that no day file (one dated in the future by a clock that was wrong, say)
@@ -34,6 +35,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::ledger::{Hour, KEEP_DAYS, Ledger, Totals};
+use super::log::Log;
 use crate::keystore::file::{read, remove_temporaries, write_atomic};
 
 const FORMAT: u32 = 1;
@@ -52,6 +54,14 @@ struct DayFile {
     applied: BTreeMap<String, [u64; 2]>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     announced: Vec<(String, i64)>,
+    /// The generation of the day's append log that continues it ([`super::log`]): the
+    /// logs below it are in this file already.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    generation: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
 }
 
 #[derive(Serialize, Deserialize)]
@@ -92,6 +102,11 @@ fn day_of(name: &str) -> Option<i64> {
 /// Writes day `day` of `ledger` (its hours), then the state file (the batches applied
 /// so far and the budgets announced).
 pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
+    write_day_at(dir, ledger, day, 0)
+}
+
+/// [`write_day`], continued by the day's log of `generation`.
+pub fn write_day_at(dir: &Path, ledger: &Ledger, day: i64, generation: u64) -> io::Result<()> {
     let mut hours = Vec::new();
     for (hour, totals) in ledger.hours.range(day * 24..(day + 1) * 24) {
         let mut rows: Vec<_> = totals.rows.iter().collect();
@@ -111,6 +126,7 @@ pub fn write_day(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
         hours,
         applied: applied_lists(ledger),
         announced: Vec::new(),
+        generation,
     };
     let mut bytes = serde_json::to_vec(&file).map_err(io::Error::other)?;
     bytes.push(b'\n');
@@ -184,10 +200,26 @@ pub fn write_state(dir: &Path, ledger: &Ledger) -> io::Result<()> {
     write_atomic(&dir.join(STATE_FILE), &bytes)
 }
 
-/// Removes the files of `days`.
+/// Removes the files of `days`: their day files and logs.
 pub fn remove_days(dir: &Path, days: &[i64]) {
-    for day in days {
-        let _ = std::fs::remove_file(dir.join(format!("{}.json", day_name(*day))));
+    if days.is_empty() {
+        return;
+    }
+    let prefixes: Vec<String> = days
+        .iter()
+        .map(|day| format!("{}.", day_name(*day)))
+        .collect();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if prefixes
+            .iter()
+            .any(|prefix| name.starts_with(prefix.as_str()))
+        {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
@@ -195,20 +227,39 @@ pub fn remove_days(dir: &Path, days: &[i64]) {
 /// seconds) left out and removed. A file that cannot be read or parsed is set aside; one of
 /// a format this version does not understand stops the start (the error names it).
 pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
+    load_with_log(dir, now).map(|(ledger, _)| ledger)
+}
+
+/// [`load`], and the log today's batches are appended to ([`super::log`]).
+pub fn load_with_log(dir: &Path, now: i64) -> Result<(Ledger, Log), String> {
     let mut ledger = Ledger::default();
+    let today = now.div_euclid(86_400);
+    let mut log = Log {
+        day: today,
+        ..Log::default()
+    };
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
-        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(ledger),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok((ledger, log)),
         Err(error) => return Err(format!("{}: {error}", dir.display())),
     };
-    let first_day = now.div_euclid(86_400) - KEEP_DAYS + 1;
+    let first_day = today - KEEP_DAYS + 1;
     // Without a state file (a directory written by an earlier version), the announcements
     // of the newest day that has them.
     let mut announced: Option<(i64, Vec<(String, i64)>)> = None;
     // The newest batch each day file says was applied.
     let mut applied: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    // Each day file's generation, and the logs found.
+    let mut generations: BTreeMap<i64, u64> = BTreeMap::new();
+    let mut logs: Vec<(i64, u64, PathBuf)> = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some((day, generation)) = super::log::parse_name(&name)
+            && let Some(day) = day_of(day)
+        {
+            logs.push((day, generation, entry.path()));
+            continue;
+        }
         let Some(day) = name.strip_suffix(".json").and_then(day_of) else {
             continue;
         };
@@ -221,6 +272,7 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
         let Some(file) = read_json::<DayFile>(&path, |file| file.format)? else {
             continue;
         };
+        generations.insert(day, file.generation);
         for (node, [epoch, seq]) in &file.applied {
             let newest = applied.entry(node.clone()).or_default();
             *newest = (*newest).max((*epoch, *seq));
@@ -236,6 +288,35 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
         {
             announced = Some((day, file.announced));
         }
+    }
+    // The logs, in order: those the day file holds already are removed, the others replayed.
+    logs.sort();
+    for (day, generation, path) in logs {
+        let compacted = generations.get(&day).copied().unwrap_or(0);
+        if day < first_day || generation < compacted {
+            let _ = std::fs::remove_file(&path);
+            continue;
+        }
+        let lines =
+            super::log::read(&path).map_err(|error| format!("{}: {error}", path.display()))?;
+        for line in lines {
+            let hour = ledger
+                .hours
+                .entry(day * 24 + i64::from(line.hour.min(23)))
+                .or_insert_with(Hour::default);
+            for row in &line.rows {
+                hour.add(&row.client, &row.model, &row.totals);
+            }
+            let newest = applied.entry(line.node).or_default();
+            *newest = (*newest).max((line.epoch, line.seq));
+        }
+        if day == today {
+            log.generation = generation;
+            log.bytes = std::fs::metadata(&path).map_or(0, |meta| meta.len());
+        }
+    }
+    if log.bytes == 0 {
+        log.generation = generations.get(&today).copied().unwrap_or(0);
     }
     let state_path = dir.join(STATE_FILE);
     remove_temporaries(&state_path);
@@ -254,7 +335,14 @@ pub fn load(dir: &Path, now: i64) -> Result<Ledger, String> {
         }
     }
     ledger.applied = applied;
-    Ok(ledger)
+    Ok((ledger, log))
+}
+
+/// Removes the logs of `day` below `generation` (compacted into its day file).
+pub fn remove_logs_below(dir: &Path, day: i64, generation: u64) {
+    for below in 0..generation {
+        let _ = std::fs::remove_file(super::log::path(dir, day, below));
+    }
 }
 
 #[cfg(test)]

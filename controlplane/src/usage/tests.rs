@@ -335,3 +335,52 @@ fn acks_rank_users_by_the_fraction_of_their_budget_used_and_keep_everyone_over()
     assert_eq!(budgets[0].client_id, "webui/thrifty");
     assert_eq!(budgets[0].tokens, 41);
 }
+
+#[test]
+fn batches_are_appended_to_the_days_log_not_rewritten_and_survive_a_cut_line() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let usage = dir.path().join("usage");
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    for seq in 1..=3 {
+        assert_eq!(
+            store.apply("box", Some(&batch(seq, "batch", 1)), SLOTS, at(NOW)),
+            seq
+        );
+    }
+    let log = usage.join("2026-12-02.0.jsonl");
+    assert!(!usage.join("2026-12-02.json").exists(), "no day rewritten");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.lines().count(), 3, "one line a batch");
+    let mode = std::fs::metadata(&log).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    // A crash cut the next line short: its batch (never acknowledged) is not counted.
+    let mut file = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    std::io::Write::write_all(&mut file, br#"{"hour": 6, "node": "box", "ep"#).unwrap();
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let budget = budgeted(100).budget.unwrap();
+    assert_eq!(store.used("batch", &budget, at(NOW)).gpu_ns, 3 * SECOND);
+    assert_eq!(
+        store.apply("box", Some(&batch(3, "batch", 1)), SLOTS, at(NOW)),
+        3,
+        "a resend after the restart is acknowledged, not counted again"
+    );
+    assert_eq!(store.used("batch", &budget, at(NOW)).gpu_ns, 3 * SECOND);
+    // A new day: its file is written whole once (generation 1), then its log continues.
+    let tomorrow = NOW + 86_400;
+    store.apply("box", Some(&batch(4, "batch", 1)), SLOTS, at(tomorrow));
+    assert!(usage.join("2026-12-03.json").exists());
+    store.apply("box", Some(&batch(5, "batch", 1)), SLOTS, at(tomorrow));
+    assert!(usage.join("2026-12-03.1.jsonl").exists());
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(tomorrow)).unwrap();
+    let query = api::GetUsageRequest {
+        since_seconds: 2 * 86_400,
+        by_client: true,
+        by_model: false,
+    };
+    let total = store.query(&query, at(tomorrow)).total.unwrap();
+    assert_eq!(total.gpu_ns, 5 * SECOND);
+    assert_eq!(total.requests, 5);
+}

@@ -337,8 +337,10 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
         (10, 12 + events)
     );
     assert!(qwen.gpu_ns > 0);
+    // Today's batches, appended to the day's log (the day file is written whole only when
+    // the log is compacted into it).
     let day_file = state.join("usage").join(format!(
-        "{}.json",
+        "{}.0.jsonl",
         humantime::format_rfc3339_seconds(SystemTime::now())
             .to_string()
             .get(..10)
