@@ -342,29 +342,29 @@ impl UsageStore {
                 continue;
             };
             let start = budget.window_start(seconds);
-            let users: Vec<(String, Totals)> = inner
+            // The users nearest their budget first (the fraction used of whichever of its
+            // limits is nearest), so that a bound on the list keeps them; every user at or
+            // over it is sent, whatever the bound (up to the users an app keeps apart).
+            let mut ranked: Vec<(f64, &str, Totals)> = inner
                 .ledger
                 .users_since(&client.client_id, start)
                 .into_iter()
-                .collect();
-            // The users nearest their budget first (the fraction used of whichever of its
-            // limits is nearest), so that a bound on the list keeps them; every user at or
-            // over it is sent, whatever the bound.
-            let mut ranked: Vec<(f64, String, Totals)> = users
-                .into_iter()
                 .map(|(user, totals)| (fraction_used(budget, &totals), user, totals))
                 .collect();
-            ranked.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-            let over = ranked.iter().take_while(|(used, ..)| *used >= 1.0).count();
-            ranked.truncate(over.clamp(MAX_USER_BUDGETS, ledger::MAX_USERS_PER_APP_HOUR));
-            let users: Vec<(String, Totals)> = ranked
-                .into_iter()
-                .map(|(_, user, totals)| (user, totals))
-                .collect();
+            let over = ranked.iter().filter(|(used, ..)| *used >= 1.0).count();
+            let kept = over.clamp(MAX_USER_BUDGETS, ledger::MAX_USERS_PER_APP_HOUR);
+            let nearest_first = |a: &(f64, &str, Totals), b: &(f64, &str, Totals)| {
+                b.0.total_cmp(&a.0).then_with(|| a.1.cmp(b.1))
+            };
+            if ranked.len() > kept {
+                ranked.select_nth_unstable_by(kept, nearest_first);
+                ranked.truncate(kept);
+            }
+            ranked.sort_by(nearest_first);
             budgets.extend(
-                users
+                ranked
                     .iter()
-                    .map(|(user, totals)| used(user, start, totals, now)),
+                    .map(|(_, user, totals)| used(user, start, totals, now)),
             );
         }
         budgets
@@ -387,17 +387,20 @@ impl UsageStore {
     /// Each client's usage today (UTC), the busiest [`MAX_TODAY_CLIENTS`] first.
     pub fn today(&self, now: SystemTime) -> Vec<wire::UsageRow> {
         let start = unix_s(now).div_euclid(86_400) * 86_400;
-        let mut clients: Vec<(String, Totals)> = self
-            .lock()
-            .ledger
-            .clients_since(start)
-            .into_iter()
-            .collect();
-        clients.sort_by(|a, b| b.1.gpu_ns.cmp(&a.1.gpu_ns).then_with(|| a.0.cmp(&b.0)));
-        clients.truncate(MAX_TODAY_CLIENTS);
+        let inner = self.lock();
+        let mut clients: Vec<(&str, Totals)> =
+            inner.ledger.clients_since(start).into_iter().collect();
+        let busiest_first = |a: &(&str, Totals), b: &(&str, Totals)| {
+            b.1.gpu_ns.cmp(&a.1.gpu_ns).then_with(|| a.0.cmp(b.0))
+        };
+        if clients.len() > MAX_TODAY_CLIENTS {
+            clients.select_nth_unstable_by(MAX_TODAY_CLIENTS, busiest_first);
+            clients.truncate(MAX_TODAY_CLIENTS);
+        }
+        clients.sort_by(busiest_first);
         clients
             .into_iter()
-            .map(|(client, totals)| row(&client, "", &totals))
+            .map(|(client, totals)| row(client, "", &totals))
             .collect()
     }
 
@@ -461,9 +464,13 @@ impl UsageStore {
                 .as_ref()
                 .and_then(|users| users.budget.as_ref())
             {
+                // Only the users at or over it can be due (and an announced one stays over
+                // for the rest of its window, so its announcement is kept below).
                 let start = budget.window_start(seconds);
                 for (user, used) in inner.ledger.users_since(&client.client_id, start) {
-                    budgeted.push((user, budget, start, used));
+                    if fraction_used(budget, &used) >= 1.0 {
+                        budgeted.push((user.to_owned(), budget, start, used));
+                    }
                 }
             }
         }

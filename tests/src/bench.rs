@@ -66,8 +66,11 @@ pub const SCENARIO_RUNNERS: &str = "runners";
 /// Conversation affinity.
 pub const SCENARIO_AFFINITY: &str = "affinity";
 
+/// Usage reports with many users (the control plane's ledger, in process).
+pub const SCENARIO_USAGE: &str = "usage reports";
+
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 16] = [
+pub const SCENARIOS: [&str; 17] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -84,6 +87,7 @@ pub const SCENARIOS: [&str; 16] = [
     SCENARIO_SWAP,
     SCENARIO_RUNNERS,
     SCENARIO_AFFINITY,
+    SCENARIO_USAGE,
 ];
 
 /// The command documented in the README.
@@ -214,6 +218,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_SWAP], scenarios::swap::run);
     scenario!(&[SCENARIO_RUNNERS], scenarios::runners::run);
     scenario!(&[SCENARIO_AFFINITY], scenarios::affinity::run);
+    scenario!(&[SCENARIO_USAGE], scenarios::usage::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);

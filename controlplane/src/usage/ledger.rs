@@ -328,8 +328,8 @@ impl Ledger {
     }
 
     /// What each user of the app `client` used from `start` on, by sub-client id.
-    pub fn users_since(&self, client: &str, start: i64) -> HashMap<String, Totals> {
-        let mut users: HashMap<String, Totals> = HashMap::new();
+    pub fn users_since(&self, client: &str, start: i64) -> HashMap<&str, Totals> {
+        let mut users: HashMap<&str, Totals> = HashMap::new();
         for hour in self
             .hours
             .range(start.div_euclid(3600)..)
@@ -340,7 +340,7 @@ impl Ledger {
             };
             for id in &app.users {
                 if let Some(used) = hour.clients.get(id) {
-                    users.entry(id.clone()).or_default().add(used);
+                    users.entry(id.as_str()).or_default().add(used);
                 }
             }
         }
@@ -348,15 +348,15 @@ impl Ledger {
     }
 
     /// Every client's totals from `start` on.
-    pub fn clients_since(&self, start: i64) -> HashMap<String, Totals> {
-        let mut clients: HashMap<String, Totals> = HashMap::new();
+    pub fn clients_since(&self, start: i64) -> HashMap<&str, Totals> {
+        let mut clients: HashMap<&str, Totals> = HashMap::new();
         for hour in self
             .hours
             .range(start.div_euclid(3600)..)
             .map(|(_, hour)| hour)
         {
             for (client, used) in &hour.clients {
-                clients.entry(client.clone()).or_default().add(used);
+                clients.entry(client.as_str()).or_default().add(used);
             }
         }
         clients

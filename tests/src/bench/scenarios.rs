@@ -14,6 +14,7 @@ pub mod scheduling;
 pub mod streaming;
 pub mod swap;
 pub mod throughput;
+pub mod usage;
 
 use std::net::SocketAddr;
 use std::time::Duration;
