@@ -222,6 +222,7 @@ pub fn snapshot(
         keep_alive: Some(wire::KeepAliveSettings {
             default_json: config.keep_alive.default_json.clone(),
             r#override: config.keep_alive.override_client,
+            max_seconds: config.keep_alive.max.as_secs(),
         }),
         embedding_cache: Some(wire::EmbeddingCacheSettings {
             enabled: config.embedding_cache.enabled,

@@ -841,6 +841,17 @@ pub(crate) fn keep_alive(raw: RawKeepAlive, problems: &mut Problems) -> Option<K
             }
         },
         override_client: flag(raw.override_client, defaults.override_client),
+        // Whole seconds on the wire; at least one, as a shorter keep_alive is an unload.
+        max: Duration::from_secs(
+            duration_at_least(
+                raw.max,
+                defaults.max,
+                Duration::from_secs(1),
+                "keep_alive.max",
+                problems,
+            )
+            .as_secs(),
+        ),
     })
 }
 

@@ -322,6 +322,7 @@ pub(crate) struct RawKeepAlive {
     pub default: Option<KeepAliveValue>,
     #[serde(rename = "override")]
     pub override_client: Option<Flag>,
+    pub max: Option<Seconds>,
 }
 
 #[derive(Debug, Default, Deserialize)]

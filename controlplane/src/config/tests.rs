@@ -123,6 +123,7 @@ fn every_default() {
 
     assert_eq!(config.keep_alive.default_json, "\"5m\"");
     assert!(!config.keep_alive.override_client);
+    assert_eq!(config.keep_alive.max, Duration::from_secs(1800));
 
     assert!(!config.dashboard.enabled);
     assert_eq!(config.dashboard.refresh_seconds, 5);
@@ -900,6 +901,19 @@ fn keep_alive_values() {
     let errors = problems(&with_host("keep_alive: {default: \"5\"}\n"), &[]);
     assert!(
         errors[0].starts_with("keep_alive.default: '5' is not a duration Ollama accepts"),
+        "{errors:?}"
+    );
+    let max = |value: &str| {
+        load(&with_host(&format!("keep_alive: {{max: {value}}}\n")))
+            .config
+            .keep_alive
+            .max
+    };
+    assert_eq!(max("\"2h\""), Duration::from_secs(7200));
+    assert_eq!(max("90"), Duration::from_secs(90));
+    let errors = problems(&with_host("keep_alive: {max: 0}\n"), &[]);
+    assert!(
+        errors[0].starts_with("keep_alive.max must be >= 1 second"),
         "{errors:?}"
     );
 }

@@ -434,6 +434,8 @@ pub struct KeepAliveConfig {
     pub default_json: String,
     /// Replace a client-supplied `keep_alive` too (the file key is `override`).
     pub override_client: bool,
+    /// While model-swap holding is on, the longest keep_alive a key below `management` may set.
+    pub max: Duration,
 }
 
 /// `dashboard`.
@@ -692,6 +694,7 @@ impl Default for KeepAliveConfig {
         Self {
             default_json: "\"5m\"".to_string(),
             override_client: false,
+            max: Duration::from_secs(30 * 60),
         }
     }
 }

@@ -199,6 +199,11 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 Some(Arc::from(keep_alive.default_json))
             },
             override_client: keep_alive.r#override,
+            max: match keep_alive.max_seconds {
+                0 => DEFAULT_KEEP_ALIVE_MAX,
+                seconds => Duration::from_secs(seconds),
+            },
+            bounded: false,
         };
 
         let cache = snapshot.embedding_cache.unwrap_or_default();
