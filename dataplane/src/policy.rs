@@ -137,6 +137,17 @@ pub struct ProxySettings {
     pub body_read_timeout: Duration,
     /// Longest upstream silence between two response body frames.
     pub upstream_stall_timeout: Duration,
+    /// TLS on the main listener; `None` = plain HTTP.
+    pub tls: Option<TlsFiles>,
+}
+
+/// Where a TLS listener's certificate chain and private key are, on this box.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TlsFiles {
+    /// PEM certificate chain.
+    pub cert_file: std::path::PathBuf,
+    /// PEM private key.
+    pub key_file: std::path::PathBuf,
 }
 
 /// What a client connection may hold, and for how long.
@@ -722,6 +733,8 @@ pub struct InjectionListener {
     pub addr: SocketAddr,
     /// The injected client id.
     pub inject_as: Arc<str>,
+    /// TLS on this listener; `None` = plain HTTP.
+    pub tls: Option<TlsFiles>,
 }
 
 impl Policy {

@@ -1696,3 +1696,38 @@ fn routing_affinity_reads_its_keys_and_names_a_bad_value() {
         "{errors:?}"
     );
 }
+
+#[test]
+fn listener_tls_files() {
+    let loaded = load(&with_host(
+        "proxy:\n  tls:\n    cert_file: /etc/oqp/cert.pem\n    key_file: /etc/oqp/key.pem\n",
+    ));
+    let tls = loaded.config.proxy.tls.expect("proxy.tls");
+    assert_eq!(tls.cert_file, std::path::PathBuf::from("/etc/oqp/cert.pem"));
+    assert_eq!(tls.key_file, std::path::PathBuf::from("/etc/oqp/key.pem"));
+    assert_eq!(load(ONE_HOST).config.proxy.tls, None);
+
+    let errors = problems(
+        &with_host("proxy:\n  tls:\n    cert_file: cert.pem\n    key_file: /k.pem\n"),
+        &[],
+    );
+    assert!(
+        errors[0].starts_with("proxy.tls.cert_file: 'cert.pem' is not an absolute path"),
+        "{errors:?}"
+    );
+    let errors = problems(&with_host("proxy:\n  tls:\n    cert_file: /c.pem\n"), &[]);
+    assert!(
+        errors[0].starts_with("proxy.tls needs cert_file and key_file"),
+        "{errors:?}"
+    );
+    let listener = load(&with_host(
+        "auth:\n  keys:\n    - key: \"sk-embedder-0123456789\"\n      client_id: embedder\n\
+         client_injection:\n  listeners:\n    - listen_port: 11436\n      inject_as: embedder\n      \
+         tls: {cert_file: /c.pem, key_file: /k.pem}\n",
+    ));
+    let tls = listener.config.client_injection.listeners[0].tls.clone();
+    assert_eq!(
+        tls.map(|tls| tls.key_file),
+        Some(std::path::PathBuf::from("/k.pem"))
+    );
+}
