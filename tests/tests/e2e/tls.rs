@@ -62,6 +62,7 @@ async fn get(sender: &mut Sender, path: &str) -> (http::StatusCode, String) {
         .header("host", "127.0.0.1")
         .body(Empty::<Bytes>::new())
         .unwrap();
+    sender.ready().await.unwrap();
     let response = sender.send_request(request).await.unwrap();
     let status = response.status();
     let body = response.into_body().collect().await.unwrap().to_bytes();
@@ -279,4 +280,18 @@ async fn an_unusable_pair_is_a_clear_start_up_error_that_never_shows_the_key() {
         assert!(!message.contains("PRIVATE KEY"), "{message}");
         assert!(!message.contains(&key_body[..40]), "{message}");
     }
+}
+
+#[tokio::test]
+async fn the_tls_benchmark_row_measures_both_ports() {
+    let figures = oqp_tests::bench::tls::measure(5, 20).await.unwrap();
+    let rows = figures.rows();
+    for name in [
+        "TCP connect + TLS handshake",
+        "request, kept-alive, TLS",
+        "added per kept-alive request (p50)",
+    ] {
+        assert!(rows.contains(name), "{rows}");
+    }
+    assert!(figures.tls_connect[0] > 0.0 && figures.tls_request[0] > 0.0);
 }
