@@ -28,6 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::policy::TlsFiles;
 
+mod validity;
+
 /// How often the files of every TLS listener are read for a change.
 const WATCH_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -61,6 +63,9 @@ pub enum TlsError {
     /// The key is not the certificate's.
     #[error("TLS key file {key} does not match the certificate in {cert}")]
     Mismatch { cert: String, key: String },
+    /// The certificate's validity does not include now.
+    #[error("TLS certificate in {path} {when}")]
+    NotValidNow { path: String, when: String },
     /// rustls refused the configuration.
     #[error("TLS configuration: {0}")]
     Config(String),
@@ -226,8 +231,15 @@ fn load(files: &TlsFiles) -> Result<(CertifiedKey, [u8; 32]), TlsError> {
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_bytes)
         .collect::<Result<_, _>>()
         .map_err(|_| TlsError::NoCertificate(cert_path.clone()))?;
-    if chain.is_empty() {
+    let Some(leaf) = chain.first() else {
         return Err(TlsError::NoCertificate(cert_path));
+    };
+    // Clients would refuse it anyway, each with its own obscure message: say it here, once.
+    if let Some(when) = validity::problem(leaf, std::time::SystemTime::now()) {
+        return Err(TlsError::NotValidNow {
+            path: cert_path,
+            when,
+        });
     }
     // The parser's own errors may quote the file: only the path is reported.
     let key =

@@ -295,3 +295,50 @@ async fn the_tls_benchmark_row_measures_both_ports() {
     }
     assert!(figures.tls_connect[0] > 0.0 && figures.tls_request[0] > 0.0);
 }
+
+#[tokio::test]
+async fn an_expired_or_future_certificate_is_a_clear_start_up_error() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new();
+    let cases = [
+        (
+            "expired",
+            ca.issue_valid(Some((2019, 1, 1)), Some((2020, 1, 1))),
+            "expired on 2020-01-01",
+        ),
+        (
+            "future",
+            ca.issue_valid(Some((2090, 1, 1)), Some((2091, 1, 1))),
+            "is not valid before 2090-01-01",
+        ),
+    ];
+    for (stem, issued, expected) in cases {
+        let (cert, key) = issued.write(dir.path(), stem);
+        let yaml = config(&fake.url(), &proxy_tls_yaml(&cert, &key));
+        let message = Stack::try_start(&yaml, oqp_controlplane::config::Env::empty())
+            .await
+            .map(|_| ())
+            .expect_err("the data plane refuses to start")
+            .to_string();
+        assert!(message.contains(expected), "{message}");
+        assert!(message.contains(&cert.display().to_string()), "{message}");
+    }
+}
+
+#[tokio::test]
+async fn an_expired_replacement_keeps_the_certificate_being_served() {
+    let ca = TestCa::new();
+    let (_fake, stack, dir) = tls_stack(&ca, "").await;
+    let expired_ca = TestCa::new();
+    expired_ca
+        .issue_valid(Some((2019, 1, 1)), Some((2020, 1, 1)))
+        .write(dir.path(), "server");
+    // A forced reload (what SIGHUP does) refuses it and says why.
+    let errors = stack.control.dataplane().unwrap().app().tls.reload(true);
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].to_string().contains("expired on 2020-01-01"));
+    let mut sender = http1(&stack, &ca.pem()).await.unwrap();
+    assert_eq!(get(&mut sender, "/api/tags").await.0, 200);
+    stack.shutdown().await;
+}
