@@ -35,9 +35,14 @@ async fn tls_stack(ca: &TestCa, proxy: &str) -> (FakeOllama, Stack, tempfile::Te
 
 type Sender = hyper::client::conn::http1::SendRequest<Empty<Bytes>>;
 
-/// An HTTP/1.1 connection over TLS trusting `ca_pem`.
+/// An HTTP/1.1 connection over TLS to the proxy port, trusting `ca_pem`.
 async fn http1(stack: &Stack, ca_pem: &str) -> std::io::Result<Sender> {
-    let tls = connect(stack.proxy_addr(), client_config(ca_pem, &[b"http/1.1"])).await?;
+    http1_to(stack.proxy_addr(), ca_pem).await
+}
+
+/// An HTTP/1.1 connection over TLS to `addr`, trusting `ca_pem`.
+async fn http1_to(addr: std::net::SocketAddr, ca_pem: &str) -> std::io::Result<Sender> {
+    let tls = connect(addr, client_config(ca_pem, &[b"http/1.1"])).await?;
     let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
         .await
         .unwrap();
@@ -47,9 +52,14 @@ async fn http1(stack: &Stack, ca_pem: &str) -> std::io::Result<Sender> {
 
 /// Retries [`http1`] until a handshake trusting `ca_pem` succeeds (within [`PATIENCE`]).
 async fn until_connected(stack: &Stack, ca_pem: &str) -> Sender {
+    until_connected_to(stack.proxy_addr(), ca_pem).await
+}
+
+/// Retries [`http1_to`] until a handshake trusting `ca_pem` succeeds (within [`PATIENCE`]).
+async fn until_connected_to(addr: std::net::SocketAddr, ca_pem: &str) -> Sender {
     let deadline = Instant::now() + PATIENCE;
     loop {
-        match http1(stack, ca_pem).await {
+        match http1_to(addr, ca_pem).await {
             Ok(sender) => return sender,
             Err(error) if Instant::now() >= deadline => panic!("no handshake: {error}"),
             Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
@@ -340,5 +350,48 @@ async fn an_expired_replacement_keeps_the_certificate_being_served() {
     assert!(errors[0].to_string().contains("expired on 2020-01-01"));
     let mut sender = http1(&stack, &ca.pem()).await.unwrap();
     assert_eq!(get(&mut sender, "/api/tags").await.0, 200);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_injection_listener_serves_tls_with_its_own_certificate() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new();
+    let (cert, key) = ca.issue().write(dir.path(), "injection");
+    let port = oqp_tests::harness::loopback()
+        .await
+        .local_addr()
+        .unwrap()
+        .port();
+    let extra = format!(
+        "auth:\n  enabled: true\n  keys:\n    - key: \"sk-batch-0123456789\"\n      client_id: batch\n\
+         client_injection:\n  listeners:\n    - listen_port: {port}\n      inject_as: batch\n      \
+         tls:\n        cert_file: \"{}\"\n        key_file: \"{}\"\n",
+        cert.display(),
+        key.display()
+    );
+    let stack = Stack::start(&format!("{}{extra}", config(&fake.url(), ""))).await;
+    let injection = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    // No key sent: the port's TLS and its injected identity are all the request needs.
+    let mut sender = until_connected_to(injection, &ca.pem()).await;
+    let (status, body) = get(&mut sender, "/api/tags").await;
+    assert_eq!(status, 200, "{body}");
+    // The main port stays plain HTTP.
+    let mut plain = TcpStream::connect(stack.proxy_addr()).await.unwrap();
+    plain
+        .write_all(b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(PATIENCE, plain.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        answer.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
     stack.shutdown().await;
 }
