@@ -6,7 +6,8 @@
 //! same caps ([`crate::connections`]) and closes connections that send no request in
 //! time, sit idle, or stop reading ([`watch`]). On a TLS listener ([`crate::tls`]) the
 //! cap's slot is taken before the handshake and the first-request deadline runs from the
-//! accept, so a half handshake is an idle socket like any other.
+//! accept, so a half handshake is an idle socket like any other; an address the
+//! failed-authentication throttle refuses is closed before its handshake.
 
 pub mod watch;
 
@@ -75,7 +76,23 @@ pub async fn serve(
                 }
             },
         };
-        let limits = app.store.load().proxy.connections;
+        let policy = app.store.load();
+        let limits = policy.proxy.connections;
+        // An address the failed-authentication throttle refuses gets no handshake: its
+        // requests would be refused anyway, and a handshake is the costly part of a TLS
+        // connection.
+        if tls.is_some()
+            && policy.auth.enabled
+            && app
+                .throttle
+                .check(peer.ip(), policy.auth.max_failures, policy.auth.window)
+                .is_err()
+        {
+            tracing::debug!(%peer, "TLS connection refused: the address is throttled");
+            drop(stream);
+            continue;
+        }
+        drop(policy);
         let slot = match app.connections.admit(peer.ip(), &limits) {
             Ok(slot) => slot,
             Err(refusal) => {

@@ -401,3 +401,37 @@ async fn an_injection_listener_serves_tls_with_its_own_certificate() {
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_throttled_address_gets_no_handshake() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new();
+    let (cert, key) = ca.issue().write(dir.path(), "server");
+    let extra = "auth:\n  enabled: true\n  rate_limit: {max_failures: 2, window_seconds: 60}\n  \
+                 keys:\n    - {key: sk-batch-0123456789, client_id: batch}\n";
+    let yaml = format!(
+        "{}{extra}",
+        config(&fake.url(), &proxy_tls_yaml(&cert, &key))
+    );
+    let stack = Stack::start(&yaml).await;
+    // Two requests with a wrong key, over TLS: the throttle's count is full.
+    let mut sender = http1(&stack, &ca.pem()).await.unwrap();
+    for _ in 0..2 {
+        sender.ready().await.unwrap();
+        let request = http::Request::get("/api/tags")
+            .header("host", "127.0.0.1")
+            .header("authorization", "Bearer sk-guess-0123456789")
+            .body(Empty::<Bytes>::new())
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), 401);
+        response.into_body().collect().await.unwrap();
+    }
+    // The open connection is answered by the throttle (429, with its Retry-After)...
+    let (status, _) = get(&mut sender, "/api/tags").await;
+    assert_eq!(status, 429);
+    // ...and a new one from this address is closed before its handshake.
+    assert!(http1(&stack, &ca.pem()).await.is_err());
+    stack.shutdown().await;
+}
