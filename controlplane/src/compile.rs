@@ -167,6 +167,7 @@ pub fn snapshot(
             body_read_timeout_ms: millis(config.proxy.body_read_timeout),
             upstream_stall_timeout_ms: millis(config.proxy.upstream_stall_timeout),
             client_stall_timeout_ms: millis(config.proxy.client_stall_timeout),
+            tls: config.proxy.tls.as_ref().map(tls_files),
         }),
         auth: Some(wire::AuthSettings {
             enabled: config.auth.enabled,
@@ -222,6 +223,7 @@ pub fn snapshot(
         keep_alive: Some(wire::KeepAliveSettings {
             default_json: config.keep_alive.default_json.clone(),
             r#override: config.keep_alive.override_client,
+            max_seconds: config.keep_alive.max.as_secs(),
         }),
         embedding_cache: Some(wire::EmbeddingCacheSettings {
             enabled: config.embedding_cache.enabled,
@@ -252,6 +254,7 @@ pub fn snapshot(
                 bind: listener.bind.clone(),
                 port: u32::from(listener.listen_port),
                 inject_as: listener.inject_as.clone(),
+                tls: listener.tls.as_ref().map(tls_files),
             })
             .collect(),
         logging: Some(wire::LoggingSettings {
@@ -366,6 +369,14 @@ pub fn tier_index(tier: Tier) -> usize {
         Tier::High => 0,
         Tier::Normal => 1,
         Tier::Low => 2,
+    }
+}
+
+/// A listener's TLS files on the wire: the paths only.
+fn tls_files(tls: &crate::config::ListenerTls) -> wire::TlsFiles {
+    wire::TlsFiles {
+        cert_file: tls.cert_file.display().to_string(),
+        key_file: tls.key_file.display().to_string(),
     }
 }
 

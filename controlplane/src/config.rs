@@ -45,9 +45,9 @@ pub use secret::Secret;
 pub use types::{
     AffinityConfig, AuthConfig, Budget, BudgetWindow, CacheBackend, ClientInjectionConfig,
     CloudKey, Config, ControlPlaneConfig, DashboardConfig, EmbeddingCacheConfig, FairShareConfig,
-    HostConfig, InjectionListener, KeepAliveConfig, KeyConfig, LoggingConfig, ModelSwapConfig,
-    NodeOverride, OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig,
-    TierConfig, TlsConfig, UserSource, UsersConfig, WebhooksConfig,
+    HostConfig, InjectionListener, KeepAliveConfig, KeyConfig, ListenerTls, LoggingConfig,
+    ModelSwapConfig, NodeOverride, OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig,
+    RoutingConfig, TierConfig, TlsConfig, UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

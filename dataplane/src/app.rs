@@ -59,6 +59,8 @@ pub struct App {
     pub connections: Arc<crate::connections::Connections>,
     /// The other data planes: where they are, their load, what was forwarded to them.
     pub peers: Arc<crate::peers::Peers>,
+    /// The TLS listeners' certificates, for reloads.
+    pub tls: Arc<crate::tls::TlsCerts>,
     shutting_down: AtomicBool,
     active: Active,
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
@@ -98,6 +100,7 @@ impl App {
             metrics,
             connections: Arc::default(),
             peers: Arc::new(peers),
+            tls: Arc::default(),
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             metadata_limit: Default::default(),

@@ -6,6 +6,7 @@
 //!
 //! - [`server`]: listeners (main port and injection ports), graceful
 //!   shutdown; [`connections`]: the connection caps every listener shares;
+//!   [`tls`]: TLS on a listener, its certificate reloaded in place;
 //! - [`service`]: the request path, phase by phase, and the one place errors
 //!   become HTTP ([`error`]);
 //! - [`endpoint`]: which paths are metadata, inference or management;
@@ -64,6 +65,7 @@ pub mod snapshot;
 pub mod status;
 pub mod supervise;
 pub mod swap;
+pub mod tls;
 pub mod upstream;
 pub mod usage;
 

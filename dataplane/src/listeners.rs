@@ -80,8 +80,19 @@ impl Listeners {
             if self.open.contains_key(&listener) {
                 continue;
             }
-            match server::bind(listener.addr).await {
-                Ok(socket) => {
+            let opened = match &listener.tls {
+                Some(files) => app.tls.open(files).map(Some).map_err(|e| e.to_string()),
+                None => Ok(None),
+            };
+            let opened = match opened {
+                Ok(tls) => server::bind(listener.addr)
+                    .await
+                    .map(|socket| (socket, tls))
+                    .map_err(|e| format!("cannot bind: {e}")),
+                Err(error) => Err(error),
+            };
+            match opened {
+                Ok((socket, tls)) => {
                     tracing::info!(addr = %listener.addr, client = %listener.inject_as, "injection listener open");
                     let stop = shutdown.child_token();
                     let drain_app = app.clone();
@@ -89,6 +100,7 @@ impl Listeners {
                         socket,
                         app.clone(),
                         ListenerKind::Injection(listener.inject_as.clone()),
+                        tls,
                         stop.clone(),
                         move || drain_app.store.load().proxy.drain_timeout,
                     ));
@@ -103,7 +115,7 @@ impl Listeners {
                         tracing::debug!(%error, addr = %listener.addr, "injection listener still not opened");
                     }
                     app.store
-                        .part_failed(&part(&listener), format!("cannot bind: {error}; retrying"));
+                        .part_failed(&part(&listener), format!("{error}; retrying"));
                 }
             }
         }

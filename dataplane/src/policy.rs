@@ -7,6 +7,7 @@
 
 mod cidr;
 mod convert;
+mod keep_alive;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -17,6 +18,7 @@ use crate::scheduler::Tier;
 
 pub use cidr::{Cidr, CidrError, canonical};
 pub use convert::PolicyError;
+pub use keep_alive::{DEFAULT_KEEP_ALIVE_MAX, KeepAlive};
 
 /// One immutable policy snapshot, compiled for the request path.
 #[derive(Debug)]
@@ -135,6 +137,17 @@ pub struct ProxySettings {
     pub body_read_timeout: Duration,
     /// Longest upstream silence between two response body frames.
     pub upstream_stall_timeout: Duration,
+    /// TLS on the main listener; `None` = plain HTTP.
+    pub tls: Option<TlsFiles>,
+}
+
+/// Where a TLS listener's certificate chain and private key are, on this box.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TlsFiles {
+    /// PEM certificate chain.
+    pub cert_file: std::path::PathBuf,
+    /// PEM private key.
+    pub key_file: std::path::PathBuf,
 }
 
 /// What a client connection may hold, and for how long.
@@ -652,32 +665,6 @@ impl Default for Affinity {
     }
 }
 
-/// keep_alive defaulting.
-#[derive(Debug, Clone)]
-pub struct KeepAlive {
-    /// JSON literal to insert; `None` = insert nothing.
-    pub default_json: Option<Arc<str>>,
-    /// Replace the client's value too.
-    pub override_client: bool,
-}
-
-impl KeepAlive {
-    /// The rule for one request. A client's own keep_alive decides how long a model shared by
-    /// every tenant stays in VRAM (`0` unloads it under the others), so while model-swap
-    /// holding is on (`holding`: oqp decides residency) only a caller that `may_set` it (a
-    /// `management` key, or anyone with auth off) keeps its value; everyone else's is replaced
-    /// by the default. `override_client` replaces everyone's.
-    pub fn for_caller(&self, holding: bool, may_set: bool) -> std::borrow::Cow<'_, KeepAlive> {
-        if self.override_client || !holding || may_set {
-            return std::borrow::Cow::Borrowed(self);
-        }
-        std::borrow::Cow::Owned(KeepAlive {
-            default_json: self.default_json.clone(),
-            override_client: true,
-        })
-    }
-}
-
 /// Where cached embeddings live.
 #[derive(Clone, PartialEq, Eq)]
 pub enum CacheBackend {
@@ -746,6 +733,8 @@ pub struct InjectionListener {
     pub addr: SocketAddr,
     /// The injected client id.
     pub inject_as: Arc<str>,
+    /// TLS on this listener; `None` = plain HTTP.
+    pub tls: Option<TlsFiles>,
 }
 
 impl Policy {

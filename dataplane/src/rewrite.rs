@@ -33,13 +33,13 @@ const KEEP_ALIVE: &str = "keep_alive";
 ///
 /// Returns the rewritten body, or `None` when the original bytes must be
 /// forwarded as they are: no default configured, the client's own value kept
-/// (any type, `null` included, unless `override_client`), or a body that is
-/// not a valid JSON object (empty, malformed, an array, a scalar).
+/// ([`KeepAlive::replacement`] decides), or a body that is not a valid JSON
+/// object (empty, malformed, an array, a scalar).
 ///
 /// A missing field is inserted as the last member (`,"keep_alive":<default>`
-/// right after the last value, or `"keep_alive":<default>` inside `{}`); in
-/// override mode the value span of every member Ollama would read as
-/// keep_alive is replaced. Nothing else changes: the result is the original
+/// right after the last value, or `"keep_alive":<default>` inside `{}`); a
+/// replaced value replaces the value span of every member Ollama would read
+/// as keep_alive. Nothing else changes: the result is the original
 /// with one range replaced.
 pub fn insert_keep_alive(body: &[u8], keep_alive: &KeepAlive) -> Option<Bytes> {
     let default = keep_alive.default_json.as_deref()?;
@@ -59,12 +59,12 @@ pub fn insert_keep_alive(body: &[u8], keep_alive: &KeepAlive) -> Option<Bytes> {
         };
         return Some(splice(body, &[(at..at, insert.as_bytes())]));
     }
-    if !keep_alive.override_client {
-        return None;
-    }
+    // Ollama reads the last member of the name; the policy decides from that value.
+    let effective = existing.last().and_then(|span| body.get(span.clone()))?;
+    let replacement = keep_alive.replacement(effective)?;
     let edits: Vec<_> = existing
         .into_iter()
-        .map(|span| (span, default.as_bytes()))
+        .map(|span| (span, replacement.as_bytes()))
         .collect();
     Some(splice(body, &edits))
 }

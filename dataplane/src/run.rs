@@ -63,6 +63,9 @@ pub enum StartError {
     /// The embedding cache's backend is unreachable at start.
     #[error(transparent)]
     Cache(#[from] crate::cache::CacheError),
+    /// The main listener's TLS certificate or key cannot be used.
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// A running data plane.
@@ -147,6 +150,12 @@ impl DataPlane {
             let cache = crate::cache::connect(settings).await?;
             app.embedding_cache.store(Some(Arc::new(cache)));
         }
+        // An unreadable or mismatched pair is a start-up error: the port never serves
+        // plain HTTP in its place.
+        let tls = match &store.load().proxy.tls {
+            Some(files) => Some(app.tls.open(files)?),
+            None => None,
+        };
         let _ = app.listen_addr.set(addr);
 
         let shutdown = CancellationToken::new();
@@ -180,11 +189,13 @@ impl DataPlane {
         ));
         tasks.spawn(follow_cache(app.clone(), shutdown.clone()));
         tasks.spawn(crate::listeners::run(app.clone(), shutdown.clone()));
+        tasks.spawn(app.tls.clone().run(shutdown.clone()));
         let drain_app = app.clone();
         tasks.spawn(server::serve(
             listener,
             app.clone(),
             ListenerKind::Main,
+            tls,
             shutdown.clone(),
             move || drain_app.store.load().proxy.drain_timeout,
         ));

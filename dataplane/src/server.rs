@@ -4,7 +4,10 @@
 //!
 //! Every listener (main and injection) counts its connections against the
 //! same caps ([`crate::connections`]) and closes connections that send no request in
-//! time, sit idle, or stop reading ([`watch`]).
+//! time, sit idle, or stop reading ([`watch`]). On a TLS listener ([`crate::tls`]) the
+//! cap's slot is taken before the handshake and the first-request deadline runs from the
+//! accept, so a half handshake is an idle socket like any other; an address the
+//! failed-authentication throttle refuses is closed before its handshake.
 
 pub mod watch;
 
@@ -16,7 +19,9 @@ use std::time::Duration;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
@@ -45,12 +50,13 @@ const H2_PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// and the like), so that the loop neither spins nor stops.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// Serves `listener` until `shutdown` is cancelled, then waits for open
+/// Serves `listener` (over TLS with `tls`) until `shutdown` is cancelled, then waits for open
 /// connections to finish, at most `drain` long.
 pub async fn serve(
     listener: TcpListener,
     app: Arc<App>,
     kind: ListenerKind,
+    tls: Option<TlsAcceptor>,
     shutdown: CancellationToken,
     drain: impl Fn() -> Duration,
 ) {
@@ -70,7 +76,23 @@ pub async fn serve(
                 }
             },
         };
-        let limits = app.store.load().proxy.connections;
+        let policy = app.store.load();
+        let limits = policy.proxy.connections;
+        // An address the failed-authentication throttle refuses gets no handshake: its
+        // requests would be refused anyway, and a handshake is the costly part of a TLS
+        // connection.
+        if tls.is_some()
+            && policy.auth.enabled
+            && app
+                .throttle
+                .check(peer.ip(), policy.auth.max_failures, policy.auth.window)
+                .is_err()
+        {
+            tracing::debug!(%peer, "TLS connection refused: the address is throttled");
+            drop(stream);
+            continue;
+        }
+        drop(policy);
         let slot = match app.connections.admit(peer.ip(), &limits) {
             Ok(slot) => slot,
             Err(refusal) => {
@@ -94,10 +116,37 @@ pub async fn serve(
         let kind = kind.clone();
         let shutdown = shutdown.clone();
         let open = open.subscribe();
+        let tls = tls.clone();
         // hyper wakes a connection's task from inside its own poll (the request body's and
         // the dispatcher's channels): taken inline (`crate::inline`).
         tokio::spawn(Inline::new(async move {
-            serve_connection(stream, peer, app, kind, &builder, limits, shutdown).await;
+            let activity = Activity::new();
+            let stall = limits.client_stall_timeout;
+            match tls {
+                None => {
+                    let io = StallGuarded::new(stream, stall);
+                    serve_connection(io, peer, app, kind, &builder, limits, activity, shutdown)
+                        .await;
+                }
+                Some(acceptor) => {
+                    // The handshake counts against the first request's deadline.
+                    let handshake = tokio::time::timeout(
+                        limits.first_request_timeout,
+                        crate::tls::accept(&acceptor, stream, peer),
+                    );
+                    let stream = tokio::select! {
+                        () = shutdown.cancelled() => None,
+                        done = handshake => done.ok().flatten(),
+                    };
+                    if let Some(stream) = stream {
+                        let io = StallGuarded::new(stream, stall);
+                        serve_connection(io, peer, app, kind, &builder, limits, activity, shutdown)
+                            .await;
+                    } else {
+                        tracing::debug!(%peer, "closing a TLS connection with no handshake in time");
+                    }
+                }
+            }
             drop((slot, open));
         }));
     }
@@ -126,16 +175,19 @@ fn builder(limits: &ConnectionLimits) -> auto::Builder<TokioExecutor> {
 
 /// Serves one connection until it ends, its deadline passes with no
 /// request in flight, or shutdown (then gracefully).
-async fn serve_connection(
-    stream: TcpStream,
+#[allow(clippy::too_many_arguments)]
+async fn serve_connection<S>(
+    io: StallGuarded<S>,
     peer: SocketAddr,
     app: Arc<App>,
     kind: ListenerKind,
     builder: &auto::Builder<TokioExecutor>,
     limits: ConnectionLimits,
+    activity: Arc<Activity>,
     shutdown: CancellationToken,
-) {
-    let activity = Activity::new();
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let tracker = activity.clone();
     let service = service_fn(move |request| {
         let app = app.clone();
@@ -150,7 +202,7 @@ async fn serve_connection(
             Ok::<_, Infallible>(response.map(|body| Tracked::new(body, in_flight, stall)))
         }
     });
-    let io = TokioIo::new(StallGuarded::new(stream, limits.client_stall_timeout));
+    let io = TokioIo::new(io);
     let connection = builder.serve_connection_with_upgrades(io, service);
     tokio::pin!(connection);
     // Nothing tells this loop when a request starts or ends: it looks at the connection's

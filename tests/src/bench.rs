@@ -22,6 +22,7 @@ pub mod procs;
 pub mod report;
 pub mod scenarios;
 pub mod stats;
+pub mod tls;
 
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime};

@@ -14,3 +14,4 @@ pub mod client;
 pub mod cluster;
 pub mod fake;
 pub mod harness;
+pub mod tls;

@@ -5,6 +5,7 @@
 //! control plane and node overrides in `cluster.rs`.
 
 use std::ops::RangeInclusive;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::enums::{LogLevel, Tier, Vocabulary, WebhookEvent, parse_word};
@@ -14,13 +15,14 @@ use super::keys;
 use super::net::{self, UrlError};
 use super::scalar::{self, Flag, Float, Int, KeepAliveValue, PerTier, Seconds, Text};
 use super::schema::{
-    RawAffinity, RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawLogging, RawModelSwap,
-    RawProxy, RawQueue, RawRouting, RawTier, RawWebhooks,
+    RawAffinity, RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawListenerTls, RawLogging,
+    RawModelSwap, RawProxy, RawQueue, RawRouting, RawTier, RawWebhooks,
 };
 use super::types::{
     AffinityConfig, AuthConfig, CacheBackend, DashboardConfig, EmbeddingCacheConfig,
-    FairShareConfig, KeepAliveConfig, LoggingConfig, MetadataRateLimitConfig, ModelSwapConfig,
-    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, WebhooksConfig,
+    FairShareConfig, KeepAliveConfig, ListenerTls, LoggingConfig, MetadataRateLimitConfig,
+    ModelSwapConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig,
+    WebhooksConfig,
 };
 
 /// Runs `check` and returns its value only if it recorded no error.
@@ -244,7 +246,36 @@ pub(crate) fn proxy(raw: RawProxy, problems: &mut Problems) -> Option<ProxyConfi
                 "proxy.client_stall_timeout",
                 problems,
             ),
+            tls: raw.tls.and_then(|raw| tls(raw, "proxy.tls", problems)),
         }
+    })
+}
+
+/// A listener's `tls` section: both files, each an absolute path (they are read on the data
+/// plane's box, whose working directory the control plane does not know).
+pub(crate) fn tls(raw: RawListenerTls, path: &str, problems: &mut Problems) -> Option<ListenerTls> {
+    let mut file = |value: Option<Text>, key: &str| match value {
+        Some(Text(value)) if std::path::Path::new(value.trim()).is_absolute() => {
+            Some(PathBuf::from(value.trim()))
+        }
+        Some(Text(value)) => {
+            problems.error(format!(
+                "{path}.{key}: '{value}' is not an absolute path (the data plane reads it on its own box)"
+            ));
+            None
+        }
+        None => {
+            problems.error(format!(
+                "{path} needs cert_file and key_file (absolute paths of PEM files)"
+            ));
+            None
+        }
+    };
+    let cert_file = file(raw.cert_file, "cert_file");
+    let key_file = file(raw.key_file, "key_file");
+    Some(ListenerTls {
+        cert_file: cert_file?,
+        key_file: key_file?,
     })
 }
 
@@ -841,6 +872,17 @@ pub(crate) fn keep_alive(raw: RawKeepAlive, problems: &mut Problems) -> Option<K
             }
         },
         override_client: flag(raw.override_client, defaults.override_client),
+        // Whole seconds on the wire; at least one, as a shorter keep_alive is an unload.
+        max: Duration::from_secs(
+            duration_at_least(
+                raw.max,
+                defaults.max,
+                Duration::from_secs(1),
+                "keep_alive.max",
+                problems,
+            )
+            .as_secs(),
+        ),
     })
 }
 

@@ -74,6 +74,15 @@ pub(crate) struct RawProxy {
     pub body_read_timeout: Option<Seconds>,
     pub upstream_stall_timeout: Option<Seconds>,
     pub client_stall_timeout: Option<Seconds>,
+    pub tls: Option<RawListenerTls>,
+}
+
+/// `proxy.tls` and `client_injection.listeners[].tls`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawListenerTls {
+    pub cert_file: Option<Text>,
+    pub key_file: Option<Text>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -277,6 +286,8 @@ pub(crate) struct RawListener {
     pub inject_as: Text,
     #[serde(default)]
     pub bind: Option<Text>,
+    #[serde(default)]
+    pub tls: Option<RawListenerTls>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -322,6 +333,7 @@ pub(crate) struct RawKeepAlive {
     pub default: Option<KeepAliveValue>,
     #[serde(rename = "override")]
     pub override_client: Option<Flag>,
+    pub max: Option<Seconds>,
 }
 
 #[derive(Debug, Default, Deserialize)]

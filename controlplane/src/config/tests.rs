@@ -123,6 +123,7 @@ fn every_default() {
 
     assert_eq!(config.keep_alive.default_json, "\"5m\"");
     assert!(!config.keep_alive.override_client);
+    assert_eq!(config.keep_alive.max, Duration::from_secs(1800));
 
     assert!(!config.dashboard.enabled);
     assert_eq!(config.dashboard.refresh_seconds, 5);
@@ -900,6 +901,19 @@ fn keep_alive_values() {
     let errors = problems(&with_host("keep_alive: {default: \"5\"}\n"), &[]);
     assert!(
         errors[0].starts_with("keep_alive.default: '5' is not a duration Ollama accepts"),
+        "{errors:?}"
+    );
+    let max = |value: &str| {
+        load(&with_host(&format!("keep_alive: {{max: {value}}}\n")))
+            .config
+            .keep_alive
+            .max
+    };
+    assert_eq!(max("\"2h\""), Duration::from_secs(7200));
+    assert_eq!(max("90"), Duration::from_secs(90));
+    let errors = problems(&with_host("keep_alive: {max: 0}\n"), &[]);
+    assert!(
+        errors[0].starts_with("keep_alive.max must be >= 1 second"),
         "{errors:?}"
     );
 }
@@ -1680,5 +1694,40 @@ fn routing_affinity_reads_its_keys_and_names_a_bad_value() {
             .iter()
             .any(|e| e.starts_with("routing.affinity.max_conversations must be")),
         "{errors:?}"
+    );
+}
+
+#[test]
+fn listener_tls_files() {
+    let loaded = load(&with_host(
+        "proxy:\n  tls:\n    cert_file: /etc/oqp/cert.pem\n    key_file: /etc/oqp/key.pem\n",
+    ));
+    let tls = loaded.config.proxy.tls.expect("proxy.tls");
+    assert_eq!(tls.cert_file, std::path::PathBuf::from("/etc/oqp/cert.pem"));
+    assert_eq!(tls.key_file, std::path::PathBuf::from("/etc/oqp/key.pem"));
+    assert_eq!(load(ONE_HOST).config.proxy.tls, None);
+
+    let errors = problems(
+        &with_host("proxy:\n  tls:\n    cert_file: cert.pem\n    key_file: /k.pem\n"),
+        &[],
+    );
+    assert!(
+        errors[0].starts_with("proxy.tls.cert_file: 'cert.pem' is not an absolute path"),
+        "{errors:?}"
+    );
+    let errors = problems(&with_host("proxy:\n  tls:\n    cert_file: /c.pem\n"), &[]);
+    assert!(
+        errors[0].starts_with("proxy.tls needs cert_file and key_file"),
+        "{errors:?}"
+    );
+    let listener = load(&with_host(
+        "auth:\n  keys:\n    - key: \"sk-embedder-0123456789\"\n      client_id: embedder\n\
+         client_injection:\n  listeners:\n    - listen_port: 11436\n      inject_as: embedder\n      \
+         tls: {cert_file: /c.pem, key_file: /k.pem}\n",
+    ));
+    let tls = listener.config.client_injection.listeners[0].tls.clone();
+    assert_eq!(
+        tls.map(|tls| tls.key_file),
+        Some(std::path::PathBuf::from("/k.pem"))
     );
 }

@@ -61,6 +61,18 @@ pub struct ProxyConfig {
     pub upstream_stall_timeout: Duration,
     /// Longest time a client may accept no response byte.
     pub client_stall_timeout: Duration,
+    /// TLS on the main listener; `None` = plain HTTP.
+    pub tls: Option<ListenerTls>,
+}
+
+/// TLS on a client listener: absolute paths on the data plane's box, read there (the key
+/// never crosses the policy stream).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerTls {
+    /// PEM certificate chain, the server's certificate first.
+    pub cert_file: PathBuf,
+    /// PEM private key.
+    pub key_file: PathBuf,
 }
 
 /// `ollama`: the upstream hosts.
@@ -354,6 +366,8 @@ pub struct InjectionListener {
     pub inject_as: String,
     /// Bind address; loopback unless `allow_public_injection`.
     pub bind: String,
+    /// TLS on this listener; `None` = plain HTTP.
+    pub tls: Option<ListenerTls>,
 }
 
 /// `routing`: host selection.
@@ -434,6 +448,8 @@ pub struct KeepAliveConfig {
     pub default_json: String,
     /// Replace a client-supplied `keep_alive` too (the file key is `override`).
     pub override_client: bool,
+    /// While model-swap holding is on, the longest keep_alive a key below `management` may set.
+    pub max: Duration,
 }
 
 /// `dashboard`.
@@ -495,6 +511,7 @@ impl Default for ProxyConfig {
             body_read_timeout: Duration::from_secs(30),
             upstream_stall_timeout: Duration::from_secs(60),
             client_stall_timeout: Duration::from_secs(60),
+            tls: None,
         }
     }
 }
@@ -692,6 +709,7 @@ impl Default for KeepAliveConfig {
         Self {
             default_json: "\"5m\"".to_string(),
             override_client: false,
+            max: Duration::from_secs(30 * 60),
         }
     }
 }

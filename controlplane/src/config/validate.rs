@@ -74,10 +74,18 @@ pub(crate) fn client_injection(
                      client_injection.allow_public_injection: true to expose this port to the network."
                 ));
             }
+            let tls = raw.tls.as_ref().and_then(|tls| {
+                super::resolve::tls(
+                    tls.clone(),
+                    &format!("client_injection.listeners[listen_port={listen_port}].tls"),
+                    problems,
+                )
+            });
             resolved.push(InjectionListener {
                 listen_port,
                 inject_as,
                 bind,
+                tls,
             });
         }
         ClientInjectionConfig {

@@ -40,6 +40,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             return Err(PolicyError::new("proxy.max_concurrent must be at least 1"));
         }
         let proxy = ProxySettings {
+            tls: tls_files(proxy.tls.clone(), "proxy.tls")?,
             max_concurrent: proxy.max_concurrent,
             allow_model_management: proxy.allow_model_management,
             max_request_body_bytes: bytes(
@@ -199,6 +200,11 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 Some(Arc::from(keep_alive.default_json))
             },
             override_client: keep_alive.r#override,
+            max: match keep_alive.max_seconds {
+                0 => DEFAULT_KEEP_ALIVE_MAX,
+                seconds => Duration::from_secs(seconds),
+            },
+            bounded: false,
         };
 
         let cache = snapshot.embedding_cache.unwrap_or_default();
@@ -252,7 +258,12 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                     "injection listener {addr} names unknown client '{inject_as}'"
                 )));
             }
-            injection_listeners.push(InjectionListener { addr, inject_as });
+            let tls = tls_files(listener.tls, "injection listener tls")?;
+            injection_listeners.push(InjectionListener {
+                addr,
+                inject_as,
+                tls,
+            });
         }
 
         let log_level = match snapshot.logging.map(|logging| logging.level) {
@@ -717,6 +728,22 @@ fn affinity(wire: Option<wire::AffinitySettings>) -> Result<super::Affinity, Pol
         prefill_per_token: wire.prefill_ms_per_1k / 1_000_000.0,
         max_conversations: wire.max_conversations.max(1),
     })
+}
+
+/// A listener's TLS files: both paths, or none at all.
+fn tls_files(files: Option<wire::TlsFiles>, what: &str) -> Result<Option<TlsFiles>, PolicyError> {
+    let Some(files) = files else {
+        return Ok(None);
+    };
+    if files.cert_file.is_empty() || files.key_file.is_empty() {
+        return Err(PolicyError::new(format!(
+            "{what} needs both cert_file and key_file"
+        )));
+    }
+    Ok(Some(TlsFiles {
+        cert_file: files.cert_file.into(),
+        key_file: files.key_file.into(),
+    }))
 }
 
 #[cfg(test)]

@@ -9,6 +9,8 @@ fn policy(default: Option<&str>, override_client: bool) -> KeepAlive {
     KeepAlive {
         default_json: default.map(Arc::from),
         override_client,
+        max: crate::policy::DEFAULT_KEEP_ALIVE_MAX,
+        bounded: false,
     }
 }
 

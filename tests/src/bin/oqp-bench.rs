@@ -57,6 +57,16 @@ enum Command {
         #[arg(long)]
         config: PathBuf,
     },
+    /// TLS on the proxy port against plain: the handshake per new connection and the p50
+    /// added per kept-alive request (`bench::tls`), as a Markdown table.
+    Tls {
+        /// New connections timed on each port.
+        #[arg(long, default_value_t = 500)]
+        connections: usize,
+        /// Kept-alive requests timed on each port.
+        #[arg(long, default_value_t = 5000)]
+        requests: usize,
+    },
     /// One data plane following a control plane, on `127.0.0.1:0`; prints
     /// its address on the first line once it serves.
     Dataplane {
@@ -78,6 +88,12 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::MinimalProxy { upstream, listen }) => minimal_proxy(&upstream, listen).await,
         Some(Command::SingleBox { config }) => single_box(config).await,
+        Some(Command::Tls {
+            connections,
+            requests,
+        }) => oqp_tests::bench::tls::measure(connections, requests)
+            .await
+            .map(|figures| print!("{}", figures.rows())),
         Some(Command::Dataplane {
             control_plane,
             node,

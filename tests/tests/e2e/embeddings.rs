@@ -156,6 +156,85 @@ async fn while_holding_is_on_only_a_management_key_keeps_its_own_keep_alive() {
     stack.shutdown().await;
 }
 
+/// Posts `body` to `path` as the tenant and returns the body Ollama received.
+async fn sent_as_tenant(
+    http: &HttpClient,
+    stack: &Stack,
+    fake: &FakeOllama,
+    path: &str,
+    body: String,
+) -> String {
+    let url = format!("{}{path}", stack.url());
+    post_as(http, &url, "sk-tenant-0123456789", &body).await;
+    let seen = fake.handle().requests_to(path);
+    String::from_utf8_lossy(&seen.last().unwrap().body).into_owned()
+}
+
+#[tokio::test]
+async fn while_holding_is_on_a_tenants_positive_keep_alive_passes_up_to_max() {
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .embedding_model("all-minilm")
+        .spawn()
+        .await;
+    let extra = format!(
+        "keep_alive:\n  default: \"10m\"\n  max: \"15m\"\nauth:\n  enabled: true\n  keys:\n    \
+         - key: \"sk-tenant-0123456789\"\n      client_id: tenant\n{MEMORY_CACHE}"
+    );
+    let stack = Stack::start(&config(&fake.url(), &extra)).await;
+    let http = HttpClient::new();
+    let generate = |keep_alive: &str| {
+        format!(r#"{{"model":"llama3","prompt":"x","stream":false,"keep_alive":{keep_alive}}}"#)
+    };
+    let sent = |path: &'static str, body: String| sent_as_tenant(&http, &stack, &fake, path, body);
+
+    // Inside the window (one second to `keep_alive.max`): as the client wrote it, string or
+    // number (ollama-python sends floats).
+    for asked in [r#""12m""#, "600.0", r#""15m""#, r#""1s""#] {
+        assert_eq!(
+            sent("/api/generate", generate(asked)).await,
+            generate(asked)
+        );
+    }
+    // Longer: cut to `max`, in seconds.
+    for asked in [r#""2h""#, "3600"] {
+        assert_eq!(
+            sent("/api/generate", generate(asked)).await,
+            generate("900")
+        );
+    }
+    // An unload, a pin, or no duration: the default, as before.
+    for asked in ["0", "0.0", r#""500ms""#, "-1", r#""-1m""#, "null"] {
+        assert_eq!(
+            sent("/api/generate", generate(asked)).await,
+            generate(r#""10m""#),
+            "{asked}"
+        );
+    }
+    // The same rule through the embedding cache's path.
+    // (Each with its own input: a cache hit would not reach Ollama.)
+    let embed = |keep_alive: &str| {
+        format!(
+            r#"{{"model":"all-minilm","input":"x {}","keep_alive":{keep_alive}}}"#,
+            keep_alive.trim_matches('"')
+        )
+    };
+    assert_eq!(
+        sent("/api/embed", embed(r#""12m""#)).await,
+        embed(r#""12m""#)
+    );
+    let cut = embed(r#""1h""#).replace(r#","keep_alive":"1h""#, r#","keep_alive":900"#);
+    assert_eq!(sent("/api/embed", embed(r#""1h""#)).await, cut);
+    // Ollama reads the last of several members: the rule is applied to that one.
+    let twice =
+        r#"{"model":"llama3","prompt":"x","stream":false,"keep_alive":"12m","Keep_Alive":0}"#;
+    assert_eq!(
+        sent("/api/generate", twice.to_owned()).await,
+        r#"{"model":"llama3","prompt":"x","stream":false,"keep_alive":"10m","Keep_Alive":"10m"}"#
+    );
+    stack.shutdown().await;
+}
+
 fn decode_base64(embedding: &Value) -> Vec<f32> {
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(embedding.as_str().unwrap())

@@ -30,4 +30,5 @@ mod stalls;
 mod support;
 mod swap;
 mod tenancy;
+mod tls;
 pub mod usage;
