@@ -66,6 +66,7 @@ pub mod supervise;
 pub mod swap;
 pub mod upstream;
 pub mod usage;
+pub mod view;
 
 mod run;
 
