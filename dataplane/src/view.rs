@@ -281,4 +281,6 @@ pub fn last_member(body: &[u8], open: usize, field: &str) -> Option<Range<usize>
 }
 
 #[cfg(test)]
+mod reference;
+#[cfg(test)]
 mod tests;
