@@ -62,6 +62,25 @@ pub fn insert_keep_alive(body: &[u8], view: &BodyView, keep_alive: &KeepAlive) -
     Some(splice(body, &edits))
 }
 
+/// The body read as `view` with its model set to `model`: the value of every member Ollama
+/// would read as `model` replaced (or one inserted as the last member), every other byte
+/// kept. `None` when the body is not a JSON object.
+pub fn replace_model(body: &[u8], view: &BodyView, model: &str) -> Option<Bytes> {
+    let (at, comma) = view.append_at()?;
+    let value = serde_json::Value::String(model.to_owned()).to_string();
+    let existing = view.model_members();
+    if existing.is_empty() {
+        let comma = if comma { "," } else { "" };
+        let insert = format!("{comma}\"model\":{value}");
+        return Some(splice(body, &[(at..at, insert.as_bytes())]));
+    }
+    let edits: Vec<_> = existing
+        .iter()
+        .map(|span| (span.clone(), value.as_bytes()))
+        .collect();
+    Some(splice(body, &edits))
+}
+
 /// `body` with each range replaced by its bytes. Ranges must be sorted and
 /// disjoint.
 pub(crate) fn splice(body: &[u8], edits: &[(std::ops::Range<usize>, &[u8])]) -> Bytes {

@@ -48,6 +48,8 @@ pub struct BodyView {
     last_value_end: Option<usize>,
     /// The value spans of every member Ollama would read as `keep_alive`.
     keep_alive: Vec<Range<usize>>,
+    /// The value spans of every member Ollama would read as `model`.
+    models: Vec<Range<usize>>,
     /// `model`, when it is a string.
     model: Option<String>,
     /// The deprecated `name`, when it is a string.
@@ -117,8 +119,10 @@ impl BodyView {
             else {
                 return;
             };
-            if FIELDS[field].0 == "keep_alive" {
-                view.keep_alive.push(member.value.clone());
+            match FIELDS[field].0 {
+                "keep_alive" => view.keep_alive.push(member.value.clone()),
+                "model" => view.models.push(member.value.clone()),
+                _ => {}
             }
             let null = body.get(member.value.clone()) == Some(b"null".as_slice());
             match (null, FIELDS[field].1) {
@@ -199,6 +203,11 @@ impl BodyView {
     /// The value spans of every member Ollama would read as `keep_alive`, in order.
     pub fn keep_alive(&self) -> &[Range<usize>] {
         &self.keep_alive
+    }
+
+    /// The value spans of every member Ollama would read as `model`, in order.
+    pub fn model_members(&self) -> &[Range<usize>] {
+        &self.models
     }
 
     /// Where a new last member goes, and whether it needs a leading comma: after the last

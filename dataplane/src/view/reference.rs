@@ -54,6 +54,7 @@ struct Read {
     stream: Option<bool>,
     inputs: u64,
     keep_alives: usize,
+    models: usize,
     user: Result<Option<String>, NotString>,
 }
 
@@ -96,6 +97,7 @@ fn reference(body: &[u8], user_path: &[&str]) -> Option<Read> {
         stream: None,
         inputs: 0,
         keep_alives: 0,
+        models: 0,
         user: Ok(None),
     };
     if !value.is_object() {
@@ -139,6 +141,10 @@ fn reference(body: &[u8], user_path: &[&str]) -> Option<Read> {
             .iter()
             .filter(|(key, _)| go_fold(key) == "keep_alive")
             .count(),
+        models: members
+            .iter()
+            .filter(|(key, _)| go_fold(key) == "model")
+            .count(),
         user,
     })
 }
@@ -154,6 +160,7 @@ fn scanned(body: &[u8], user_path: &[&str]) -> Option<Read> {
         stream: view.stream(body),
         inputs: view.input_count(body),
         keep_alives: view.keep_alive().len(),
+        models: view.model_members().len(),
         user: view.string_at(body, &path),
     })
 }
