@@ -77,9 +77,9 @@ fn decide<'a>(members: &'a [(String, Value)], field: &str, null_clears: bool) ->
 fn lookup<'a>(object: &'a serde_json::Map<String, Value>, field: &str) -> Option<&'a Value> {
     object
         .iter()
-        .filter(|(key, _)| go_fold(key) == field)
+        .rev()
+        .find(|(key, _)| go_fold(key) == field)
         .map(|(_, value)| value)
-        .last()
 }
 
 /// The reference reading of `body`, or `None` when it is not one JSON value.
@@ -118,9 +118,9 @@ fn reference(body: &[u8], user_path: &[&str]) -> Option<Read> {
     };
     let mut user = members
         .iter()
-        .filter(|(key, _)| go_fold(key) == user_path[0].to_ascii_lowercase())
-        .map(|(_, value)| value)
-        .last();
+        .rev()
+        .find(|(key, _)| go_fold(key) == user_path[0].to_ascii_lowercase())
+        .map(|(_, value)| value);
     for step in &user_path[1..] {
         user = user
             .and_then(Value::as_object)
