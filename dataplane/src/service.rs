@@ -826,3 +826,53 @@ fn metadata_hosts(policy: &Policy, model: Option<&str>) -> Vec<Arc<Host>> {
     }
     hosts
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::BodyBudget;
+
+    #[test]
+    fn a_reading_is_charged_to_the_body_budget_while_it_runs() {
+        let body = br#"{"model":"m","prompt":"0123456789012345678901234567890123"}"#;
+        let held = body.len() as u64;
+        let budget = BodyBudget::default();
+        let mut other = budget.reserve(2 * held + 9);
+        other.grow_to(10).unwrap();
+        let mut reservation = budget.reserve(2 * held + 9);
+        reservation.grow_to(held).unwrap();
+        // The body and its reading do not fit beside another body: refused.
+        let refused = read_view(body, true, &mut reservation, || ProxyError::BodyTooLarge);
+        assert!(matches!(refused, Err(ProxyError::BodyTooLarge)));
+        assert_eq!((reservation.bytes(), budget.used()), (held, held + 10));
+        drop(other);
+        let view = read_view(body, true, &mut reservation, || ProxyError::BodyTooLarge).unwrap();
+        assert_eq!(view.model(), Some("m"));
+        // Given back once read.
+        assert_eq!((reservation.bytes(), budget.used()), (held, held));
+    }
+
+    #[test]
+    fn a_body_ollama_reads_is_one_json_value_or_refused() {
+        let budget = BodyBudget::default();
+        let mut reservation = budget.reserve(1 << 20);
+        let mut read = |body: &[u8], ollama_reads| {
+            read_view(body, ollama_reads, &mut reservation, || {
+                ProxyError::BodyTooLarge
+            })
+        };
+        assert!(matches!(
+            read(br#"{"model":"m"} x"#, true),
+            Err(ProxyError::BodyNotJson)
+        ));
+        // Elsewhere a body is only a hint: read as naming nothing.
+        assert_eq!(
+            read(br#"{"model":"m"} x"#, false).unwrap(),
+            BodyView::default()
+        );
+        assert_eq!(
+            read(b" {\"model\":\"m\"}\n", true).unwrap().model(),
+            Some("m")
+        );
+    }
+}
