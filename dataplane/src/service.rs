@@ -391,7 +391,8 @@ async fn forward(
         app.dispatcher.over_capacity(tier, &client)
     };
     // The one reading of a read body: everything below that looks inside it reads this.
-    let mut view = None;
+    // Boxed: it lives in this future's state, which a waiting request holds.
+    let mut view: Option<Box<BodyView>> = None;
     let body = if endpoint.reads_body() {
         let read = proxy::BodyRead {
             limit,
@@ -399,12 +400,8 @@ async fn forward(
             reservation: &mut reservation,
         };
         let bytes = proxy::read_body(incoming, &parts.headers, read, over_budget).await?;
-        view = Some(read_view(
-            &bytes,
-            ollama_reads_body,
-            &mut reservation,
-            over_budget,
-        )?);
+        let read = read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?;
+        view = Some(Box::new(read));
         RequestBody::Buffered(bytes)
     } else {
         let streamed = proxy::stream_body(
@@ -424,7 +421,7 @@ async fn forward(
     };
     // An app key's end user, from its header or its body field: from here on the caller.
     let read = match (&body, &view) {
-        (RequestBody::Buffered(bytes), Some(view)) => Some((&bytes[..], view)),
+        (RequestBody::Buffered(bytes), Some(view)) => Some((&bytes[..], &**view)),
         _ => None,
     };
     let identity = identity.delegated(&parts.headers, read)?;
