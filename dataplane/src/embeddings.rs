@@ -68,7 +68,7 @@ pub async fn handle(
     tier: Tier,
     inference: Inference,
     mut outbound: Outbound,
-    (body, view): (Bytes, Box<BodyView>),
+    (body, view): (Bytes, BodyView),
 ) -> Result<Response<Body>, ProxyError> {
     let (body, view, openai) = if inference == Inference::OpenAiEmbeddings {
         let model = view.model().unwrap_or_default().to_owned();
@@ -76,7 +76,7 @@ pub async fn handle(
             Ok((translated, format)) => {
                 outbound.path_and_query = http::uri::PathAndQuery::from_static("/api/embed");
                 // The translation is oqp's own JSON: read anew, it is always one value.
-                let view = Box::new(BodyView::read(&translated).unwrap_or_default());
+                let view = BodyView::read(&translated).unwrap_or_default();
                 (translated, view, Some(OpenAi { format, model }))
             }
             Err(error) => return Ok(openai_error(error.status, error.body())),

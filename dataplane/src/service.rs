@@ -44,6 +44,9 @@ use crate::rewrite;
 use crate::view::BodyView;
 use crate::{dashboard, status};
 
+/// The reading of a body that says nothing.
+static EMPTY_VIEW: BodyView = BodyView::EMPTY;
+
 /// Answers one request. Never fails: every error becomes its HTTP response
 /// here, and every response carries `X-Request-ID`.
 pub async fn handle(
@@ -338,7 +341,8 @@ async fn forward(
         .map_err(|_| ProxyError::PathNotCanonical)?;
     let endpoint = Endpoint::of(path);
     // The routes whose body Ollama reads for its model (`/api/show` also by its `name`).
-    let shows = path == "/api/show";
+    // (`eq` on the `str`: a borrow of the `&str` local would keep it in this future's state.)
+    let shows = path.eq("/api/show");
     let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) || shows;
     let retrieved = path
         .strip_prefix("/v1/models/")
@@ -392,17 +396,19 @@ async fn forward(
     };
     // The one reading of a read body: everything below that looks inside it reads this.
     // Boxed: it lives in this future's state, which a waiting request holds.
-    let mut view: Option<Box<BodyView>> = None;
-    let body = if endpoint.reads_body() {
+    let (body, view) = if endpoint.reads_body() {
         let read = proxy::BodyRead {
             limit,
             timeout: policy.proxy.body_read_timeout,
             reservation: &mut reservation,
         };
         let bytes = proxy::read_body(incoming, &parts.headers, read, over_budget).await?;
+        let over_budget = || {
+            let client = key_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
+            app.dispatcher.over_capacity(tier, &client)
+        };
         let read = read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?;
-        view = Some(Box::new(read));
-        RequestBody::Buffered(bytes)
+        (RequestBody::Buffered(bytes), Some(Box::new(read)))
     } else {
         let streamed = proxy::stream_body(
             incoming,
@@ -410,14 +416,15 @@ async fn forward(
             if uncapped { u64::MAX } else { limit },
             policy.proxy.body_read_timeout,
         )?;
-        RequestBody::Streamed(match &hopped {
+        let streamed = match &hopped {
             Some(hop) => {
                 let (checked, bound) = hop.check(app.peers.key(), streamed)?;
                 verdict = Some(bound);
                 checked
             }
             None => streamed,
-        })
+        };
+        (RequestBody::Streamed(streamed), None)
     };
     // An app key's end user, from its header or its body field: from here on the caller.
     let read = match (&body, &view) {
@@ -500,8 +507,10 @@ async fn forward(
     else {
         return Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
     };
-    // Read with the body: an inference route always reads it.
-    let view = view.unwrap_or_default();
+    // Read with the body: an inference route always reads it. (One view local, borrowed: a
+    // second would keep its own place in this future's state.)
+    let read = view.as_deref().unwrap_or(&EMPTY_VIEW);
+    let view = read;
     // A model the key may not use is refused before anything else sees the request: no
     // cache, no queue, no host. A key limited to some models names one Ollama reads.
     let model = view.model().map(str::to_owned);
@@ -516,7 +525,7 @@ async fn forward(
         policy,
         inference,
         &outbound,
-        (&body, &view),
+        (&body, view),
         &client,
         model.as_deref(),
         session.as_deref(),
@@ -542,7 +551,7 @@ async fn forward(
             tier,
             inference,
             outbound,
-            (body, view),
+            (body, view.clone()),
         ))
         .await;
     }
@@ -551,7 +560,7 @@ async fn forward(
         // Who may keep its own keep_alive: `KeepAlive::for_caller`.
         let keep_alive =
             (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
-        rewrite::insert_keep_alive(&body, &view, &keep_alive).unwrap_or(body)
+        rewrite::insert_keep_alive(&body, view, &keep_alive).unwrap_or(body)
     } else {
         body
     };

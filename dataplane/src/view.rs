@@ -89,6 +89,23 @@ const FIELDS: [(&str, Null); 10] = [
 ];
 
 impl BodyView {
+    /// The view of a body that says nothing (empty, or not an object).
+    pub const EMPTY: BodyView = BodyView {
+        open: None,
+        last_value_end: None,
+        keep_alive: Vec::new(),
+        models: Vec::new(),
+        model: None,
+        name: None,
+        stream: None,
+        input: None,
+        prompt: None,
+        system: None,
+        instructions: None,
+        messages: None,
+        options: None,
+    };
+
     /// Reads `body`. An empty (or all-whitespace) body is an empty view; a body that is one
     /// JSON value but not an object is a view with nothing in it; anything else that is not
     /// one JSON value is [`NotJson`].
