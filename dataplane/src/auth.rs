@@ -21,6 +21,7 @@ use crate::error::ProxyError;
 use crate::headers;
 use crate::policy::{Cidr, Client, Policy, Scope, UserSource, canonical};
 use crate::scheduler::{ClientLimits, Member, Tier};
+use crate::view::BodyView;
 
 /// The caller of one request.
 #[derive(Debug, Clone)]
@@ -150,9 +151,14 @@ impl Identity {
     }
 
     /// The end user an app key's request names (`auth.keys[].users`): its header, or its
-    /// body field when the body is read (`body`). The app itself when it names none; a value
-    /// that is not a user id is refused. Other identities are returned as they are.
-    pub fn delegated(self, headers: &HeaderMap, body: Option<&[u8]>) -> Result<Self, ProxyError> {
+    /// body field when the body is read (`body`, with its reading), matched as Ollama
+    /// matches field names. The app itself when it names none; a value that is not a user id
+    /// is refused. Other identities are returned as they are.
+    pub fn delegated(
+        self,
+        headers: &HeaderMap,
+        body: Option<(&[u8], &BodyView)>,
+    ) -> Result<Self, ProxyError> {
         let Identity::Client(client) = &self else {
             return Ok(self);
         };
@@ -167,7 +173,7 @@ impl Identity {
             },
             UserSource::BodyField(path) => match body {
                 None => None,
-                Some(body) => body_field(body, path).map_err(|()| invalid())?,
+                Some((body, view)) => view.string_at(body, path).map_err(|_| invalid())?,
             },
         };
         let Some(user) = user else {
@@ -191,24 +197,6 @@ fn is_user_id(user: &str) -> bool {
         && user
             .bytes()
             .all(|byte| byte.is_ascii_graphic() && byte != b'/')
-}
-
-/// The string at `path` in a JSON object body: `Ok(None)` when the body is not an object
-/// or the field is absent (or null), `Err` when it is there but not a string.
-fn body_field(body: &[u8], path: &[String]) -> Result<Option<String>, ()> {
-    let Ok(serde_json::Value::Object(root)) = serde_json::from_slice::<serde_json::Value>(body)
-    else {
-        return Ok(None);
-    };
-    let mut value = root.get(path.first().map_or("", String::as_str));
-    for key in path.iter().skip(1) {
-        value = value.and_then(|inner| inner.get(key));
-    }
-    match value {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(serde_json::Value::String(user)) => Ok(Some(user.clone())),
-        Some(_) => Err(()),
-    }
 }
 
 /// Longest claimed `X-Client-ID` (auth off) kept; longer ones are cut here, so

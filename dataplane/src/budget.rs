@@ -73,6 +73,22 @@ impl Reservation<'_> {
         self.bytes = total;
         Ok(())
     }
+
+    /// Gives back what this body's share holds beyond `total` bytes: the end of a
+    /// transient charge (a reading of the body, see [`crate::view`]).
+    pub fn shrink_to(&mut self, total: u64) {
+        let less = self.bytes.saturating_sub(total);
+        if less == 0 {
+            return;
+        }
+        let _ = self
+            .budget
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                Some(used.saturating_sub(less))
+            });
+        self.bytes = total;
+    }
 }
 
 impl Drop for Reservation<'_> {
@@ -109,6 +125,20 @@ mod tests {
         assert_eq!(third.grow_to(41), Err(OverBudget));
         assert_eq!(third.bytes(), 40);
         drop((other, third));
+        assert_eq!(budget.used(), 0);
+    }
+
+    #[test]
+    fn a_transient_charge_is_given_back() {
+        let budget = BodyBudget::default();
+        let mut body = budget.reserve(100);
+        assert!(body.grow_to(30).is_ok());
+        assert!(body.grow_to(60).is_ok());
+        body.shrink_to(30);
+        assert_eq!((body.bytes(), budget.used()), (30, 30));
+        body.shrink_to(40);
+        assert_eq!(body.bytes(), 30);
+        drop(body);
         assert_eq!(budget.used(), 0);
     }
 }

@@ -34,6 +34,7 @@ use crate::queued;
 use crate::rewrite::{self, EncodingFormat};
 use crate::scheduler::Tier;
 use crate::usage::Totals;
+use crate::view::BodyView;
 
 /// What an embedding request reads of the data plane.
 #[derive(Debug)]
@@ -67,23 +68,27 @@ pub async fn handle(
     tier: Tier,
     inference: Inference,
     mut outbound: Outbound,
-    body: Bytes,
+    (body, view): (Bytes, BodyView),
 ) -> Result<Response<Body>, ProxyError> {
-    let (body, openai) = if inference == Inference::OpenAiEmbeddings {
-        let model = rewrite::model_of(&body).unwrap_or_default();
+    let (body, view, openai) = if inference == Inference::OpenAiEmbeddings {
+        let model = view.model().unwrap_or_default().to_owned();
         match rewrite::openai_embed_request(&body) {
             Ok((translated, format)) => {
                 outbound.path_and_query = http::uri::PathAndQuery::from_static("/api/embed");
-                (translated, Some(OpenAi { format, model }))
+                // The translation is oqp's own JSON: read anew, it is always one value.
+                let view = BodyView::read(&translated).unwrap_or_default();
+                (translated, view, Some(OpenAi { format, model }))
             }
             Err(error) => return Ok(openai_error(error.status, error.body())),
         }
     } else {
-        (body, None)
+        (body, view, None)
     };
     let keep_alive =
         (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
-    let body = rewrite::insert_keep_alive(&body, &keep_alive).unwrap_or(body);
+    let inputs = view.input_count(&body);
+    let model = view.model().map(str::to_owned);
+    let body = rewrite::insert_keep_alive(&body, &view, &keep_alive).unwrap_or(body);
     let namespace = Namespace::of(inference);
     let Parts { queue, cache } = parts;
     let plan = match (&cache, namespace) {
@@ -96,9 +101,8 @@ pub async fn handle(
     };
     let (Some(cache), Some(plan)) = (cache, plan) else {
         // Not cacheable: the ordinary queued path, then the OpenAI wrap.
-        let inputs = input_count(&body);
         outbound.body = RequestBody::Buffered(body);
-        let response = send_uncached(queue, policy, client, tier, outbound, inputs).await?;
+        let response = send_uncached(queue, policy, client, tier, outbound, model, inputs).await?;
         return match openai {
             Some(openai) => wrap_openai(response, &openai).await,
             None => Ok(response),
@@ -200,20 +204,17 @@ pub async fn handle(
     }
 }
 
-/// Sends an embedding request upstream through the queue, without the cache, and counts
-/// its `inputs` as embedding inputs sent upstream when it is answered.
+/// Sends an embedding request for `model` upstream through the queue, without the cache,
+/// and counts its `inputs` as embedding inputs sent upstream when it is answered.
 pub async fn send_uncached(
     queue: queued::Parts<'_>,
     policy: &Arc<Policy>,
     client: Caller,
     tier: Tier,
     outbound: Outbound,
+    model: Option<String>,
     inputs: u64,
 ) -> Result<Response<Body>, ProxyError> {
-    let model = match &outbound.body {
-        RequestBody::Buffered(bytes) => rewrite::model_of(bytes),
-        RequestBody::Streamed(_) => None,
-    };
     let usage = queue.usage.clone();
     let client_id = client.id.clone();
     let model_name = model.clone().unwrap_or_default();
@@ -226,64 +227,6 @@ pub async fn send_uncached(
         usage.record(&client_id, &model_name, totals, SystemTime::now());
     }
     Ok(response)
-}
-
-/// How many inputs an embedding body carries: `/api/embed`'s `input` (a string or an
-/// array), `/api/embeddings`' one `prompt`. Counted without building the inputs (a batch
-/// of many long texts is only walked).
-pub fn input_count(body: &[u8]) -> u64 {
-    #[derive(serde::Deserialize)]
-    struct Request {
-        input: Option<Count>,
-        prompt: Option<serde::de::IgnoredAny>,
-    }
-    match serde_json::from_slice::<Request>(body) {
-        Ok(Request {
-            input: Some(Count(inputs)),
-            ..
-        }) => inputs,
-        Ok(Request { prompt, .. }) => u64::from(prompt.is_some()),
-        Err(_) => 0,
-    }
-}
-
-/// The number of items of a JSON array, or 1 for any other value.
-struct Count(u64);
-
-impl<'de> serde::Deserialize<'de> for Count {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Items;
-        impl<'de> serde::de::Visitor<'de> for Items {
-            type Value = Count;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("an input or an array of inputs")
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                mut seq: A,
-            ) -> Result<Count, A::Error> {
-                let mut count = 0;
-                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {
-                    count += 1;
-                }
-                Ok(Count(count))
-            }
-            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Count, E> {
-                Ok(Count(1))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Count, A::Error> {
-                while map
-                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
-                    .is_some()
-                {}
-                Ok(Count(1))
-            }
-        }
-        deserializer.deserialize_any(Items)
-    }
 }
 
 /// Wraps an Ollama `/api/embed` answer in OpenAI's shape, keeping oqp's
@@ -330,7 +273,12 @@ fn openai_error(status: StatusCode, body: Bytes) -> Response<Body> {
 
 #[cfg(test)]
 mod tests {
-    use super::input_count;
+    use crate::view::BodyView;
+
+    /// Inputs as the request path counts them: from the body's one reading.
+    fn input_count(body: &[u8]) -> u64 {
+        BodyView::read(body).unwrap_or_default().input_count(body)
+    }
 
     #[test]
     fn inputs_are_counted_in_every_shape() {
@@ -340,5 +288,7 @@ mod tests {
         assert_eq!(input_count(br#"{"model":"m","input":[]}"#), 0);
         assert_eq!(input_count(br#"{"model":"m"}"#), 0);
         assert_eq!(input_count(b"not json"), 0);
+        // Named as Ollama reads it.
+        assert_eq!(input_count(br#"{"model":"m","INPUT":["a","b"]}"#), 2);
     }
 }

@@ -50,6 +50,14 @@ pub enum ProxyError {
     /// The request body is larger than `proxy.max_request_body_mb`.
     #[error("request body too large")]
     BodyTooLarge,
+    /// A body Ollama reads that is not exactly one JSON value: malformed, or followed by
+    /// anything but whitespace (see [`crate::view`]).
+    #[error("request body must be one JSON value, with nothing after it but whitespace")]
+    BodyNotJson,
+    /// A key with a model allowlist sent a request that names no model Ollama would read
+    /// (no `model`, or one that is not a string).
+    #[error("this key may use only some models: the request must name one in a string `model`")]
+    ModelUnreadable,
     /// The client stopped sending its body.
     #[error("request body could not be read")]
     BodyUnreadable,
@@ -167,6 +175,8 @@ impl ProxyError {
             Self::InvalidTier(_)
             | Self::InvalidUser(_)
             | Self::BodyUnreadable
+            | Self::BodyNotJson
+            | Self::ModelUnreadable
             | Self::PathNotCanonical => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge | Self::TooManyInputs { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,

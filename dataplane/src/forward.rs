@@ -31,8 +31,10 @@ use crate::headers;
 use crate::metrics::Metrics;
 use crate::policy::{Host, HostKind, Policy};
 use crate::proxy::{self, Answer, Outbound, RequestBody};
+use crate::rewrite;
 use crate::router::is_model_not_found;
 use crate::upstream::{Upstream, UpstreamError};
+use crate::view::BodyView;
 
 /// Bytes of an error body read to classify it.
 const PEEK_LIMIT: usize = 16 * 1024;
@@ -464,15 +466,13 @@ fn is_busy(body: &[u8]) -> bool {
         .contains("server busy")
 }
 
-/// The same JSON body with its top-level `model` replaced.
+/// The same JSON body with its model replaced wherever Ollama would read one; any other
+/// body as it is.
 fn with_model(body: &Bytes, model: &str) -> Bytes {
-    match serde_json::from_slice::<serde_json::Value>(body) {
-        Ok(serde_json::Value::Object(mut object)) => {
-            object.insert("model".into(), serde_json::Value::String(model.into()));
-            Bytes::from(serde_json::Value::Object(object).to_string())
-        }
-        _ => body.clone(),
-    }
+    BodyView::read(body)
+        .ok()
+        .and_then(|view| rewrite::replace_model(body, &view, model))
+        .unwrap_or_else(|| body.clone())
 }
 
 fn body_of(body: RequestBody) -> Body {
@@ -583,6 +583,15 @@ mod tests {
         assert_eq!(
             with_model(&Bytes::from_static(b"[1]"), "b"),
             Bytes::from_static(b"[1]")
+        );
+        // Every member Ollama would read as the model, in place; one added where none was.
+        assert_eq!(
+            with_model(&Bytes::from_static(br#"{"model":"a","MODEL":"c"}"#), "b"),
+            Bytes::from_static(br#"{"model":"b","MODEL":"b"}"#)
+        );
+        assert_eq!(
+            with_model(&Bytes::from_static(br#"{"prompt":"hi"}"#), "b"),
+            Bytes::from_static(br#"{"prompt":"hi","model":"b"}"#)
         );
     }
 }

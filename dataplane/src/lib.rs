@@ -68,6 +68,7 @@ pub mod swap;
 pub mod tls;
 pub mod upstream;
 pub mod usage;
+pub mod view;
 
 mod run;
 

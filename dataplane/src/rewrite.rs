@@ -6,20 +6,20 @@
 //!   spelling (`1.0`, `1e-7`), escapes stay escapes, key order and whitespace
 //!   are kept. (The reference re-serialised the whole body, turning raw UTF-8
 //!   into `\uXXXX` and renormalising floats; we do not.)
-//! - [`model_of`] reads the top-level `model` for routing.
 //! - [`openai`] translates `/v1/embeddings` to `/api/embed` and back.
 //!
-//! Field names are matched the way Ollama's Go `encoding/json` matches them:
-//! case-insensitively, the last occurrence winning (see [`scan::Object::get`]).
-//! A body with `"Keep_Alive": 0` therefore already has a keep_alive.
+//! What a body says is read once, by [`crate::view::BodyView`], with Ollama's
+//! key rules: a body with `"Keep_Alive": 0` already has a keep_alive.
 
 pub mod openai;
-pub mod scan;
+
+pub use crate::view::scan;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::de::IgnoredAny;
 
 use crate::policy::KeepAlive;
+use crate::view::BodyView;
 
 pub use openai::{
     EncodingFormat, OpenAiError, openai_embed_request, openai_embed_response, openai_error,
@@ -29,56 +29,56 @@ pub use openai::{
 /// The field this module inserts.
 const KEEP_ALIVE: &str = "keep_alive";
 
-/// Applies the keep_alive policy to a request body.
+/// Applies the keep_alive policy to a request body, read as `view`.
 ///
 /// Returns the rewritten body, or `None` when the original bytes must be
 /// forwarded as they are: no default configured, the client's own value kept
-/// ([`KeepAlive::replacement`] decides), or a body that is not a valid JSON
-/// object (empty, malformed, an array, a scalar).
+/// ([`KeepAlive::replacement`] decides), or a body that is not a JSON object
+/// (empty, an array, a scalar).
 ///
 /// A missing field is inserted as the last member (`,"keep_alive":<default>`
 /// right after the last value, or `"keep_alive":<default>` inside `{}`); a
 /// replaced value replaces the value span of every member Ollama would read
 /// as keep_alive. Nothing else changes: the result is the original
 /// with one range replaced.
-pub fn insert_keep_alive(body: &[u8], keep_alive: &KeepAlive) -> Option<Bytes> {
+pub fn insert_keep_alive(body: &[u8], view: &BodyView, keep_alive: &KeepAlive) -> Option<Bytes> {
     let default = keep_alive.default_json.as_deref()?;
     // Never splice an invalid literal into a client's body.
     serde_json::from_str::<IgnoredAny>(default).ok()?;
-    serde_json::from_slice::<IgnoredAny>(body).ok()?;
-    let object = scan::top_object(body)?;
-
-    let existing: Vec<_> = object
-        .all(body, KEEP_ALIVE)
-        .map(|member| member.value.clone())
-        .collect();
+    let (at, comma) = view.append_at()?;
+    let existing = view.keep_alive();
     if existing.is_empty() {
-        let (at, insert) = match object.members.last() {
-            Some(last) => (last.value.end, format!(",\"{KEEP_ALIVE}\":{default}")),
-            None => (object.open + 1, format!("\"{KEEP_ALIVE}\":{default}")),
-        };
+        let comma = if comma { "," } else { "" };
+        let insert = format!("{comma}\"{KEEP_ALIVE}\":{default}");
         return Some(splice(body, &[(at..at, insert.as_bytes())]));
     }
     // Ollama reads the last member of the name; the policy decides from that value.
     let effective = existing.last().and_then(|span| body.get(span.clone()))?;
     let replacement = keep_alive.replacement(effective)?;
     let edits: Vec<_> = existing
-        .into_iter()
-        .map(|span| (span, replacement.as_bytes()))
+        .iter()
+        .map(|span| (span.clone(), replacement.as_bytes()))
         .collect();
     Some(splice(body, &edits))
 }
 
-/// The top-level `model` string of a JSON object body, as Ollama would read
-/// it; `None` if there is none or the body is not an object.
-///
-/// Cheap: one structural pass, no value is built but the model string. The
-/// nested values it skips are not validated (Ollama rejects such a body
-/// anyway, whatever it is routed to).
-pub fn model_of(body: &[u8]) -> Option<String> {
-    let object = scan::top_object(body)?;
-    let member = object.get(body, "model")?;
-    serde_json::from_slice::<String>(body.get(member.value.clone())?).ok()
+/// The body read as `view` with its model set to `model`: the value of every member Ollama
+/// would read as `model` replaced (or one inserted as the last member), every other byte
+/// kept. `None` when the body is not a JSON object.
+pub fn replace_model(body: &[u8], view: &BodyView, model: &str) -> Option<Bytes> {
+    let (at, comma) = view.append_at()?;
+    let value = serde_json::Value::String(model.to_owned()).to_string();
+    let existing = view.model_members();
+    if existing.is_empty() {
+        let comma = if comma { "," } else { "" };
+        let insert = format!("{comma}\"model\":{value}");
+        return Some(splice(body, &[(at..at, insert.as_bytes())]));
+    }
+    let edits: Vec<_> = existing
+        .iter()
+        .map(|span| (span.clone(), value.as_bytes()))
+        .collect();
+    Some(splice(body, &edits))
 }
 
 /// `body` with each range replaced by its bytes. Ranges must be sorted and

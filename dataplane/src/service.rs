@@ -41,7 +41,11 @@ use crate::queue_control;
 use crate::queued;
 use crate::request_id;
 use crate::rewrite;
+use crate::view::BodyView;
 use crate::{dashboard, status};
+
+/// The reading of a body that says nothing.
+static EMPTY_VIEW: BodyView = BodyView::EMPTY;
 
 /// Answers one request. Never fails: every error becomes its HTTP response
 /// here, and every response carries `X-Request-ID`.
@@ -336,6 +340,10 @@ async fn forward(
     let path = endpoint::path::canonical(request.uri().path())
         .map_err(|_| ProxyError::PathNotCanonical)?;
     let endpoint = Endpoint::of(path);
+    // The routes whose body Ollama reads for its model (`/api/show` also by its `name`).
+    // (`eq` on the `str`: a borrow of the `&str` local would keep it in this future's state.)
+    let shows = path.eq("/api/show");
+    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) || shows;
     let retrieved = path
         .strip_prefix("/v1/models/")
         .filter(|_| endpoint == Endpoint::Metadata)
@@ -382,17 +390,25 @@ async fn forward(
     let mut reservation = app.body_budget.reserve(policy.queue.max_queued_bytes);
     // A streamed hop's check, which may fail it on its way to Ollama.
     let mut verdict = None;
-    let body = if endpoint.reads_body() {
+    let over_budget = || {
+        let client = key_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
+        app.dispatcher.over_capacity(tier, &client)
+    };
+    // The one reading of a read body: everything below that looks inside it reads this.
+    // Boxed: it lives in this future's state, which a waiting request holds.
+    let (body, view) = if endpoint.reads_body() {
         let read = proxy::BodyRead {
             limit,
             timeout: policy.proxy.body_read_timeout,
             reservation: &mut reservation,
         };
+        let bytes = proxy::read_body(incoming, &parts.headers, read, over_budget).await?;
         let over_budget = || {
             let client = key_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
             app.dispatcher.over_capacity(tier, &client)
         };
-        RequestBody::Buffered(proxy::read_body(incoming, &parts.headers, read, over_budget).await?)
+        let read = read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?;
+        (RequestBody::Buffered(bytes), Some(Box::new(read)))
     } else {
         let streamed = proxy::stream_body(
             incoming,
@@ -400,19 +416,20 @@ async fn forward(
             if uncapped { u64::MAX } else { limit },
             policy.proxy.body_read_timeout,
         )?;
-        RequestBody::Streamed(match &hopped {
+        let streamed = match &hopped {
             Some(hop) => {
                 let (checked, bound) = hop.check(app.peers.key(), streamed)?;
                 verdict = Some(bound);
                 checked
             }
             None => streamed,
-        })
+        };
+        (RequestBody::Streamed(streamed), None)
     };
     // An app key's end user, from its header or its body field: from here on the caller.
-    let read = match &body {
-        RequestBody::Buffered(bytes) => Some(&bytes[..]),
-        RequestBody::Streamed(_) => None,
+    let read = match (&body, &view) {
+        (RequestBody::Buffered(bytes), Some(view)) => Some((&bytes[..], &**view)),
+        _ => None,
     };
     let identity = identity.delegated(&parts.headers, read)?;
     let client_id = identity.client_id().cloned();
@@ -455,14 +472,19 @@ async fn forward(
         // The fast path: never queued, never capped, no slot; bounded per client.
         app.metadata_limit
             .admit(policy.auth.metadata_rate, &identity.caller().id)?;
-        // `/v1/models/{model}` names its model in the path; the others in the body.
-        let model = match (retrieved, &outbound.body) {
+        // `/v1/models/{model}` names its model in the path; `/api/show` in its body, where
+        // Ollama also reads the deprecated `name`; the others name none (a model read from
+        // them only orders the hosts).
+        let model = match (retrieved, &view) {
             (Some(model), _) => Some(model),
-            (None, RequestBody::Buffered(bytes)) => rewrite::model_of(bytes),
-            (None, RequestBody::Streamed(_)) => None,
+            (None, Some(view)) if shows => view.model_or_name().map(str::to_owned),
+            (None, Some(view)) => view.model().map(str::to_owned),
+            (None, None) => None,
         };
-        if let Some(model) = &model {
-            identity.allow_model(model)?;
+        match &model {
+            Some(model) => identity.allow_model(model)?,
+            None if shows && identity.has_allowlist() => return Err(ProxyError::ModelUnreadable),
+            None => {}
         }
         return Box::pin(metadata(app, policy, &identity, outbound, model.as_deref())).await;
     }
@@ -485,11 +507,17 @@ async fn forward(
     else {
         return Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
     };
+    // Read with the body: an inference route always reads it. (One view local, borrowed: a
+    // second would keep its own place in this future's state.)
+    let read = view.as_deref().unwrap_or(&EMPTY_VIEW);
+    let view = read;
     // A model the key may not use is refused before anything else sees the request: no
-    // cache, no queue, no host.
-    let model = rewrite::model_of(&body);
-    if let Some(model) = &model {
-        identity.allow_model(model)?;
+    // cache, no queue, no host. A key limited to some models names one Ollama reads.
+    let model = view.model().map(str::to_owned);
+    match &model {
+        Some(model) => identity.allow_model(model)?,
+        None if identity.has_allowlist() => return Err(ProxyError::ModelUnreadable),
+        None => {}
     }
     // Its conversation, for a chat-shaped request (the keep_alive inserted below is not part
     // of it).
@@ -497,7 +525,7 @@ async fn forward(
         policy,
         inference,
         &outbound,
-        &body,
+        (&body, view),
         &client,
         model.as_deref(),
         session.as_deref(),
@@ -523,24 +551,23 @@ async fn forward(
             tier,
             inference,
             outbound,
-            body,
+            (body, view.clone()),
         ))
         .await;
     }
+    let inputs = view.input_count(&body);
     let body = if inference.takes_keep_alive() {
         // Who may keep its own keep_alive: `KeepAlive::for_caller`.
         let keep_alive =
             (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
-        rewrite::insert_keep_alive(&body, &keep_alive).unwrap_or(body)
+        rewrite::insert_keep_alive(&body, view, &keep_alive).unwrap_or(body)
     } else {
         body
     };
     if inference.is_embedding() {
-        // Counted by the same walk as the embedding handler's, without building the inputs.
-        let inputs = embeddings::input_count(&body);
         outbound.body = RequestBody::Buffered(body);
         return Box::pin(embeddings::send_uncached(
-            queue, policy, client, tier, outbound, inputs,
+            queue, policy, client, tier, outbound, model, inputs,
         ))
         .await;
     }
@@ -554,7 +581,7 @@ fn conversation(
     policy: &Policy,
     inference: Inference,
     outbound: &Outbound,
-    body: &[u8],
+    (body, view): (&[u8], &BodyView),
     client: &auth::Caller,
     model: Option<&str>,
     session: Option<&str>,
@@ -580,7 +607,34 @@ fn conversation(
     } else {
         &client.id
     };
-    affinity::Chain::of(shape, body, scope, &model, session).map(Arc::new)
+    affinity::Chain::read(shape, body, view, scope, &model, session).map(Arc::new)
+}
+
+/// The one reading of a read `body` ([`BodyView`]). On an inference route and `/api/show`,
+/// whose bodies Ollama reads, a body that is not exactly one JSON value is refused: Ollama
+/// reads the first value of a body and ignores the rest, and oqp must read what Ollama
+/// reads or nothing. Other routes' bodies are only a hint (a model that orders hosts).
+///
+/// What the reading allocates (at most about the body's size) is charged to the body
+/// budget while it runs.
+fn read_view(
+    body: &[u8],
+    ollama_reads: bool,
+    reservation: &mut crate::budget::Reservation<'_>,
+    over_budget: impl FnOnce() -> ProxyError,
+) -> Result<BodyView, ProxyError> {
+    let held = reservation.bytes();
+    let transient = u64::try_from(body.len()).unwrap_or(u64::MAX);
+    if reservation.grow_to(held.saturating_add(transient)).is_err() {
+        return Err(over_budget());
+    }
+    let read = BodyView::read(body);
+    reservation.shrink_to(held);
+    match read {
+        Ok(view) => Ok(view),
+        Err(_) if ollama_reads => Err(ProxyError::BodyNotJson),
+        Err(_) => Ok(BodyView::default()),
+    }
 }
 
 /// The conversation a request names: in its app key's `users.session_header`, else in
@@ -777,4 +831,54 @@ fn metadata_hosts(policy: &Policy, model: Option<&str>) -> Vec<Arc<Host>> {
         hosts.sort_by_key(|host| !host.installed.contains(&model));
     }
     hosts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::BodyBudget;
+
+    #[test]
+    fn a_reading_is_charged_to_the_body_budget_while_it_runs() {
+        let body = br#"{"model":"m","prompt":"0123456789012345678901234567890123"}"#;
+        let held = body.len() as u64;
+        let budget = BodyBudget::default();
+        let mut other = budget.reserve(2 * held + 9);
+        other.grow_to(10).unwrap();
+        let mut reservation = budget.reserve(2 * held + 9);
+        reservation.grow_to(held).unwrap();
+        // The body and its reading do not fit beside another body: refused.
+        let refused = read_view(body, true, &mut reservation, || ProxyError::BodyTooLarge);
+        assert!(matches!(refused, Err(ProxyError::BodyTooLarge)));
+        assert_eq!((reservation.bytes(), budget.used()), (held, held + 10));
+        drop(other);
+        let view = read_view(body, true, &mut reservation, || ProxyError::BodyTooLarge).unwrap();
+        assert_eq!(view.model(), Some("m"));
+        // Given back once read.
+        assert_eq!((reservation.bytes(), budget.used()), (held, held));
+    }
+
+    #[test]
+    fn a_body_ollama_reads_is_one_json_value_or_refused() {
+        let budget = BodyBudget::default();
+        let mut reservation = budget.reserve(1 << 20);
+        let mut read = |body: &[u8], ollama_reads| {
+            read_view(body, ollama_reads, &mut reservation, || {
+                ProxyError::BodyTooLarge
+            })
+        };
+        assert!(matches!(
+            read(br#"{"model":"m"} x"#, true),
+            Err(ProxyError::BodyNotJson)
+        ));
+        // Elsewhere a body is only a hint: read as naming nothing.
+        assert_eq!(
+            read(br#"{"model":"m"} x"#, false).unwrap(),
+            BodyView::default()
+        );
+        assert_eq!(
+            read(b" {\"model\":\"m\"}\n", true).unwrap().model(),
+            Some("m")
+        );
+    }
 }

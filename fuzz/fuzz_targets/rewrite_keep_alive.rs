@@ -1,6 +1,6 @@
 //! The keep_alive splice (`oqp_dataplane::rewrite::insert_keep_alive`) on
-//! arbitrary bodies, with `model_of` and the `/v1/embeddings` translation on
-//! the same bytes. Properties: nothing panics; a rewritten body is JSON; its
+//! arbitrary bodies, read by `BodyView`, with the `/v1/embeddings` translation
+//! on the same bytes. Properties: nothing panics; a rewritten body is JSON; its
 //! keep_alive is the default wherever Ollama would read one; every other
 //! top-level member is unchanged.
 //!
@@ -11,7 +11,8 @@
 
 use libfuzzer_sys::fuzz_target;
 use oqp_dataplane::policy::KeepAlive;
-use oqp_dataplane::rewrite::{insert_keep_alive, model_of, openai_embed_request};
+use oqp_dataplane::rewrite::{insert_keep_alive, openai_embed_request};
+use oqp_dataplane::view::BodyView;
 use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
 
@@ -33,8 +34,10 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, body)) = data.split_first() else {
         return;
     };
-    let _ = model_of(body);
     let _ = openai_embed_request(body);
+    let Ok(view) = BodyView::read(body) else {
+        return;
+    };
     let default = DEFAULTS[usize::from(selector & 0x7f) % DEFAULTS.len()];
     let keep_alive = KeepAlive {
         default_json: Some(default.into()),
@@ -42,7 +45,7 @@ fuzz_target!(|data: &[u8]| {
         max: std::time::Duration::from_secs(1800),
         bounded: selector & 0x40 != 0,
     };
-    let Some(out) = insert_keep_alive(body, &keep_alive) else {
+    let Some(out) = insert_keep_alive(body, &view, &keep_alive) else {
         return;
     };
     // Ollama's Go decoder reads invalid UTF-8 in strings as U+FFFD, and so

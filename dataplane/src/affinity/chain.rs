@@ -10,11 +10,11 @@
 //! the options that force Ollama to reload a runner (`num_ctx`, `num_batch`, `num_gpu`, …),
 //! so chains of different tenants, models or runner settings never meet.
 
-use std::borrow::Cow;
+use std::ops::Range;
 
-use serde::Deserialize;
-use serde::de::IgnoredAny;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64_with_seed};
+
+use crate::view::{BodyView, scan};
 
 /// The bytes of a prompt block (prompt routes): about 64 tokens.
 pub const BLOCK: usize = 256;
@@ -95,86 +95,6 @@ pub struct Chain {
     tail: Vec<u8>,
 }
 
-/// What a route's body says, as far as the chain needs it.
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Body<'a> {
-    #[serde(borrow)]
-    messages: Vec<Message<'a>>,
-    system: Option<Content<'a>>,
-    #[serde(borrow)]
-    instructions: Option<Cow<'a, str>>,
-    input: Option<Input<'a>>,
-    prompt: Option<Content<'a>>,
-    options: Option<serde_json::Map<String, serde_json::Value>>,
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Message<'a> {
-    #[serde(borrow)]
-    role: Cow<'a, str>,
-    #[serde(rename = "type", borrow)]
-    kind: Option<Cow<'a, str>>,
-    content: Option<Content<'a>>,
-    output: Option<Content<'a>>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Content<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Parts(Vec<Part<'a>>),
-    Other(IgnoredAny),
-}
-
-#[derive(Deserialize, Default)]
-#[serde(default)]
-struct Part<'a> {
-    #[serde(borrow)]
-    text: Option<Cow<'a, str>>,
-    content: Option<Content<'a>>,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Input<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Items(Vec<Message<'a>>),
-    Other(IgnoredAny),
-}
-
-impl Content<'_> {
-    fn append(&self, out: &mut String) {
-        match self {
-            Content::Text(text) => out.push_str(text),
-            Content::Parts(parts) => {
-                for part in parts {
-                    if let Some(text) = &part.text {
-                        out.push_str(text);
-                    }
-                    if let Some(content) = &part.content {
-                        content.append(out);
-                    }
-                }
-            }
-            Content::Other(_) => {}
-        }
-    }
-
-    fn text(&self) -> String {
-        let mut out = String::new();
-        self.append(&mut out);
-        out
-    }
-}
-
-/// One canonical message: a role tag and its text.
-struct Turn {
-    role: u8,
-    text: String,
-}
-
 fn role_tag(role: &str) -> u8 {
     match role {
         "system" | "developer" => b's',
@@ -200,35 +120,36 @@ fn turn_tokens(text: &str) -> u32 {
 }
 
 impl Chain {
-    /// The chain of `body` on a route of `shape`, for the tenant `scope` (empty when
-    /// conversations are shared across keys) and `model` (normalised). `None` when the body
-    /// is not JSON of the route's shape or holds nothing to cache.
-    pub fn of(
+    /// The chain of `body` (read as `view`) on a route of `shape`, for the tenant `scope`
+    /// (empty when conversations are shared across keys) and `model` (normalised). `None`
+    /// when the body holds nothing of the route's shape to cache.
+    ///
+    /// The texts are hashed as they are read, each borrowed from the body (or decoded
+    /// alone when it has escapes): no copy of the conversation is built.
+    pub fn read(
         shape: Shape,
         body: &[u8],
+        view: &BodyView,
         scope: &str,
         model: &str,
         session: Option<&str>,
     ) -> Option<Chain> {
-        let parsed: Body<'_> = serde_json::from_slice(body).ok()?;
-        let options = options_hash(model, parsed.options.as_ref());
+        let fields = view.conversation();
+        let options = options_hash(model, body, fields.options);
         let seed = xxh3_64_with_seed(scope.as_bytes(), options);
         let session = session.map(|name| xxh3_64_with_seed(name.as_bytes(), seed ^ 0x5e55));
         if shape.is_prompt() {
-            let mut text = String::new();
-            if let Some(system) = &parsed.system {
-                system.append(&mut text);
+            let mut blocks = Blocks::new(seed, 0);
+            for span in [fields.system, fields.prompt].into_iter().flatten() {
+                content(body, span, &mut |text| blocks.push(text.as_bytes()));
             }
-            if let Some(prompt) = &parsed.prompt {
-                prompt.append(&mut text);
-            }
-            if text.is_empty() {
+            if blocks.total == 0 {
                 return None;
             }
-            let (points, tail) = blocks(seed, 0, text.as_bytes());
-            let tokens = u32::try_from(text.len())
+            let tokens = u32::try_from(blocks.total)
                 .unwrap_or(u32::MAX)
                 .div_ceil(BYTES_PER_TOKEN);
+            let (points, tail) = blocks.finish();
             // Shorter than a block: too little to be worth a host.
             let root = points.first()?.hash;
             return Some(Chain {
@@ -242,34 +163,41 @@ impl Chain {
                 tail,
             });
         }
-        let turns = turns(shape, &parsed);
-        if turns.is_empty() {
-            return None;
+        let mut turns = Turns::new(seed);
+        if let Some(system) = fields.system {
+            turns.add(b's', |sink| content(body, system, sink));
         }
-        let mut points = Vec::with_capacity(turns.len());
-        let mut hash = seed;
-        let mut tokens = 0u32;
-        let mut root = None;
-        let mut follow_up = false;
-        for turn in &turns {
-            hash = turn_hash(hash, turn.role, &turn.text);
-            tokens = tokens.saturating_add(turn_tokens(&turn.text));
-            follow_up |= turn.role == b'a';
-            points.push(Point { hash, tokens });
-            if root.is_none() && turn.role == b'u' {
-                root = Some(hash);
+        if let Some(instructions) = fields.instructions {
+            turns.add(b's', |sink| string(body, instructions, sink));
+        }
+        if shape == Shape::Responses {
+            if let Some(input) = fields.input {
+                responses_input(body, input, &mut turns);
             }
+        } else if let Some(messages) = fields.messages {
+            let _ = scan::each_element(body, messages, |message| {
+                let [role, text] = members(body, message.start, ["role", "content"]);
+                turns.add(role_of(body, role), |sink| {
+                    if let Some(text) = text {
+                        content(body, text, sink);
+                    }
+                });
+            });
         }
-        Some(Chain {
-            root: root.unwrap_or(hash),
-            points,
-            tokens,
-            follow_up,
-            session,
-            options,
-            shape,
-            tail: Vec::new(),
-        })
+        turns.finish(shape, session, options)
+    }
+
+    /// [`Chain::read`] of a body not yet read.
+    #[cfg(test)]
+    pub(crate) fn of(
+        shape: Shape,
+        body: &[u8],
+        scope: &str,
+        model: &str,
+        session: Option<&str>,
+    ) -> Option<Chain> {
+        let view = BodyView::read(body).ok()?;
+        Chain::read(shape, body, &view, scope, model, session)
     }
 
     /// The last point: the whole prompt.
@@ -300,13 +228,28 @@ impl Chain {
     }
 }
 
-/// The hash of the model and the reload options a request sets.
-fn options_hash(model: &str, options: Option<&serde_json::Map<String, serde_json::Value>>) -> u64 {
+/// The hash of the model and the reload options a request sets (`options`, whose keys
+/// Ollama matches exactly, the last one winning).
+fn options_hash(model: &str, body: &[u8], options: Option<Range<usize>>) -> u64 {
     let mut hasher = Xxh3::with_seed(0x0a11);
     hasher.update(model.as_bytes());
-    if let Some(options) = options {
-        for name in RELOAD_OPTIONS {
-            if let Some(value) = options.get(name) {
+    let object = options.filter(|span| body.get(span.start) == Some(&b'{'));
+    if let Some(object) = object {
+        let mut values: [Option<Range<usize>>; RELOAD_OPTIONS.len()] = Default::default();
+        let _ = scan::each_member(body, object.start, |member| {
+            let key = scan::key(body, &member);
+            if let Some(at) = RELOAD_OPTIONS
+                .iter()
+                .position(|name| key.as_deref() == Some(name))
+            {
+                values[at] = Some(member.value);
+            }
+        });
+        for (name, value) in RELOAD_OPTIONS.iter().zip(values) {
+            // A small value, decoded so that its spelling does not matter.
+            let value = value
+                .and_then(|span| serde_json::from_slice::<serde_json::Value>(body.get(span)?).ok());
+            if let Some(value) = value {
                 hasher.update(name.as_bytes());
                 hasher.update(b"=");
                 hasher.update(value.to_string().as_bytes());
@@ -332,59 +275,203 @@ fn blocks(seed: u64, tokens: u32, text: &[u8]) -> (Vec<Point>, Vec<u8>) {
     (points, chunks.remainder().to_vec())
 }
 
-/// The canonical messages of a chat-shaped body.
-fn turns(shape: Shape, body: &Body<'_>) -> Vec<Turn> {
-    let mut turns = Vec::with_capacity(body.messages.len() + 1);
-    if let Some(system) = &body.system {
-        turns.push(Turn {
-            role: b's',
-            text: system.text(),
-        });
-    }
-    if let Some(instructions) = &body.instructions {
-        turns.push(Turn {
-            role: b's',
-            text: instructions.clone().into_owned(),
-        });
-    }
-    if shape == Shape::Responses {
-        match &body.input {
-            Some(Input::Text(text)) => turns.push(Turn {
-                role: b'u',
-                text: text.clone().into_owned(),
-            }),
-            Some(Input::Items(items)) => {
-                for item in items {
-                    match item.kind.as_deref() {
-                        None | Some("message") => turns.push(Turn {
-                            role: role_tag(&item.role),
-                            text: item.content.as_ref().map(Content::text).unwrap_or_default(),
-                        }),
-                        Some("function_call_output") => turns.push(Turn {
-                            role: b't',
-                            text: item.output.as_ref().map(Content::text).unwrap_or_default(),
-                        }),
-                        // Tool calls and reasoning come back from the answer as items the
-                        // stream does not spell out as text: not part of the prefix.
-                        Some(_) => {}
-                    }
-                }
-            }
-            Some(Input::Other(_)) | None => {}
+/// The prompt's text, cut into blocks as it comes: each full block hashed at once, the
+/// bytes after the last one kept.
+struct Blocks {
+    hash: u64,
+    tokens: u32,
+    pending: Vec<u8>,
+    points: Vec<Point>,
+    /// Bytes pushed.
+    total: usize,
+}
+
+impl Blocks {
+    fn new(seed: u64, tokens: u32) -> Self {
+        Blocks {
+            hash: seed,
+            tokens,
+            pending: Vec::new(),
+            points: Vec::new(),
+            total: 0,
         }
-        return turns;
     }
-    for message in &body.messages {
-        turns.push(Turn {
-            role: role_tag(&message.role),
-            text: message
-                .content
-                .as_ref()
-                .map(Content::text)
-                .unwrap_or_default(),
+
+    fn push(&mut self, mut text: &[u8]) {
+        self.total = self.total.saturating_add(text.len());
+        if !self.pending.is_empty() {
+            let take = (BLOCK - self.pending.len()).min(text.len());
+            self.pending.extend_from_slice(&text[..take]);
+            text = &text[take..];
+            if self.pending.len() == BLOCK {
+                let block = std::mem::take(&mut self.pending);
+                self.block(&block);
+            }
+        }
+        let mut chunks = text.chunks_exact(BLOCK);
+        for block in chunks.by_ref() {
+            self.block(block);
+        }
+        self.pending.extend_from_slice(chunks.remainder());
+    }
+
+    fn block(&mut self, block: &[u8]) {
+        self.hash = xxh3_64_with_seed(block, self.hash);
+        self.tokens = self.tokens.saturating_add(BLOCK as u32 / BYTES_PER_TOKEN);
+        self.points.push(Point {
+            hash: self.hash,
+            tokens: self.tokens,
         });
     }
-    turns
+
+    fn finish(self) -> (Vec<Point>, Vec<u8>) {
+        (self.points, self.pending)
+    }
+}
+
+/// A chat-shaped conversation, hashed message by message as it is read.
+struct Turns {
+    hash: u64,
+    tokens: u32,
+    points: Vec<Point>,
+    root: Option<u64>,
+    follow_up: bool,
+}
+
+impl Turns {
+    fn new(seed: u64) -> Self {
+        Turns {
+            hash: seed,
+            tokens: 0,
+            points: Vec::new(),
+            root: None,
+            follow_up: false,
+        }
+    }
+
+    /// One message of `role`, whose text `write` hands over piece by piece.
+    fn add(&mut self, role: u8, write: impl FnOnce(&mut dyn FnMut(&str))) {
+        let mut hasher = Xxh3::with_seed(self.hash);
+        hasher.update(&[role]);
+        let mut length = 0usize;
+        write(&mut |text: &str| {
+            hasher.update(text.as_bytes());
+            length = length.saturating_add(text.len());
+        });
+        self.hash = hasher.digest();
+        let tokens = u32::try_from(length)
+            .unwrap_or(u32::MAX)
+            .div_ceil(BYTES_PER_TOKEN)
+            .saturating_add(MESSAGE_TOKENS);
+        self.tokens = self.tokens.saturating_add(tokens);
+        self.follow_up |= role == b'a';
+        self.points.push(Point {
+            hash: self.hash,
+            tokens: self.tokens,
+        });
+        if self.root.is_none() && role == b'u' {
+            self.root = Some(self.hash);
+        }
+    }
+
+    fn finish(self, shape: Shape, session: Option<u64>, options: u64) -> Option<Chain> {
+        if self.points.is_empty() {
+            return None;
+        }
+        Some(Chain {
+            root: self.root.unwrap_or(self.hash),
+            points: self.points,
+            tokens: self.tokens,
+            follow_up: self.follow_up,
+            session,
+            options,
+            shape,
+            tail: Vec::new(),
+        })
+    }
+}
+
+/// `/v1/responses`' `input`: one user message, or items (messages and tool results).
+fn responses_input(body: &[u8], input: Range<usize>, turns: &mut Turns) {
+    if body.get(input.start) == Some(&b'"') {
+        turns.add(b'u', |sink| string(body, input, sink));
+        return;
+    }
+    let _ = scan::each_element(body, input, |item| {
+        let [kind, role, text, output] =
+            members(body, item.start, ["type", "role", "content", "output"]);
+        let kind = kind.and_then(|span| scan::text(body, span));
+        match kind.as_deref() {
+            None | Some("message") => turns.add(role_of(body, role), |sink| {
+                if let Some(text) = text {
+                    content(body, text, sink);
+                }
+            }),
+            Some("function_call_output") => turns.add(b't', |sink| {
+                if let Some(output) = output {
+                    content(body, output, sink);
+                }
+            }),
+            // Tool calls and reasoning come back from the answer as items the stream does
+            // not spell out as text: not part of the prefix.
+            Some(_) => {}
+        }
+    });
+}
+
+/// The role tag of a message's `role` value.
+fn role_of(body: &[u8], role: Option<Range<usize>>) -> u8 {
+    let role = role.and_then(|span| scan::text(body, span));
+    role_tag(role.as_deref().unwrap_or_default())
+}
+
+/// The values Go reads as `names` in the object at `open` (none when it is not one).
+fn members<const N: usize>(
+    body: &[u8],
+    open: usize,
+    names: [&str; N],
+) -> [Option<Range<usize>>; N] {
+    let mut found: [Option<Range<usize>>; N] = std::array::from_fn(|_| None);
+    let _ = scan::each_member(body, open, |member| {
+        if let Some(at) = names
+            .iter()
+            .position(|name| scan::key_matches(body, &member, name))
+        {
+            found[at] = Some(member.value);
+        }
+    });
+    found
+}
+
+/// A string value's text, to `sink`.
+fn string(body: &[u8], span: Range<usize>, sink: &mut dyn FnMut(&str)) {
+    if let Some(text) = scan::text(body, span) {
+        sink(&text);
+    }
+}
+
+/// A message's text, to `sink`: a string, or the text of its parts (`text`, and the
+/// `content` of tool results, read the same way). The depth is bounded by the body's
+/// check (serde_json's nesting limit).
+fn content(body: &[u8], span: Range<usize>, sink: &mut dyn FnMut(&str)) {
+    match body.get(span.start) {
+        Some(b'"') => string(body, span, sink),
+        Some(b'[') => {
+            let _ = scan::each_element(body, span, |part| {
+                if body.get(part.start) != Some(&b'{') {
+                    return;
+                }
+                let [text, inner] = members(body, part.start, ["text", "content"]);
+                if let Some(text) = text {
+                    string(body, text, sink);
+                }
+                if let Some(inner) = inner {
+                    content(body, inner, sink);
+                }
+            });
+        }
+        _ => {}
+    }
 }
 
 #[cfg(test)]

@@ -5,6 +5,17 @@ use serde_json::{Map, Value};
 
 use super::*;
 
+/// The rewrite as the request path makes it: the body read once, then spliced.
+fn insert_keep_alive(body: &[u8], keep_alive: &KeepAlive) -> Option<Bytes> {
+    let view = BodyView::read(body).ok()?;
+    super::insert_keep_alive(body, &view, keep_alive)
+}
+
+/// The model the view reads.
+fn model_of(body: &[u8]) -> Option<String> {
+    BodyView::read(body).ok()?.model().map(str::to_owned)
+}
+
 fn policy(default: Option<&str>, override_client: bool) -> KeepAlive {
     KeepAlive {
         default_json: default.map(Arc::from),

@@ -12,6 +12,7 @@ mod affinity;
 mod agents;
 mod apps;
 mod bench_smoke;
+mod bodies;
 mod connections;
 mod embeddings;
 mod foundation;

@@ -62,17 +62,26 @@ pub fn top_object(bytes: &[u8]) -> Option<Object> {
 
 /// The layout of the object starting at `open` (which must be a `{`).
 pub fn object_at(bytes: &[u8], open: usize) -> Option<Object> {
+    let mut members = Vec::new();
+    let close = each_member(bytes, open, |member| members.push(member))?;
+    Some(Object {
+        open,
+        close,
+        members,
+    })
+}
+
+/// Calls `visit` with each member of the object starting at `open` (which
+/// must be a `{`), in document order, without collecting them; the index of
+/// the closing `}`, or `None` (possibly after some members were visited)
+/// when the object is not well formed.
+pub fn each_member(bytes: &[u8], open: usize, mut visit: impl FnMut(Member)) -> Option<usize> {
     if bytes.get(open) != Some(&b'{') {
         return None;
     }
-    let mut members = Vec::new();
     let mut at = skip_ws(bytes, open + 1);
     if bytes.get(at) == Some(&b'}') {
-        return Some(Object {
-            open,
-            close: at,
-            members,
-        });
+        return Some(at);
     }
     loop {
         let key_end = string_end(bytes, at)?;
@@ -82,20 +91,14 @@ pub fn object_at(bytes: &[u8], open: usize) -> Option<Object> {
         }
         let value_start = skip_ws(bytes, colon + 1);
         let value_end = value_end(bytes, value_start)?;
-        members.push(Member {
+        visit(Member {
             key: at..key_end,
             value: value_start..value_end,
         });
         at = skip_ws(bytes, value_end);
         match bytes.get(at) {
             Some(b',') => at = skip_ws(bytes, at + 1),
-            Some(b'}') => {
-                return Some(Object {
-                    open,
-                    close: at,
-                    members,
-                });
-            }
+            Some(b'}') => return Some(at),
             _ => return None,
         }
     }
@@ -103,31 +106,47 @@ pub fn object_at(bytes: &[u8], open: usize) -> Option<Object> {
 
 /// The element spans of the array occupying exactly `span`.
 pub fn array_elements(bytes: &[u8], span: Range<usize>) -> Option<Vec<Range<usize>>> {
+    let mut elements = Vec::new();
+    each_element(bytes, span, |element| elements.push(element))?;
+    Some(elements)
+}
+
+/// Calls `visit` with each element span of the array occupying exactly
+/// `span`, without collecting them; `None` (possibly after some elements
+/// were visited) when it is not a well-formed array.
+pub fn each_element(
+    bytes: &[u8],
+    span: Range<usize>,
+    mut visit: impl FnMut(Range<usize>),
+) -> Option<()> {
     let bytes = bytes.get(..span.end)?;
     if bytes.get(span.start) != Some(&b'[') {
         return None;
     }
-    let mut elements = Vec::new();
     let mut at = skip_ws(bytes, span.start + 1);
     if bytes.get(at) == Some(&b']') {
-        return (at + 1 == span.end).then_some(elements);
+        return (at + 1 == span.end).then_some(());
     }
     loop {
         let end = value_end(bytes, at)?;
-        elements.push(at..end);
+        visit(at..end);
         at = skip_ws(bytes, end);
         match bytes.get(at) {
             Some(b',') => at = skip_ws(bytes, at + 1),
-            Some(b']') => return (at + 1 == span.end).then_some(elements),
+            Some(b']') => return (at + 1 == span.end).then_some(()),
             _ => return None,
         }
     }
 }
 
-/// The decoded text of the key of `member`; `None` if it is not valid.
-pub fn key<'a>(bytes: &'a [u8], member: &Member) -> Option<Cow<'a, str>> {
-    let raw = bytes.get(member.key.clone())?;
-    let inner = raw.get(1..raw.len().checked_sub(1)?)?;
+/// The decoded text of the string value at `span` (quotes included),
+/// borrowed when it has no escapes; `None` if it is not a valid string.
+pub fn text(bytes: &[u8], span: Range<usize>) -> Option<Cow<'_, str>> {
+    let raw = bytes.get(span)?;
+    if raw.len() < 2 || raw[0] != b'"' || raw[raw.len() - 1] != b'"' {
+        return None;
+    }
+    let inner = &raw[1..raw.len() - 1];
     if inner.contains(&b'\\') {
         serde_json::from_slice::<String>(raw).ok().map(Cow::Owned)
     } else {
@@ -135,10 +154,15 @@ pub fn key<'a>(bytes: &'a [u8], member: &Member) -> Option<Cow<'a, str>> {
     }
 }
 
+/// The decoded text of the key of `member`; `None` if it is not valid.
+pub fn key<'a>(bytes: &'a [u8], member: &Member) -> Option<Cow<'a, str>> {
+    text(bytes, member.key.clone())
+}
+
 /// Whether `member`'s key names `field` the way Go's `encoding/json`
 /// matches struct fields: exactly, or equal under simple case folding.
 /// `field` must be lower-case ASCII.
-fn key_matches(bytes: &[u8], member: &Member, field: &str) -> bool {
+pub fn key_matches(bytes: &[u8], member: &Member, field: &str) -> bool {
     key(bytes, member).is_some_and(|key| fold_eq(&key, field))
 }
 
