@@ -506,6 +506,7 @@ mod tests {
             last_checked: Some(SystemTime::now()),
             forced: Vec::new(),
             shown: Vec::new(),
+            learned: Default::default(),
         }
     }
 

@@ -14,6 +14,7 @@ mod apps;
 mod bench_smoke;
 mod connections;
 mod embeddings;
+mod engines;
 mod foundation;
 pub mod hosts;
 mod keys;
