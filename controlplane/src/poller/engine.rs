@@ -103,22 +103,9 @@ pub async fn probe(client: &Outbound, target: &Target) -> EnginePoll {
     if let Some(props) = props.as_ref().and_then(|reply| parse_props(&reply.body)) {
         learned.detected = Some(Detected::LlamaServer);
         learned.slot_context = props.slot_context;
-        match (props.total_slots, slot_list) {
-            (Some(total), _) if total == 0 || total > MAX_SLOTS => {
-                learned.problem = Some(format!(
-                    "/props reports {total} slots (outside 1..={MAX_SLOTS}); the configured slots are used"
-                ));
-            }
-            (Some(total), Some(listed)) if total != listed => {
-                learned.problem = Some(format!(
-                    "/props reports {total} slots but /slots lists {listed}; the configured slots are used"
-                ));
-            }
-            (Some(total), _) => learned.slots = u32::try_from(total).ok(),
-            (None, _) => {
-                learned.problem =
-                    Some("/props has no total_slots; the configured slots are used".to_owned());
-            }
+        match believed_slots(props.total_slots, slot_list) {
+            Ok(slots) => learned.slots = Some(slots),
+            Err(problem) => learned.problem = Some(problem),
         }
     }
     let health = match health {
@@ -223,6 +210,21 @@ pub fn parse_openai_models(body: &[u8]) -> Result<Vec<Listed>, String> {
         return Err("lists no models".to_owned());
     }
     Ok(models)
+}
+
+/// The slot count to use from `/props`'s `total_slots` and the length of
+/// `/slots` (when enabled), or why neither is believed.
+fn believed_slots(total: Option<u64>, listed: Option<u64>) -> Result<u32, String> {
+    match (total, listed) {
+        (Some(total), _) if total == 0 || total > MAX_SLOTS => Err(format!(
+            "/props reports {total} slots (outside 1..={MAX_SLOTS}); the configured slots are used"
+        )),
+        (Some(total), Some(listed)) if total != listed => Err(format!(
+            "/props reports {total} slots but /slots lists {listed}; the configured slots are used"
+        )),
+        (Some(total), _) => u32::try_from(total).map_err(|_| format!("{total} slots")),
+        (None, _) => Err("/props has no total_slots; the configured slots are used".to_owned()),
+    }
 }
 
 /// What `/props` says about slots.
@@ -333,6 +335,18 @@ mod tests {
         assert_eq!(props.slot_context, Some(4096));
         assert!(parse_props(br#"{"detail":"Not Found"}"#).is_none());
         assert!(parse_props(b"[]").is_none());
+    }
+
+    #[test]
+    fn a_slot_count_is_believed_only_in_range_and_when_slots_agrees() {
+        assert_eq!(believed_slots(Some(2), Some(2)), Ok(2));
+        assert_eq!(believed_slots(Some(4), None), Ok(4));
+        let contradicted = believed_slots(Some(8), Some(2)).unwrap_err();
+        assert!(contradicted.contains("/slots lists 2"), "{contradicted}");
+        let zero = believed_slots(Some(0), None).unwrap_err();
+        assert!(zero.contains("0 slots"), "{zero}");
+        assert!(believed_slots(Some(MAX_SLOTS + 1), None).is_err());
+        assert!(believed_slots(None, Some(2)).is_err());
     }
 
     #[test]
