@@ -165,6 +165,13 @@ async fn models(
         .send(request, target.timeout, BODY_LIMIT)
         .await
         .map_err(|e| format!("{path}: {e}"))?;
+    if reply.status == http::StatusCode::NOT_FOUND && path == "/api/tags" {
+        return Err(format!(
+            "{path}: answered {}: not an Ollama server? An OpenAI-compatible engine \
+             (llama-server, llama-swap, vLLM…) needs kind: openai (or auto)",
+            reply.status
+        ));
+    }
     if !reply.status.is_success() {
         return Err(format!("{path}: answered {}", reply.status));
     }

@@ -145,6 +145,8 @@ async fn llama_servers_are_healthy_with_their_models_and_slots_and_get_their_mod
     let stack = Stack::start(&config(&[
         ("chat", &chat_engine.url(), "openai"),
         ("embed", &embed_engine.url(), "auto"),
+        // The chat engine again, configured as Ollama: it has no /api/tags.
+        ("wrong", &chat_engine.url(), "ollama"),
     ]))
     .await;
 
@@ -188,6 +190,11 @@ async fn llama_servers_are_healthy_with_their_models_and_slots_and_get_their_mod
         metrics.contains(r#"oqp_host_info{engine="llama-server",kind="openai",name="embed"} 1"#),
         "{metrics}"
     );
+
+    // A kind that does not match the server is a host that is down, not a
+    // host routed to blind.
+    let wrong = wait_host(&stack, "wrong", |host| host["healthy"] == false).await;
+    assert_eq!(wrong["models"], json!([]), "{wrong}");
 
     // Model-aware routing by the discovered models: each request goes to the
     // engine that lists its model, every time.
