@@ -44,6 +44,8 @@ pub struct Inventory {
     pub shown: Vec<crate::poller::Shown>,
     /// What answered at the last successful poll and what it said of itself (kind, slots).
     pub learned: crate::poller::Learned,
+    /// Why the last poll failed (the host is then down); `None` after a successful one.
+    pub error: Option<String>,
 }
 
 /// The wire kind of a host: as configured, or for `auto` as detected (Ollama
@@ -170,6 +172,7 @@ pub fn snapshot(
                 engine_problem: seen
                     .and_then(|s| s.learned.problem.clone())
                     .unwrap_or_default(),
+                poll_error: seen.and_then(|s| s.error.clone()).unwrap_or_default(),
             }
         })
         .collect();

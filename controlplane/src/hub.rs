@@ -507,6 +507,7 @@ mod tests {
             forced: Vec::new(),
             shown: Vec::new(),
             learned: Default::default(),
+            error: None,
         }
     }
 

@@ -489,6 +489,8 @@ pub struct Engine {
     pub slot_context: Option<u32>,
     /// What was wrong with what the engine said about itself.
     pub problem: Option<String>,
+    /// Why the control plane's last poll failed.
+    pub poll_error: Option<String>,
 }
 
 /// One upstream host.

@@ -145,6 +145,9 @@ struct HostStatus {
     /// What was wrong with what the engine said about itself.
     #[serde(skip_serializing_if = "Option::is_none")]
     engine_problem: Option<String>,
+    /// Why the control plane's last poll of it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    poll_error: Option<String>,
     healthy: bool,
     models: Vec<String>,
     loaded_models: Vec<String>,
@@ -484,6 +487,7 @@ fn host_status(
         engine_slots: host.engine.learned_slots,
         slot_context: host.engine.slot_context,
         engine_problem: host.engine.problem.clone(),
+        poll_error: host.engine.poll_error.clone(),
         healthy: is_healthy(host, stats),
         models: sorted(&host.installed_names),
         loaded_models: sorted(&host.loaded_names),

@@ -86,6 +86,7 @@ impl Observation {
             resident,
             last_checked: Some(now),
             learned,
+            error: self.tags.as_ref().err().cloned(),
         }
     }
 }
@@ -280,6 +281,7 @@ mod tests {
             forced: Vec::new(),
             shown: Vec::new(),
             learned: Learned::default(),
+            error: None,
         }
     }
 
@@ -294,6 +296,7 @@ mod tests {
         };
         let inventory = observation.to_inventory(Some(&previous()), now);
         assert!(!inventory.healthy);
+        assert_eq!(inventory.error.as_deref(), Some("connection refused"));
         assert_eq!(inventory.installed, ["a", "b"]);
         assert_eq!(inventory.loaded, ["a"]);
         assert_eq!(inventory.sizes, listed(&[("a", 10), ("b", 20)]));

@@ -619,6 +619,7 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
             learned_slots: (host.learned_slots > 0).then_some(host.learned_slots),
             slot_context: (host.slot_context > 0).then_some(host.slot_context),
             problem: (!host.engine_problem.is_empty()).then_some(host.engine_problem),
+            poll_error: (!host.poll_error.is_empty()).then_some(host.poll_error),
         },
     })
 }

@@ -110,6 +110,7 @@ async fn an_openai_host_that_lists_no_model_is_down() {
     let stack = Stack::start(&config(&[("empty", &fake.url(), "openai")])).await;
     let host = wait_host(&stack, "empty", |host| host["healthy"] == false).await;
     assert_eq!(host["models"], json!([]), "{host}");
+    assert_eq!(host["poll_error"], "/v1/models: lists no models", "{host}");
     stack.shutdown().await;
 }
 
@@ -195,6 +196,9 @@ async fn llama_servers_are_healthy_with_their_models_and_slots_and_get_their_mod
     // host routed to blind.
     let wrong = wait_host(&stack, "wrong", |host| host["healthy"] == false).await;
     assert_eq!(wrong["models"], json!([]), "{wrong}");
+    let error = wrong["poll_error"].as_str().unwrap_or_default();
+    assert!(error.contains("kind: openai"), "{wrong}");
+    assert!(chat_host.get("poll_error").is_none(), "{chat_host}");
 
     // Model-aware routing by the discovered models: each request goes to the
     // engine that lists its model, every time.
