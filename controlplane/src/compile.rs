@@ -42,6 +42,24 @@ pub struct Inventory {
     pub forced: Vec<(String, String)>,
     /// What `/api/show` said of each installed model, at the digest it was asked for.
     pub shown: Vec<crate::poller::Shown>,
+    /// What answered at the last successful poll and what it said of itself (kind, slots).
+    pub learned: crate::poller::Learned,
+    /// Why the last poll failed (the host is then down); `None` after a successful one.
+    pub error: Option<String>,
+}
+
+/// The wire kind of a host: as configured, or for `auto` as detected (Ollama
+/// until something else answered).
+fn wire_kind(kind: HostKind, seen: Option<&Inventory>) -> wire::HostKind {
+    match kind {
+        HostKind::Ollama => wire::HostKind::Ollama,
+        HostKind::Cloud => wire::HostKind::Cloud,
+        HostKind::Openai => wire::HostKind::Openai,
+        HostKind::Auto => match seen.and_then(|s| s.learned.detected) {
+            Some(detected) if detected.is_openai() => wire::HostKind::Openai,
+            _ => wire::HostKind::Ollama,
+        },
+    }
 }
 
 /// Builds the snapshot for `version`.
@@ -98,10 +116,7 @@ pub fn snapshot(
                 url: host.url.clone(),
                 weight: host.weight,
                 max_concurrent: host.max_concurrent,
-                kind: match host.kind {
-                    HostKind::Ollama => wire::HostKind::Ollama,
-                    HostKind::Cloud => wire::HostKind::Cloud,
-                } as i32,
+                kind: wire_kind(host.kind, seen) as i32,
                 // Before the first poll a host is presumed healthy: health is
                 // a cached observation, and a missing one must not black-hole
                 // the proxy.
@@ -124,7 +139,10 @@ pub fn snapshot(
                 vram_bytes: host.vram.unwrap_or(0),
                 resident: seen.map(|s| model_sizes(&s.resident)).unwrap_or_default(),
                 sizes: seen.map(|s| model_sizes(&s.sizes)).unwrap_or_default(),
-                num_parallel: host.num_parallel,
+                // An engine's own slot count wins over the configured one.
+                num_parallel: seen
+                    .and_then(|s| s.learned.slots)
+                    .unwrap_or(host.num_parallel),
                 runner_slots: host
                     .runner_overrides
                     .iter()
@@ -144,6 +162,17 @@ pub fn snapshot(
                             .collect()
                     })
                     .unwrap_or_default(),
+                configured_kind: host.kind.as_str().to_owned(),
+                engine: seen
+                    .and_then(|s| s.learned.detected)
+                    .map(|d| d.as_str().to_owned())
+                    .unwrap_or_default(),
+                learned_slots: seen.and_then(|s| s.learned.slots).unwrap_or(0),
+                slot_context: seen.and_then(|s| s.learned.slot_context).unwrap_or(0),
+                engine_problem: seen
+                    .and_then(|s| s.learned.problem.clone())
+                    .unwrap_or_default(),
+                poll_error: seen.and_then(|s| s.error.clone()).unwrap_or_default(),
             }
         })
         .collect();

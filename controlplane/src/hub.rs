@@ -527,6 +527,8 @@ mod tests {
             last_checked: Some(SystemTime::now()),
             forced: Vec::new(),
             shown: Vec::new(),
+            learned: Default::default(),
+            error: None,
         }
     }
 

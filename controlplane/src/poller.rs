@@ -1,5 +1,9 @@
 //! Host polling: what each upstream has installed (`/api/tags`) and loaded
-//! (`/api/ps`), and whether it answers at all.
+//! (`/api/ps`), and whether it answers at all. An OpenAI-style engine
+//! (`kind: openai`: llama-server, llama-swap, vLLM…) is polled by its own
+//! routes instead (`engine`: `/health`, `/v1/models`, llama-server's `/props`
+//! for its slots); `kind: auto` asks `/api/version` on each poll and polls the
+//! host as whichever kind answered, logging what it found and any change.
 //!
 //! Every host of `ollama.hosts` is polled every `model_sync_interval`,
 //! healthy or not, so that a model pulled on a live host and a host that came
@@ -16,6 +20,7 @@
 //! failing to reach a host wakes that host's task early
 //! ([`Hub::request_repoll`]), at most once a [`REPOLL_MIN_GAP`].
 
+mod engine;
 mod probe;
 pub mod runners;
 
@@ -28,11 +33,13 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::compile::Inventory;
 use crate::config::{Config, HostKind, Secret, WebhookEvent};
 use crate::hub::Hub;
 use crate::outbound::Outbound;
 use crate::webhooks::Notice;
 
+pub use engine::{Detected, Learned, parse_openai_models};
 pub use probe::{Observation, parse_models};
 pub use runners::Shown;
 
@@ -76,7 +83,7 @@ impl Target {
                 kind: host.kind,
                 bearer: match host.kind {
                     HostKind::Cloud => host.api_keys.first().map(|key| key.key.clone()),
-                    HostKind::Ollama => None,
+                    HostKind::Ollama | HostKind::Openai | HostKind::Auto => None,
                 },
                 interval: host.model_sync_interval,
                 timeout: config.routing.model_poll_timeout,
@@ -228,7 +235,9 @@ async fn poll_host(
 /// transition, if any, in the log and as a webhook.
 fn record(hub: &Hub, target: &Target, known: &mut Option<bool>, observation: &Observation) {
     let name = target.name.as_str();
-    let inventory = observation.to_inventory(hub.inventory_of(name).as_ref(), SystemTime::now());
+    let previous = hub.inventory_of(name);
+    log_engine_changes(target, previous.as_ref(), observation);
+    let inventory = observation.to_inventory(previous.as_ref(), SystemTime::now());
     let healthy = inventory.healthy;
     if let Some(version) = hub.set_inventory(name, inventory) {
         tracing::debug!(host = name, version, "host inventory changed");
@@ -250,6 +259,39 @@ fn record(hub: &Hub, target: &Target, known: &mut Option<bool>, observation: &Ob
         _ => {}
     }
     *known = Some(healthy);
+}
+
+/// Logs what a poll learned of a host's engine that differs from the last
+/// poll: the kind an `auto` host was found to be (INFO), a host that answers
+/// as another kind than before (WARN: it was restarted as something else),
+/// and a new problem with what the engine says of itself (WARN).
+fn log_engine_changes(target: &Target, previous: Option<&Inventory>, observation: &Observation) {
+    if observation.tags.is_err() {
+        return;
+    }
+    let name = target.name.as_str();
+    let before = previous.map(|p| &p.learned);
+    let now = &observation.learned;
+    match (before.and_then(|b| b.detected), now.detected) {
+        (Some(old), Some(new)) if old != new => {
+            tracing::warn!(
+                host = name,
+                was = old.as_str(),
+                now = new.as_str(),
+                configured = %target.kind,
+                "host answers as another kind of server than before"
+            );
+        }
+        (None, Some(new)) if target.kind == HostKind::Auto => {
+            tracing::info!(host = name, kind = new.as_str(), "detected the host's kind");
+        }
+        _ => {}
+    }
+    if let Some(problem) = &now.problem
+        && before.and_then(|b| b.problem.as_ref()) != Some(problem)
+    {
+        tracing::warn!(host = name, %problem, "the engine's report about itself is not used");
+    }
 }
 
 #[cfg(test)]

@@ -108,7 +108,9 @@ pub async fn send(
         tried.push(host.name.clone());
         let result = match host.kind {
             HostKind::Cloud => send_cloud(parts, policy, &host, model, this_attempt).await,
-            HostKind::Ollama => send_local(parts, policy, &host, this_attempt).await,
+            HostKind::Ollama | HostKind::Openai => {
+                send_local(parts, policy, &host, this_attempt).await
+            }
         };
         let down = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),

@@ -143,6 +143,8 @@ pub struct Metrics {
     runner_in_flight: IntGaugeVec,
     ollama_queued_estimate: IntGauge,
     host_models_installed: IntGaugeVec,
+    host_info: IntGaugeVec,
+    host_engine_slots: IntGaugeVec,
     host_models_loaded: IntGaugeVec,
     upstream_ttfb: HistogramVec,
     failovers: IntCounter,
@@ -352,6 +354,16 @@ impl Metrics {
                 "oqp_host_models_installed",
                 "Models installed on the host (/api/tags)",
                 &["host"],
+            ),
+            host_info: int_gauges(
+                "oqp_host_info",
+                "Always 1: how the host is sent to (kind: ollama, cloud, openai) and what answered its last poll (engine: ollama, llama-server, openai, or empty)",
+                &["name", "kind", "engine"],
+            ),
+            host_engine_slots: int_gauges(
+                "oqp_host_engine_slots",
+                "Slots the host's engine reported (llama-server's /props total_slots); absent when not learned",
+                &["name"],
             ),
             host_models_loaded: int_gauges(
                 "oqp_host_models_loaded",
@@ -820,6 +832,8 @@ impl Metrics {
             &self.host_slots_in_use,
             &self.host_models_installed,
             &self.host_models_loaded,
+            &self.host_info,
+            &self.host_engine_slots,
             &self.runner_slots,
             &self.runner_in_flight,
         ] {
@@ -858,6 +872,15 @@ impl Metrics {
                 count(host.installed.len()),
             );
             set(&self.host_models_loaded, name, count(host.loaded.len()));
+            let engine = host.engine.detected.as_deref().unwrap_or_default();
+            if let Ok(gauge) =
+                (self.host_info).get_metric_with_label_values(&[name, host.kind.as_str(), engine])
+            {
+                gauge.set(1);
+            }
+            if let Some(slots) = host.engine.learned_slots {
+                set(&self.host_engine_slots, name, i64::from(slots));
+            }
             // Every host has its request and failure series, zero at first.
             let _ = self.host_counts(name);
         }

@@ -219,6 +219,7 @@ mod tests {
             fallback_models: Vec::new(),
             owner: None,
             vram: Default::default(),
+            engine: Default::default(),
         }
     }
 

@@ -465,13 +465,45 @@ impl QueueSettings {
     }
 }
 
-/// Local Ollama or Ollama Cloud.
+/// Local Ollama, Ollama Cloud, or an OpenAI-compatible engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostKind {
     /// A local or LAN Ollama server.
     Ollama,
     /// Ollama Cloud, reached with a pool of keys.
     Cloud,
+    /// An OpenAI-compatible engine (llama-server, llama-swap, vLLM…): sent to
+    /// as a local host; its models come from `/v1/models`, its slots from the
+    /// engine where it says (`Runners::num_parallel`).
+    Openai,
+}
+
+impl HostKind {
+    /// How status and metrics name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ollama => "ollama",
+            Self::Cloud => "cloud",
+            Self::Openai => "openai",
+        }
+    }
+}
+
+/// What the control plane learned of the engine behind a host, for status.
+#[derive(Debug, Default)]
+pub struct Engine {
+    /// The kind as configured (`auto` included); empty from an older control plane.
+    pub configured_kind: String,
+    /// What answered its last successful poll ("ollama", "llama-server", "openai").
+    pub detected: Option<String>,
+    /// Slots the engine reported (llama-server's `/props`).
+    pub learned_slots: Option<u32>,
+    /// Each slot's context in tokens.
+    pub slot_context: Option<u32>,
+    /// What was wrong with what the engine said about itself.
+    pub problem: Option<String>,
+    /// Why the control plane's last poll failed.
+    pub poll_error: Option<String>,
 }
 
 /// One upstream host.
@@ -513,6 +545,8 @@ pub struct Host {
     pub vram: Vram,
     /// Its model runners' slots.
     pub runners: Runners,
+    /// What the control plane learned of its engine.
+    pub engine: Engine,
 }
 
 /// How many requests each model runner of a host runs at once: Ollama runs every loaded model

@@ -403,7 +403,10 @@ async fn send_granted(
                     prompt_tokens: outcome.tokens.prompt,
                     completion_tokens: outcome.tokens.completion,
                     requests: 1,
-                    cached_tokens: verdict.map(|verdict| u64::from(verdict.cached_tokens)),
+                    // The engine's own figure, where it states one, wins over the estimate.
+                    cached_tokens: outcome
+                        .cached_tokens
+                        .or(verdict.map(|verdict| u64::from(verdict.cached_tokens))),
                     ..Totals::default()
                 },
                 std::time::SystemTime::now(),

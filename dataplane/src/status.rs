@@ -128,6 +128,26 @@ struct Concurrency {
 struct HostStatus {
     name: String,
     url: String,
+    /// How it is sent to: "ollama", "cloud" or "openai" (an `auto` host as detected).
+    kind: &'static str,
+    /// The kind as configured, when it differs (`auto`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    configured_kind: Option<String>,
+    /// What answered its last successful poll ("ollama", "llama-server", "openai").
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine: Option<String>,
+    /// Slots the engine reported (llama-server's `/props`): its runner's slots.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_slots: Option<u32>,
+    /// Each slot's context in tokens, as the engine reported it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    slot_context: Option<u32>,
+    /// What was wrong with what the engine said about itself.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_problem: Option<String>,
+    /// Why the control plane's last poll of it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    poll_error: Option<String>,
     healthy: bool,
     models: Vec<String>,
     loaded_models: Vec<String>,
@@ -460,6 +480,14 @@ fn host_status(
     HostStatus {
         name: host.name.to_string(),
         url: without_userinfo(&host.url),
+        kind: host.kind.as_str(),
+        configured_kind: Some(host.engine.configured_kind.clone())
+            .filter(|configured| !configured.is_empty() && configured != host.kind.as_str()),
+        engine: host.engine.detected.clone(),
+        engine_slots: host.engine.learned_slots,
+        slot_context: host.engine.slot_context,
+        engine_problem: host.engine.problem.clone(),
+        poll_error: host.engine.poll_error.clone(),
         healthy: is_healthy(host, stats),
         models: sorted(&host.installed_names),
         loaded_models: sorted(&host.loaded_names),

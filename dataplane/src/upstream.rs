@@ -199,6 +199,9 @@ pub struct Outcome {
     pub prompt_eval_duration: Option<Duration>,
     /// The token counts of the final object, when it had them.
     pub tokens: Tokens,
+    /// The prompt's tokens the engine says came from its cache, when it says (see
+    /// [`engine_cached`]); counted in `tokens.prompt` too.
+    pub cached_tokens: Option<u64>,
     /// Time from the response headers to the end of the body.
     pub elapsed: Duration,
 }
@@ -233,11 +236,42 @@ impl Tokens {
                 .into_iter()
                 .find_map(|field| last_number(tail, field))
         };
+        let prompt = [PROMPT_FIELDS[0], PROMPT_FIELDS[1]]
+            .into_iter()
+            .find_map(|field| last_number(tail, field))
+            // The agents' layers: a Messages answer counts apart the prompt tokens read
+            // from or written to its cache; they are prompt tokens all the same.
+            .or_else(|| last_number(tail, PROMPT_FIELDS[2]).map(|input| input + cache_extra(tail)));
         Self {
-            prompt: any(PROMPT_FIELDS).or(head_prompt).unwrap_or(0),
+            prompt: prompt.or(head_prompt).unwrap_or(0),
             completion: any(COMPLETION_FIELDS).unwrap_or(0),
         }
     }
+}
+
+/// Anthropic's `cache_read_input_tokens`.
+const CACHE_READ: &[u8] = b"\"cache_read_input_tokens\":";
+
+/// Anthropic's `cache_creation_input_tokens`.
+const CACHE_CREATION: &[u8] = b"\"cache_creation_input_tokens\":";
+
+/// The prompt tokens a Messages `usage` counts apart from its `input_tokens`.
+fn cache_extra(bytes: &[u8]) -> u64 {
+    let read = last_number(bytes, CACHE_READ).unwrap_or(0);
+    let created = last_number(bytes, CACHE_CREATION).unwrap_or(0);
+    read.saturating_add(created)
+}
+
+/// The prompt's tokens the engine took from its cache, as its answer states them: OpenAI's
+/// `prompt_tokens_details.cached_tokens` and the Responses layer's
+/// `input_tokens_details.cached_tokens`, Anthropic's `cache_read_input_tokens` (in the tail,
+/// else `head_cached`, what a Messages stream's head stated), else llama.cpp's
+/// `timings.cache_n`.
+pub fn engine_cached(tail: &[u8], head_cached: Option<u64>) -> Option<u64> {
+    last_number(tail, b"\"cached_tokens\":")
+        .or_else(|| last_number(tail, CACHE_READ))
+        .or(head_cached)
+        .or_else(|| last_number(tail, b"\"cache_n\":"))
 }
 
 /// The fields that count a completion's tokens: Ollama's, OpenAI's, the agents' layers'.
@@ -257,7 +291,7 @@ const PROMPT_FIELDS: [&[u8]; 3] = [
 /// The prompt's tokens as the head of a body states them (a Messages stream's
 /// `message_start`), if it does.
 fn head_prompt(head: &[u8]) -> Option<u64> {
-    last_number(head, PROMPT_FIELDS[2])
+    last_number(head, PROMPT_FIELDS[2]).map(|input| input + cache_extra(head))
 }
 
 /// Called once when a response body ends, fails or is dropped.
@@ -284,6 +318,8 @@ pub struct ResponseBody {
     seen: usize,
     /// The prompt's tokens as the body's head states them (see [`Tokens::of`]).
     head_prompt: Option<u64>,
+    /// The prompt's tokens read from the engine's cache, as the body's head states them.
+    head_cached: Option<u64>,
     started: Instant,
     completion: Option<Completion>,
     guard: Option<Box<dyn Send + Sync>>,
@@ -330,6 +366,7 @@ impl ResponseBody {
             chunks: 0,
             seen: 0,
             head_prompt: None,
+            head_cached: None,
             started: Instant::now(),
             completion,
             guard,
@@ -376,6 +413,9 @@ impl ResponseBody {
         if self.framing == Framing::Sse && self.head_prompt.is_none() && self.seen < TAIL_BYTES {
             self.seen = self.seen.saturating_add(data.len());
             self.head_prompt = head_prompt(&self.tail);
+            if self.head_prompt.is_some() {
+                self.head_cached = last_number(&self.tail, CACHE_READ);
+            }
         }
     }
 
@@ -411,6 +451,9 @@ impl ResponseBody {
                         completion: self.chunks,
                     }
                 },
+                cached_tokens: complete
+                    .then(|| engine_cached(&self.tail, self.head_cached))
+                    .flatten(),
                 elapsed: self.started.elapsed(),
             });
         }
@@ -647,6 +690,41 @@ mod tests {
                 prompt: 3,
                 completion: 4
             }
+        );
+        assert_eq!(engine_cached(completed, None), Some(0));
+    }
+
+    #[test]
+    fn cached_prompt_tokens_count_as_prompt_tokens_and_are_measured() {
+        // llama-server's Messages answer: input_tokens excludes what its cache held.
+        let message = br#"{"type":"message","usage":{"cache_read_input_tokens":47,"input_tokens":1,"output_tokens":8}}"#;
+        assert_eq!(
+            Tokens::of(message, None),
+            Tokens {
+                prompt: 48,
+                completion: 8
+            }
+        );
+        assert_eq!(engine_cached(message, None), Some(47));
+        let created = br#"{"usage":{"input_tokens":2,"cache_creation_input_tokens":30,"cache_read_input_tokens":10,"output_tokens":1}}"#;
+        assert_eq!(Tokens::of(created, None).prompt, 42);
+        // A Messages stream states them in message_start only.
+        let start = b"event: message_start\ndata: {\"message\":{\"usage\":{\"cache_read_input_tokens\":20,\"input_tokens\":5,\"output_tokens\":0}}}\n\n";
+        let end = b"event: message_delta\ndata: {\"usage\":{\"output_tokens\":3}}\n\n";
+        assert_eq!(head_prompt(start), Some(25));
+        assert_eq!(engine_cached(end, Some(20)), Some(20));
+        // OpenAI's usage (prompt_tokens includes the cached ones) and llama.cpp's timings.
+        let chat = br#"{"usage":{"completion_tokens":8,"prompt_tokens":52,"total_tokens":60,"prompt_tokens_details":{"cached_tokens":51}},"timings":{"cache_n":51,"prompt_n":1}}"#;
+        assert_eq!(Tokens::of(chat, None).prompt, 52);
+        assert_eq!(engine_cached(chat, None), Some(51));
+        assert_eq!(
+            engine_cached(br#"{"timings":{"cache_n":9,"prompt_n":3}}"#, None),
+            Some(9)
+        );
+        // Ollama says nothing of a cache.
+        assert_eq!(
+            engine_cached(br#"{"done":true,"prompt_eval_count":12}"#, None),
+            None
         );
     }
 

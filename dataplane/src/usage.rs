@@ -48,8 +48,9 @@ pub struct Totals {
     pub embedding_inputs: u64,
     /// Embedding inputs answered from the cache.
     pub cached_inputs: u64,
-    /// Prompt tokens estimated cached where the requests ran (conversation affinity); `None`
-    /// when no request had an estimate (never a 0 that means "unknown").
+    /// Prompt tokens cached where the requests ran: the engine's figure where its answer
+    /// states one, else conversation affinity's estimate; `None` when no request had
+    /// either (never a 0 that means "unknown").
     pub cached_tokens: Option<u64>,
 }
 

@@ -300,7 +300,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                         "name": host.name,
                         "owner": (!host.node.is_empty()).then_some(&host.node),
                         "url": host.url,
-                        "kind": if host.kind == wire::HostKind::Cloud as i32 { "cloud" } else { "ollama" },
+                        "kind": kind(host.kind),
                         "healthy": host.healthy,
                         "slots_in_use": host.slots_in_use,
                         "max_concurrent": host.max_concurrent,
@@ -552,6 +552,15 @@ fn resident(host: &api::HostInfo) -> String {
         })
         .collect();
     rows.join("\n")
+}
+
+/// A host's kind as the config spells it.
+fn kind(kind: i32) -> &'static str {
+    match wire::HostKind::try_from(kind) {
+        Ok(wire::HostKind::Cloud) => "cloud",
+        Ok(wire::HostKind::Openai) => "openai",
+        _ => "ollama",
+    }
 }
 
 /// `24 GiB` (configured), `~16 GiB learned`, `?` (not known yet), `-` (cloud).

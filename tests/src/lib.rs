@@ -1,9 +1,11 @@
 //! Test support for oqp: the fake Ollama ([`fake`], the one test double: it
 //! stands for a GPU server), the harness that boots the real control plane
 //! and data planes on loopback ([`harness`]), several data planes as
-//! separate processes following one control plane ([`cluster`]), and a
-//! small HTTP client ([`client`]). The end-to-end tests live in `tests/tests/`, the benchmark
-//! in [`bench`] (run by `src/bin/oqp-bench.rs`).
+//! separate processes following one control plane ([`cluster`]), a small
+//! HTTP client ([`client`]), and a real llama.cpp `llama-server`
+//! ([`engine`]) where a test needs a real engine. The end-to-end tests live
+//! in `tests/tests/`, the benchmark in [`bench`] (run by
+//! `src/bin/oqp-bench.rs`).
 
 // Test support: a failed set-up step is a failed test, so panicking helpers
 // are the point here.
@@ -12,6 +14,7 @@
 pub mod bench;
 pub mod client;
 pub mod cluster;
+pub mod engine;
 pub mod fake;
 pub mod harness;
 pub mod tls;

@@ -110,6 +110,12 @@ vocabulary! {
         Ollama => "ollama",
         /// Ollama Cloud (`https://ollama.com`), reached with a pool of API keys.
         Cloud => "cloud",
+        /// An OpenAI-compatible engine (llama.cpp's llama-server, llama-swap, vLLM…): health
+        /// from `/health`, models from `/v1/models`, slots from llama-server's `/props`.
+        Openai => "openai",
+        /// Detected on each poll: Ollama if it answers `/api/version`, else `openai` if it
+        /// answers `/props` (llama-server) or lists `/v1/models`.
+        Auto => "auto",
     }
 }
 

@@ -120,13 +120,13 @@ fn host(
             None => HostKind::Ollama,
         };
         let api_keys = match (kind, raw.api_keys.as_deref()) {
-            (HostKind::Ollama, Some([_, ..])) => {
+            (HostKind::Ollama | HostKind::Openai | HostKind::Auto, Some([_, ..])) => {
                 problems.error(format!(
                     "{path}.api_keys is only allowed on cloud hosts (kind: cloud)"
                 ));
                 Vec::new()
             }
-            (HostKind::Ollama, _) => Vec::new(),
+            (HostKind::Ollama | HostKind::Openai | HostKind::Auto, _) => Vec::new(),
             (HostKind::Cloud, keys) => {
                 let pool = keys::resolve_cloud_pool(&name, keys.unwrap_or_default(), env, problems)
                     .unwrap_or_default();

@@ -710,6 +710,35 @@ fn hosts() {
 }
 
 #[test]
+fn engine_host_kinds() {
+    let yaml = "ollama:\n  hosts:\n    - {url: \"http://llama:8080\", name: llama, kind: openai}\n    \
+                - {url: \"http://box:11434\", name: box, kind: AUTO}\n    \
+                - {url: \"http://gpu:11434\", name: gpu}\n";
+    let kinds: Vec<HostKind> = load(yaml)
+        .config
+        .ollama
+        .hosts
+        .iter()
+        .map(|host| host.kind)
+        .collect();
+    assert_eq!(kinds, [HostKind::Openai, HostKind::Auto, HostKind::Ollama]);
+
+    let errors = problems(
+        "ollama:\n  hosts:\n    - {url: \"http://a:1\", name: a, kind: openai, api_keys: [{key: x}]}\n    \
+         - {url: \"http://b:1\", name: b, kind: vllm}\n",
+        &[],
+    );
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert_eq!(
+        errors[0],
+        "ollama.hosts[0].api_keys is only allowed on cloud hosts (kind: cloud)"
+    );
+    for word in ["ollama.hosts[1].kind", "openai", "auto"] {
+        assert!(errors[1].contains(word), "{errors:?}");
+    }
+}
+
+#[test]
 fn other_sections() {
     let config = load(&with_host(
         "keep_alive: {default: -1, override: true}\nembedding_cache: {backend: \"rediss://:pw@valkey:6380/1\"}\n\

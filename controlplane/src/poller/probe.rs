@@ -1,7 +1,9 @@
-//! One poll of one host: `GET /api/tags` (installed models and their sizes on
-//! disk, which decides health) and `GET /api/ps` (loaded and loading models
-//! and their VRAM, best effort) at the same time, each within
-//! `routing.model_poll_timeout`.
+//! One poll of one host. An Ollama (or cloud) host: `GET /api/tags`
+//! (installed models and their sizes on disk, which decides health) and
+//! `GET /api/ps` (loaded and loading models and their VRAM, best effort) at
+//! the same time, each within `routing.model_poll_timeout`. An `openai` host
+//! is polled by [`super::engine`]; an `auto` host first asks `/api/version`
+//! and is then polled as whichever it is.
 
 use std::time::SystemTime;
 
@@ -12,8 +14,10 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use super::Target;
+use super::engine::{self, Detected, Learned};
 use super::runners::{self, Shown};
 use crate::compile::Inventory;
+use crate::config::HostKind;
 use crate::outbound::Outbound;
 
 /// The largest model list read; a real one is a few hundred bytes per model.
@@ -34,6 +38,8 @@ pub struct Observation {
     /// What `/api/show` said of the installed models (kept from earlier polls while their
     /// digest stays); `None` when not asked this time (the last known is kept).
     pub shown: Option<Vec<Shown>>,
+    /// What answered and what it said of itself (kind, slots, problems).
+    pub learned: Learned,
 }
 
 impl Observation {
@@ -53,6 +59,12 @@ impl Observation {
             Err(_) => (false, previous_sizes(), previous_resident()),
         };
         let names = |list: &[Listed]| list.iter().map(|(name, _)| name.clone()).collect();
+        // A host that does not answer keeps what was learned of it: its kind and slots
+        // still describe it when it comes back.
+        let learned = match (&self.tags, previous) {
+            (Err(_), Some(previous)) => previous.learned.clone(),
+            _ => self.learned.clone(),
+        };
         let shown = self
             .shown
             .clone()
@@ -73,6 +85,8 @@ impl Observation {
             sizes,
             resident,
             last_checked: Some(now),
+            learned,
+            error: self.tags.as_ref().err().cloned(),
         }
     }
 }
@@ -83,6 +97,27 @@ pub async fn probe(
     target: &Target,
     previous: Option<&Inventory>,
 ) -> Observation {
+    let openai = match target.kind {
+        HostKind::Openai => true,
+        HostKind::Auto => !engine::is_ollama(client, target).await,
+        HostKind::Ollama | HostKind::Cloud => false,
+    };
+    if openai {
+        let poll = engine::probe(client, target).await;
+        let tags = match (poll.models, target.kind) {
+            (Err(error), HostKind::Auto) => Err(format!(
+                "answers neither as Ollama (/api/version) nor as an OpenAI engine: {error}"
+            )),
+            (models, _) => models,
+        };
+        return Observation {
+            tags,
+            ps: poll.loaded,
+            // No /api/show here: nothing forced to one slot.
+            shown: Some(Vec::new()),
+            learned: poll.learned,
+        };
+    }
     let (tags, ps) = tokio::join!(
         models(client, target, "/api/tags"),
         models(client, target, "/api/ps")
@@ -91,16 +126,21 @@ pub async fn probe(
         tracing::debug!(host = %target.name, %error, "/api/ps failed; loaded models unknown");
     }
     let shown = match (&tags, target.kind) {
-        (Ok((_, digests)), crate::config::HostKind::Ollama) => {
+        (Ok((_, digests)), HostKind::Ollama | HostKind::Auto) => {
             let known = previous.map(|p| p.shown.as_slice()).unwrap_or_default();
             Some(runners::learn(client, target, digests, known).await)
         }
         _ => None,
     };
+    let learned = Learned {
+        detected: (tags.is_ok() && target.kind != HostKind::Cloud).then_some(Detected::Ollama),
+        ..Learned::default()
+    };
     Observation {
         tags: tags.map(|(listed, _)| listed),
         ps: ps.ok().map(|(listed, _)| listed),
         shown,
+        learned,
     }
 }
 
@@ -126,6 +166,13 @@ async fn models(
         .send(request, target.timeout, BODY_LIMIT)
         .await
         .map_err(|e| format!("{path}: {e}"))?;
+    if reply.status == http::StatusCode::NOT_FOUND && path == "/api/tags" {
+        return Err(format!(
+            "{path}: answered {}: not an Ollama server? An OpenAI-compatible engine \
+             (llama-server, llama-swap, vLLM…) needs kind: openai (or auto)",
+            reply.status
+        ));
+    }
     if !reply.status.is_success() {
         return Err(format!("{path}: answered {}", reply.status));
     }
@@ -233,6 +280,8 @@ mod tests {
             last_checked: None,
             forced: Vec::new(),
             shown: Vec::new(),
+            learned: Learned::default(),
+            error: None,
         }
     }
 
@@ -243,9 +292,11 @@ mod tests {
             tags: Err("connection refused".into()),
             ps: None,
             shown: None,
+            learned: Learned::default(),
         };
         let inventory = observation.to_inventory(Some(&previous()), now);
         assert!(!inventory.healthy);
+        assert_eq!(inventory.error.as_deref(), Some("connection refused"));
         assert_eq!(inventory.installed, ["a", "b"]);
         assert_eq!(inventory.loaded, ["a"]);
         assert_eq!(inventory.sizes, listed(&[("a", 10), ("b", 20)]));
@@ -261,6 +312,7 @@ mod tests {
             tags: Ok(listed(&[("a", 10), ("c", 30)])),
             ps: None,
             shown: None,
+            learned: Learned::default(),
         };
         let inventory = observation.to_inventory(Some(&previous()), now);
         assert!(inventory.healthy);
@@ -272,6 +324,7 @@ mod tests {
             tags: Ok(listed(&[("a", 10)])),
             ps: Some(vec![]),
             shown: None,
+            learned: Learned::default(),
         };
         let inventory = fresh.to_inventory(Some(&previous()), now);
         assert!(inventory.loaded.is_empty() && inventory.resident.is_empty());

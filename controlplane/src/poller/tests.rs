@@ -53,6 +53,7 @@ fn up(models: &[&str]) -> Observation {
         tags: Ok(models.iter().map(|m| ((*m).to_owned(), 1)).collect()),
         ps: Some(Vec::new()),
         shown: None,
+        learned: Default::default(),
     }
 }
 
@@ -61,6 +62,7 @@ fn down() -> Observation {
         tags: Err("connection refused".to_owned()),
         ps: None,
         shown: None,
+        learned: Default::default(),
     }
 }
 

@@ -15,6 +15,7 @@ fn host(keys: &[(&str, &str)], fallback: &[&str]) -> Host {
     let uri: http::Uri = "https://ollama.com".parse().unwrap();
     Host {
         runners: Default::default(),
+        engine: Default::default(),
         name: "cloud".into(),
         url: "https://ollama.com".into(),
         scheme: uri.scheme().unwrap().clone(),

@@ -545,7 +545,8 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
         Base::parse(&url).map_err(|why| PolicyError::new(format!("host '{name}': {why}")))?;
     let kind = match wire::HostKind::try_from(host.kind) {
         Ok(wire::HostKind::Cloud) => HostKind::Cloud,
-        Ok(_) => HostKind::Ollama,
+        Ok(wire::HostKind::Openai) => HostKind::Openai,
+        Ok(wire::HostKind::Ollama | wire::HostKind::Unspecified) => HostKind::Ollama,
         Err(_) => return Err(PolicyError::new(format!("host '{name}': unknown kind"))),
     };
     let last_checked = u64::try_from(host.last_checked_unix_ms)
@@ -622,6 +623,14 @@ fn convert_host(host: wire::Host, default_slots: u32) -> Result<Host, PolicyErro
                     )
                 })
                 .collect(),
+        },
+        engine: Engine {
+            configured_kind: host.configured_kind,
+            detected: (!host.engine.is_empty()).then_some(host.engine),
+            learned_slots: (host.learned_slots > 0).then_some(host.learned_slots),
+            slot_context: (host.slot_context > 0).then_some(host.slot_context),
+            problem: (!host.engine_problem.is_empty()).then_some(host.engine_problem),
+            poll_error: (!host.poll_error.is_empty()).then_some(host.poll_error),
         },
     })
 }

@@ -64,6 +64,7 @@ impl Spec {
         let set = |models: &[&str]| models.iter().map(|m| normalize_model(m)).collect();
         Arc::new(Host {
             runners: Default::default(),
+            engine: Default::default(),
             name: self.name.into(),
             url,
             scheme: uri.scheme().unwrap().clone(),

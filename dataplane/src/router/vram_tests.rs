@@ -38,6 +38,7 @@ fn sized(
     let models = |list: &[&str]| list.iter().map(|m| normalize_model(m)).collect();
     Arc::new(Host {
         runners: Default::default(),
+        engine: Default::default(),
         name: name.into(),
         url,
         scheme: uri.scheme().unwrap().clone(),

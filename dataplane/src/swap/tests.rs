@@ -11,6 +11,7 @@ const GIB: u64 = 1 << 30;
 fn host(capacity: Option<u64>, resident: &[(&str, u64)], checked: SystemTime) -> Host {
     Host {
         runners: Default::default(),
+        engine: Default::default(),
         name: Arc::from("gpu"),
         url: "http://gpu:11434".to_owned(),
         scheme: http::uri::Scheme::HTTP,

@@ -15,6 +15,7 @@ mod bench_smoke;
 mod bodies;
 mod connections;
 mod embeddings;
+mod engines;
 mod foundation;
 pub mod hosts;
 mod keys;

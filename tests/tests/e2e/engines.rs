@@ -1,0 +1,299 @@
+//! End to end with engines: host kinds (`openai`, `auto`), discovery and
+//! health per kind, through the real planes. Against llama.cpp's
+//! `llama-server` (built by `scripts/setup.sh`, started by
+//! `oqp_tests::engine` on loopback) serving a random-weight model, and
+//! against the fake Ollama where a real engine is not needed. Without the
+//! binary the real-engine tests are skipped, except in CI. No assertion
+//! looks at the model's text: only at statuses, shapes, counts and what the
+//! engine reports about itself.
+
+use std::time::{Duration, Instant};
+
+use oqp_tests::client::HttpClient;
+use oqp_tests::engine::{self, Engine, Model};
+use oqp_tests::fake::FakeOllama;
+use oqp_tests::harness::Stack;
+use serde_json::{Value, json};
+
+/// How long a test waits for a poll to show (polls run every second).
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A config of `hosts` (`(name, url, kind)`), polled every second, model-aware routing.
+fn config(hosts: &[(&str, &str, &str)]) -> String {
+    let mut yaml = String::from("proxy:\n  max_concurrent: 4\nollama:\n  hosts:\n");
+    for (name, url, kind) in hosts {
+        yaml.push_str(&format!(
+            "    - {{url: \"{url}\", name: {name}, kind: {kind}, model_sync_interval: 1}}\n"
+        ));
+    }
+    yaml.push_str("routing:\n  strategy: model_aware\n  model_poll_timeout: 2\n");
+    yaml
+}
+
+/// Polls the data plane's `/queue/status` until host `name` satisfies
+/// `check`; returns that host's entry.
+async fn wait_host(stack: &Stack, name: &str, check: impl Fn(&Value) -> bool) -> Value {
+    let http = HttpClient::new();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let status = http
+            .get(&format!("{}/queue/status", stack.url()), &[])
+            .await
+            .json();
+        let host = status["hosts"]
+            .as_array()
+            .and_then(|hosts| hosts.iter().find(|host| host["name"] == name))
+            .cloned()
+            .unwrap_or(Value::Null);
+        if check(&host) {
+            return host;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "host {name} never matched; last seen: {host}"
+        );
+        // Another process's poll has no event to wait on from here.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A chat completion through oqp for `model`; returns (status, the host that served it).
+async fn chat(http: &HttpClient, base: &str, model: &str) -> (u16, Option<String>) {
+    let reply = http
+        .post_json(
+            &format!("{base}/v1/chat/completions"),
+            &[],
+            &json!({
+                "model": model,
+                "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": 2,
+            }),
+        )
+        .await;
+    (reply.status.as_u16(), reply.header("x-failover-host"))
+}
+
+#[tokio::test]
+async fn an_openai_host_is_polled_by_its_v1_models() {
+    let fake = FakeOllama::builder()
+        .model("qwen3")
+        .model("llama3")
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&[("engine", &fake.url(), "openai")])).await;
+    let host = wait_host(&stack, "engine", |host| host["healthy"] == true).await;
+    assert_eq!(host["kind"], "openai", "{host}");
+    assert_eq!(host["engine"], "openai", "{host}");
+    assert_eq!(
+        host["models"],
+        json!(["llama3:latest", "qwen3:latest"]),
+        "{host}"
+    );
+    assert!(host.get("configured_kind").is_none(), "{host}");
+    // The fake has no /props: no slots learned, none claimed.
+    assert!(host.get("engine_slots").is_none(), "{host}");
+    let metrics = HttpClient::new()
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    assert!(
+        metrics.contains(r#"oqp_host_info{engine="openai",kind="openai",name="engine"} 1"#),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("oqp_host_engine_slots{"), "{metrics}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_openai_host_that_lists_no_model_is_down() {
+    let fake = FakeOllama::builder().spawn().await;
+    let stack = Stack::start(&config(&[("empty", &fake.url(), "openai")])).await;
+    let host = wait_host(&stack, "empty", |host| host["healthy"] == false).await;
+    assert_eq!(host["models"], json!([]), "{host}");
+    assert_eq!(host["poll_error"], "/v1/models: lists no models", "{host}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn auto_detects_an_ollama_host() {
+    let fake = FakeOllama::builder().model("qwen3").spawn().await;
+    let stack = Stack::start(&config(&[("box", &fake.url(), "auto")])).await;
+    let host = wait_host(&stack, "box", |host| host["engine"] == "ollama").await;
+    assert_eq!(host["kind"], "ollama", "{host}");
+    assert_eq!(host["configured_kind"], "auto", "{host}");
+    assert_eq!(host["healthy"], true, "{host}");
+    assert_eq!(host["models"], json!(["qwen3:latest"]), "{host}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn llama_servers_are_healthy_with_their_models_and_slots_and_get_their_models() {
+    if !engine::installed() {
+        return;
+    }
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(2048)
+        .start()
+        .await;
+    let embed_engine = Engine::builder(Model::Embed)
+        .alias("oqp-embed:latest")
+        .parallel(1)
+        .context(512)
+        .start()
+        .await;
+    let stack = Stack::start(&config(&[
+        ("chat", &chat_engine.url(), "openai"),
+        ("embed", &embed_engine.url(), "auto"),
+        // The chat engine again, configured as Ollama: it has no /api/tags.
+        ("wrong", &chat_engine.url(), "ollama"),
+    ]))
+    .await;
+
+    let chat_host = wait_host(&stack, "chat", |host| host["engine_slots"] == 2).await;
+    assert_eq!(chat_host["healthy"], true, "{chat_host}");
+    assert_eq!(chat_host["kind"], "openai", "{chat_host}");
+    assert_eq!(chat_host["engine"], "llama-server", "{chat_host}");
+    assert_eq!(
+        chat_host["models"],
+        json!(["oqp-tiny:latest"]),
+        "{chat_host}"
+    );
+    assert_eq!(chat_host["slot_context"], 1024, "{chat_host}");
+    // A llama-server holds its one model loaded.
+    assert_eq!(
+        chat_host["loaded_models"],
+        json!(["oqp-tiny:latest"]),
+        "{chat_host}"
+    );
+
+    let embed_host = wait_host(&stack, "embed", |host| host["engine_slots"] == 1).await;
+    assert_eq!(embed_host["healthy"], true, "{embed_host}");
+    assert_eq!(embed_host["kind"], "openai", "{embed_host}");
+    assert_eq!(embed_host["configured_kind"], "auto", "{embed_host}");
+    assert_eq!(embed_host["engine"], "llama-server", "{embed_host}");
+    assert_eq!(
+        embed_host["models"],
+        json!(["oqp-embed:latest"]),
+        "{embed_host}"
+    );
+
+    let metrics = HttpClient::new()
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    assert!(
+        metrics.contains(r#"oqp_host_engine_slots{name="chat"} 2"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"oqp_host_info{engine="llama-server",kind="openai",name="embed"} 1"#),
+        "{metrics}"
+    );
+
+    // A kind that does not match the server is a host that is down, not a
+    // host routed to blind.
+    let wrong = wait_host(&stack, "wrong", |host| host["healthy"] == false).await;
+    assert_eq!(wrong["models"], json!([]), "{wrong}");
+    let error = wrong["poll_error"].as_str().unwrap_or_default();
+    assert!(error.contains("kind: openai"), "{wrong}");
+    assert!(chat_host.get("poll_error").is_none(), "{chat_host}");
+
+    // Model-aware routing by the discovered models: each request goes to the
+    // engine that lists its model, every time.
+    let http = HttpClient::new();
+    for _ in 0..3 {
+        let (status, host) = chat(&http, &stack.url(), "oqp-tiny:latest").await;
+        assert_eq!((status, host.as_deref()), (200, Some("chat")));
+        let (status, host) = chat(&http, &stack.url(), "oqp-embed").await;
+        assert_eq!((status, host.as_deref()), (200, Some("embed")));
+    }
+    stack.shutdown().await;
+    chat_engine.stop().await;
+    embed_engine.stop().await;
+}
+
+#[tokio::test]
+async fn the_harness_runs_a_real_llama_server() {
+    if !engine::installed() {
+        return;
+    }
+    let engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(4096)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let base = engine.url();
+
+    let health = client.get(&format!("{base}/health"), &[]).await;
+    assert_eq!(health.status, 200, "{}", health.text());
+    assert_eq!(health.json()["status"], "ok");
+
+    let props = client.get(&format!("{base}/props"), &[]).await;
+    assert_eq!(props.status, 200, "{}", props.text());
+    let props = props.json();
+    assert_eq!(props["total_slots"], 2);
+    // `n_ctx` is per slot: the total context shared by two slots.
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 2048);
+    assert_eq!(props["model_alias"], "oqp-tiny:latest");
+
+    let models = client.get(&format!("{base}/v1/models"), &[]).await;
+    assert_eq!(models.status, 200, "{}", models.text());
+    let models = models.json();
+    let data = models["data"].as_array().expect("a data array");
+    assert_eq!(data.len(), 1, "{models}");
+    assert_eq!(data[0]["id"], "oqp-tiny:latest");
+
+    let chat = client
+        .post_json(
+            &format!("{base}/v1/chat/completions"),
+            &[],
+            &json!({
+                "model": "oqp-tiny:latest",
+                "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": 4,
+            }),
+        )
+        .await;
+    assert_eq!(chat.status, 200, "{}", chat.text());
+    let chat = chat.json();
+    assert_eq!(chat["object"], "chat.completion");
+    assert_eq!(chat["choices"][0]["message"]["role"], "assistant");
+    let usage = &chat["usage"];
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 0, "{chat}");
+    assert!(usage["completion_tokens"].as_u64().unwrap() <= 4, "{chat}");
+    assert!(chat["timings"]["prompt_n"].as_u64().is_some(), "{chat}");
+
+    let slots = client.get(&format!("{base}/slots"), &[]).await;
+    assert_eq!(slots.status, 200, "{}", slots.text());
+    assert_eq!(slots.json().as_array().map(Vec::len), Some(2));
+}
+
+#[tokio::test]
+async fn the_embedding_engine_answers_embeddings() {
+    if !engine::installed() {
+        return;
+    }
+    let engine = Engine::builder(Model::Embed)
+        .alias("oqp-embed:latest")
+        .parallel(1)
+        .context(512)
+        .start()
+        .await;
+    let client = HttpClient::new();
+    let reply = client
+        .post_json(
+            &format!("{}/v1/embeddings", engine.url()),
+            &[],
+            &json!({"model": "oqp-embed:latest", "input": ["one", "two"]}),
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let reply = reply.json();
+    let data = reply["data"].as_array().expect("a data array");
+    assert_eq!(data.len(), 2);
+    assert_eq!(data[0]["embedding"].as_array().map(Vec::len), Some(128));
+}
