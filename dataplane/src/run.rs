@@ -143,6 +143,7 @@ impl DataPlane {
         let peers = app.peers.clone();
         let usage = app.usage.clone();
         let settled_usage = app.usage.clone();
+        let link = app.control.clone();
         let stop_reports = CancellationToken::new();
         let mut reports = JoinSet::new();
         reports.spawn(control::report_loop(
@@ -152,6 +153,7 @@ impl DataPlane {
             move || report(&reporter_app),
             move |ack| {
                 usage.acked(&ack, std::time::SystemTime::now());
+                link.acked(&ack);
                 peers.update(ack.nodes);
             },
             move || settled_usage.settled(),

@@ -435,6 +435,8 @@ impl AdminService for AdminApi {
         let snapshot = self.hub.current();
         let config = self.hub.config();
         let nodes = self.hub.nodes();
+        // The last poll, which the snapshot does not carry when the poll changed nothing.
+        let inventory = self.hub.inventory();
         let hosts = snapshot
             .hosts
             .iter()
@@ -461,7 +463,10 @@ impl AdminService for AdminApi {
                     installed_models: host.installed_models.clone(),
                     loaded_models: host.loaded_models.clone(),
                     weight: host.weight,
-                    last_checked_unix_ms: host.last_checked_unix_ms,
+                    last_checked_unix_ms: inventory
+                        .get(&host.name)
+                        .and_then(|seen| seen.last_checked)
+                        .map_or(host.last_checked_unix_ms, unix_ms),
                     cloud_keys: cloud_pool(host, &nodes),
                     requests,
                     failures,
