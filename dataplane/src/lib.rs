@@ -69,4 +69,4 @@ pub mod usage;
 
 mod run;
 
-pub use run::{DataPlane, LogLevelHook, Options, StartError};
+pub use run::{DataPlane, LogLevelHook, Options, StartError, log_colour, stdout_log_colour};
