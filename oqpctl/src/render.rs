@@ -76,7 +76,8 @@ impl Width {
 }
 
 /// A table that fits its style's width when shown: columns narrowed, cells wrapped inside
-/// them, and no word shorter than [`WHOLE_WORD`] split while the width allows.
+/// them, and no word shorter than [`WHOLE_WORD`] (no cell line shorter than [`WHOLE_LINE`])
+/// split while the width allows.
 #[derive(Debug, Clone)]
 pub(crate) struct Grid {
     table: Table,
@@ -89,6 +90,9 @@ pub(crate) struct Grid {
 /// a duration); longer ones (host names, model tags) may be split.
 const WHOLE_WORD: usize = 12;
 
+/// Cell lines up to this long are kept on one line when the width allows it.
+const WHOLE_LINE: usize = 16;
+
 impl Grid {
     /// Adds a row.
     pub(crate) fn add_row(&mut self, row: Vec<String>) -> &mut Self {
@@ -98,7 +102,7 @@ impl Grid {
     }
 
     /// The table with each column's lower bound set: its longest word (at most
-    /// [`WHOLE_WORD`]), shortened, longest first, until the bounds fit the width.
+    /// [`WHOLE_WORD`]) or short line, shortened, longest first, until the bounds fit the width.
     fn fitted(&self) -> Table {
         let mut table = self.table.clone();
         let width = match self.style.width {
@@ -114,25 +118,43 @@ impl Grid {
         let Some(room) = usize::from(width).checked_sub(3 * count + 1) else {
             return table;
         };
-        let mut bounds: Vec<usize> = (0..count)
+        // Per column: its longest word, and its longest short line (at least the word).
+        let (words, mut bounds): (Vec<usize>, Vec<usize>) = (0..count)
             .map(|column| {
-                self.cells
-                    .iter()
-                    .filter_map(|row| row.get(column))
+                let cells = || self.cells.iter().filter_map(|row| row.get(column));
+                let word = cells()
                     .flat_map(|cell| cell.split_whitespace())
                     .map(|word| word.chars().count().min(WHOLE_WORD))
                     .max()
-                    .unwrap_or(1)
+                    .unwrap_or(1);
+                // A short cell of a few words ("never connected") stays on one line.
+                let line = cells()
+                    .skip(1)
+                    .flat_map(|cell| cell.lines())
+                    .map(|line| line.chars().count())
+                    .filter(|length| *length <= WHOLE_LINE)
+                    .max()
+                    .unwrap_or(1);
+                (word, word.max(line))
             })
-            .collect();
+            .unzip();
+        // Too wide: lines wrap at spaces first, then the longest words are split.
         while bounds.iter().sum::<usize>() > room {
-            let Some(widest) = bounds.iter_mut().max() else {
-                break;
+            let slack = bounds
+                .iter()
+                .zip(&words)
+                .enumerate()
+                .filter(|(_, (bound, word))| bound > word)
+                .max_by_key(|(_, (bound, word))| **bound - **word)
+                .map(|(index, _)| index);
+            let index = match slack {
+                Some(index) => index,
+                None => match bounds.iter().enumerate().max_by_key(|(_, bound)| **bound) {
+                    Some((index, bound)) if *bound > 1 => index,
+                    _ => break,
+                },
             };
-            if *widest <= 1 {
-                break;
-            }
-            *widest -= 1;
+            bounds[index] -= 1;
         }
         for (column, bound) in bounds.into_iter().enumerate() {
             if let (Some(column), Ok(bound)) = (table.column_mut(column), u16::try_from(bound + 2))

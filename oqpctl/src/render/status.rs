@@ -48,7 +48,8 @@ pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -
                 ));
             }
             for warning in &response.warnings {
-                out.push_str(&format!("\nwarning: {warning}"));
+                out.push('\n');
+                out.push_str(&super::wrap(&format!("warning: {warning}"), style));
             }
             if response.nodes.is_empty() {
                 out.push_str("\nno data plane has connected yet");
