@@ -117,7 +117,8 @@ fn init_tracing(level: &str, format: &str) -> Option<SetLevel> {
     if format == "json" {
         registry.with(fmt::layer().json()).init();
     } else {
-        registry.with(fmt::layer()).init();
+        let ansi = oqp_dataplane::stdout_log_colour();
+        registry.with(fmt::layer().with_ansi(ansi)).init();
     }
     following.then(|| -> SetLevel {
         Box::new(move |level| {

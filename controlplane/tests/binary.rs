@@ -4,8 +4,9 @@
 //! SIGKILL in the middle of it, a restart on the same state directory. Every
 //! key whose `AddKey` was answered must be back, and must still authenticate;
 //! the file must parse (the restart itself refuses a corrupt store); no
-//! temporary may linger. Also: a corrupt store stops the start, and SIGHUP
-//! applies the config's log level.
+//! temporary may linger. Also: a corrupt store stops the start, SIGHUP
+//! applies the config's log level, a piped text log has no colour codes, and a
+//! missing config names the quick-start example.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -337,4 +338,63 @@ async fn sighup_applies_the_configured_log_level() {
         "an info line passed the warn filter: {seen:?}"
     );
     running.child.kill().await.unwrap();
+}
+
+/// A text log written to a pipe (a file, journald) carries no ANSI escapes, even with
+/// `NO_COLOR` unset.
+#[tokio::test]
+async fn a_text_log_into_a_pipe_has_no_colour_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let config = write_config(dir.path(), &state);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_oqp-controlplane"))
+        .env("OQP_LOG", "info")
+        .env_remove("NO_COLOR")
+        .arg("--config")
+        .arg(&config)
+        .arg("--log-format")
+        .arg("text")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let seen = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut seen = Vec::new();
+        while let Some(line) = lines.next_line().await.unwrap() {
+            let serving = line.contains("control plane serving");
+            seen.push(line);
+            if serving {
+                return seen;
+            }
+        }
+        panic!("the control plane exited before serving: {seen:?}");
+    })
+    .await
+    .expect("the control plane did not start within 30 s");
+    assert!(
+        seen.iter().all(|line| !line.contains('\u{1b}')),
+        "escape codes in a piped log: {seen:?}"
+    );
+    assert!(seen.iter().any(|line| line.contains("INFO")), "{seen:?}");
+    child.kill().await.unwrap();
+}
+
+/// Without a config file, the hint names the short quick-start example.
+#[tokio::test]
+async fn a_missing_config_points_at_the_quickstart() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_oqp-controlplane"))
+        .arg("--config")
+        .arg(dir.path().join("absent.yml"))
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("hint: copy examples/quickstart.yml to "),
+        "{stderr}"
+    );
 }

@@ -6,13 +6,14 @@
 //! data plane serves on its last good snapshot. Nothing on the request path
 //! waits on this module.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oqp_proto::policy::v1::{
-    NodeHello, NodeReport, PolicySnapshot, policy_service_client::PolicyServiceClient,
+    NodeHello, NodeReport, PolicySnapshot, ReportAck, policy_service_client::PolicyServiceClient,
 };
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
@@ -62,6 +63,8 @@ pub struct ControlLink {
     connected: AtomicBool,
     last_error: Mutex<Option<String>>,
     stale: AtomicU64,
+    /// When the control plane last polled each host, from its report acks.
+    polled: Mutex<HashMap<String, SystemTime>>,
 }
 
 impl ControlLink {
@@ -79,6 +82,26 @@ impl ControlLink {
     /// one this node holds; 0 when the stream is not stale.
     pub fn stale_version(&self) -> u64 {
         self.stale.load(Ordering::Relaxed)
+    }
+
+    /// When the control plane last polled `host`, as its last report ack said.
+    pub fn polled(&self, host: &str) -> Option<SystemTime> {
+        self.polled.lock().ok()?.get(host).copied()
+    }
+
+    /// Takes in what a report ack says of polling.
+    pub fn acked(&self, ack: &ReportAck) {
+        let polled = ack
+            .polled
+            .iter()
+            .filter_map(|host| {
+                let ms = u64::try_from(host.last_checked_unix_ms).ok()?;
+                Some((host.name.clone(), UNIX_EPOCH + Duration::from_millis(ms)))
+            })
+            .collect();
+        if let Ok(mut slot) = self.polled.lock() {
+            *slot = polled;
+        }
     }
 
     fn up(&self) {

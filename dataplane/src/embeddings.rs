@@ -137,7 +137,7 @@ pub async fn handle(
             let bytes = body
                 .collect()
                 .await
-                .map_err(|_| Fetch::Refused(ProxyError::AllHostsFailed))?
+                .map_err(|_| Fetch::Refused(ProxyError::hosts_failed()))?
                 .to_bytes();
             if let Ok(mut slot) = fetched_headers.lock() {
                 *slot = Some(parts.headers);
@@ -159,7 +159,7 @@ pub async fn handle(
         }
         Err(ResolveError::Plan(error)) => {
             tracing::warn!(%error, "upstream embedding answer did not fit the request");
-            return Err(ProxyError::AllHostsFailed);
+            return Err(ProxyError::hosts_failed());
         }
     };
     let outcome = resolved.outcome;
@@ -239,7 +239,7 @@ async fn wrap_openai(
     let bytes = body
         .collect()
         .await
-        .map_err(|_| ProxyError::AllHostsFailed)?
+        .map_err(|_| ProxyError::hosts_failed())?
         .to_bytes();
     let bytes = if parts.status == StatusCode::OK {
         match rewrite::openai_embed_response(&bytes, openai.format, &openai.model) {

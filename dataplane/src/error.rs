@@ -101,14 +101,14 @@ pub enum ProxyError {
     /// An operator flushed the tier while the request waited.
     #[error("request flushed from queue")]
     Flushed,
-    /// No upstream host could answer.
-    #[error("all upstream hosts failed")]
-    AllHostsFailed,
+    /// No upstream host could answer; the hosts tried and why each failed.
+    #[error("all upstream hosts failed{0}")]
+    AllHostsFailed(Failures),
     /// No upstream host answered, and at least one failed after the request was written to
     /// it (a timeout, a connection that broke): the same answer as [`Self::AllHostsFailed`],
     /// but the request may have run, so no other GPU box is asked.
-    #[error("all upstream hosts failed")]
-    HostsFailedAfterWrite,
+    #[error("all upstream hosts failed{0}")]
+    HostsFailedAfterWrite(Failures),
     /// The data plane is shutting down.
     #[error("proxy is shutting down")]
     ShuttingDown,
@@ -154,7 +154,83 @@ pub enum ProxyError {
     },
 }
 
+/// Why one upstream host gave no answer, as a class a person can act on: never the
+/// address, the OS error or the library's wording.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// Nothing listens at the host's address (the engine is not running, or listens
+    /// elsewhere).
+    ConnectionRefused,
+    /// No connection, or no answer's head, within the configured time.
+    Timeout,
+    /// The connection could not be made for another reason (name resolution, route, TLS).
+    ConnectionFailed,
+    /// The connection broke before the answer's head.
+    ConnectionClosed,
+    /// The host answered with an error status.
+    Http(StatusCode),
+    /// The host answered, but not with what the route expects (a body that is not JSON).
+    InvalidAnswer,
+}
+
+impl std::fmt::Display for Cause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::ConnectionRefused => f.write_str("connection refused"),
+            Self::Timeout => f.write_str("timeout"),
+            Self::ConnectionFailed => f.write_str("connection failed"),
+            Self::ConnectionClosed => f.write_str("connection closed"),
+            Self::Http(status) => write!(f, "HTTP {}", status.as_u16()),
+            Self::InvalidAnswer => f.write_str("invalid answer"),
+        }
+    }
+}
+
+/// The hosts a request was sent to and why each failed, in the order tried. Shown after
+/// the message as `: gpu-a (connection refused), gpu-b (timeout)`; nothing when empty.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Failures(Vec<(std::sync::Arc<str>, Cause)>);
+
+/// Most hosts a 503 names; the rest are counted.
+const MAX_NAMED_FAILURES: usize = 8;
+
+impl Failures {
+    /// No host tried (or nothing known of why).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// `host` failed with `cause` (a host tried twice is named once, with its last cause).
+    pub fn push(&mut self, host: std::sync::Arc<str>, cause: Cause) {
+        self.0.retain(|(name, _)| *name != host);
+        self.0.push((host, cause));
+    }
+
+    /// Whether no failure was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl std::fmt::Display for Failures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (index, (host, cause)) in self.0.iter().take(MAX_NAMED_FAILURES).enumerate() {
+            let separator = if index == 0 { ": " } else { ", " };
+            write!(f, "{separator}{host} ({cause})")?;
+        }
+        if self.0.len() > MAX_NAMED_FAILURES {
+            write!(f, " and {} more", self.0.len() - MAX_NAMED_FAILURES)?;
+        }
+        Ok(())
+    }
+}
+
 impl ProxyError {
+    /// No host could answer, for want of any known cause.
+    pub fn hosts_failed() -> Self {
+        Self::AllHostsFailed(Failures::none())
+    }
+
     /// The HTTP status of this error.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -185,8 +261,8 @@ impl ProxyError {
             Self::TierPaused(_)
             | Self::Expired
             | Self::Flushed
-            | Self::AllHostsFailed
-            | Self::HostsFailedAfterWrite
+            | Self::AllHostsFailed(_)
+            | Self::HostsFailedAfterWrite(_)
             | Self::ShuttingDown
             | Self::ClientUnknownHere
             | Self::ControlPlaneUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -213,7 +289,7 @@ impl ProxyError {
             self,
             Self::QueueFull { .. }
                 | Self::OverCapacity { .. }
-                | Self::AllHostsFailed
+                | Self::AllHostsFailed(_)
                 | Self::ShuttingDown
                 | Self::ClientUnknownHere
         )
@@ -263,7 +339,10 @@ impl ProxyError {
         if let Some(seconds) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
-        if matches!(self, Self::AllHostsFailed | Self::HostsFailedAfterWrite) {
+        if matches!(
+            self,
+            Self::AllHostsFailed(_) | Self::HostsFailedAfterWrite(_)
+        ) {
             headers.insert(
                 headers::FAILOVER_EXHAUSTED,
                 HeaderValue::from_static("true"),
@@ -405,9 +484,10 @@ mod tests {
         );
         let (_, _, body) = body_of(ProxyError::ScopeRequired(Scope::Management)).await;
         assert_eq!(body["error"], "management permission required");
-        let (status, headers, _) = body_of(ProxyError::AllHostsFailed).await;
+        let (status, headers, body) = body_of(ProxyError::hosts_failed()).await;
         assert_eq!(status, 503);
         assert_eq!(headers["x-failover-exhausted"], "true");
+        assert_eq!(body["error"], "all upstream hosts failed");
         let (status, headers, body) = body_of(ProxyError::QueueFull {
             status: StatusCode::TOO_MANY_REQUESTS,
             retry_after: 7,
@@ -424,6 +504,27 @@ mod tests {
         assert_eq!(
             body["error"],
             "invalid tier: 'bogus' (must be high, normal, or low)"
+        );
+    }
+
+    #[test]
+    fn a_503_names_each_host_tried_and_why() {
+        let mut failures = Failures::none();
+        failures.push("gpu-a".into(), Cause::ConnectionRefused);
+        failures.push("gpu-b".into(), Cause::Timeout);
+        failures.push("gpu-a".into(), Cause::Http(StatusCode::BAD_GATEWAY));
+        assert_eq!(
+            ProxyError::AllHostsFailed(failures).to_string(),
+            "all upstream hosts failed: gpu-b (timeout), gpu-a (HTTP 502)"
+        );
+        let mut many = Failures::none();
+        for index in 0..10 {
+            many.push(format!("h{index}").into(), Cause::ConnectionClosed);
+        }
+        let text = ProxyError::HostsFailedAfterWrite(many).to_string();
+        assert!(
+            text.ends_with("h7 (connection closed) and 2 more"),
+            "{text}"
         );
     }
 }

@@ -26,7 +26,7 @@ use http_body_util::BodyExt;
 use crate::body::{self, Body};
 use crate::cloud::{self, CloudPools, Failure};
 use crate::dispatch::{Dispatcher, Lease};
-use crate::error::ProxyError;
+use crate::error::{Failures, ProxyError};
 use crate::headers;
 use crate::metrics::Metrics;
 use crate::policy::{Host, HostKind, Policy};
@@ -93,11 +93,12 @@ pub async fn send(
     let mut tried: Vec<Arc<str>> = Vec::new();
     let mut outbound = Some(outbound);
     let mut last_refusal: Option<Answer> = None;
+    let mut failures = Failures::none();
     // Whether an attempt failed after its request was written (it may have run).
     let mut written = false;
     loop {
         let Some(host) = lease.host().cloned() else {
-            return Err(ProxyError::AllHostsFailed);
+            return Err(ProxyError::AllHostsFailed(failures));
         };
         let Some(attempt) = outbound.take() else {
             break;
@@ -129,6 +130,7 @@ pub async fn send(
                 written |= !matches!(error, UpstreamError::Connect(_));
                 parts.metrics.host_failure(&host.name);
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
+                failures.push(host.name.clone(), error.cause());
                 true
             }
         };
@@ -149,8 +151,8 @@ pub async fn send(
             guards: Vec::new(),
             headers: Vec::new(),
         }),
-        None if written => Err(ProxyError::HostsFailedAfterWrite),
-        None => Err(ProxyError::AllHostsFailed),
+        None if written => Err(ProxyError::HostsFailedAfterWrite(failures)),
+        None => Err(ProxyError::AllHostsFailed(failures)),
     }
 }
 

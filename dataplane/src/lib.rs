@@ -72,4 +72,4 @@ pub mod view;
 
 mod run;
 
-pub use run::{DataPlane, LogLevelHook, Options, StartError};
+pub use run::{DataPlane, LogLevelHook, Options, StartError, log_colour, stdout_log_colour};

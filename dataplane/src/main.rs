@@ -82,7 +82,8 @@ fn init_tracing(format: &str) -> Option<LogLevelHook> {
     if format == "json" {
         registry.with(fmt::layer().json()).init();
     } else {
-        registry.with(fmt::layer()).init();
+        let ansi = oqp_dataplane::stdout_log_colour();
+        registry.with(fmt::layer().with_ansi(ansi)).init();
     }
     following.then(|| {
         LogLevelHook::new(move |level| {

@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 
 use crate::body::{self, Body, BoxError};
 use crate::budget::{OverBudget, Reservation};
-use crate::error::ProxyError;
+use crate::error::{Failures, ProxyError};
 use crate::headers;
 use crate::policy::Host;
 use crate::upstream::{Completion, Framing, ResponseBody, Upstream, UpstreamError};
@@ -308,6 +308,7 @@ pub async fn send(
         RequestBody::Streamed(body) => (None, Some(body)),
     };
     let mut failed = Vec::new();
+    let mut failures = Failures::none();
     for host in hosts {
         let body = match (&buffered, streamed.take()) {
             (Some(bytes), _) if bytes.is_empty() => body::empty(),
@@ -327,10 +328,11 @@ pub async fn send(
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
                 on_failure(host, &error);
                 failed.push(host.name.clone());
+                failures.push(host.name.clone(), error.cause());
             }
         }
     }
-    Err(ProxyError::AllHostsFailed)
+    Err(ProxyError::AllHostsFailed(failures))
 }
 
 /// Wraps a host's response for the client: hop-by-hop headers removed,
@@ -371,7 +373,7 @@ pub fn request_for(
         .authority(host.authority.clone())
         .path_and_query(path_and_query.clone())
         .build()
-        .map_err(|_| ProxyError::AllHostsFailed)?;
+        .map_err(|_| ProxyError::hosts_failed())?;
     let mut request = Request::new(body);
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;

@@ -228,14 +228,14 @@ async fn placed(
                     relay::Relayed::Refused(response) => last = Some(Ok(response)),
                     relay::Relayed::Unreachable => {
                         if last.is_none() {
-                            last = Some(Err(ProxyError::AllHostsFailed));
+                            last = Some(Err(ProxyError::hosts_failed()));
                         }
                     }
                 }
             }
         }
     }
-    last.unwrap_or(Err(ProxyError::AllHostsFailed))
+    last.unwrap_or(Err(ProxyError::hosts_failed()))
 }
 
 /// Admits a request to this node's queue, waits for its grant and sends it.

@@ -51,6 +51,23 @@ impl std::fmt::Debug for LogLevelHook {
     }
 }
 
+/// Whether a binary's text log may carry ANSI colour: only when it is written to a
+/// terminal, and never when `NO_COLOR` is set to anything but an empty string
+/// (<https://no-color.org>). Both binaries ask this before installing their subscriber,
+/// so that a log redirected to a file or read by journald has no escape codes.
+pub fn log_colour(is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    is_terminal && no_color.is_none_or(|value| value.is_empty())
+}
+
+/// [`log_colour`] for standard output, where the binaries write their log.
+pub fn stdout_log_colour() -> bool {
+    use std::io::IsTerminal;
+    log_colour(
+        std::io::stdout().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
 /// Why a data plane could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -167,6 +184,7 @@ impl DataPlane {
         let peers = app.peers.clone();
         let usage = app.usage.clone();
         let settled_usage = app.usage.clone();
+        let link = app.control.clone();
         let stop_reports = CancellationToken::new();
         let mut reports = JoinSet::new();
         reports.spawn(control::report_loop(
@@ -176,6 +194,7 @@ impl DataPlane {
             move || report(&reporter_app),
             move |ack| {
                 usage.acked(&ack, std::time::SystemTime::now());
+                link.acked(&ack);
                 peers.update(ack.nodes);
             },
             move || settled_usage.settled(),
@@ -478,6 +497,18 @@ fn report(app: &App) -> NodeReport {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_colour_only_on_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(log_colour(true, None));
+        assert!(!log_colour(false, None), "a file or a pipe gets no escapes");
+        assert!(!log_colour(true, Some(OsStr::new("1"))));
+        assert!(
+            log_colour(true, Some(OsStr::new(""))),
+            "an empty NO_COLOR is unset"
+        );
+    }
 
     #[test]
     fn a_hosts_swap_state_reaches_the_report_whole() {

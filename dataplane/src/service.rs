@@ -31,7 +31,7 @@ use crate::auth::{self, ANONYMOUS, Identity, ListenerKind};
 use crate::body::{self, Body};
 use crate::embeddings;
 use crate::endpoint::{self, Access, Endpoint, Inference};
-use crate::error::{self, ProxyError};
+use crate::error::{self, Cause, Failures, ProxyError};
 use crate::headers;
 use crate::hop;
 use crate::metrics;
@@ -729,36 +729,51 @@ async fn union_response(
             body::empty(),
         );
         async move {
-            let response = app
+            // A host that does not answer with a list is left out and named in the 503
+            // if no host does.
+            let failed = |cause: Cause| Err((host.name.clone(), cause));
+            let Ok(request) = request else {
+                return failed(Cause::ConnectionFailed);
+            };
+            let response = match app
                 .upstream
-                .send(request.ok()?, policy.proxy.request_timeout)
+                .send(request, policy.proxy.request_timeout)
                 .await
-                .ok()?;
+            {
+                Ok(response) => response,
+                Err(error) => return failed(error.cause()),
+            };
             if !response.status().is_success() {
-                return None;
+                return failed(Cause::Http(response.status()));
             }
             // Bounded like any upstream body: a host that sends its head
             // and then nothing must not hold the union.
-            let bytes = tokio::time::timeout(
+            let bytes = match tokio::time::timeout(
                 policy.proxy.upstream_stall_timeout,
                 response.into_body().collect(),
             )
             .await
-            .ok()?
-            .ok()?
-            .to_bytes();
-            serde_json::from_slice::<serde_json::Value>(&bytes)
-                .ok()
-                .map(|value| (host.name.clone(), value))
+            {
+                Ok(Ok(collected)) => collected.to_bytes(),
+                Ok(Err(_)) => return failed(Cause::ConnectionClosed),
+                Err(_) => return failed(Cause::Timeout),
+            };
+            match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                Ok(value) => Ok((host.name.clone(), value)),
+                Err(_) => failed(Cause::InvalidAnswer),
+            }
         }
     });
-    let answers: Vec<(Arc<str>, serde_json::Value)> = futures_util::future::join_all(asks)
-        .await
-        .into_iter()
-        .flatten()
-        .collect();
+    let mut answers: Vec<(Arc<str>, serde_json::Value)> = Vec::new();
+    let mut failures = Failures::none();
+    for outcome in futures_util::future::join_all(asks).await {
+        match outcome {
+            Ok(answer) => answers.push(answer),
+            Err((host, cause)) => failures.push(host, cause),
+        }
+    }
     if answers.is_empty() {
-        return Err(ProxyError::AllHostsFailed);
+        return Err(ProxyError::AllHostsFailed(failures));
     }
     let bodies: Vec<serde_json::Value> = answers.iter().map(|(_, body)| body.clone()).collect();
     let merged = match path {
@@ -790,10 +805,10 @@ async fn filter_listing(
     let bytes = body
         .collect()
         .await
-        .map_err(|_| ProxyError::AllHostsFailed)?
+        .map_err(|_| ProxyError::hosts_failed())?
         .to_bytes();
     let mut value: serde_json::Value =
-        serde_json::from_slice(&bytes).map_err(|_| ProxyError::AllHostsFailed)?;
+        serde_json::from_slice(&bytes).map_err(|_| ProxyError::hosts_failed())?;
     let (list, field) = if path == "/v1/models" {
         ("data", "id")
     } else {

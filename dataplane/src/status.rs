@@ -376,6 +376,7 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
         active: active(&stats),
         max: max_concurrent(policy),
     };
+    let health = Health::of(policy, &stats);
     let QueueReport { clients, .. } = stats;
     let clients = bounded_clients(policy, clients)
         .into_iter()
@@ -391,7 +392,7 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
         })
         .collect();
     Status {
-        status: "ok",
+        status: overall(policy, &health),
         uptime_seconds: sources.started.elapsed().as_secs(),
         queue,
         concurrency,
@@ -429,21 +430,58 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
 pub fn summary(sources: Sources<'_>, policy: &Policy) -> Summary {
     let stats = sources.dispatcher.stats();
     let total = |field: fn(&TierStat) -> u64| stats.tiers.iter().map(field).sum::<u64>();
+    let health = Health::of(policy, &stats);
     Summary {
-        status: "ok",
+        status: overall(policy, &health),
         queued: stats.tiers.iter().map(|t| t.depth).sum(),
         active: active(&stats),
         max_concurrent: max_concurrent(policy),
-        hosts_healthy: policy
-            .hosts
-            .iter()
-            .filter(|host| is_healthy(host, &stats))
-            .count(),
-        hosts_total: policy.hosts.len(),
+        hosts_healthy: health.healthy,
+        hosts_total: health.total,
         processed: total(|t| t.processed),
         rejected: total(|t| t.rejected),
         expired: total(|t| t.expired),
         uptime_seconds: sources.started.elapsed().as_secs(),
+    }
+}
+
+/// How many of this node's hosts can take a request now.
+#[derive(Debug, Clone, Copy)]
+struct Health {
+    healthy: usize,
+    total: usize,
+}
+
+impl Health {
+    fn of(policy: &Policy, stats: &QueueReport) -> Self {
+        Self {
+            healthy: policy
+                .hosts
+                .iter()
+                .filter(|host| is_healthy(host, stats))
+                .count(),
+            total: policy.hosts.len(),
+        }
+    }
+}
+
+/// The one word of status and summary: `ok` when every host this node dispatches to is
+/// up, `degraded` when some are down, `down` when none can take a request. A node that owns
+/// no host (an edge that forwards every request) is judged by the other nodes' hosts as
+/// the snapshot knows them.
+fn overall(policy: &Policy, own: &Health) -> &'static str {
+    let (healthy, total) = if own.total > 0 {
+        (own.healthy, own.total)
+    } else {
+        let healthy = policy.remote.iter().filter(|host| host.healthy).count();
+        (healthy, policy.remote.len())
+    };
+    if total == 0 || healthy == 0 {
+        "down"
+    } else if healthy < total {
+        "degraded"
+    } else {
+        "ok"
     }
 }
 
@@ -491,7 +529,12 @@ fn host_status(
         healthy: is_healthy(host, stats),
         models: sorted(&host.installed_names),
         loaded_models: sorted(&host.loaded_names),
-        last_checked: host.last_checked.map(iso8601),
+        // The later of the snapshot's poll and the last one the control plane reported
+        // (a poll that changed nothing publishes no snapshot).
+        last_checked: host
+            .last_checked
+            .max(sources.control.polled(&host.name))
+            .map(iso8601),
         requests_handled,
         failures,
         slots_in_use: stats
@@ -572,6 +615,16 @@ mod tests {
         );
         assert_eq!(without_userinfo("http://gpu:11434"), "http://gpu:11434");
         assert_eq!(without_userinfo("http://gpu/a@b"), "http://gpu/a@b");
+    }
+
+    #[test]
+    fn the_status_word_follows_the_hosts() {
+        let policy = policy_with_clients(&[]);
+        let word = |healthy, total| overall(&policy, &Health { healthy, total });
+        assert_eq!(word(2, 2), "ok");
+        assert_eq!(word(1, 2), "degraded");
+        assert_eq!(word(0, 2), "down");
+        assert_eq!(word(0, 0), "down", "no host anywhere serves nothing");
     }
 
     #[test]

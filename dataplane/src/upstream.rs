@@ -25,6 +25,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::Sleep;
 
 use crate::body::{Body, BoxError};
+use crate::error::Cause;
 
 /// How a connection attempt failed before any response arrived.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +39,27 @@ pub enum UpstreamError {
     /// The connection broke before the response headers.
     #[error("transport error: {0}")]
     Transport(String),
+}
+
+impl UpstreamError {
+    /// The class of this failure that a client may be told (`connection refused`,
+    /// `timeout`, …): the OS's and the library's wording stay in the log.
+    pub fn cause(&self) -> Cause {
+        match self {
+            Self::Timeout => Cause::Timeout,
+            Self::Transport(_) => Cause::ConnectionClosed,
+            Self::Connect(text) => {
+                let text = text.to_ascii_lowercase();
+                if text.contains("refused") {
+                    Cause::ConnectionRefused
+                } else if text.contains("timed out") || text.contains("timeout") {
+                    Cause::Timeout
+                } else {
+                    Cause::ConnectionFailed
+                }
+            }
+        }
+    }
 }
 
 /// TCP keep-alive probes on upstream sockets start after this much silence,
@@ -616,6 +638,19 @@ pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failures_are_told_by_class() {
+        let refused = UpstreamError::Connect("Connection refused (os error 111)".into());
+        assert_eq!(refused.cause(), Cause::ConnectionRefused);
+        let slow = UpstreamError::Connect("connection timed out".into());
+        assert_eq!(slow.cause(), Cause::Timeout);
+        assert_eq!(UpstreamError::Timeout.cause(), Cause::Timeout);
+        let dns = UpstreamError::Connect("failed to lookup address information".into());
+        assert_eq!(dns.cause(), Cause::ConnectionFailed);
+        let broken = UpstreamError::Transport("connection reset".into());
+        assert_eq!(broken.cause(), Cause::ConnectionClosed);
+    }
 
     #[test]
     fn finds_total_duration_in_the_last_object() {

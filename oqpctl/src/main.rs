@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use clap::{CommandFactory, Parser, Subcommand};
 use oqp_proto::admin::v1 as api;
 use oqp_proto::policy::v1 as wire;
-use render::{Output, Style};
+use render::{Output, Style, Width};
 
 const EXAMPLES: &str = "\
 Examples:
@@ -55,9 +55,13 @@ struct Cli {
     /// Output format.
     #[arg(long, short, global = true, value_enum, default_value = "table")]
     output: Output,
-    /// Plain ASCII tables, no colour.
+    /// Plain ASCII tables, no colour (also when output is not a terminal).
     #[arg(long, global = true, env = "NO_COLOR", value_parser = clap::builder::FalseyValueParser::new())]
     no_color: bool,
+    /// Tables as wide as their content, with every column; by default they fit the terminal
+    /// (`COLUMNS`, else its width, else 100 columns), wrapping inside cells.
+    #[arg(long, global = true)]
+    wide: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -244,8 +248,10 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
+    let terminal = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let style = Style {
-        color: !cli.no_color,
+        color: !cli.no_color && terminal,
+        width: Width::choose(cli.wide, std::env::var("COLUMNS").ok().as_deref(), terminal),
     };
     let output = cli.output;
     match cli.command {

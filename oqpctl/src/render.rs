@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use comfy_table::{ContentArrangement, Table, presets};
+use comfy_table::{ColumnConstraint, ContentArrangement, Table, presets};
 use oqp_proto::admin::v1 as api;
 use oqp_proto::policy::v1 as wire;
 use serde_json::{Value, json};
@@ -26,9 +26,155 @@ pub enum Output {
 pub struct Style {
     /// Whether colours and box drawing may be used.
     pub color: bool,
+    /// How wide tables may be.
+    pub width: Width,
 }
 
-pub(crate) fn table(style: Style, header: &[&str]) -> Table {
+impl Style {
+    /// ASCII, no colour, as wide as the content: what unit tests compare.
+    #[cfg(test)]
+    pub const PLAIN: Self = Self {
+        color: false,
+        width: Width::Wide,
+    };
+
+    /// Whether every column is shown (`--wide`), not only those that fit a terminal.
+    pub fn wide(self) -> bool {
+        self.width == Width::Wide
+    }
+}
+
+/// How wide a table may be. Columns are narrowed and cells wrap inside them (at spaces
+/// where they can) to fit; `--wide` lifts the limit and adds the columns left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Width {
+    /// At most this many columns (`COLUMNS`, or [`DEFAULT_WIDTH`] when output is not a
+    /// terminal).
+    Fit(u16),
+    /// The terminal's width, asked of the terminal.
+    Terminal,
+    /// As wide as the content (`--wide`).
+    Wide,
+}
+
+/// The width for output that is not a terminal and names none in `COLUMNS`.
+pub const DEFAULT_WIDTH: u16 = 100;
+
+impl Width {
+    /// `--wide`, else `COLUMNS` when it is a number, else the terminal's, else
+    /// [`DEFAULT_WIDTH`].
+    pub fn choose(wide: bool, columns: Option<&str>, terminal: bool) -> Self {
+        if wide {
+            return Self::Wide;
+        }
+        match columns.and_then(|value| value.trim().parse::<u16>().ok()) {
+            Some(columns) if columns > 0 => Self::Fit(columns),
+            _ if terminal => Self::Terminal,
+            _ => Self::Fit(DEFAULT_WIDTH),
+        }
+    }
+}
+
+/// A table that fits its style's width when shown: columns narrowed, cells wrapped inside
+/// them, and no word shorter than [`WHOLE_WORD`] (no cell line shorter than [`WHOLE_LINE`])
+/// split while the width allows.
+#[derive(Debug, Clone)]
+pub(crate) struct Grid {
+    table: Table,
+    style: Style,
+    /// The header and every row, to measure the words of each column.
+    cells: Vec<Vec<String>>,
+}
+
+/// Words up to this long are kept whole when the width allows it (a status word, a scope,
+/// a duration); longer ones (host names, model tags) may be split.
+const WHOLE_WORD: usize = 12;
+
+/// Cell lines up to this long are kept on one line when the width allows it.
+const WHOLE_LINE: usize = 16;
+
+impl Grid {
+    /// Adds a row.
+    pub(crate) fn add_row(&mut self, row: Vec<String>) -> &mut Self {
+        self.cells.push(row.clone());
+        self.table.add_row(row);
+        self
+    }
+
+    /// The table with each column's lower bound set: its longest word (at most
+    /// [`WHOLE_WORD`]) or short line, shortened, longest first, until the bounds fit the width.
+    fn fitted(&self) -> Table {
+        let mut table = self.table.clone();
+        let width = match self.style.width {
+            Width::Wide => return table,
+            Width::Fit(columns) => columns,
+            Width::Terminal => match table.width() {
+                Some(columns) => columns,
+                None => return table,
+            },
+        };
+        let count = self.cells.iter().map(Vec::len).max().unwrap_or(0);
+        // `| a | b |`: three characters per column and one more.
+        let Some(room) = usize::from(width).checked_sub(3 * count + 1) else {
+            return table;
+        };
+        // Per column: its longest word, and its longest short line (at least the word).
+        let (words, mut bounds): (Vec<usize>, Vec<usize>) = (0..count)
+            .map(|column| {
+                let cells = || self.cells.iter().filter_map(|row| row.get(column));
+                let word = cells()
+                    .flat_map(|cell| cell.split_whitespace())
+                    .map(|word| word.chars().count().min(WHOLE_WORD))
+                    .max()
+                    .unwrap_or(1);
+                // A short cell of a few words ("never connected") stays on one line.
+                let line = cells()
+                    .skip(1)
+                    .flat_map(|cell| cell.lines())
+                    .map(|line| line.chars().count())
+                    .filter(|length| *length <= WHOLE_LINE)
+                    .max()
+                    .unwrap_or(1);
+                (word, word.max(line))
+            })
+            .unzip();
+        // Too wide: lines wrap at spaces first, then the longest words are split.
+        while bounds.iter().sum::<usize>() > room {
+            let slack = bounds
+                .iter()
+                .zip(&words)
+                .enumerate()
+                .filter(|(_, (bound, word))| bound > word)
+                .max_by_key(|(_, (bound, word))| **bound - **word)
+                .map(|(index, _)| index);
+            let index = match slack {
+                Some(index) => index,
+                None => match bounds.iter().enumerate().max_by_key(|(_, bound)| **bound) {
+                    Some((index, bound)) if *bound > 1 => index,
+                    _ => break,
+                },
+            };
+            bounds[index] -= 1;
+        }
+        for (column, bound) in bounds.into_iter().enumerate() {
+            if let (Some(column), Ok(bound)) = (table.column_mut(column), u16::try_from(bound + 2))
+            {
+                column.set_constraint(ColumnConstraint::LowerBoundary(comfy_table::Width::Fixed(
+                    bound,
+                )));
+            }
+        }
+        table
+    }
+}
+
+impl std::fmt::Display for Grid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.fitted())
+    }
+}
+
+pub(crate) fn table(style: Style, header: &[&str]) -> Grid {
     let mut table = Table::new();
     table
         .load_preset(if style.color {
@@ -36,9 +182,25 @@ pub(crate) fn table(style: Style, header: &[&str]) -> Table {
         } else {
             presets::ASCII_FULL_CONDENSED
         })
-        .set_content_arrangement(ContentArrangement::Dynamic)
         .set_header(header.to_vec());
-    table
+    match style.width {
+        Width::Fit(columns) => {
+            table
+                .set_width(columns)
+                .set_content_arrangement(ContentArrangement::Dynamic);
+        }
+        Width::Terminal => {
+            table.set_content_arrangement(ContentArrangement::Dynamic);
+        }
+        Width::Wide => {
+            table.set_content_arrangement(ContentArrangement::Disabled);
+        }
+    }
+    Grid {
+        table,
+        style,
+        cells: vec![header.iter().map(|cell| (*cell).to_owned()).collect()],
+    }
 }
 
 /// `2h 3m`, `45s`, `-` for unknown.
@@ -94,6 +256,36 @@ fn unix_ms_age(unix_ms: i64) -> Option<Duration> {
 pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> String {
     match output {
         Output::Json => pretty(&Value::Array(response.keys.iter().map(key_json).collect())),
+        Output::Table if !style.wide() => {
+            let mut keys = table(
+                style,
+                &[
+                    "client_id",
+                    "scope",
+                    "ceiling",
+                    "caps / box",
+                    "expires",
+                    "last used",
+                    "budget",
+                    "left",
+                    "models",
+                ],
+            );
+            for key in &response.keys {
+                keys.add_row(vec![
+                    key.client_id.clone(),
+                    scope_name(key.scope).to_owned(),
+                    tier_name(key.max_priority).to_owned(),
+                    caps(key.max_concurrent, key.max_queued),
+                    expires(key.expires_unix_ms),
+                    ago(unix_ms_age(key.last_used_unix_ms)),
+                    crate::usage::budget_cell(key.budget.as_ref()),
+                    crate::usage::left_cell(key.budget.as_ref()),
+                    models_cell(key),
+                ]);
+            }
+            with_caps_note(keys, capped(response), style)
+        }
         Output::Table => {
             let mut keys = table(
                 style,
@@ -130,17 +322,63 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     models_cell(key),
                 ]);
             }
-            let capped = response
-                .keys
-                .iter()
-                .any(|key| key.max_concurrent > 0 || key.max_queued > 0);
-            if capped {
-                format!("{keys}\n{PER_BOX}")
-            } else {
-                keys.to_string()
-            }
+            with_caps_note(keys, capped(response), style)
         }
     }
+}
+
+/// Whether any key has a cap, which the note under the table explains.
+fn capped(response: &api::ListKeysResponse) -> bool {
+    response
+        .keys
+        .iter()
+        .any(|key| key.max_concurrent > 0 || key.max_queued > 0)
+}
+
+/// In flight and queued caps in one cell: `2 / 8`, `2 / -`; `unlimited` when neither is set.
+fn caps(max_concurrent: u32, max_queued: u32) -> String {
+    if max_concurrent == 0 && max_queued == 0 {
+        return "unlimited".to_owned();
+    }
+    let shown = |value: u32| {
+        if value == 0 {
+            "-".to_owned()
+        } else {
+            value.to_string()
+        }
+    };
+    format!("{} / {}", shown(max_concurrent), shown(max_queued))
+}
+
+/// `table`, with the note on per-box caps under it when `capped`, wrapped to the width.
+fn with_caps_note(table: Grid, capped: bool, style: Style) -> String {
+    if capped {
+        format!("{table}\n{}", wrap(PER_BOX, style))
+    } else {
+        table.to_string()
+    }
+}
+
+/// `text` broken at spaces into lines no wider than the style's width.
+pub(crate) fn wrap(text: &str, style: Style) -> String {
+    let width = match style.width {
+        Width::Fit(columns) => usize::from(columns),
+        Width::Terminal => Table::new().width().map_or(usize::MAX, usize::from),
+        Width::Wide => usize::MAX,
+    };
+    let mut lines: Vec<String> = Vec::new();
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.chars().count() + 1 + word.chars().count() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    lines.push(line);
+    lines.join("\n")
 }
 
 /// The models a key may use ("all" without a list), and whose users it speaks for.
@@ -336,12 +574,24 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                 .collect(),
         )),
         Output::Table => {
-            let mut hosts = table(style, &["host", "owner", "url", "health", "slots", "runners", "resident", "vram", "held", "installed", "requests", "failures"]);
+            // A terminal gets the columns that say what a host is doing; `--wide` adds its
+            // URL and counters.
+            let wide = style.wide();
+            let mut header = vec!["host", "owner"];
+            if wide {
+                header.push("url");
+            }
+            header.extend(["health", "slots", "runners", "resident", "vram", "held", "installed"]);
+            if wide {
+                header.extend(["requests", "failures"]);
+            }
+            let mut hosts = table(style, &header);
             for host in &response.hosts {
-                hosts.add_row(vec![
-                    host.name.clone(),
-                    owner(host),
-                    host.url.clone(),
+                let mut row = vec![host.name.clone(), owner(host)];
+                if wide {
+                    row.push(host.url.clone());
+                }
+                row.extend([
                     if host.healthy { "up" } else { "DOWN" }.to_owned(),
                     format!("{}/{}", host.slots_in_use, host.max_concurrent),
                     runners(host),
@@ -349,9 +599,11 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                     vram(host),
                     held(host),
                     list(&host.installed_models),
-                    host.requests.to_string(),
-                    host.failures.to_string(),
                 ]);
+                if wide {
+                    row.extend([host.requests.to_string(), host.failures.to_string()]);
+                }
+                hosts.add_row(row);
             }
             let pools: Vec<_> = response
                 .hosts
@@ -407,6 +659,34 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                 })
                 .collect(),
         )),
+        Output::Table if !style.wide() => {
+            let mut clients = table(
+                style,
+                &[
+                    "client",
+                    "ceiling",
+                    "scope",
+                    "waiting",
+                    "in flight",
+                    "cap / box",
+                    "share",
+                    "GPU today",
+                ],
+            );
+            for client in &response.clients {
+                clients.add_row(vec![
+                    client.client_id.clone(),
+                    tier_name(client.max_priority).to_owned(),
+                    scope_name(client.scope).to_owned(),
+                    client.waiting.to_string(),
+                    client.inflight.to_string(),
+                    cap(client.max_concurrent),
+                    format!("{:.0}%", client.recent_share * 100.0),
+                    crate::usage::hms(client.gpu_ns_today),
+                ]);
+            }
+            with_caps_note(clients, clients_capped(response), style)
+        }
         Output::Table => {
             let mut clients = table(
                 style,
@@ -439,17 +719,16 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     crate::usage::hms(client.gpu_ns_today),
                 ]);
             }
-            if response
-                .clients
-                .iter()
-                .any(|client| client.max_concurrent > 0)
-            {
-                format!("{clients}\n{PER_BOX}")
-            } else {
-                clients.to_string()
-            }
+            with_caps_note(clients, clients_capped(response), style)
         }
     }
+}
+
+fn clients_capped(response: &api::ListClientsResponse) -> bool {
+    response
+        .clients
+        .iter()
+        .any(|client| client.max_concurrent > 0)
 }
 
 /// A tier operation's answer, in the shape of the HTTP endpoints.
@@ -646,10 +925,10 @@ mod tests {
                 ..Default::default()
             }],
         };
-        let text = keys(&response, Output::Table, Style { color: false });
+        let text = keys(&response, Output::Table, Style::PLAIN);
         assert!(text.contains("batch") && text.contains("low") && text.contains("unlimited"));
         let value: Value =
-            serde_json::from_str(&keys(&response, Output::Json, Style { color: false })).unwrap();
+            serde_json::from_str(&keys(&response, Output::Json, Style::PLAIN)).unwrap();
         assert_eq!(value[0]["client_id"], "batch");
         assert!(value[0].get("key").is_none());
     }
@@ -689,7 +968,7 @@ mod tests {
         let response = api::ListKeysResponse {
             keys: vec![config_key, stored_info(), expired],
         };
-        let text = keys(&response, Output::Table, Style { color: false });
+        let text = keys(&response, Output::Table, Style::PLAIN);
         let row = |id: &str| {
             text.lines()
                 .find(|line| line.contains(&format!(" {id} ")))
@@ -804,7 +1083,7 @@ mod tests {
                 },
             ],
         };
-        let text = hosts(&response, Output::Table, Style { color: false });
+        let text = hosts(&response, Output::Table, Style::PLAIN);
         let header = text.lines().find(|line| line.contains("host")).unwrap();
         for column in [" resident ", " vram ", " held "] {
             assert!(header.contains(column), "{text}");
@@ -827,7 +1106,7 @@ mod tests {
         assert!(row("spare").contains(" 0 "), "{text}");
 
         let value: Value =
-            serde_json::from_str(&hosts(&response, Output::Json, Style { color: false })).unwrap();
+            serde_json::from_str(&hosts(&response, Output::Json, Style::PLAIN)).unwrap();
         assert_eq!(value[0]["resident"][0]["model"], "llama3:8b");
         assert_eq!(value[0]["vram_bytes"], 24u64 << 30);
         assert_eq!(value[0]["vram_learned"], false);
@@ -854,7 +1133,7 @@ mod tests {
                 host("spare", ""),
             ],
         };
-        let text = hosts(&response, Output::Table, Style { color: false });
+        let text = hosts(&response, Output::Table, Style::PLAIN);
         let header = text.lines().find(|line| line.contains("host")).unwrap();
         assert!(header.contains(" owner "), "{text}");
         let row = |name: &str| {
@@ -867,7 +1146,7 @@ mod tests {
         assert!(row("gpu2").contains(" box2 "), "{text}");
         assert!(row("spare").contains(" every node "), "{text}");
         let value: Value =
-            serde_json::from_str(&hosts(&response, Output::Json, Style { color: false })).unwrap();
+            serde_json::from_str(&hosts(&response, Output::Json, Style::PLAIN)).unwrap();
         assert_eq!(value[0]["owner"], "box1");
         assert_eq!(value[2]["owner"], Value::Null);
     }
@@ -881,20 +1160,20 @@ mod tests {
                 ..stored_info()
             }],
         };
-        let text = keys(&response, Output::Table, Style { color: false });
+        let text = keys(&response, Output::Table, Style::PLAIN);
         assert!(text.contains("max_concurrent / box"), "{text}");
         assert!(text.contains("max_queued / box"), "{text}");
         assert!(text.contains("Caps are per GPU box"), "{text}");
         let batch = text.lines().find(|line| line.contains(" batch ")).unwrap();
         assert!(batch.contains(" 2 ") && batch.contains(" 8 "), "{batch}");
         let value: Value =
-            serde_json::from_str(&keys(&response, Output::Json, Style { color: false })).unwrap();
+            serde_json::from_str(&keys(&response, Output::Json, Style::PLAIN)).unwrap();
         assert_eq!(value[0]["max_concurrent"], 2);
         assert_eq!(value[0]["max_queued"], 8);
         let uncapped = api::ListKeysResponse {
             keys: vec![stored_info()],
         };
-        let text = keys(&uncapped, Output::Table, Style { color: false });
+        let text = keys(&uncapped, Output::Table, Style::PLAIN);
         assert!(!text.contains("Caps are per GPU box"), "{text}");
 
         let clients_response = api::ListClientsResponse {
@@ -904,10 +1183,58 @@ mod tests {
                 ..Default::default()
             }],
         };
-        let text = clients(&clients_response, Output::Table, Style { color: false });
+        let text = clients(&clients_response, Output::Table, Style::PLAIN);
         assert!(
             text.contains("cap / box") && text.contains("Caps are per GPU box"),
             "{text}"
+        );
+    }
+
+    #[test]
+    fn the_width_comes_from_wide_columns_or_the_terminal() {
+        assert_eq!(Width::choose(true, Some("80"), true), Width::Wide);
+        assert_eq!(Width::choose(false, Some("80"), true), Width::Fit(80));
+        assert_eq!(Width::choose(false, Some("x"), true), Width::Terminal);
+        assert_eq!(Width::choose(false, None, false), Width::Fit(DEFAULT_WIDTH));
+        let style = Style {
+            color: false,
+            width: Width::Fit(30),
+        };
+        let note = wrap(PER_BOX, style);
+        assert!(
+            note.lines().all(|line| line.chars().count() <= 30),
+            "{note}"
+        );
+        assert_eq!(
+            note.split_whitespace().collect::<Vec<_>>().join(" "),
+            PER_BOX
+        );
+    }
+
+    #[test]
+    fn a_terminal_gets_caps_in_one_cell_and_wide_gets_every_column() {
+        let response = api::ListKeysResponse {
+            keys: vec![api::KeyInfo {
+                max_concurrent: 2,
+                max_queued: 8,
+                ..stored_info()
+            }],
+        };
+        let narrow = Style {
+            color: false,
+            width: Width::Fit(100),
+        };
+        let text = keys(&response, Output::Table, narrow);
+        assert!(text.contains(" 2 / 8 "), "{text}");
+        assert!(!text.contains("created"), "{text}");
+        assert!(
+            text.lines().all(|line| line.chars().count() <= 100),
+            "{text}"
+        );
+        let wide = keys(&response, Output::Table, Style::PLAIN);
+        assert!(
+            wide.contains("created") && wide.contains("source"),
+            "{wide}"
         );
     }
 

@@ -381,7 +381,7 @@ mod tests {
             &by_client(),
             false,
             Output::Table,
-            Style { color: false },
+            Style::PLAIN,
         );
         let lines: Vec<&str> = text.lines().collect();
         assert!(
@@ -399,13 +399,7 @@ mod tests {
 
     #[test]
     fn json_keeps_the_figures_and_the_groups_asked_for() {
-        let text = render(
-            &response(),
-            &by_client(),
-            false,
-            Output::Json,
-            Style { color: false },
-        );
+        let text = render(&response(), &by_client(), false, Output::Json, Style::PLAIN);
         let value: Value = serde_json::from_str(&text).unwrap();
         assert_eq!(value["rows"][0]["client_id"], "batch");
         assert_eq!(value["rows"][0]["gpu_seconds"], 7384.0);

@@ -200,3 +200,30 @@ fn the_two_box_compose_example_checks_and_fits_its_config() {
         control["secrets"]["oqp_node_token"]["file"]
     );
 }
+
+/// The clients' examples (Open WebUI, the agents, the SDKs) point at the port the proxy
+/// listens on, not at Ollama's.
+#[test]
+fn client_examples_use_the_proxy_port() {
+    let scratch = Scratch::new();
+    let quickstart = check(&read("examples/quickstart.yml"), "dir/", &scratch);
+    let port = quickstart.proxy.port;
+    assert_eq!(port, 11435);
+    let readme = read("README.md");
+    let mut seen = 0;
+    for (at, _) in readme.match_indices("://oqp:") {
+        let rest = &readme[at + "://oqp:".len()..];
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        assert_eq!(
+            digits,
+            port.to_string(),
+            "a client example points at oqp:{digits}: {}",
+            &readme[at.saturating_sub(40)..at + 20]
+        );
+        seen += 1;
+    }
+    assert!(
+        seen >= 5,
+        "the Open WebUI and agents examples name the proxy"
+    );
+}

@@ -116,8 +116,8 @@ async fn keys_add_list_rotate_revoke_through_the_binary() {
     let own = oqpctl(&control, Some(READER), &["keys", "list"]).await;
     let own = stdout(&own);
     assert!(own.contains("widget") && !own.contains("batch"), "{own}");
-    // List with a management key: rows from both sources, never a value.
-    let listed = oqpctl(&control, Some(ADMIN), &["keys", "list"]).await;
+    // List with a management key: rows from both sources (a `--wide` column), never a value.
+    let listed = oqpctl(&control, Some(ADMIN), &["keys", "list", "--wide"]).await;
     assert!(listed.status.success(), "{}", stderr(&listed));
     let table = stdout(&listed);
     assert!(

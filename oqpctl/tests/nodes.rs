@@ -154,7 +154,9 @@ async fn status_lists_a_listed_node_that_never_connected_then_follows_its_link()
     );
 
     let table = stdout(&oqpctl(&control, &["status"]).await);
-    assert!(table.contains(&format!("warning: {warned}")), "{table}");
+    // Wrapped to the width like the rest of the view.
+    let words = table.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(words.contains(&format!("warning: {warned}")), "{table}");
     assert!(row(&table, "box2").contains("never connected"), "{table}");
     let local = row(&table, "local");
     assert!(

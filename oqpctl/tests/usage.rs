@@ -180,8 +180,8 @@ async fn usage_shows_gpu_time_tokens_requests_and_cache_hits() {
     assert!(table.contains("GPU today"), "{table}");
     assert!(table.contains("1:47:03"), "{table}");
 
-    // keys list: the budget and what is left of it.
-    let keys = stdout(&oqpctl(&stack, &["keys", "list"]).await);
+    // keys list: the budget and what is left of it (unwrapped, with --wide).
+    let keys = stdout(&oqpctl(&stack, &["keys", "list", "--wide"]).await);
     println!("$ oqpctl keys list\n{keys}");
     assert!(keys.contains("2:00:00 GPU, 2000000 tokens / 1d"), "{keys}");
     assert!(keys.contains("0:12:57 GPU, 1898000 tokens"), "{keys}");
@@ -204,7 +204,7 @@ async fn usage_shows_gpu_time_tokens_requests_and_cache_hits() {
         let output = stdout(&oqpctl(&stack, &args).await);
         assert!(!output.is_empty(), "{command}");
     }
-    let keys = stdout(&oqpctl(&stack, &["keys", "list"]).await);
+    let keys = stdout(&oqpctl(&stack, &["keys", "list", "--wide"]).await);
     assert!(keys.contains("| nightly "), "{keys}");
     assert!(keys.contains("2:00:00 GPU, 2000000 tokens / 1d"), "{keys}");
     stack.shutdown().await;
@@ -388,7 +388,7 @@ async fn a_stored_key_takes_a_models_list_that_the_data_plane_enforces() {
     let key = added["key"].as_str().unwrap().to_owned();
     let version = added["snapshot_version"].as_u64().unwrap();
     stack.wait_for_version(version).await;
-    let list = stdout(&oqpctl(&stack, &["keys", "list"]).await);
+    let list = stdout(&oqpctl(&stack, &["keys", "list", "--wide"]).await);
     assert!(list.contains("llama3.2*, qwen2:*"), "{list}");
     assert!(
         list.contains("all"),

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 pub enum ConfigError {
     /// The file does not exist.
     #[error(
-        "config file not found: {path}\nhint: copy examples/config.example.yml to {path} and edit it",
+        "config file not found: {path}\nhint: copy examples/quickstart.yml to {path} and edit it (every setting: examples/config.example.yml)",
         path = path.display()
     )]
     NotFound { path: PathBuf },
@@ -128,6 +128,6 @@ mod tests {
         };
         let lines = missing.problems();
         assert_eq!(lines[0], "config file not found: /etc/oqp.yml");
-        assert!(lines[1].contains("examples/config.example.yml"));
+        assert!(lines[1].starts_with("hint: copy examples/quickstart.yml"));
     }
 }

@@ -1100,7 +1100,7 @@ fn missing_file() {
     let error = load_file(Path::new("/nonexistent/config.yml"), &Env::empty()).unwrap_err();
     assert_eq!(
         error.to_string(),
-        "config file not found: /nonexistent/config.yml\nhint: copy examples/config.example.yml to /nonexistent/config.yml and edit it"
+        "config file not found: /nonexistent/config.yml\nhint: copy examples/quickstart.yml to /nonexistent/config.yml and edit it (every setting: examples/config.example.yml)"
     );
     assert_eq!(error.exit_code(), ConfigError::EXIT_CODE);
 }

@@ -435,6 +435,8 @@ impl AdminService for AdminApi {
         let snapshot = self.hub.current();
         let config = self.hub.config();
         let nodes = self.hub.nodes();
+        // The last poll, which the snapshot does not carry when the poll changed nothing.
+        let inventory = self.hub.inventory();
         let hosts = snapshot
             .hosts
             .iter()
@@ -461,7 +463,10 @@ impl AdminService for AdminApi {
                     installed_models: host.installed_models.clone(),
                     loaded_models: host.loaded_models.clone(),
                     weight: host.weight,
-                    last_checked_unix_ms: host.last_checked_unix_ms,
+                    last_checked_unix_ms: inventory
+                        .get(&host.name)
+                        .and_then(|seen| seen.last_checked)
+                        .map_or(host.last_checked_unix_ms, unix_ms),
                     cloud_keys: cloud_pool(host, &nodes),
                     requests,
                     failures,
@@ -489,25 +494,48 @@ impl AdminService for AdminApi {
             .into_iter()
             .map(|row| (row.client_id, row.gpu_ns))
             .collect();
-        let clients = snapshot
+        // A key in its rotation grace is a second entry of the same client: one row each.
+        let mut listed = std::collections::HashSet::new();
+        let mut rows: Vec<api::ClientInfo> = snapshot
             .clients
             .iter()
             .filter(|client| seen.shows(&client.client_id))
-            .map(|client| {
-                let mut info = api::ClientInfo {
-                    client_id: client.client_id.clone(),
-                    max_priority: client.max_priority,
-                    scope: client.scope,
-                    max_concurrent: client.max_concurrent,
-                    weight: client.weight,
-                    gpu_ns_today: today.get(&client.client_id).copied().unwrap_or(0),
-                    ..api::ClientInfo::default()
-                };
+            .filter(|client| listed.insert(client.client_id.clone()))
+            .map(|client| api::ClientInfo {
+                client_id: client.client_id.clone(),
+                max_priority: client.max_priority,
+                scope: client.scope,
+                max_concurrent: client.max_concurrent,
+                weight: client.weight,
+                ..api::ClientInfo::default()
+            })
+            .collect();
+        // With auth off, callers name themselves (`X-Client-ID`): list those the data
+        // planes report, as their status and dashboard do.
+        if !self.hub.config().auth.enabled {
+            let mut named: Vec<&str> = nodes
+                .values()
+                .flat_map(|node| node.report.clients.iter())
+                .map(|report| report.client_id.as_str())
+                .filter(|id| seen.shows(id) && !listed.contains(*id))
+                .collect();
+            named.sort_unstable();
+            named.dedup();
+            rows.extend(named.into_iter().map(|id| api::ClientInfo {
+                client_id: id.to_owned(),
+                weight: 1.0,
+                ..api::ClientInfo::default()
+            }));
+        }
+        let clients = rows
+            .into_iter()
+            .map(|mut info| {
+                info.gpu_ns_today = today.get(&info.client_id).copied().unwrap_or(0);
                 let mut shares = Vec::new();
                 for report in nodes
                     .values()
                     .flat_map(|node| node.report.clients.iter())
-                    .filter(|report| report.client_id == client.client_id)
+                    .filter(|report| report.client_id == info.client_id)
                 {
                     info.waiting += report.waiting;
                     info.inflight += report.inflight;

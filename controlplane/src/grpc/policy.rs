@@ -11,7 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures_util::{Stream, StreamExt};
 use oqp_proto::policy::v1::{
-    Event, NodeHello, NodeReport, PolicySnapshot, ReportAck, policy_service_server::PolicyService,
+    Event, HostPolled, NodeHello, NodeReport, PolicySnapshot, ReportAck,
+    policy_service_server::PolicyService,
 };
 use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
@@ -201,7 +202,28 @@ impl PolicyService for PolicyApi {
             budgets: self.usage.budgets(&snapshot.clients, now),
             today: self.usage.today(now),
             usage_refused: receipt.refused.unwrap_or_default(),
+            polled: self.polled(),
         }))
+    }
+}
+
+impl PolicyApi {
+    /// When each host was last polled, from the inventory (which a poll that changed
+    /// nothing still updates).
+    fn polled(&self) -> Vec<HostPolled> {
+        let mut polled: Vec<HostPolled> = self
+            .hub
+            .inventory()
+            .into_iter()
+            .filter_map(|(name, inventory)| {
+                inventory.last_checked.map(|at| HostPolled {
+                    name,
+                    last_checked_unix_ms: compile::unix_ms(at),
+                })
+            })
+            .collect();
+        polled.sort_by(|a, b| a.name.cmp(&b.name));
+        polled
     }
 }
 

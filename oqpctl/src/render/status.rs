@@ -8,7 +8,7 @@ use std::time::Duration;
 use oqp_proto::admin::v1 as api;
 use serde_json::{Value, json};
 
-use super::{Output, Style, age, list, millis_age, pretty, table, yes_no};
+use super::{Grid, Output, Style, age, list, millis_age, pretty, table, yes_no};
 
 /// `oqpctl status`.
 pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -> String {
@@ -48,7 +48,8 @@ pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -
                 ));
             }
             for warning in &response.warnings {
-                out.push_str(&format!("\nwarning: {warning}"));
+                out.push('\n');
+                out.push_str(&super::wrap(&format!("warning: {warning}"), style));
             }
             if response.nodes.is_empty() {
                 out.push_str("\nno data plane has connected yet");
@@ -59,10 +60,22 @@ pub fn status(response: &api::GetStatusResponse, output: Output, style: Style) -
     }
 }
 
-fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::Table {
-    let mut nodes = table(
-        style,
-        &[
+/// The nodes, one row each; a terminal gets every column but the URL and the snapshot
+/// version (`in sync` says whether it is the current one), which `--wide` adds.
+fn nodes_table(response: &api::GetStatusResponse, style: Style) -> Grid {
+    const WIDE_ONLY: [usize; 2] = [3, 4];
+    let narrow = |row: Vec<String>| -> Vec<String> {
+        if style.wide() {
+            return row;
+        }
+        row.into_iter()
+            .enumerate()
+            .filter(|(index, _)| !WIDE_ONLY.contains(index))
+            .map(|(_, cell)| cell)
+            .collect()
+    };
+    let header = narrow(
+        [
             "node",
             "link",
             "last report",
@@ -70,14 +83,18 @@ fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::
             "snapshot",
             "in sync",
             "owns",
-            "waiting high/normal/low",
+            "waiting high / normal / low",
             "in flight",
             "forwarded",
-        ],
+        ]
+        .map(str::to_owned)
+        .to_vec(),
     );
+    let header: Vec<&str> = header.iter().map(String::as_str).collect();
+    let mut nodes = table(style, &header);
     for node in &response.nodes {
         let Some(report) = node.report.as_ref().filter(|_| seen(node)) else {
-            nodes.add_row(vec![
+            nodes.add_row(narrow(vec![
                 node.node.clone(),
                 link(node).to_owned(),
                 "-".to_owned(),
@@ -88,11 +105,11 @@ fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::
                 "-".to_owned(),
                 "-".to_owned(),
                 "-".to_owned(),
-            ]);
+            ]));
             continue;
         };
         let [high, normal, low] = waiting(report);
-        nodes.add_row(vec![
+        nodes.add_row(narrow(vec![
             node.node.clone(),
             link(node).to_owned(),
             age(millis_age(node.last_report_age_ms)),
@@ -107,7 +124,7 @@ fn nodes_table(response: &api::GetStatusResponse, style: Style) -> comfy_table::
             format!("{high}/{normal}/{low}"),
             report.active.to_string(),
             forwarded(report),
-        ]);
+        ]));
     }
     nodes
 }
@@ -192,7 +209,7 @@ mod tests {
     use super::*;
     use oqp_proto::policy::v1 as wire;
 
-    const PLAIN: Style = Style { color: false };
+    const PLAIN: Style = Style::PLAIN;
 
     fn sample_status() -> api::GetStatusResponse {
         api::GetStatusResponse {
@@ -303,9 +320,32 @@ mod tests {
     }
 
     #[test]
+    fn a_terminal_gets_the_nodes_without_url_and_version_words_whole() {
+        let style = Style {
+            color: false,
+            width: super::super::Width::Fit(80),
+        };
+        let text = status(&two_boxes(), Output::Table, style);
+        assert!(
+            text.lines().all(|line| line.chars().count() <= 80),
+            "{text}"
+        );
+        assert!(
+            !text.contains("192.168.1.11"),
+            "the URL is for --wide: {text}"
+        );
+        for word in ["connected", "disconnected", "forwarded"] {
+            assert!(
+                text.split(['|', ' ']).any(|cell| cell == word),
+                "{word} split: {text}"
+            );
+        }
+    }
+
+    #[test]
     fn status_table_shows_each_nodes_link_hosts_and_queue() {
         let text = status(&two_boxes(), Output::Table, PLAIN);
-        assert!(text.contains("waiting high/normal/low"), "{text}");
+        assert!(text.contains("waiting high / normal / low"), "{text}");
         let box1 = row(&text, "box1");
         for cell in [
             "connected",

@@ -290,7 +290,7 @@ async fn an_unreachable_upstream_gets_503_exhausted() {
     );
     assert_eq!(
         reply.json(),
-        json!({"error": "all upstream hosts failed", "request_id": "r1"})
+        json!({"error": "all upstream hosts failed: primary (connection refused)", "request_id": "r1"})
     );
     stack.shutdown().await;
 }

@@ -504,6 +504,101 @@ async fn a_failover_shows_in_metrics_and_status() {
     stack.shutdown().await;
 }
 
+/// An address nothing listens on.
+async fn dead_url() -> String {
+    let listener = oqp_tests::harness::loopback().await;
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    drop(listener);
+    url
+}
+
+/// Reads `/queue/status` until `check` holds for it (a poll a second moves it); the last
+/// document read when the time runs out.
+async fn status_until(http: &HttpClient, base: &str, check: impl Fn(&Value) -> bool) -> Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = http.get(&format!("{base}/queue/status"), &[]).await.json();
+        if check(&status) || std::time::Instant::now() >= deadline {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn status_says_degraded_and_polling_shows_in_last_checked() {
+    let live = FakeOllama::builder().model("llama3").spawn().await;
+    let gone = dead_url().await;
+    let yaml = format!(
+        "ollama:\n  hosts:\n    - {{url: \"{}\", name: live, model_sync_interval: 1}}\n    \
+         - {{url: \"{gone}\", name: gone, model_sync_interval: 1}}\n",
+        live.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    let http = HttpClient::new();
+    let base = stack.url();
+    let summary = http.get(&format!("{base}/queue/summary"), &[]).await.json();
+    assert_eq!(summary["status"], "degraded", "{summary}");
+    assert_eq!(summary["hosts_healthy"], 1);
+    let status = http.get(&format!("{base}/queue/status"), &[]).await.json();
+    assert_eq!(status["status"], "degraded");
+
+    // The live host's inventory does not change, yet each poll shows.
+    let first = status["hosts"][0]["last_checked"].clone();
+    assert!(first.is_string(), "{status}");
+    let later = status_until(&http, &base, |status| {
+        status["hosts"][0]["last_checked"] != first
+    })
+    .await;
+    assert!(
+        later["hosts"][0]["last_checked"].as_str() > first.as_str(),
+        "last_checked stayed at {first} through polls"
+    );
+    assert_eq!(
+        later["snapshot"]["version"], status["snapshot"]["version"],
+        "no snapshot was published for polls that changed nothing"
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn with_every_host_down_the_503_names_each_host_and_why() {
+    let gone = dead_url().await;
+    let other = dead_url().await;
+    let yaml = format!(
+        "ollama:\n  hosts:\n    - {{url: \"{gone}\", name: gone}}\n    \
+         - {{url: \"{other}\", name: other}}\n"
+    );
+    let stack = Stack::start(&yaml).await;
+    let http = HttpClient::new();
+    let base = stack.url();
+    let summary = http.get(&format!("{base}/queue/summary"), &[]).await.json();
+    assert_eq!(summary["status"], "down", "{summary}");
+    assert_eq!(summary["hosts_healthy"], 0);
+    let status = http.get(&format!("{base}/queue/status"), &[]).await.json();
+    assert_eq!(status["status"], "down");
+
+    let reply = send_generate(&http, &base, "chat", "normal").await.unwrap();
+    assert_eq!(reply.status, 503);
+    assert_eq!(
+        reply.header("x-failover-exhausted").as_deref(),
+        Some("true")
+    );
+    let error = reply.json()["error"].as_str().unwrap().to_owned();
+    assert!(
+        error.starts_with("all upstream hosts failed: "),
+        "the reference's message comes first: {error}"
+    );
+    for host in ["gone (connection refused)", "other (connection refused)"] {
+        assert!(error.contains(host), "{host} not in {error}");
+    }
+    assert!(
+        !error.contains("127.0.0.1") && !error.contains("os error"),
+        "no address or OS wording: {error}"
+    );
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn anonymous_client_ids_are_bounded() {
     let fake = FakeOllama::builder().model("llama3").slots(4).spawn().await;
