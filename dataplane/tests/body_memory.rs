@@ -10,6 +10,7 @@
 
 use std::alloc::System;
 use std::sync::Arc;
+use std::time::Duration;
 
 use oqp_dataplane::affinity::{Chain, Shape};
 use oqp_dataplane::policy::KeepAlive;
@@ -89,6 +90,8 @@ fn a_keep_alive_rewrite_copies_the_body_once() {
     let keep_alive = KeepAlive {
         default_json: Some(Arc::from(r#""5m""#)),
         override_client: false,
+        max: Duration::from_secs(30 * 60),
+        bounded: false,
     };
     let region = Region::new(GLOBAL);
     let view = BodyView::read(&body).unwrap();
