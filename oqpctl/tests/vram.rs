@@ -76,7 +76,7 @@ async fn hosts_show_the_configured_vram_and_the_resident_model() {
     let control = single_box(config).await;
 
     // The start-up probe ran before the control plane served anything.
-    let text = oqpctl(&control, &["hosts"]).await;
+    let text = oqpctl(&control, &["hosts", "--wide"]).await;
     let header = text.lines().find(|line| line.contains(" host ")).unwrap();
     for column in [" resident ", " vram ", " held "] {
         assert!(header.contains(column), "{text}");
@@ -166,7 +166,7 @@ async fn hosts_show_a_request_held_back_for_a_model_switch() {
         }
     }
     assert_eq!(json[0]["held"], 1, "{json}");
-    let text = oqpctl(&control, &["hosts"]).await;
+    let text = oqpctl(&control, &["hosts", "--wide"]).await;
     let row = text
         .lines()
         .find(|line| line.starts_with("| gpu "))
@@ -208,7 +208,7 @@ async fn hosts_show_each_runners_slots_and_the_ones_ollama_forces_to_one() {
     // The data plane reports its runners about once a second.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let text = loop {
-        let text = oqpctl(&control, &["hosts"]).await;
+        let text = oqpctl(&control, &["hosts", "--wide"]).await;
         if text.contains("forced") || std::time::Instant::now() >= deadline {
             break text;
         }
@@ -244,7 +244,7 @@ async fn hosts_show_each_runners_slots_and_the_ones_ollama_forces_to_one() {
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     let text = loop {
-        let text = oqpctl(&control, &["hosts"]).await;
+        let text = oqpctl(&control, &["hosts", "--wide"]).await;
         if text.contains("warm") || std::time::Instant::now() >= deadline {
             break text;
         }
