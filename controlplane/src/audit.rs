@@ -9,8 +9,9 @@
 //! interleaved with another; the write is done before the admin call
 //! answers, so a graceful stop loses nothing. Past `max_bytes` the file is
 //! rotated (`audit.jsonl.1` is the newest old file, `audit.jsonl.<keep>` the
-//! oldest kept). When the state directory does not exist the trail is kept
-//! in memory only, the last [`MEMORY_ENTRIES`] lines.
+//! oldest kept). While the state directory does not exist (the key store
+//! creates it on its first write) the trail is kept in memory only, the last
+//! [`MEMORY_ENTRIES`] entries.
 
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -136,49 +137,44 @@ impl std::fmt::Debug for Audit {
     }
 }
 
-enum Sink {
-    File {
-        path: PathBuf,
-        file: Option<File>,
-        size: u64,
-        rotation: Rotation,
-    },
-    Memory(VecDeque<Entry>),
+/// Where entries go: the file when its directory exists (the key store
+/// may create it after start-up), else the ring.
+struct Sink {
+    path: Option<PathBuf>,
+    file: Option<File>,
+    size: u64,
+    rotation: Rotation,
+    ring: VecDeque<Entry>,
 }
 
 impl Audit {
     /// The trail in `state_dir`, or in memory when that directory does not
     /// exist.
     pub fn open(state_dir: &Path, rotation: Rotation) -> Arc<Self> {
-        let sink = if state_dir.is_dir() {
-            Sink::File {
-                path: state_dir.join(FILE_NAME),
-                file: None,
-                size: 0,
-                rotation,
-            }
-        } else {
-            Sink::Memory(VecDeque::new())
-        };
-        Arc::new(Self {
-            sink: Mutex::new(sink),
-            observer: Mutex::new(None),
-        })
+        Self::with_path(Some(state_dir.join(FILE_NAME)), rotation)
     }
 
     /// A trail kept in memory only.
     pub fn in_memory() -> Arc<Self> {
+        Self::with_path(None, Rotation::default())
+    }
+
+    fn with_path(path: Option<PathBuf>, rotation: Rotation) -> Arc<Self> {
         Arc::new(Self {
-            sink: Mutex::new(Sink::Memory(VecDeque::new())),
+            sink: Mutex::new(Sink {
+                path,
+                file: None,
+                size: 0,
+                rotation,
+                ring: VecDeque::new(),
+            }),
             observer: Mutex::new(None),
         })
     }
 
     /// Changes the rotation limits (a reload); the next write applies them.
-    pub fn set_rotation(&self, new: Rotation) {
-        if let Sink::File { rotation, .. } = &mut *self.lock() {
-            *rotation = new;
-        }
+    pub fn set_rotation(&self, rotation: Rotation) {
+        self.lock().rotation = rotation;
     }
 
     /// Calls `observer` with every entry recorded from now on.
@@ -230,14 +226,20 @@ impl Audit {
 
     /// The entries that match `query`, oldest first (rotated files too).
     pub fn read(&self, query: &Query) -> Vec<Entry> {
-        let mut entries: Vec<Entry> = match &*self.lock() {
-            Sink::Memory(ring) => ring.iter().filter(|e| query.matches(e)).cloned().collect(),
-            Sink::File { path, rotation, .. } => {
-                let mut files: Vec<PathBuf> = (1..=rotation.keep_files)
-                    .rev()
-                    .map(|index| rotated(path, index))
-                    .collect();
-                files.push(path.clone());
+        let sink = self.lock();
+        let mut entries: Vec<Entry> = sink
+            .ring
+            .iter()
+            .filter(|e| query.matches(e))
+            .cloned()
+            .collect();
+        if let Some(path) = &sink.path {
+            let mut files: Vec<PathBuf> = (1..=sink.rotation.keep_files)
+                .rev()
+                .map(|index| rotated(path, index))
+                .collect();
+            files.push(path.clone());
+            entries.extend(
                 files
                     .iter()
                     .filter_map(|file| std::fs::read_to_string(file).ok())
@@ -246,10 +248,10 @@ impl Audit {
                             .filter_map(|line| serde_json::from_str::<Entry>(line).ok())
                             .collect::<Vec<_>>()
                     })
-                    .filter(|entry| query.matches(entry))
-                    .collect()
-            }
-        };
+                    .filter(|entry| query.matches(entry)),
+            );
+        }
+        drop(sink);
         if query.limit > 0 && entries.len() > query.limit {
             entries.drain(..entries.len() - query.limit);
         }
@@ -263,49 +265,44 @@ impl Audit {
 
 impl Sink {
     fn append(&mut self, entry: &Entry) -> Result<(), String> {
-        match self {
-            Sink::Memory(ring) => {
-                if ring.len() >= MEMORY_ENTRIES {
-                    ring.pop_front();
-                }
-                ring.push_back(entry.clone());
-                Ok(())
+        let Some(path) = self
+            .path
+            .clone()
+            .filter(|path| path.parent().is_some_and(Path::is_dir))
+        else {
+            if self.ring.len() >= MEMORY_ENTRIES {
+                self.ring.pop_front();
             }
-            Sink::File {
-                path,
-                file,
-                size,
-                rotation,
-            } => {
-                let mut line = serde_json::to_vec(entry).map_err(|e| e.to_string())?;
-                line.push(b'\n');
-                let line_len = line.len() as u64;
-                if file.is_none() {
-                    let opened = open_append(path)?;
-                    *size = opened.metadata().map(|m| m.len()).unwrap_or(0);
-                    *file = Some(opened);
-                }
-                if *size > 0 && size.saturating_add(line_len) > rotation.max_bytes {
-                    *file = None;
-                    rotate(path, rotation.keep_files)?;
-                    *file = Some(open_append(path)?);
-                    *size = 0;
-                }
-                let Some(open) = file.as_mut() else {
-                    return Err("audit file not open".to_owned());
-                };
-                // One write of the whole line: O_APPEND makes it land at the
-                // end, in one piece.
-                let written = open
-                    .write(&line)
-                    .map_err(|e| format!("{}: {e}", path.display()))?;
-                *size += written as u64;
-                if written != line.len() {
-                    return Err(format!("{}: short write", path.display()));
-                }
-                Ok(())
-            }
+            self.ring.push_back(entry.clone());
+            return Ok(());
+        };
+        let mut line = serde_json::to_vec(entry).map_err(|e| e.to_string())?;
+        line.push(b'\n');
+        let line_len = line.len() as u64;
+        if self.file.is_none() {
+            let opened = open_append(&path)?;
+            self.size = opened.metadata().map(|m| m.len()).unwrap_or(0);
+            self.file = Some(opened);
         }
+        if self.size > 0 && self.size.saturating_add(line_len) > self.rotation.max_bytes {
+            self.file = None;
+            rotate(&path, self.rotation.keep_files)?;
+            self.file = Some(open_append(&path)?);
+            self.size = 0;
+        }
+        let Some(open) = self.file.as_mut() else {
+            return Err("audit file not open".to_owned());
+        };
+        // One write of the whole line: O_APPEND makes it land at the end, in
+        // one piece.
+        let written = open
+            .write(&line)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        self.size += written as u64;
+        if written != line.len() {
+            return Err(format!("{}: short write", path.display()));
+        }
+        Ok(())
     }
 }
 

@@ -1,0 +1,212 @@
+//! The audit trail end to end: management actions made with the real
+//! oqpctl binary against a real control plane land in
+//! `state_dir/audit.jsonl` with their actor and outcome, and no key
+//! material.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Output;
+
+use oqp_controlplane::config::Env;
+use oqp_controlplane::{ControlPlane, Options};
+
+const ADMIN: &str = "sk-admin-0123456789";
+const READER: &str = "sk-read-0123456789";
+
+async fn control_plane(dir: &Path) -> ControlPlane {
+    // The trail is written to a file once the state directory exists.
+    std::fs::create_dir(dir.join("state")).unwrap();
+    let config = dir.join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n    - {{url: 'http://127.0.0.1:9', name: nowhere}}\n\
+             auth:\n  enabled: true\n  keys:\n\
+             \x20   - {{key: {ADMIN}, client_id: admin, scope: management}}\n\
+             \x20   - {{key: {READER}, client_id: widget, scope: read}}\n\
+             control_plane:\n  state_dir: '{}'\n",
+            dir.join("state").display()
+        ),
+    )
+    .unwrap();
+    ControlPlane::start(Options {
+        config_path: config,
+        env: Env::empty(),
+        listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
+        with_dataplane: false,
+        dataplane_listener: None,
+        clock: None,
+    })
+    .await
+    .unwrap()
+}
+
+async fn oqpctl(control: &ControlPlane, key: Option<&str>, args: &[&str]) -> Output {
+    let mut command = tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"));
+    command
+        .arg("--control-plane")
+        .arg(format!("http://{}", control.local_addr()))
+        .arg("--no-color")
+        .args(args)
+        .env_remove("OQPCTL_KEY")
+        .env_remove("OQP_CONTROL_PLANE");
+    if let Some(key) = key {
+        command.env("OQPCTL_KEY", key);
+    }
+    command.output().await.unwrap()
+}
+
+/// The trail's lines, parsed.
+fn trail(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("state/audit.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect()
+}
+
+fn find<'a>(
+    trail: &'a [serde_json::Value],
+    action: &str,
+    outcome: &str,
+) -> Option<&'a serde_json::Value> {
+    trail
+        .iter()
+        .find(|entry| entry["action"] == action && entry["outcome"] == outcome)
+}
+
+#[tokio::test]
+async fn keys_added_rotated_revoked_are_recorded_without_key_material() {
+    let scratch = tempfile::tempdir().unwrap();
+    let control = control_plane(scratch.path()).await;
+    let added = oqpctl(
+        &control,
+        Some(ADMIN),
+        &[
+            "--output",
+            "json",
+            "keys",
+            "add",
+            "batch",
+            "--max-priority",
+            "low",
+            "--scope",
+            "inference",
+        ],
+    )
+    .await;
+    assert!(
+        added.status.success(),
+        "{}",
+        String::from_utf8_lossy(&added.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&added.stdout).unwrap();
+    let first = json["key"].as_str().unwrap().to_owned();
+    let rotated = oqpctl(
+        &control,
+        Some(ADMIN),
+        &["--output", "json", "keys", "rotate", "batch"],
+    )
+    .await;
+    assert!(rotated.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&rotated.stdout).unwrap();
+    let second = json["key"].as_str().unwrap().to_owned();
+    let revoked = oqpctl(&control, Some(ADMIN), &["keys", "revoke", "batch"]).await;
+    assert!(revoked.status.success());
+    // Revoking it again is refused, and recorded as such.
+    let again = oqpctl(&control, Some(ADMIN), &["keys", "revoke", "batch"]).await;
+    assert!(!again.status.success());
+
+    let entries = trail(scratch.path());
+    for action in ["keys.add", "keys.rotate", "keys.revoke"] {
+        let entry = find(&entries, action, "ok").unwrap_or_else(|| panic!("{action}: {entries:?}"));
+        assert_eq!(entry["actor"], "admin");
+        assert_eq!(entry["target"], "batch");
+        assert!(
+            entry["source"].as_str().unwrap().starts_with("127.0.0.1:"),
+            "{entry}"
+        );
+        assert!(entry["time"].as_str().unwrap().ends_with('Z'));
+    }
+    let refused = find(&entries, "keys.revoke", "refused").unwrap();
+    assert!(!refused["reason"].as_str().unwrap().is_empty());
+
+    let text = std::fs::read_to_string(scratch.path().join("state/audit.jsonl")).unwrap();
+    for secret in [first.as_str(), second.as_str(), ADMIN, READER] {
+        assert!(!text.contains(secret), "key material in the trail");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(scratch.path().join("state/audit.jsonl"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+    control.shutdown().await;
+}
+
+#[tokio::test]
+async fn refused_admin_calls_are_recorded() {
+    let scratch = tempfile::tempdir().unwrap();
+    let control = control_plane(scratch.path()).await;
+    // A read key asks for a change; a wrong key asks for a read.
+    let scope = oqpctl(&control, Some(READER), &["keys", "revoke", "admin"]).await;
+    assert!(!scope.status.success());
+    let wrong = oqpctl(&control, Some("sk-wrong-0123456789"), &["keys", "list"]).await;
+    assert!(!wrong.status.success());
+
+    let entries = trail(scratch.path());
+    let scope = find(&entries, "keys.revoke", "refused").unwrap();
+    assert_eq!(scope["actor"], "widget");
+    assert_eq!(scope["reason"], "management permission required");
+    let wrong = find(&entries, "keys.list", "refused").unwrap();
+    assert_eq!(wrong["actor"], "unknown");
+    assert_eq!(wrong["reason"], "invalid api key");
+    let text = std::fs::read_to_string(scratch.path().join("state/audit.jsonl")).unwrap();
+    assert!(!text.contains("sk-wrong-0123456789") && !text.contains(READER));
+    control.shutdown().await;
+}
+
+#[tokio::test]
+async fn reloads_are_recorded_with_their_result() {
+    let scratch = tempfile::tempdir().unwrap();
+    let control = control_plane(scratch.path()).await;
+    // Through the admin call, then as on SIGHUP.
+    let mut admin = oqp_proto::admin::v1::admin_service_client::AdminServiceClient::connect(
+        format!("http://{}", control.local_addr()),
+    )
+    .await
+    .unwrap();
+    let mut request = tonic::Request::new(oqp_proto::admin::v1::ReloadRequest {});
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {ADMIN}").parse().unwrap());
+    admin.reload(request).await.unwrap();
+    control.reload().unwrap();
+    std::fs::write(scratch.path().join("config.yml"), "ollama: [not a map\n").unwrap();
+    control.reload().unwrap_err();
+
+    let entries = trail(scratch.path());
+    let reloads: Vec<_> = entries
+        .iter()
+        .filter(|entry| entry["action"] == "config.reload")
+        .collect();
+    assert_eq!(reloads.len(), 3, "{reloads:?}");
+    assert_eq!(reloads[0]["actor"], "admin");
+    assert_eq!(reloads[0]["outcome"], "ok");
+    assert!(
+        reloads[0]["target"]
+            .as_str()
+            .unwrap()
+            .starts_with("version ")
+    );
+    assert_eq!(reloads[1]["actor"], "local");
+    assert_eq!(reloads[1]["outcome"], "ok");
+    assert_eq!(reloads[2]["actor"], "local");
+    assert_eq!(reloads[2]["outcome"], "refused");
+    assert!(!reloads[2]["reason"].as_str().unwrap().is_empty());
+    control.shutdown().await;
+}
