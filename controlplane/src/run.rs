@@ -175,12 +175,13 @@ impl ControlPlane {
         let keys = KeyStore::load(&state_dir, hub.clone())?;
         let usage = UsageStore::load(&state_dir, std::time::SystemTime::now())
             .map_err(|error| StartError::Io(format!("usage totals: {error}")))?;
-        let audit = Audit::open(&state_dir, Rotation::default());
+        let audit = Audit::open(&state_dir, rotation(&hub.config()));
         let outbound = Outbound::new();
         probe_hosts(&hub, &outbound).await?;
         let reload: Reloader = {
             let hub = hub.clone();
             let keys = keys.clone();
+            let audit = audit.clone();
             let path = options.config_path.clone();
             let env = options.env.clone();
             Arc::new(move || {
@@ -195,6 +196,7 @@ impl ControlPlane {
                         .map_err(|e| format!("webhooks.url: {e}"))?;
                 }
                 warnings.extend(keys.warnings(&config));
+                audit.set_rotation(rotation(&config));
                 let version = hub.set_config(config);
                 Ok((version, warnings))
             })
@@ -374,6 +376,18 @@ impl ControlPlane {
         }
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// The audit trail's rotation, from `control_plane.audit`.
+fn rotation(config: &config::Config) -> Rotation {
+    Rotation {
+        max_bytes: config
+            .control_plane
+            .audit
+            .max_file_mb
+            .saturating_mul(1024 * 1024),
+        keep_files: config.control_plane.audit.keep_files,
     }
 }
 

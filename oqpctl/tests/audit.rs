@@ -15,8 +15,15 @@ const ADMIN: &str = "sk-admin-0123456789";
 const READER: &str = "sk-read-0123456789";
 
 async fn control_plane(dir: &Path) -> ControlPlane {
+    control_plane_with(dir, "").await
+}
+
+/// A control plane with `extra` appended to its `control_plane:` section.
+async fn control_plane_with(dir: &Path, extra: &str) -> ControlPlane {
     // The trail is written to a file once the state directory exists.
-    std::fs::create_dir(dir.join("state")).unwrap();
+    if !dir.join("state").exists() {
+        std::fs::create_dir(dir.join("state")).unwrap();
+    }
     let config = dir.join("config.yml");
     std::fs::write(
         &config,
@@ -25,7 +32,7 @@ async fn control_plane(dir: &Path) -> ControlPlane {
              auth:\n  enabled: true\n  keys:\n\
              \x20   - {{key: {ADMIN}, client_id: admin, scope: management}}\n\
              \x20   - {{key: {READER}, client_id: widget, scope: read}}\n\
-             control_plane:\n  state_dir: '{}'\n",
+             control_plane:\n  state_dir: '{}'\n{extra}",
             dir.join("state").display()
         ),
     )
@@ -208,5 +215,39 @@ async fn reloads_are_recorded_with_their_result() {
     assert_eq!(reloads[2]["actor"], "local");
     assert_eq!(reloads[2]["outcome"], "refused");
     assert!(!reloads[2]["reason"].as_str().unwrap().is_empty());
+    control.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_trail_rotates_at_its_size_limit_and_keeps_the_retention() {
+    let scratch = tempfile::tempdir().unwrap();
+    let state = scratch.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    // A trail already at its 1 MiB limit, and one rotated file (the retention).
+    let line = |target: &str| {
+        format!(
+            "{{\"time\":\"2026-01-01T00:00:00.000Z\",\"actor\":\"admin\",\
+             \"action\":\"queue.pause\",\"target\":\"{target}\",\"outcome\":\"ok\"}}\n"
+        )
+    };
+    let full = line("current").repeat(1024 * 1024 / line("current").len() + 1);
+    std::fs::write(state.join("audit.jsonl"), &full).unwrap();
+    std::fs::write(state.join("audit.jsonl.1"), line("oldest")).unwrap();
+    let control =
+        control_plane_with(scratch.path(), "  audit: {max_file_mb: 1, keep_files: 1}\n").await;
+    let revoked = oqpctl(&control, Some(ADMIN), &["keys", "revoke", "nobody"]).await;
+    assert!(!revoked.status.success());
+
+    // The full file became `.1`, the old `.1` is gone (one kept), the new
+    // entry starts a fresh file.
+    assert_eq!(
+        std::fs::read_to_string(state.join("audit.jsonl.1")).unwrap(),
+        full
+    );
+    assert!(!state.join("audit.jsonl.2").exists());
+    let entries = trail(scratch.path());
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(entries[0]["action"], "keys.revoke");
+    assert_eq!(entries[0]["outcome"], "refused");
     control.shutdown().await;
 }

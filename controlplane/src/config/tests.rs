@@ -1731,3 +1731,38 @@ fn listener_tls_files() {
         Some(std::path::PathBuf::from("/k.pem"))
     );
 }
+
+#[test]
+fn audit_rotation_is_configured_within_bounds() {
+    let config = load(&with_host(
+        "control_plane: {audit: {max_file_mb: 2, keep_files: 0}}\n",
+    ))
+    .config;
+    assert_eq!(
+        config.control_plane.audit,
+        crate::config::AuditConfig {
+            max_file_mb: 2,
+            keep_files: 0
+        }
+    );
+    assert_eq!(
+        load(&with_host("")).config.control_plane.audit,
+        crate::config::AuditConfig::default()
+    );
+    let errors = problems(
+        &with_host("control_plane: {audit: {max_file_mb: 0, keep_files: 101}}\n"),
+        &[],
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("control_plane.audit.max_file_mb must be 1 to 1024, got 0")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("control_plane.audit.keep_files must be 0 to 100, got 101")),
+        "{errors:?}"
+    );
+}
