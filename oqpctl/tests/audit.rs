@@ -143,6 +143,68 @@ async fn keys_added_rotated_revoked_are_recorded_without_key_material() {
     for secret in [first.as_str(), second.as_str(), ADMIN, READER] {
         assert!(!text.contains(secret), "key material in the trail");
     }
+
+    // The same through `oqpctl audit`: JSON lines, then the table.
+    let listed = oqpctl(
+        &control,
+        Some(ADMIN),
+        &["audit", "--since", "1h", "--action", "keys", "--json"],
+    )
+    .await;
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let listed = String::from_utf8(listed.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = listed
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    let actions: Vec<(&str, &str)> = lines
+        .iter()
+        .map(|e| {
+            (
+                e["action"].as_str().unwrap(),
+                e["outcome"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        actions,
+        [
+            ("keys.add", "ok"),
+            ("keys.rotate", "ok"),
+            ("keys.revoke", "ok"),
+            ("keys.revoke", "refused")
+        ]
+    );
+    assert!(lines.iter().all(|e| e["actor"] == "admin"));
+    for secret in [first.as_str(), second.as_str(), ADMIN] {
+        assert!(!listed.contains(secret));
+    }
+    let table = oqpctl(
+        &control,
+        Some(ADMIN),
+        &["audit", "--action", "keys.revoke", "--limit", "1"],
+    )
+    .await;
+    let table = String::from_utf8(table.stdout).unwrap();
+    let rows: Vec<&str> = table.lines().collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    assert!(rows[0].starts_with("TIME (UTC)"));
+    assert!(
+        rows[1].contains("admin") && rows[1].contains("keys.revoke") && rows[1].contains("refused"),
+        "{table}"
+    );
+    assert!(rows.iter().all(|row| row.chars().count() <= 100));
+    // The trail is for management keys only; asking is refused and recorded.
+    let reader = oqpctl(&control, Some(READER), &["audit"]).await;
+    assert_eq!(reader.status.code(), Some(1));
+    let entries = trail(scratch.path());
+    let asked = find(&entries, "audit.list", "refused").unwrap();
+    assert_eq!(asked["actor"], "widget");
+
     #[cfg(unix)]
     {
         use std::os::unix::fs::PermissionsExt;

@@ -666,6 +666,44 @@ impl AdminService for AdminApi {
         }
     }
 
+    async fn list_audit(
+        &self,
+        request: Request<api::ListAuditRequest>,
+    ) -> Result<Response<api::ListAuditResponse>, Status> {
+        self.authorize(&request, Scope::Management, "audit.list")?;
+        let request = request.into_inner();
+        let query = audit::Query {
+            since: (request.since_unix_ms > 0).then(|| {
+                SystemTime::UNIX_EPOCH
+                    + Duration::from_millis(u64::try_from(request.since_unix_ms).unwrap_or(0))
+            }),
+            action: (!request.action.is_empty()).then_some(request.action),
+            limit: match request.limit {
+                0 => 1000,
+                limit => usize::try_from(limit).unwrap_or(usize::MAX).min(10_000),
+            },
+        };
+        // The rotated files are read from disk: off the async workers.
+        let trail = self.audit.clone();
+        let entries = tokio::task::spawn_blocking(move || trail.read(&query))
+            .await
+            .map_err(|error| Status::internal(format!("audit task failed: {error}")))?;
+        Ok(Response::new(api::ListAuditResponse {
+            entries: entries
+                .into_iter()
+                .map(|entry| api::AuditEntry {
+                    time: entry.time,
+                    actor: entry.actor,
+                    source: entry.source,
+                    action: entry.action,
+                    target: entry.target,
+                    outcome: entry.outcome.as_str().to_owned(),
+                    reason: entry.reason,
+                })
+                .collect(),
+        }))
+    }
+
     async fn get_usage(
         &self,
         request: Request<api::GetUsageRequest>,
