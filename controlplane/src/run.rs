@@ -176,6 +176,12 @@ impl ControlPlane {
         let usage = UsageStore::load(&state_dir, std::time::SystemTime::now())
             .map_err(|error| StartError::Io(format!("usage totals: {error}")))?;
         let audit = Audit::open(&state_dir, rotation(&hub.config()));
+        audit.observe({
+            let webhooks = hub.webhooks().clone();
+            Arc::new(move |entry| {
+                webhooks.notify(webhooks::audit_notice(entry));
+            })
+        });
         let outbound = Outbound::new();
         probe_hosts(&hub, &outbound).await?;
         let reload: Reloader = {

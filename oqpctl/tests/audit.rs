@@ -313,3 +313,79 @@ async fn the_trail_rotates_at_its_size_limit_and_keeps_the_retention() {
     assert_eq!(entries[0]["outcome"], "refused");
     control.shutdown().await;
 }
+
+/// A webhook receiver on 127.0.0.1:0: answers 204 and hands over each body.
+async fn webhook_sink() -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<serde_json::Value>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut buffer = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let read = stream.read(&mut chunk).await.unwrap_or(0);
+                    if read == 0 {
+                        return;
+                    }
+                    buffer.extend_from_slice(&chunk[..read]);
+                    let text = String::from_utf8_lossy(&buffer).into_owned();
+                    let Some(end) = text.find("\r\n\r\n") else {
+                        continue;
+                    };
+                    let length: usize = text[..end]
+                        .lines()
+                        .find_map(|line| {
+                            let (name, value) = line.split_once(':')?;
+                            name.eq_ignore_ascii_case("content-length")
+                                .then(|| value.trim().parse().ok())?
+                        })
+                        .unwrap_or(0);
+                    if buffer.len() < end + 4 + length {
+                        continue;
+                    }
+                    let body = &buffer[end + 4..end + 4 + length];
+                    let _ = tx.send(serde_json::from_slice(body).unwrap());
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n")
+                        .await;
+                    return;
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+#[tokio::test]
+async fn an_audit_webhook_carries_each_entry_when_subscribed() {
+    let scratch = tempfile::tempdir().unwrap();
+    let (sink, mut bodies) = webhook_sink().await;
+    let control = control_plane_with(
+        scratch.path(),
+        &format!(
+            "webhooks:\n  enabled: true\n  url: \"http://{sink}/hook\"\n  \
+             allowed_hosts: [\"127.0.0.1\"]\n  events: [audit]\n"
+        ),
+    )
+    .await;
+    let refused = oqpctl(&control, Some(READER), &["keys", "revoke", "batch"]).await;
+    assert!(!refused.status.success());
+    let body = tokio::time::timeout(std::time::Duration::from_secs(10), bodies.recv())
+        .await
+        .expect("no webhook arrived")
+        .unwrap();
+    assert_eq!(body["event"], "audit");
+    assert_eq!(body["action"], "keys.revoke");
+    assert_eq!(body["actor"], "widget");
+    assert_eq!(body["outcome"], "refused");
+    assert_eq!(body["reason"], "management permission required");
+    assert!(!body.to_string().contains(READER));
+    control.shutdown().await;
+}

@@ -162,6 +162,7 @@ vocabulary! {
         KeyRevoked => "key.revoked",
         KeyRotated => "key.rotated",
         ClientBudgetExceeded => "client.budget_exceeded",
+        Audit => "audit",
     }
 }
 

@@ -270,7 +270,8 @@ fn notice(node: &str, event: &Event) -> Option<Notice> {
         | WebhookEvent::HostRecovered
         | WebhookEvent::KeyRevoked
         | WebhookEvent::KeyRotated
-        | WebhookEvent::ClientBudgetExceeded => return None,
+        | WebhookEvent::ClientBudgetExceeded
+        | WebhookEvent::Audit => return None,
     })
 }
 
