@@ -253,7 +253,7 @@ impl ControlPlane {
                 tracing::error!(%error, "gRPC server failed");
             }
         });
-        tasks.spawn(keys.clone().run_expiry(shutdown.clone()));
+        tasks.spawn(keys.clone().run_expiry(audit.clone(), shutdown.clone()));
         if let Some(sender) = hub.webhooks().sender(outbound.clone(), shutdown.clone()) {
             tasks.spawn(sender);
         }

@@ -389,3 +389,42 @@ async fn an_audit_webhook_carries_each_entry_when_subscribed() {
     assert!(!body.to_string().contains(READER));
     control.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_expired_key_is_recorded_by_local() {
+    let scratch = tempfile::tempdir().unwrap();
+    let control = control_plane(scratch.path()).await;
+    let added = oqpctl(
+        &control,
+        Some(ADMIN),
+        &[
+            "keys",
+            "add",
+            "brief",
+            "--max-priority",
+            "low",
+            "--scope",
+            "inference",
+            "--expires",
+            "1s",
+        ],
+    )
+    .await;
+    assert!(added.status.success());
+    // Waits on the condition (the expiry task's entry), polling the file.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let expired = loop {
+        let entries = trail(scratch.path());
+        if let Some(entry) = find(&entries, "keys.expire", "ok") {
+            break entry.clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no keys.expire: {entries:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(expired["actor"], "local");
+    assert_eq!(expired["target"], "brief");
+    control.shutdown().await;
+}
