@@ -20,6 +20,11 @@ async fn control_plane(dir: &Path) -> ControlPlane {
 
 /// A control plane with `extra` appended to its `control_plane:` section.
 async fn control_plane_with(dir: &Path, extra: &str) -> ControlPlane {
+    start(dir, extra, false).await
+}
+
+/// A control plane, with its single-box data plane when `with_dataplane`.
+async fn start(dir: &Path, extra: &str, with_dataplane: bool) -> ControlPlane {
     // The trail is written to a file once the state directory exists.
     if !dir.join("state").exists() {
         std::fs::create_dir(dir.join("state")).unwrap();
@@ -41,8 +46,12 @@ async fn control_plane_with(dir: &Path, extra: &str) -> ControlPlane {
         config_path: config,
         env: Env::empty(),
         listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
-        with_dataplane: false,
-        dataplane_listener: None,
+        with_dataplane,
+        dataplane_listener: if with_dataplane {
+            Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap())
+        } else {
+            None
+        },
         clock: None,
     })
     .await
@@ -427,4 +436,55 @@ async fn an_expired_key_is_recorded_by_local() {
     assert_eq!(expired["actor"], "local");
     assert_eq!(expired["target"], "brief");
     control.shutdown().await;
+}
+
+/// Waits (polling the file, up to 20 s) until an entry matches.
+async fn wait_for(dir: &Path, action: &str) -> serde_json::Value {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let entries = trail(dir);
+        if let Some(entry) = entries.iter().find(|entry| entry["action"] == action) {
+            return entry.clone();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no {action}: {entries:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn queue_changes_and_data_planes_joining_and_leaving_are_recorded() {
+    let scratch = tempfile::tempdir().unwrap();
+    let control = start(scratch.path(), "", true).await;
+    let joined = wait_for(scratch.path(), "dataplane.join").await;
+    assert_eq!(joined["target"], "local");
+    assert_eq!(joined["actor"], "node");
+    assert_eq!(joined["outcome"], "ok");
+    for args in [
+        ["queue", "pause", "--tier", "low"],
+        ["queue", "resume", "--tier", "low"],
+        ["queue", "flush", "--tier", "high"],
+    ] {
+        let done = oqpctl(&control, Some(ADMIN), &args).await;
+        assert!(
+            done.status.success(),
+            "{}",
+            String::from_utf8_lossy(&done.stderr)
+        );
+    }
+    let entries = trail(scratch.path());
+    for (action, target) in [
+        ("queue.pause", "low"),
+        ("queue.resume", "low"),
+        ("queue.flush", "high"),
+    ] {
+        let entry = find(&entries, action, "ok").unwrap_or_else(|| panic!("{action}"));
+        assert_eq!(entry["target"], target);
+        assert_eq!(entry["actor"], "admin");
+    }
+    control.shutdown().await;
+    let left = wait_for(scratch.path(), "dataplane.leave").await;
+    assert_eq!(left["target"], "local");
 }
