@@ -28,6 +28,10 @@ pub const FILE_NAME: &str = "audit.jsonl";
 /// How many entries the in-memory trail keeps.
 pub const MEMORY_ENTRIES: usize = 1000;
 
+/// The longest reason kept (a refused reload's full list of problems stays
+/// in the log).
+pub const MAX_REASON: usize = 200;
+
 /// The actor of an action no admin caller asked for (a signal, start-up,
 /// an expiry).
 pub const LOCAL: &str = "local";
@@ -200,7 +204,7 @@ impl Audit {
             action: action.to_owned(),
             target: target.to_owned(),
             outcome,
-            reason: reason.to_owned(),
+            reason: short(reason),
         };
         tracing::info!(
             actor = %entry.actor,
@@ -226,15 +230,21 @@ impl Audit {
 
     /// The entries that match `query`, oldest first (rotated files too).
     pub fn read(&self, query: &Query) -> Vec<Entry> {
-        let sink = self.lock();
-        let mut entries: Vec<Entry> = sink
-            .ring
-            .iter()
-            .filter(|e| query.matches(e))
-            .cloned()
-            .collect();
-        if let Some(path) = &sink.path {
-            let mut files: Vec<PathBuf> = (1..=sink.rotation.keep_files)
+        // The files are read without the lock, so that writers never wait
+        // for a reader (a rotation meanwhile may show an entry twice or
+        // miss one; the files themselves are untouched).
+        let (mut entries, path, keep_files) = {
+            let sink = self.lock();
+            let entries: Vec<Entry> = sink
+                .ring
+                .iter()
+                .filter(|e| query.matches(e))
+                .cloned()
+                .collect();
+            (entries, sink.path.clone(), sink.rotation.keep_files)
+        };
+        if let Some(path) = &path {
+            let mut files: Vec<PathBuf> = (1..=keep_files)
                 .rev()
                 .map(|index| rotated(path, index))
                 .collect();
@@ -251,7 +261,6 @@ impl Audit {
                     .filter(|entry| query.matches(entry)),
             );
         }
-        drop(sink);
         if query.limit > 0 && entries.len() > query.limit {
             entries.drain(..entries.len() - query.limit);
         }
@@ -304,6 +313,18 @@ impl Sink {
         }
         Ok(())
     }
+}
+
+/// A reason as the trail keeps it: its first line, at most
+/// [`MAX_REASON`] characters.
+fn short(reason: &str) -> String {
+    let first = reason.lines().next().unwrap_or_default().trim();
+    if first.chars().count() <= MAX_REASON {
+        return first.to_owned();
+    }
+    let mut cut: String = first.chars().take(MAX_REASON - 1).collect();
+    cut.push('…');
+    cut
 }
 
 fn rotated(path: &Path, index: u32) -> PathBuf {
@@ -383,6 +404,16 @@ mod tests {
             let mode = std::fs::metadata(&path).unwrap().permissions().mode();
             assert_eq!(mode & 0o777, 0o600);
         }
+    }
+
+    #[test]
+    fn reasons_are_kept_short() {
+        let audit = Audit::in_memory();
+        let long = format!("first line {}\nsecond line", "x".repeat(500));
+        audit.record("local", None, "config.reload", "", Outcome::Refused, &long);
+        let reason = audit.read(&Query::default()).remove(0).reason;
+        assert_eq!(reason.chars().count(), MAX_REASON);
+        assert!(reason.starts_with("first line") && reason.ends_with('…'));
     }
 
     #[test]
