@@ -12,7 +12,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ]);
     tonic_prost_build::configure().compile_with_config(
         config,
-        &["oqp/policy/v1/policy.proto", "oqp/admin/v1/admin.proto"],
+        &[
+            "oqp/policy/v1/policy.proto",
+            "oqp/admin/v1/admin.proto",
+            "oqp/admin/v1/audit.proto",
+        ],
         &["."],
     )?;
     Ok(())

@@ -43,11 +43,12 @@ pub use error::ConfigError;
 pub use keys::check_model_pattern;
 pub use secret::Secret;
 pub use types::{
-    AffinityConfig, AuthConfig, Budget, BudgetWindow, CacheBackend, ClientInjectionConfig,
-    CloudKey, Config, ControlPlaneConfig, DashboardConfig, EmbeddingCacheConfig, FairShareConfig,
-    HostConfig, InjectionListener, KeepAliveConfig, KeyConfig, ListenerTls, LoggingConfig,
-    ModelSwapConfig, NodeOverride, OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig,
-    RoutingConfig, TierConfig, TlsConfig, UserSource, UsersConfig, WebhooksConfig,
+    AffinityConfig, AuditConfig, AuthConfig, Budget, BudgetWindow, CacheBackend,
+    ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig, DashboardConfig,
+    EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener, KeepAliveConfig,
+    KeyConfig, ListenerTls, LoggingConfig, ModelSwapConfig, NodeOverride, OllamaConfig,
+    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig, UserSource,
+    UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

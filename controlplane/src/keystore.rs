@@ -38,6 +38,7 @@ use oqp_proto::policy::v1 as wire;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::audit::{Audit, Outcome};
 use crate::compile::{scope_to_wire, tier_to_wire, unix_ms};
 use crate::config::{Budget, Config, Scope, Secret, Tier, WebhookEvent};
 use crate::hub::Hub;
@@ -407,6 +408,23 @@ impl KeyStore {
             .min()
     }
 
+    /// The deadlines in `(after, upto]`: `(client_id, "keys.expire")` for a
+    /// key that expired, `(client_id, "keys.grace_end")` for an old key
+    /// whose grace ended, as the audit trail names them.
+    pub fn passed_deadlines(&self, after: i64, upto: i64) -> Vec<(String, &'static str)> {
+        let within = |deadline: i64| deadline > after && deadline <= upto;
+        let mut passed = Vec::new();
+        for record in self.records().iter() {
+            if within(record.expires_unix_ms) {
+                passed.push((record.client_id.clone(), "keys.expire"));
+            }
+            if record.previous.iter().any(|old| within(old.until_unix_ms)) {
+                passed.push((record.client_id.clone(), "keys.grace_end"));
+            }
+        }
+        passed
+    }
+
     /// Publishes the keys that work at `now`; returns the snapshot version.
     pub fn republish(&self, now: SystemTime) -> u64 {
         let _writer = lock(&self.writer);
@@ -416,7 +434,8 @@ impl KeyStore {
 
     /// Republishes at every deadline (expiry, end of grace) until `shutdown`:
     /// one timer on the next deadline, re-armed whenever the store changes.
-    pub async fn run_expiry(self: Arc<Self>, shutdown: CancellationToken) {
+    /// Each deadline passed is recorded in `audit` (actor `local`).
+    pub async fn run_expiry(self: Arc<Self>, audit: Arc<Audit>, shutdown: CancellationToken) {
         // Deadlines are looked up after the last republish by this task, not
         // after "now": a deadline that passed while a change woke the loop is
         // still due (the timer then fires at once), so none is skipped.
@@ -442,6 +461,9 @@ impl KeyStore {
                 () = self.changed.notified() => {}
                 () = timer => {
                     let now = SystemTime::now();
+                    for (client_id, action) in self.passed_deadlines(handled, unix_ms(now)) {
+                        audit.record(crate::audit::LOCAL, None, action, &client_id, Outcome::Ok, "");
+                    }
                     handled = unix_ms(now);
                     let store = self.clone();
                     let republished =

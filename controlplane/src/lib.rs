@@ -6,8 +6,10 @@
 //! ([`keystore`]), and serves them to data planes and the
 //! admin API to oqpctl over gRPC ([`grpc`]). In the background it polls the
 //! upstream hosts ([`poller`]) and delivers webhooks ([`webhooks`]) over one
-//! outbound HTTP client ([`outbound`]). [`ControlPlane`] starts it all.
+//! outbound HTTP client ([`outbound`]). Management actions are recorded in
+//! the audit trail ([`audit`]). [`ControlPlane`] starts it all.
 
+pub mod audit;
 pub mod compile;
 pub mod config;
 pub mod grpc;

@@ -22,6 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 
+use crate::audit::{self, Audit, Outcome, Rotation};
 use crate::config::{self, ConfigError, Env, Loaded, Secret};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
@@ -96,6 +97,7 @@ impl StartError {
 /// A running control plane.
 pub struct ControlPlane {
     hub: Arc<Hub>,
+    audit: Arc<Audit>,
     keys: Arc<KeyStore>,
     addr: SocketAddr,
     node_token: Secret,
@@ -173,11 +175,19 @@ impl ControlPlane {
         let keys = KeyStore::load(&state_dir, hub.clone())?;
         let usage = UsageStore::load(&state_dir, std::time::SystemTime::now())
             .map_err(|error| StartError::Io(format!("usage totals: {error}")))?;
+        let audit = Audit::open(&state_dir, rotation(&hub.config()));
+        audit.observe({
+            let webhooks = hub.webhooks().clone();
+            Arc::new(move |entry| {
+                webhooks.notify(webhooks::audit_notice(entry));
+            })
+        });
         let outbound = Outbound::new();
         probe_hosts(&hub, &outbound).await?;
         let reload: Reloader = {
             let hub = hub.clone();
             let keys = keys.clone();
+            let audit = audit.clone();
             let path = options.config_path.clone();
             let env = options.env.clone();
             Arc::new(move || {
@@ -192,6 +202,7 @@ impl ControlPlane {
                         .map_err(|e| format!("webhooks.url: {e}"))?;
                 }
                 warnings.extend(keys.warnings(&config));
+                audit.set_rotation(rotation(&config));
                 let version = hub.set_config(config);
                 Ok((version, warnings))
             })
@@ -218,19 +229,20 @@ impl ControlPlane {
                 .map_err(|e| StartError::Io(format!("TLS: {e}")))?;
         }
         let router = server
-            .add_service(PolicyServiceServer::new(PolicyApi::new(
-                hub.clone(),
-                usage.clone(),
-                local_token,
-                shutdown.clone(),
-            )))
-            .add_service(AdminServiceServer::new(AdminApi::new(
-                hub.clone(),
-                keys.clone(),
-                usage.clone(),
-                reload.clone(),
-                shutdown.clone(),
-            )));
+            .add_service(PolicyServiceServer::new(
+                PolicyApi::new(hub.clone(), usage.clone(), local_token, shutdown.clone())
+                    .with_audit(audit.clone()),
+            ))
+            .add_service(AdminServiceServer::new(
+                AdminApi::new(
+                    hub.clone(),
+                    keys.clone(),
+                    usage.clone(),
+                    reload.clone(),
+                    shutdown.clone(),
+                )
+                .with_audit(audit.clone()),
+            ));
         let stop = shutdown.clone();
         let incoming = incoming::accept(listener, hub.clone());
         tasks.spawn(async move {
@@ -241,7 +253,7 @@ impl ControlPlane {
                 tracing::error!(%error, "gRPC server failed");
             }
         });
-        tasks.spawn(keys.clone().run_expiry(shutdown.clone()));
+        tasks.spawn(keys.clone().run_expiry(audit.clone(), shutdown.clone()));
         if let Some(sender) = hub.webhooks().sender(outbound.clone(), shutdown.clone()) {
             tasks.spawn(sender);
         }
@@ -290,6 +302,7 @@ impl ControlPlane {
 
         Ok(Self {
             hub,
+            audit,
             keys,
             addr,
             node_token,
@@ -326,9 +339,28 @@ impl ControlPlane {
         self.dataplane.as_ref()
     }
 
-    /// Re-reads the config file. An invalid file changes nothing.
+    /// The audit trail.
+    pub fn audit(&self) -> &Arc<Audit> {
+        &self.audit
+    }
+
+    /// Re-reads the config file (on SIGHUP; recorded as done by `local`).
+    /// An invalid file changes nothing.
     pub fn reload(&self) -> Result<u64, String> {
-        match (self.reload)() {
+        let reloaded = (self.reload)();
+        let (target, outcome, reason) = match &reloaded {
+            Ok((version, _)) => (format!("version {version}"), Outcome::Ok, String::new()),
+            Err(error) => (String::new(), Outcome::Refused, error.clone()),
+        };
+        self.audit.record(
+            audit::LOCAL,
+            None,
+            "config.reload",
+            &target,
+            outcome,
+            &reason,
+        );
+        match reloaded {
             Ok((version, warnings)) => {
                 for warning in warnings {
                     tracing::warn!("config: {warning}");
@@ -350,6 +382,18 @@ impl ControlPlane {
         }
         self.shutdown.cancel();
         while self.tasks.join_next().await.is_some() {}
+    }
+}
+
+/// The audit trail's rotation, from `control_plane.audit`.
+fn rotation(config: &config::Config) -> Rotation {
+    Rotation {
+        max_bytes: config
+            .control_plane
+            .audit
+            .max_file_mb
+            .saturating_mul(1024 * 1024),
+        keep_files: config.control_plane.audit.keep_files,
     }
 }
 

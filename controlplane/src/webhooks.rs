@@ -17,6 +17,7 @@
 //! | `queue.over_capacity` | `tier`, `client_id`, `node` |
 //! | `host.unhealthy`, `host.recovered` | `name` |
 //! | `key.revoked`, `key.rotated` | `client_id` |
+//! | `audit` (not sent unless listed) | `actor`, `source`, `action`, `target`, `outcome`, `reason`: the audit entry ([`crate::audit`]) |
 //!
 //! [`ssrf`] holds the start-up check of the URL.
 
@@ -179,6 +180,20 @@ impl Webhooks {
             failed: counters.failed.load(Ordering::Relaxed),
         }
     }
+}
+
+/// The `audit` event of an audit entry: its fields, the time as the
+/// event's timestamp.
+pub fn audit_notice(entry: &crate::audit::Entry) -> Notice {
+    let at = humantime::parse_rfc3339(&entry.time).unwrap_or_else(|_| std::time::SystemTime::now());
+    Notice::new(WebhookEvent::Audit)
+        .at(at)
+        .field("actor", entry.actor.as_str())
+        .field("source", entry.source.as_str())
+        .field("action", entry.action.as_str())
+        .field("target", entry.target.as_str())
+        .field("outcome", entry.outcome.as_str())
+        .field("reason", entry.reason.as_str())
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

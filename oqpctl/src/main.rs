@@ -4,6 +4,7 @@
 //! Exit codes: 0 done, 1 refused by the control plane (permission, unknown
 //! client, invalid request), 2 usage error or control plane unreachable.
 
+mod audit;
 mod client;
 mod render;
 mod usage;
@@ -32,6 +33,7 @@ Examples:
   oqpctl usage --since 7d --by client,model
   oqpctl keys rotate batch --grace 1h
   oqpctl keys revoke batch
+  oqpctl audit --since 1h --action keys --follow
   OQPCTL_KEY=sk-admin oqpctl --control-plane https://cp.lan:50051 --ca ca.pem status";
 
 /// Operate oqp, the admission-control proxy for Ollama.
@@ -85,6 +87,8 @@ enum Command {
     Keys(KeysCommand),
     /// GPU time, tokens, requests and cache hits per client and/or model.
     Usage(usage::UsageArgs),
+    /// The audit trail: who changed keys, queues and the config, and refused calls.
+    Audit(audit::AuditArgs),
     /// Prints a shell completion script.
     Completions {
         /// The shell.
@@ -281,6 +285,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 usage::render(&response, &request, args.by_app(), output, style)
             );
         }
+        Command::Audit(args) => audit::run(&mut admin, &args, output).await?,
         Command::Config(_) | Command::Completions { .. } => {}
     }
     Ok(())

@@ -11,7 +11,9 @@ use super::net;
 use super::resolve::{checked, ranged, text};
 use super::scalar::Text;
 use super::schema::{RawControlPlane, RawNode};
-use super::types::{ControlPlaneConfig, HostConfig, NodeOverride, ProxyConfig, TlsConfig};
+use super::types::{
+    AuditConfig, ControlPlaneConfig, HostConfig, NodeOverride, ProxyConfig, TlsConfig,
+};
 
 pub(crate) fn control_plane(
     raw: RawControlPlane,
@@ -53,11 +55,33 @@ pub(crate) fn control_plane(
                 key: PathBuf::from(tls.key.0.trim()),
             }
         });
+        let audit = raw.audit.map_or_else(AuditConfig::default, |audit| {
+            let defaults = AuditConfig::default();
+            AuditConfig {
+                max_file_mb: ranged(
+                    audit.max_file_mb,
+                    defaults.max_file_mb,
+                    1..=1024,
+                    problems,
+                    |value| {
+                        format!("control_plane.audit.max_file_mb must be 1 to 1024, got {value}")
+                    },
+                ),
+                keep_files: ranged(
+                    audit.keep_files,
+                    defaults.keep_files,
+                    0..=100,
+                    problems,
+                    |value| format!("control_plane.audit.keep_files must be 0 to 100, got {value}"),
+                ),
+            }
+        });
         ControlPlaneConfig {
             listen,
             node_token,
             state_dir,
             tls,
+            audit,
         }
     })
 }

@@ -168,6 +168,7 @@ vocabulary! {
         KeyRevoked => "key.revoked",
         KeyRotated => "key.rotated",
         ClientBudgetExceeded => "client.budget_exceeded",
+        Audit => "audit",
     }
 }
 

@@ -352,6 +352,14 @@ pub(crate) struct RawControlPlane {
     pub node_token_file: Option<Text>,
     pub state_dir: Option<Text>,
     pub tls: Option<RawTls>,
+    pub audit: Option<RawAudit>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawAudit {
+    pub max_file_mb: Option<Int>,
+    pub keep_files: Option<Int>,
 }
 
 #[derive(Debug, Deserialize)]

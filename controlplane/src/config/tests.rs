@@ -961,7 +961,7 @@ fn section_value_errors() {
         [
             "queue.overflow_status_code must be 503 or 429, got 500",
             "webhooks.events[0]: unknown value 'queue.exploded' (expected queue.full, queue.high_watermark, queue.drained, \
-         queue.over_capacity, host.unhealthy, host.recovered, key.revoked, key.rotated or client.budget_exceeded)",
+         queue.over_capacity, host.unhealthy, host.recovered, key.revoked, key.rotated, client.budget_exceeded or audit)",
             "webhooks.url: Webhook URL must use http or https scheme, got: 'ftp'",
             "logging.format: unknown value 'xml' (expected text or json)",
             "routing.strategy: unknown value 'fastest' (expected model_aware or round_robin)",
@@ -1758,5 +1758,40 @@ fn listener_tls_files() {
     assert_eq!(
         tls.map(|tls| tls.key_file),
         Some(std::path::PathBuf::from("/k.pem"))
+    );
+}
+
+#[test]
+fn audit_rotation_is_configured_within_bounds() {
+    let config = load(&with_host(
+        "control_plane: {audit: {max_file_mb: 2, keep_files: 0}}\n",
+    ))
+    .config;
+    assert_eq!(
+        config.control_plane.audit,
+        crate::config::AuditConfig {
+            max_file_mb: 2,
+            keep_files: 0
+        }
+    );
+    assert_eq!(
+        load(&with_host("")).config.control_plane.audit,
+        crate::config::AuditConfig::default()
+    );
+    let errors = problems(
+        &with_host("control_plane: {audit: {max_file_mb: 0, keep_files: 101}}\n"),
+        &[],
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("control_plane.audit.max_file_mb must be 1 to 1024, got 0")),
+        "{errors:?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("control_plane.audit.keep_files must be 0 to 100, got 101")),
+        "{errors:?}"
     );
 }

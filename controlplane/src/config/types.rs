@@ -470,6 +470,26 @@ pub struct ControlPlaneConfig {
     /// Directory of the key store and other durable state.
     pub state_dir: PathBuf,
     pub tls: Option<TlsConfig>,
+    /// `control_plane.audit`: the audit trail's rotation.
+    pub audit: AuditConfig,
+}
+
+/// `control_plane.audit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AuditConfig {
+    /// `audit.jsonl` is rotated past this size (MiB, 1..=1024; default 10).
+    pub max_file_mb: u64,
+    /// Rotated files kept (0..=100; default 5).
+    pub keep_files: u32,
+}
+
+impl Default for AuditConfig {
+    fn default() -> Self {
+        Self {
+            max_file_mb: 10,
+            keep_files: 5,
+        }
+    }
 }
 
 /// Certificate and private key (PEM paths) for the gRPC listener.
@@ -730,6 +750,7 @@ impl Default for ControlPlaneConfig {
             node_token: None,
             state_dir: PathBuf::from("./oqp-state"),
             tls: None,
+            audit: AuditConfig::default(),
         }
     }
 }

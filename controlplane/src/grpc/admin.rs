@@ -33,6 +33,7 @@ use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::audit::{self, Audit, Outcome};
 use crate::compile::{self, scope_to_wire, tier_from_wire, tier_index, tier_to_wire, unix_ms};
 use crate::config::{Scope, Tier};
 use crate::hub::Hub;
@@ -50,6 +51,7 @@ pub struct AdminApi {
     usage: Arc<UsageStore>,
     reload: Reloader,
     shutdown: CancellationToken,
+    audit: Arc<Audit>,
 }
 
 impl std::fmt::Debug for AdminApi {
@@ -57,6 +59,9 @@ impl std::fmt::Debug for AdminApi {
         f.debug_struct("AdminApi").finish_non_exhaustive()
     }
 }
+
+/// The actor of a refused call whose credential named no key.
+const UNKNOWN_ACTOR: &str = "unknown";
 
 /// How long a node may stay silent and still count as reporting.
 const REPORT_FRESH: Duration = Duration::from_secs(5);
@@ -77,7 +82,32 @@ impl AdminApi {
             usage,
             reload,
             shutdown,
+            audit: Audit::in_memory(),
         }
+    }
+
+    /// Records management actions and refused calls in `audit` (by
+    /// default, a trail in memory).
+    pub fn with_audit(mut self, audit: Arc<Audit>) -> Self {
+        self.audit = audit;
+        self
+    }
+
+    /// Records `action` on `target` by `actor` with the outcome of `result`.
+    fn record<T>(
+        &self,
+        actor: &str,
+        source: Option<SocketAddr>,
+        action: &str,
+        target: &str,
+        result: &Result<T, Status>,
+    ) {
+        let (outcome, reason) = match result {
+            Ok(_) => (Outcome::Ok, ""),
+            Err(status) => (outcome_of(status), status.message()),
+        };
+        self.audit
+            .record(actor, source, action, target, outcome, reason);
     }
 
     /// Checks the caller's key (a config key, or a stored key that is
@@ -85,7 +115,48 @@ impl AdminApi {
     /// With `auth.enabled: false` reads are open, as on the HTTP side, and
     /// changes need a loopback peer or the node token
     /// ([`open_change_allowed`]).
-    fn authorize<T>(&self, request: &Request<T>, needed: Scope) -> Result<Seen, Status> {
+    /// A refused call is recorded in the audit trail as `action`.
+    fn authorize<T>(
+        &self,
+        request: &Request<T>,
+        needed: Scope,
+        action: &str,
+    ) -> Result<Seen, Status> {
+        self.authorize_as(request, needed, action)
+            .map(|(seen, _)| seen)
+    }
+
+    /// [`authorize`](Self::authorize), with the actor the audit trail
+    /// names: the key's `client_id`, `node` for the node token and
+    /// `local` for an open call with auth off.
+    fn authorize_as<T>(
+        &self,
+        request: &Request<T>,
+        needed: Scope,
+        action: &str,
+    ) -> Result<(Seen, String), Status> {
+        let checked = self.check(request, needed);
+        if let Err((status, actor)) = &checked {
+            self.audit.record(
+                actor,
+                request.remote_addr(),
+                action,
+                "",
+                Outcome::Refused,
+                status.message(),
+            );
+        }
+        checked.map_err(|(status, _)| status)
+    }
+
+    /// The check itself; a refusal carries the actor as far as it is known
+    /// (`unknown` for a missing or wrong credential).
+    fn check<T>(
+        &self,
+        request: &Request<T>,
+        needed: Scope,
+    ) -> Result<(Seen, String), (Status, String)> {
+        let unknown = |status: Status| (status, UNKNOWN_ACTOR.to_owned());
         let config = self.hub.config();
         if !config.auth.enabled {
             let token = config
@@ -105,12 +176,13 @@ impl AdminApi {
             if needed == Scope::Read
                 || open_change_allowed(request.remote_addr(), request.local_addr(), token)
             {
-                return Ok(Seen::All);
+                let actor = if token { "node" } else { audit::LOCAL };
+                return Ok((Seen::All, actor.to_owned()));
             }
-            return Err(Status::permission_denied(
+            return Err(unknown(Status::permission_denied(
                 "auth is disabled (auth.enabled: false): calls that change state are accepted \
                  only from loopback or with the node token; enable auth and use a management key",
-            ));
+            )));
         }
         let presented = request
             .metadata()
@@ -122,10 +194,10 @@ impl AdminApi {
                 (scheme.eq_ignore_ascii_case("bearer") && !key.is_empty()).then_some(key)
             })
             .ok_or_else(|| {
-                Status::unauthenticated(
+                unknown(Status::unauthenticated(
                     "missing or invalid authorization header: this control plane needs an oqp \
                      key (oqpctl: --key-file PATH or env OQPCTL_KEY)",
-                )
+                ))
             })?;
         let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
         let now = SystemTime::now();
@@ -139,18 +211,18 @@ impl AdminApi {
             })
             .map(|key| (key.scope, key.client_id.clone()))
             .or_else(|| self.keys.holder_of(&digest, unix_ms(now)))
-            .ok_or_else(|| Status::unauthenticated("invalid api key"))?;
+            .ok_or_else(|| unknown(Status::unauthenticated("invalid api key")))?;
         if scope >= needed {
             Ok(if scope >= Scope::Management {
-                Seen::All
+                (Seen::All, client)
             } else {
-                Seen::Own(client)
+                (Seen::Own(client.clone()), client)
             })
         } else {
-            Err(Status::permission_denied(format!(
-                "{} permission required",
-                needed.as_str()
-            )))
+            Err((
+                Status::permission_denied(format!("{} permission required", needed.as_str())),
+                client,
+            ))
         }
     }
 
@@ -172,10 +244,19 @@ impl AdminApi {
         &self,
         request: &Request<api::TierRequest>,
         status: &str,
+        action: &str,
         change: impl Fn(&mut compile::Runtime, usize),
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.authorize(request, Scope::Management)?;
+        let (_, actor) = self.authorize_as(request, Scope::Management, action)?;
         let tier = tier_from_wire(request.get_ref().tier);
+        self.audit.record(
+            &actor,
+            request.remote_addr(),
+            action,
+            tier.map_or("all", Tier::as_str),
+            Outcome::Ok,
+            "",
+        );
         let tiers = tier.map_or(Tier::ALL.to_vec(), |tier| vec![tier]);
         let version = self.hub.update_runtime(|runtime| {
             for tier in &tiers {
@@ -198,7 +279,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::GetStatusRequest>,
     ) -> Result<Response<api::GetStatusResponse>, Status> {
-        self.authorize(&request, Scope::Read)?;
+        self.authorize(&request, Scope::Read, "status.get")?;
         let config = self.hub.config();
         let inventory = self.hub.inventory();
         let runtime = self.hub.runtime();
@@ -244,7 +325,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::ListKeysRequest>,
     ) -> Result<Response<api::ListKeysResponse>, Status> {
-        let seen = self.authorize(&request, Scope::Read)?;
+        let seen = self.authorize(&request, Scope::Read, "keys.list")?;
         // From the sources rather than the snapshot: expired stored keys
         // are listed (as expired) although no snapshot carries them, and a
         // key in its grace period is one row, not two.
@@ -298,11 +379,18 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::AddKeyRequest>,
     ) -> Result<Response<api::AddKeyResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
-        self.refuse_minting_with_auth_off()?;
-        let new = new_key(request.into_inner())?;
-        let keys = self.keys.clone();
-        let issued = blocking(move || keys.add(new, SystemTime::now())).await?;
+        let (_, actor) = self.authorize_as(&request, Scope::Management, "keys.add")?;
+        let source = request.remote_addr();
+        let client_id = request.get_ref().client_id.clone();
+        let issued = async {
+            self.refuse_minting_with_auth_off()?;
+            let new = new_key(request.into_inner())?;
+            let keys = self.keys.clone();
+            blocking(move || keys.add(new, SystemTime::now())).await
+        }
+        .await;
+        self.record(&actor, source, "keys.add", &client_id, &issued);
+        let issued = issued?;
         tracing::info!(
             client_id = %issued.record.client_id,
             version = issued.snapshot_version,
@@ -319,13 +407,19 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::RotateKeyRequest>,
     ) -> Result<Response<api::RotateKeyResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
-        self.refuse_minting_with_auth_off()?;
+        let (_, actor) = self.authorize_as(&request, Scope::Management, "keys.rotate")?;
+        let source = request.remote_addr();
         let request = request.into_inner();
-        let grace = Duration::from_secs(request.grace_seconds);
-        let keys = self.keys.clone();
-        let issued =
-            blocking(move || keys.rotate(&request.client_id, grace, SystemTime::now())).await?;
+        let client_id = request.client_id.clone();
+        let issued = async {
+            self.refuse_minting_with_auth_off()?;
+            let grace = Duration::from_secs(request.grace_seconds);
+            let keys = self.keys.clone();
+            blocking(move || keys.rotate(&request.client_id, grace, SystemTime::now())).await
+        }
+        .await;
+        self.record(&actor, source, "keys.rotate", &client_id, &issued);
+        let issued = issued?;
         tracing::info!(
             client_id = %issued.record.client_id,
             version = issued.snapshot_version,
@@ -348,11 +442,14 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::RevokeKeyRequest>,
     ) -> Result<Response<api::RevokeKeyResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
+        let (_, actor) = self.authorize_as(&request, Scope::Management, "keys.revoke")?;
+        let source = request.remote_addr();
         let client_id = request.into_inner().client_id;
         let keys = self.keys.clone();
         let revoked = client_id.clone();
-        let snapshot_version = blocking(move || keys.revoke(&revoked, SystemTime::now())).await?;
+        let result = blocking(move || keys.revoke(&revoked, SystemTime::now())).await;
+        self.record(&actor, source, "keys.revoke", &client_id, &result);
+        let snapshot_version = result?;
         tracing::info!(%client_id, version = snapshot_version, "key revoked");
         Ok(Response::new(api::RevokeKeyResponse { snapshot_version }))
     }
@@ -361,7 +458,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::TierRequest>,
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.tier_change(&request, "paused", |runtime, index| {
+        self.tier_change(&request, "paused", "queue.pause", |runtime, index| {
             runtime.paused[index] = true;
         })
     }
@@ -370,7 +467,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::TierRequest>,
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.tier_change(&request, "resumed", |runtime, index| {
+        self.tier_change(&request, "resumed", "queue.resume", |runtime, index| {
             runtime.paused[index] = false;
         })
     }
@@ -379,7 +476,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::TierRequest>,
     ) -> Result<Response<api::TierResponse>, Status> {
-        self.tier_change(&request, "flushed", |runtime, index| {
+        self.tier_change(&request, "flushed", "queue.flush", |runtime, index| {
             runtime.flush_generation[index] += 1;
         })
     }
@@ -390,7 +487,15 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::DrainRequest>,
     ) -> Result<Response<Self::DrainStream>, Status> {
-        self.authorize(&request, Scope::Management)?;
+        let (_, actor) = self.authorize_as(&request, Scope::Management, "queue.drain")?;
+        self.audit.record(
+            &actor,
+            request.remote_addr(),
+            "queue.drain",
+            "all",
+            Outcome::Ok,
+            "",
+        );
         let timeout = match request.into_inner().timeout_ms {
             0 => Duration::from_secs(300),
             // The caller's choice, bounded: `Instant + u64::MAX ms` would panic.
@@ -431,7 +536,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::ListHostsRequest>,
     ) -> Result<Response<api::ListHostsResponse>, Status> {
-        self.authorize(&request, Scope::Read)?;
+        self.authorize(&request, Scope::Read, "hosts.list")?;
         let snapshot = self.hub.current();
         let config = self.hub.config();
         let nodes = self.hub.nodes();
@@ -485,7 +590,7 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::ListClientsRequest>,
     ) -> Result<Response<api::ListClientsResponse>, Status> {
-        let seen = self.authorize(&request, Scope::Read)?;
+        let seen = self.authorize(&request, Scope::Read, "clients.list")?;
         let snapshot = self.hub.current();
         let nodes = self.hub.nodes();
         let today: std::collections::HashMap<String, u64> = self
@@ -556,13 +661,24 @@ impl AdminService for AdminApi {
         &self,
         request: Request<api::ReloadRequest>,
     ) -> Result<Response<api::ReloadResponse>, Status> {
-        self.authorize(&request, Scope::Management)?;
+        let (_, actor) = self.authorize_as(&request, Scope::Management, "config.reload")?;
+        let source = request.remote_addr();
         // Reading, parsing and (for a changed webhook URL) resolving the
         // file are blocking work: off the async workers.
         let reload = self.reload.clone();
         let reloaded = tokio::task::spawn_blocking(move || reload())
             .await
-            .map_err(|error| Status::internal(format!("reload task failed: {error}")))?;
+            .map_err(|error| Status::internal(format!("reload task failed: {error}")));
+        let reloaded = match reloaded {
+            Ok(Ok(done)) => Ok(done),
+            Ok(Err(error)) => Err(Status::failed_precondition(error)),
+            Err(status) => Err(status),
+        };
+        let target = match &reloaded {
+            Ok((version, _)) => format!("version {version}"),
+            Err(_) => String::new(),
+        };
+        self.record(&actor, source, "config.reload", &target, &reloaded);
         match reloaded {
             Ok((snapshot_version, warnings)) => {
                 for warning in &warnings {
@@ -574,15 +690,53 @@ impl AdminService for AdminApi {
                     warnings,
                 }))
             }
-            Err(error) => Err(Status::failed_precondition(error)),
+            Err(status) => Err(status),
         }
+    }
+
+    async fn list_audit(
+        &self,
+        request: Request<api::ListAuditRequest>,
+    ) -> Result<Response<api::ListAuditResponse>, Status> {
+        self.authorize(&request, Scope::Management, "audit.list")?;
+        let request = request.into_inner();
+        let query = audit::Query {
+            since: (request.since_unix_ms > 0).then(|| {
+                SystemTime::UNIX_EPOCH
+                    + Duration::from_millis(u64::try_from(request.since_unix_ms).unwrap_or(0))
+            }),
+            action: (!request.action.is_empty()).then_some(request.action),
+            limit: match request.limit {
+                0 => 1000,
+                limit => usize::try_from(limit).unwrap_or(usize::MAX).min(10_000),
+            },
+        };
+        // The rotated files are read from disk: off the async workers.
+        let trail = self.audit.clone();
+        let entries = tokio::task::spawn_blocking(move || trail.read(&query))
+            .await
+            .map_err(|error| Status::internal(format!("audit task failed: {error}")))?;
+        Ok(Response::new(api::ListAuditResponse {
+            entries: entries
+                .into_iter()
+                .map(|entry| api::AuditEntry {
+                    time: entry.time,
+                    actor: entry.actor,
+                    source: entry.source,
+                    action: entry.action,
+                    target: entry.target,
+                    outcome: entry.outcome.as_str().to_owned(),
+                    reason: entry.reason,
+                })
+                .collect(),
+        }))
     }
 
     async fn get_usage(
         &self,
         request: Request<api::GetUsageRequest>,
     ) -> Result<Response<api::GetUsageResponse>, Status> {
-        let seen = self.authorize(&request, Scope::Read)?;
+        let seen = self.authorize(&request, Scope::Read, "usage.get")?;
         let query = request.into_inner();
         Ok(Response::new(self.usage.query_for(
             &query,
@@ -621,6 +775,21 @@ impl Seen {
             Seen::All => None,
             Seen::Own(own) => Some(own),
         }
+    }
+}
+
+/// How a refused call is recorded: the caller's mistake (credential, scope, a bad
+/// argument, a state that does not allow it) is `refused`, the rest `failed`.
+fn outcome_of(status: &Status) -> Outcome {
+    use tonic::Code;
+    match status.code() {
+        Code::Unauthenticated
+        | Code::PermissionDenied
+        | Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::FailedPrecondition => Outcome::Refused,
+        _ => Outcome::Failed,
     }
 }
 

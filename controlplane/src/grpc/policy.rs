@@ -18,6 +18,7 @@ use tokio_stream::wrappers::WatchStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
+use crate::audit::{Audit, Outcome};
 use crate::compile::{self, tier_from_wire};
 use crate::config::{Secret, WebhookEvent};
 use crate::hub::Hub;
@@ -33,6 +34,7 @@ pub struct PolicyApi {
     /// The token presented when `control_plane.node_token` is not set ([`node_token`]).
     local: Secret,
     shutdown: CancellationToken,
+    audit: Arc<Audit>,
 }
 
 impl PolicyApi {
@@ -50,7 +52,14 @@ impl PolicyApi {
             usage,
             local,
             shutdown,
+            audit: Audit::in_memory(),
         }
+    }
+
+    /// Records data planes joining and leaving in `audit`.
+    pub fn with_audit(mut self, audit: Arc<Audit>) -> Self {
+        self.audit = audit;
+        self
     }
 
     /// Every call is authenticated: by `control_plane.node_token`, else by the control
@@ -90,12 +99,22 @@ struct WatchGuard {
     hub: Arc<Hub>,
     node: String,
     epoch: u64,
+    audit: Arc<Audit>,
+    source: Option<std::net::SocketAddr>,
 }
 
 impl Drop for WatchGuard {
     fn drop(&mut self) {
         self.hub.close_watch(&self.node, self.epoch);
         tracing::info!(node = %self.node, "data plane stopped watching");
+        self.audit.record(
+            "node",
+            self.source,
+            "dataplane.leave",
+            &self.node,
+            Outcome::Ok,
+            "",
+        );
     }
 }
 
@@ -107,7 +126,18 @@ impl PolicyService for PolicyApi {
         &self,
         request: Request<NodeHello>,
     ) -> Result<Response<Self::WatchPolicyStream>, Status> {
-        self.check_token(&request)?;
+        let source = request.remote_addr();
+        if let Err(status) = self.check_token(&request) {
+            self.audit.record(
+                "unknown",
+                source,
+                "dataplane.join",
+                &request.get_ref().node,
+                Outcome::Refused,
+                status.message(),
+            );
+            return Err(status);
+        }
         let hello = request.into_inner();
         let node = if hello.node.is_empty() {
             "default".to_owned()
@@ -119,16 +149,29 @@ impl PolicyService for PolicyApi {
         // above what the node holds.
         if !self.hub.open_watch(&node, hello.usage_epoch) {
             tracing::warn!(%node, "refused a second data plane watching as a node that owns hosts");
-            return Err(Status::already_exists(format!(
+            let status = Status::already_exists(format!(
                 "a data plane is already connected as node '{node}', which owns hosts: two would \
                  both send to them; start this one with another --node"
-            )));
+            ));
+            self.audit.record(
+                "node",
+                source,
+                "dataplane.join",
+                &node,
+                Outcome::Refused,
+                status.message(),
+            );
+            return Err(status);
         }
+        self.audit
+            .record("node", source, "dataplane.join", &node, Outcome::Ok, "");
         self.hub.adopt_version(&node, hello.applied_version);
         let guard = WatchGuard {
             hub: self.hub.clone(),
             node: node.clone(),
             epoch: hello.usage_epoch,
+            audit: self.audit.clone(),
+            source,
         };
         let hub = self.hub.clone();
         let usage = self.usage.clone();
@@ -249,7 +292,8 @@ fn notice(node: &str, event: &Event) -> Option<Notice> {
         | WebhookEvent::HostRecovered
         | WebhookEvent::KeyRevoked
         | WebhookEvent::KeyRotated
-        | WebhookEvent::ClientBudgetExceeded => return None,
+        | WebhookEvent::ClientBudgetExceeded
+        | WebhookEvent::Audit => return None,
     })
 }
 

@@ -198,6 +198,33 @@ fn rotation_keeps_the_old_key_for_its_grace_period_only() {
 }
 
 #[test]
+fn passed_deadlines_name_expiries_and_grace_ends_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path());
+    let mut brief = new_key("brief");
+    brief.lifetime = Some(Duration::from_secs(10));
+    store.add(brief, at(T0)).unwrap();
+    store.add(new_key("batch"), at(T0)).unwrap();
+    store
+        .rotate("batch", Duration::from_secs(60), at(T0 + 1_000))
+        .unwrap();
+    assert!(store.passed_deadlines(ms(T0), ms(T0 + 9_999)).is_empty());
+    assert_eq!(
+        store.passed_deadlines(ms(T0), ms(T0 + 10_000)),
+        [("brief".to_owned(), "keys.expire")]
+    );
+    assert_eq!(
+        store.passed_deadlines(ms(T0 + 10_000), ms(T0 + 61_000)),
+        [("batch".to_owned(), "keys.grace_end")]
+    );
+    assert!(
+        store
+            .passed_deadlines(ms(T0 + 61_000), ms(T0 + 90_000))
+            .is_empty()
+    );
+}
+
+#[test]
 fn rotation_never_extends_an_expiring_key() {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path());
