@@ -9,6 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use oqp_proto::policy::v1 as wire;
 
+pub use crate::inventory::Inventory;
+
 use crate::config::{CacheBackend, Config, HostKind, RoutingStrategy, Scope, Tier};
 
 /// Operator state that is not in the config file: pauses, flushes, drains.
@@ -20,32 +22,6 @@ pub struct Runtime {
     pub flush_generation: [u64; 3],
     /// Drain generation.
     pub drain_generation: u64,
-}
-
-/// What polling learned about one host.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Inventory {
-    /// Whether the last poll succeeded.
-    pub healthy: bool,
-    /// Installed model names (/api/tags).
-    pub installed: Vec<String>,
-    /// Loaded model names (/api/ps, loading ones included).
-    pub loaded: Vec<String>,
-    /// Installed models with their size on disk (/api/tags `size`), by name.
-    pub sizes: Vec<(String, u64)>,
-    /// Loaded models with their bytes in VRAM (/api/ps `size_vram`, else `size`), by name.
-    pub resident: Vec<(String, u64)>,
-    /// When it was last polled.
-    pub last_checked: Option<SystemTime>,
-    /// Installed models whose runner Ollama forces to one slot (from `/api/show`), by
-    /// normalised name, with the reason.
-    pub forced: Vec<(String, String)>,
-    /// What `/api/show` said of each installed model, at the digest it was asked for.
-    pub shown: Vec<crate::poller::Shown>,
-    /// What answered at the last successful poll and what it said of itself (kind, slots).
-    pub learned: crate::poller::Learned,
-    /// Why the last poll failed (the host is then down); `None` after a successful one.
-    pub error: Option<String>,
 }
 
 /// The wire kind of a host: as configured, or for `auto` as detected (Ollama

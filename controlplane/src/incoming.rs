@@ -33,7 +33,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// The HTTP/2 ping interval (and time to answer one) for connections idle for at most
 /// `idle`: a third of it, between 100 ms and 20 s, so that a live peer always has
-/// answered one within the deadline ([`idle_deadline`]).
+/// answered one within the deadline (`idle_deadline`).
 pub fn ping_interval(idle: Duration) -> Duration {
     (idle / 3).clamp(Duration::from_millis(100), Duration::from_secs(20))
 }

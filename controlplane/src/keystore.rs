@@ -3,7 +3,7 @@
 //!
 //! A key's value exists in clear exactly once, in the answer to the call that
 //! minted it; the store keeps its SHA-256 digest and metadata in
-//! `control_plane.state_dir/keys.json` ([`record`] is the format, [`file`]
+//! `control_plane.state_dir/keys.json` (`record` is the format, `state_file`
 //! the crash-safe write). Every change is written and fsynced *before* it is
 //! acknowledged and published: a key that was handed out survives a crash,
 //! and a revocation reaches the data planes only once it is durable.
@@ -22,7 +22,6 @@
 //! A rotation or revocation also queues the `key.rotated` / `key.revoked`
 //! webhook through the hub's [`Webhooks`](crate::webhooks::Webhooks).
 
-pub(crate) mod file;
 pub(crate) mod mint;
 mod record;
 
@@ -42,6 +41,7 @@ use crate::audit::{Audit, Outcome};
 use crate::compile::{scope_to_wire, tier_to_wire, unix_ms};
 use crate::config::{Budget, Config, Scope, Secret, Tier, WebhookEvent};
 use crate::hub::Hub;
+use crate::state_file as file;
 use crate::webhooks::Notice;
 
 pub use mint::PREFIX;

@@ -15,10 +15,12 @@ pub mod config;
 pub mod grpc;
 pub mod hub;
 pub mod incoming;
+pub mod inventory;
 pub mod keystore;
 pub mod node_token;
 pub mod outbound;
 pub mod poller;
+pub(crate) mod state_file;
 pub mod usage;
 pub mod webhooks;
 

@@ -11,8 +11,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::Secret;
-use crate::keystore::file::{read, write_atomic};
 use crate::keystore::mint::mint;
+use crate::state_file::{read, write_atomic};
 
 /// The file in the state directory.
 pub const FILE: &str = "node_token";

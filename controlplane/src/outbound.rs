@@ -6,9 +6,11 @@
 //!
 //! [`Outbound::public_only`] is the webhook sender's client for targets not in
 //! `webhooks.allowed_hosts`: it resolves the host name at each connection and connects only
-//! to the addresses that pass the SSRF check ([`crate::webhooks::ssrf::is_blocked`]), so a
+//! to the addresses that pass the SSRF check ([`ssrf::is_blocked`]), so a
 //! name that resolved to a public address at start-up and to a private one later (DNS
 //! rebinding) reaches nothing.
+
+pub mod ssrf;
 
 use std::future::Future;
 use std::io;
@@ -58,7 +60,7 @@ impl tower_service::Service<Name> for Resolver {
             }
             let public: Vec<SocketAddr> = resolved
                 .into_iter()
-                .filter(|addr| !crate::webhooks::ssrf::is_blocked(addr.ip()))
+                .filter(|addr| !ssrf::is_blocked(addr.ip()))
                 .collect();
             if public.is_empty() {
                 return Err(io::Error::new(

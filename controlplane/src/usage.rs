@@ -2,7 +2,7 @@
 //!
 //! Each data plane's report carries a batch of usage increments; [`UsageStore::apply`]
 //! adds each batch once (by node, epoch and sequence number) to the hour it arrives in and
-//! writes that UTC day's file in `state_dir/usage/` ([`file`]), before the report is
+//! writes that UTC day's file in `state_dir/usage/` ([`mod@file`]), before the report is
 //! acknowledged, so that totals survive a restart of either plane. The store answers
 //! `oqpctl usage` ([`UsageStore::query`]), today's figures for `oqpctl clients` and the
 //! data planes' `/queue/status`, and what each client with a budget has used in its current

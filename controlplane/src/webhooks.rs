@@ -23,7 +23,7 @@
 
 mod delivery;
 mod payload;
-pub mod ssrf;
+pub use crate::outbound::ssrf;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

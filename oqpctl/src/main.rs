@@ -6,6 +6,7 @@
 
 mod audit;
 mod client;
+mod figures;
 mod render;
 mod usage;
 mod watch;

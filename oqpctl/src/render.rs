@@ -279,8 +279,8 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     caps(key.max_concurrent, key.max_queued),
                     expires(key.expires_unix_ms),
                     ago(unix_ms_age(key.last_used_unix_ms)),
-                    crate::usage::budget_cell(key.budget.as_ref()),
-                    crate::usage::left_cell(key.budget.as_ref()),
+                    crate::figures::budget_cell(key.budget.as_ref()),
+                    crate::figures::left_cell(key.budget.as_ref()),
                     models_cell(key),
                 ]);
             }
@@ -317,8 +317,8 @@ pub fn keys(response: &api::ListKeysResponse, output: Output, style: Style) -> S
                     ago(unix_ms_age(key.created_unix_ms)),
                     expires(key.expires_unix_ms),
                     ago(unix_ms_age(key.last_used_unix_ms)),
-                    crate::usage::budget_cell(key.budget.as_ref()),
-                    crate::usage::left_cell(key.budget.as_ref()),
+                    crate::figures::budget_cell(key.budget.as_ref()),
+                    crate::figures::left_cell(key.budget.as_ref()),
                     models_cell(key),
                 ]);
             }
@@ -414,7 +414,7 @@ pub fn key_json(key: &api::KeyInfo) -> Value {
         "created_unix_ms": (key.created_unix_ms > 0).then_some(key.created_unix_ms),
         "expires_unix_ms": (key.expires_unix_ms > 0).then_some(key.expires_unix_ms),
         "last_used_unix_ms": (key.last_used_unix_ms > 0).then_some(key.last_used_unix_ms),
-        "budget": crate::usage::budget_json(key.budget.as_ref()),
+        "budget": crate::figures::budget_json(key.budget.as_ref()),
         "models": (!key.models.is_empty()).then_some(&key.models),
         "users": (!key.users.is_empty()).then_some(&key.users),
     })
@@ -682,7 +682,7 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     client.inflight.to_string(),
                     cap(client.max_concurrent),
                     format!("{:.0}%", client.recent_share * 100.0),
-                    crate::usage::hms(client.gpu_ns_today),
+                    crate::figures::hms(client.gpu_ns_today),
                 ]);
             }
             with_caps_note(clients, clients_capped(response), style)
@@ -716,7 +716,7 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     format!("{:.0}%", client.recent_share * 100.0),
                     client.processed.to_string(),
                     client.rejected.to_string(),
-                    crate::usage::hms(client.gpu_ns_today),
+                    crate::figures::hms(client.gpu_ns_today),
                 ]);
             }
             with_caps_note(clients, clients_capped(response), style)

@@ -16,13 +16,13 @@
 //! test (`--quick`, tiny counts).
 
 pub mod baseline;
-pub mod load;
 pub mod minimal;
-pub mod procs;
 pub mod report;
 pub mod scenarios;
 pub mod stats;
 pub mod tls;
+
+pub use crate::{load, procs};
 
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime};

@@ -24,9 +24,9 @@ use tokio::net::TcpListener;
 use tonic::metadata::MetadataValue;
 use tonic::transport::Endpoint;
 
-use crate::bench::load::{Conn, Req};
-use crate::bench::procs::{self, Proc};
 use crate::harness;
+use crate::load::{Conn, Req};
+use crate::procs::{self, Proc};
 
 /// How long a wait helper waits before it fails.
 pub const WAIT: Duration = Duration::from_secs(20);

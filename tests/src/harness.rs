@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 pub struct Stack {
     /// The control plane.
     pub control: ControlPlane,
-    /// Where the config file lives (rewrite it, then [`Stack::reload`]).
+    /// Where the config file lives (see [`Stack::rewrite_and_reload`]).
     pub config_path: PathBuf,
     dir: tempfile::TempDir,
 }

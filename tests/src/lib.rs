@@ -4,7 +4,7 @@
 //! separate processes following one control plane ([`cluster`]), a small
 //! HTTP client ([`client`]), and a real llama.cpp `llama-server`
 //! ([`engine`]) where a test needs a real engine. The end-to-end tests live
-//! in `tests/tests/`, the benchmark in [`bench`] (run by
+//! in `tests/tests/`, the benchmark in [`mod@bench`] (run by
 //! `src/bin/oqp-bench.rs`).
 
 // Test support: a failed set-up step is a failed test, so panicking helpers
@@ -17,4 +17,6 @@ pub mod cluster;
 pub mod engine;
 pub mod fake;
 pub mod harness;
+pub mod load;
+pub mod procs;
 pub mod tls;

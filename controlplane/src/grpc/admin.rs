@@ -15,7 +15,7 @@
 //! INVALID_ARGUMENT, INTERNAL when the store cannot be written).
 //!
 //! `GetStatus` and `ListHosts` also say who owns what when there are several
-//! GPU boxes ([`nodes`]).
+//! GPU boxes (`nodes`).
 
 mod nodes;
 mod swap;

@@ -17,7 +17,7 @@ use std::time::SystemTime;
 use tokio_util::sync::CancellationToken;
 
 use super::Hub;
-use crate::keystore::file;
+use crate::state_file as file;
 
 /// The clock versions start from: the wall clock, or a test's.
 #[derive(Clone)]

@@ -25,7 +25,8 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use super::Target;
-use super::probe::Listed;
+use crate::inventory::Listed;
+pub use crate::inventory::{Detected, Learned};
 use crate::outbound::{Outbound, Reply};
 
 /// The largest body read from an engine's discovery routes.
@@ -33,46 +34,6 @@ const BODY_LIMIT: usize = 8 * 1024 * 1024;
 
 /// The most slots a `/props` may report before it is disbelieved.
 pub const MAX_SLOTS: u64 = 4096;
-
-/// What sits behind a host's URL, as a poll found it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Detected {
-    /// An Ollama server (`/api/version` answered).
-    Ollama,
-    /// llama.cpp's llama-server (`/props` answered with `total_slots`).
-    LlamaServer,
-    /// Another OpenAI-compatible engine (`/v1/models` lists models).
-    Openai,
-}
-
-impl Detected {
-    /// How status and logs name it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Ollama => "ollama",
-            Self::LlamaServer => "llama-server",
-            Self::Openai => "openai",
-        }
-    }
-
-    /// Whether it is polled and routed as an OpenAI-style engine.
-    pub fn is_openai(self) -> bool {
-        matches!(self, Self::LlamaServer | Self::Openai)
-    }
-}
-
-/// What a poll learned of an engine besides its models.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Learned {
-    /// What answered; `None` when nothing did.
-    pub detected: Option<Detected>,
-    /// Slots from llama-server's `/props` (`total_slots`), when believable.
-    pub slots: Option<u32>,
-    /// Each slot's context in tokens (`/props` `default_generation_settings.n_ctx`).
-    pub slot_context: Option<u32>,
-    /// What was wrong with what the engine said, for status and the log.
-    pub problem: Option<String>,
-}
 
 /// One poll of an OpenAI-style engine: its models (or why it is down), the
 /// models it has loaded, and what it said about itself.

@@ -14,18 +14,15 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use super::Target;
-use super::engine::{self, Detected, Learned};
-use super::runners::{self, Shown};
-use crate::compile::Inventory;
+use super::engine;
+use super::runners;
 use crate::config::HostKind;
+pub use crate::inventory::Listed;
+use crate::inventory::{Detected, Inventory, Learned, Shown};
 use crate::outbound::Outbound;
 
 /// The largest model list read; a real one is a few hundred bytes per model.
 const BODY_LIMIT: usize = 8 * 1024 * 1024;
-
-/// One row of a model list: its name and bytes (`/api/tags`: `size` on disk;
-/// `/api/ps`: `size_vram`, else `size`).
-pub type Listed = (String, u64);
 
 /// What one poll saw.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -10,6 +10,7 @@ use http_body_util::Full;
 use serde_json::Value;
 
 use super::Target;
+pub use crate::inventory::Shown;
 use crate::outbound::Outbound;
 
 /// The architectures Ollama runs with one slot whatever `OLLAMA_NUM_PARALLEL` says.
@@ -32,17 +33,6 @@ pub const MAX_SHOWS_PER_POLL: usize = 32;
 
 /// The largest `/api/show` answer read (its `tensors` are not asked for).
 const BODY_LIMIT: usize = 4 * 1024 * 1024;
-
-/// What one installed model's `/api/show` said, for the digest it was asked for.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shown {
-    /// The model as `/api/tags` names it.
-    pub model: String,
-    /// Its digest then: asked again only when it changes.
-    pub digest: String,
-    /// Why Ollama runs it with one slot, if it does.
-    pub forced: Option<String>,
-}
 
 /// Why Ollama runs a model with these `capabilities` and this architecture with one slot, if
 /// it does: the same test as `sched.go`'s (no `completion` capability, or a listed

@@ -30,13 +30,13 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::UNIX_EPOCH;
 
 use serde::{Deserialize, Serialize};
 
 use super::ledger::{Hour, KEEP_DAYS, Ledger, Totals};
-use super::log::Log;
-use crate::keystore::file::{read, remove_temporaries, write_atomic};
+use super::log::{Log, day_name};
+use crate::state_file::{read, remove_temporaries, write_atomic};
 
 const FORMAT: u32 = 1;
 
@@ -85,12 +85,6 @@ struct StoredRow {
 /// The directory of the day files.
 pub fn dir(state_dir: &Path) -> PathBuf {
     state_dir.join("usage")
-}
-
-/// `YYYY-MM-DD` of Unix day `day`.
-pub fn day_name(day: i64) -> String {
-    let at = UNIX_EPOCH + Duration::from_secs(day.max(0).unsigned_abs() * 86_400);
-    humantime::format_rfc3339_seconds(at).to_string()[..10].to_owned()
 }
 
 fn day_of(name: &str) -> Option<i64> {

@@ -22,11 +22,11 @@ use std::fs::OpenOptions;
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, UNIX_EPOCH};
 
 use oqp_proto::policy::v1 as wire;
 use serde::{Deserialize, Serialize};
 
-use super::file::day_name;
 use super::ledger::Totals;
 
 /// A log past this many bytes is compacted into its day file at the next batch.
@@ -149,4 +149,10 @@ pub fn read(path: &Path) -> io::Result<Vec<Line>> {
         }
     }
     Ok(lines)
+}
+
+/// `YYYY-MM-DD` of Unix day `day`.
+pub fn day_name(day: i64) -> String {
+    let at = UNIX_EPOCH + Duration::from_secs(day.max(0).unsigned_abs() * 86_400);
+    humantime::format_rfc3339_seconds(at).to_string()[..10].to_owned()
 }

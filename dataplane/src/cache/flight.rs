@@ -18,7 +18,7 @@
 //! so two requests that each lead what the other follows cannot deadlock.
 //!
 //! Following never inverts priorities: a caller follows only a leader that
-//! is already dispatched upstream ([`Lead::dispatched`]) or that waits in a
+//! is already dispatched upstream ([`Dispatch::dispatched`]) or that waits in a
 //! tier at least as urgent as the caller's own. Otherwise (a high-tier
 //! request for a text a queued low-tier request leads) it gets
 //! [`Join::Alone`] and fetches the key itself, outside the flight.

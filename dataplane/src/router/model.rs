@@ -38,7 +38,7 @@ pub fn strip_cloud_suffix(model: &str) -> &str {
 }
 
 /// Whether an upstream answer is Ollama's "model not found" (404 with an error naming it, in
-/// the native or the OpenAI shape): the cue for [`Router::forget_model`].
+/// the native or the OpenAI shape): the cue for [`crate::router::Router::forget_model`].
 pub fn is_model_not_found(status: http::StatusCode, body: &[u8]) -> bool {
     if status != http::StatusCode::NOT_FOUND {
         return false;

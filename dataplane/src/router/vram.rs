@@ -36,7 +36,7 @@ impl Router {
     /// `Wait` if a busy host has the model resident or room for it (better than a switch);
     /// else `Cold` for a host that would have to switch (one with a free slot first: a switch
     /// on a busy host waits for its victims' requests anyway), or that is switching to
-    /// another model; else `Wait`. A model no candidate has is placed as [`place`] does and
+    /// another model; else `Wait`. A model no candidate has is placed as [`crate::router::Router::place`] does and
     /// never held (it would only evict others to answer 404). A `Run` is recorded as
     /// dispatched in the host's VRAM view.
     pub fn offer(
@@ -50,7 +50,7 @@ impl Router {
 
     /// [`offer`](Router::offer) for a request whose conversation is `chain`: among the hosts
     /// that can take it, the one its prompt cache favours (`Later` while waiting for a busy
-    /// one pays; see [`super::affinity`]).
+    /// one pays; see `router::affinity`).
     pub fn offer_for(
         &mut self,
         model: Option<&str>,

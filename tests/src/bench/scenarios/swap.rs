@@ -153,7 +153,7 @@ impl Run {
     }
 }
 
-/// Runs the three setups, one request in flight per client and then A keeping [`GREEDY`], and
+/// Runs the three setups, one request in flight per client and then A keeping `GREEDY`, and
 /// adds the rows.
 pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     let timing = Timing::of(bench);

@@ -15,7 +15,7 @@ use anyhow::{Context, bail};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 
-use super::load::{Conn, Req};
+use crate::load::{Conn, Req};
 
 /// Where the programs are.
 #[derive(Debug, Clone)]

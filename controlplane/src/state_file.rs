@@ -1,4 +1,5 @@
-//! The store's file on disk: read once at start, replaced atomically on every
+//! A state file on disk (the key store, the usage ledger's days, the policy
+//! version, the node token): read once at start, replaced atomically on every
 //! change.
 //!
 //! A write is the classic rename dance: a new file in the same directory,
