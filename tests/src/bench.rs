@@ -21,6 +21,7 @@ pub mod report;
 pub mod scenarios;
 pub mod stats;
 pub mod tls;
+pub mod upstream;
 
 pub use crate::{load, procs};
 

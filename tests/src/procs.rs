@@ -237,6 +237,13 @@ pub async fn spawn_minimal(binaries: &Binaries, upstream: &str) -> anyhow::Resul
     spawn_announcing("minimal-proxy", command).await
 }
 
+/// Starts the fast upstream (`oqp-bench fast-upstream`): an Ollama that answers at once.
+pub async fn spawn_fast_upstream(binaries: &Binaries) -> anyhow::Result<Proc> {
+    let mut command = Command::new(&binaries.bench);
+    command.arg("fast-upstream");
+    spawn_announcing("fast-upstream", command).await
+}
+
 /// Starts a data plane (`oqp-bench dataplane`) as node `node`, following
 /// the control plane at `control_url`, presenting the token in
 /// `token_file`. It binds `127.0.0.1:0` itself; this returns once it

@@ -46,7 +46,7 @@ pub enum Target {
 /// The three targets in front of one fake.
 #[derive(Debug)]
 pub struct Trio {
-    /// The fake Ollama.
+    /// The upstream: the fake Ollama, or the fast upstream.
     pub fake: Proc,
     /// The minimal proxy.
     pub minimal: Proc,
@@ -105,6 +105,16 @@ impl Trio {
     /// it (oqp with `slots` upstream slots).
     pub async fn start(bench: &Bench, spec: FakeSpec, slots: u32) -> anyhow::Result<Trio> {
         let fake = procs::spawn_fake(&bench.binaries, spec).await?;
+        let minimal = procs::spawn_minimal(&bench.binaries, &fake.url()).await?;
+        let config = OqpConfig::new(&fake.url(), slots);
+        let oqp = procs::spawn_oqp(&bench.binaries, &config.render()).await?;
+        Ok(Trio { fake, minimal, oqp })
+    }
+
+    /// The fast upstream (`bench::upstream`, canned answers at once), and the minimal proxy
+    /// and oqp in front of it (oqp with `slots` upstream slots).
+    pub async fn start_fast(bench: &Bench, slots: u32) -> anyhow::Result<Trio> {
+        let fake = procs::spawn_fast_upstream(&bench.binaries).await?;
         let minimal = procs::spawn_minimal(&bench.binaries, &fake.url()).await?;
         let config = OqpConfig::new(&fake.url(), slots);
         let oqp = procs::spawn_oqp(&bench.binaries, &config.render()).await?;

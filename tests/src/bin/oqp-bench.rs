@@ -23,6 +23,7 @@ use oqp_controlplane::{ControlPlane, Options};
 use oqp_dataplane::control::ControlOptions;
 use oqp_dataplane::{DataPlane, Options as DataPlaneOptions};
 use oqp_tests::bench::minimal::MinimalProxy;
+use oqp_tests::bench::upstream::FastUpstream;
 use oqp_tests::bench::{self, Args};
 
 /// Benchmarks oqp against a fake Ollama, direct and through a minimal proxy.
@@ -45,6 +46,13 @@ enum Command {
         /// The upstream, `http://host:port`.
         #[arg(long)]
         upstream: String,
+        /// Where to listen.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: SocketAddr,
+    },
+    /// The fast upstream: an Ollama answering at once with canned bodies
+    /// (`bench::upstream`); prints its address on the first line.
+    FastUpstream {
         /// Where to listen.
         #[arg(long, default_value = "127.0.0.1:0")]
         listen: SocketAddr,
@@ -87,6 +95,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Some(Command::MinimalProxy { upstream, listen }) => minimal_proxy(&upstream, listen).await,
+        Some(Command::FastUpstream { listen }) => fast_upstream(listen).await,
         Some(Command::SingleBox { config }) => single_box(config).await,
         Some(Command::Tls {
             connections,
@@ -162,6 +171,20 @@ async fn minimal_proxy(upstream: &str, listen: SocketAddr) -> anyhow::Result<()>
     drop(stdout);
     until_signalled().await?;
     drop(proxy);
+    Ok(())
+}
+
+async fn fast_upstream(listen: SocketAddr) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let upstream = FastUpstream::spawn(listener)?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}", upstream.addr())?;
+    stdout.flush()?;
+    drop(stdout);
+    until_signalled().await?;
+    drop(upstream);
     Ok(())
 }
 
