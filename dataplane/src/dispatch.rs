@@ -35,6 +35,12 @@ use crate::scheduler::{
 
 use rate::DrainRate;
 
+/// Now on tokio's clock: the real time, or a test's paused time, so that the timer's
+/// deadlines and the scheduler's clock agree.
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// A waiting request: where its answer goes, and whether its client was identified (by key or
 /// by an injection port) rather than claimed, so that revocation can refuse it.
 #[derive(Debug)]
@@ -203,13 +209,13 @@ impl Dispatcher {
         let revoked;
         {
             let mut inner = self.lock();
-            let now = std::time::SystemTime::now();
+            let wall = std::time::SystemTime::now();
             revoked = inner
                 .scheduler
-                .revoke(|client, waiter| waiter.verified && !policy.admits(client, now));
+                .revoke(|client, waiter| waiter.verified && !policy.admits(client, wall));
             inner
                 .scheduler
-                .unconfigure_others(|client| policy.admits(client, now));
+                .unconfigure_others(|client| policy.admits(client, wall));
             let queue = &policy.queue;
             let tiers = queue.tiers.each_ref().map(|t| TierLimits {
                 max_depth: t.max_depth.max(1),
@@ -251,7 +257,7 @@ impl Dispatcher {
             inner.strategy = policy.routing.strategy;
             inner.max_concurrent = policy.proxy.max_concurrent;
             inner.overflow_status = queue.overflow_status;
-            dropped.extend(self.pump(&mut inner, Instant::now()));
+            dropped.extend(self.pump(&mut inner, now()));
         }
         self.flushed
             .fetch_add(flushed.len() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -285,7 +291,7 @@ impl Dispatcher {
     /// Admits a request, or refuses it with the error the client gets.
     pub fn admit(self: &Arc<Self>, request: Request) -> Result<Pending, ProxyError> {
         let (sender, receiver) = oneshot::channel();
-        let now = Instant::now();
+        let now = now();
         let tier = request.tier;
         let client = request.client.clone();
         let mut dropped = Vec::new();
@@ -478,7 +484,7 @@ impl Dispatcher {
         let dropped = {
             let mut inner = self.lock();
             inner.router.unloaded(host, model);
-            let dropped = self.pump(&mut inner, Instant::now());
+            let dropped = self.pump(&mut inner, now());
             if inner.scheduler.holding() {
                 self.timer.notify_one();
             }
@@ -504,7 +510,7 @@ impl Dispatcher {
             }
             let dropped = {
                 let mut inner = self.lock();
-                self.pump(&mut inner, Instant::now())
+                self.pump(&mut inner, now())
             };
             drop(dropped);
         }
@@ -517,7 +523,7 @@ impl Dispatcher {
             if cancelled {
                 tracing::debug!(ticket = %id, "client left while queued");
             }
-            let dropped = self.pump(&mut inner, Instant::now());
+            let dropped = self.pump(&mut inner, now());
             if inner.scheduler.holding() {
                 // The held tickets left may have an earlier bound than the one that left.
                 self.timer.notify_one();
@@ -544,7 +550,7 @@ impl Dispatcher {
     ) {
         let dropped = {
             let mut inner = self.lock();
-            let now = Instant::now();
+            let now = now();
             let mut cost = cost;
             let loader = ran.as_ref().is_some_and(|(_, loads)| *loads);
             // `ran` is where the view counted it (its last host, if it failed over).
@@ -579,7 +585,7 @@ impl Dispatcher {
             if down && let Some(placement) = &lease.placement {
                 inner.router.mark_down(&placement.host.name);
             }
-            let now = Instant::now();
+            let now = now();
             match inner
                 .router
                 .failover_on(lease.model.as_deref(), strategy, tried, now)
@@ -614,7 +620,7 @@ impl Dispatcher {
     fn dispatch_freed(self: &Arc<Self>) {
         let dropped = {
             let mut inner = self.lock();
-            self.pump(&mut inner, Instant::now())
+            self.pump(&mut inner, now())
         };
         drop(dropped);
     }
@@ -640,7 +646,7 @@ impl Dispatcher {
         if lease.placement.take().is_some() {
             if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
                 let mut inner = self.lock();
-                inner.router.released(&old, model, Instant::now());
+                inner.router.released(&old, model, now());
                 inner.router.moved(&old, None, model, lease.started);
             }
             this.dispatch_freed();
@@ -658,7 +664,7 @@ impl Dispatcher {
         let id = lease.id;
         let requeued = {
             let mut inner = self.lock();
-            let now = Instant::now();
+            let now = now();
             let waiter = Waiter {
                 sender,
                 verified: lease.verified,
@@ -760,7 +766,7 @@ impl Dispatcher {
     pub fn swap_stats(&self) -> Vec<crate::swap::SwapStat> {
         let inner = self.lock();
         let held = inner.scheduler.held();
-        let mut stats = inner.router.swap_stats(Instant::now());
+        let mut stats = inner.router.swap_stats(now());
         for stat in &mut stats {
             if let Some((count, oldest)) = held.get(&stat.host) {
                 stat.held = *count;
@@ -947,3 +953,6 @@ impl Drop for Lease {
         );
     }
 }
+
+#[cfg(test)]
+mod tests;
