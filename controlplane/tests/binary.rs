@@ -184,8 +184,9 @@ async fn every_acknowledged_key_survives_sigkill_mid_burst() {
         .filter(|name| !name.starts_with(".version.tmp-"))
         .collect();
     names.sort();
-    // `node_token` is the control plane's own node token (none is configured here).
-    assert_eq!(names, ["keys.json", "node_token", "version"]);
+    // `node_token` is the control plane's own node token (none is configured here);
+    // `audit.jsonl` the audit trail of the keys added.
+    assert_eq!(names, ["audit.jsonl", "keys.json", "node_token", "version"]);
     assert_eq!(
         std::fs::metadata(&file).unwrap().permissions().mode() & 0o777,
         0o600
