@@ -122,6 +122,7 @@ pub async fn handle(
             path_and_query: outbound.path_and_query.clone(),
             headers: outbound.headers.clone(),
             body: RequestBody::Buffered(miss_body),
+            unstreamed: false,
         };
         let model = Some(model.clone());
         async move {

@@ -58,6 +58,18 @@ impl Inference {
         )
     }
 
+    /// Whether a request of this route streams its answer when its body says nothing
+    /// (`stream` absent or not a boolean): `None` for a route that does not generate text
+    /// (embeddings answer whole and quickly). Ollama's native routes stream by default,
+    /// the OpenAI and Anthropic shapes do not.
+    pub fn streams_by_default(self) -> Option<bool> {
+        match self {
+            Self::Generate | Self::Chat => Some(true),
+            Self::OpenAiCompletion | Self::AnthropicMessages | Self::OpenAiResponses => Some(false),
+            Self::Embed | Self::Embeddings | Self::OpenAiEmbeddings => None,
+        }
+    }
+
     /// Whether responses may come from the embedding cache.
     pub fn is_embedding(self) -> bool {
         matches!(

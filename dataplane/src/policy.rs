@@ -129,6 +129,9 @@ pub struct ProxySettings {
     pub max_request_body_bytes: u64,
     /// Upstream connect and time-to-headers timeout.
     pub request_timeout: Duration,
+    /// Time to the head of a non-streamed generation, whose head comes with the whole
+    /// answer ([`crate::proxy::Outbound::head_timeout`]).
+    pub non_streamed_timeout: Duration,
     /// How long shutdown lets in-flight work finish.
     pub drain_timeout: Duration,
     /// Connection caps and timeouts of the listeners.

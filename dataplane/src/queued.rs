@@ -370,17 +370,38 @@ async fn send_granted(
             sent,
         )
     }));
+    // The slot time of attempts that reached a host and were not answered (a head timeout, a
+    // broken connection): the host may have computed for them, so they are charged too.
+    let mut spent = Duration::ZERO;
     let forwarded = forward::send(
         parts.forward(),
         policy.clone(),
         &mut lease,
         model.as_deref(),
         outbound,
+        &mut spent,
     )
     .await;
     // Answered (the body's completion hook charges it from here) or failed: not abandoned.
     abandoned.disarm();
-    let forwarded = forwarded?;
+    let forwarded = match forwarded {
+        Ok(forwarded) => forwarded,
+        Err(error) => {
+            if parts.accounted && !spent.is_zero() {
+                parts.usage.record(
+                    client,
+                    model.as_deref().unwrap_or_default(),
+                    Totals {
+                        gpu_ns: u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX),
+                        requests: 1,
+                        ..Totals::default()
+                    },
+                    std::time::SystemTime::now(),
+                );
+            }
+            return Err(error);
+        }
+    };
     let forward::Forwarded {
         answer,
         guards,
@@ -392,8 +413,11 @@ async fn send_granted(
     let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
     let completion: Completion = Box::new(move |outcome| {
-        // GPU time: Ollama's figure, else the time the request held its slot.
-        let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
+        // GPU time: Ollama's figure (and the attempts before the one that answered), else
+        // the time the request held its slots.
+        let gpu = outcome
+            .total_duration
+            .map_or_else(|| sent.elapsed(), |total| total.saturating_add(spent));
         if let Some(usage) = usage {
             usage.record(
                 &client,

@@ -466,6 +466,7 @@ async fn forward(
         path_and_query,
         headers: upstream_headers,
         body,
+        unstreamed: false,
     };
 
     if endpoint == Endpoint::Metadata {
@@ -519,6 +520,10 @@ async fn forward(
         None if identity.has_allowlist() => return Err(ProxyError::ModelUnreadable),
         None => {}
     }
+    // A generation whose answer comes whole has its head only when it is done.
+    outbound.unstreamed = inference
+        .streams_by_default()
+        .is_some_and(|default| !view.stream(&body).unwrap_or(default));
     // Its conversation, for a chat-shaped request (the keep_alive inserted below is not part
     // of it).
     let chain = conversation(

@@ -93,6 +93,7 @@ pub(crate) struct RawOllama {
     /// Deprecated and unused; any value is accepted and reported.
     pub health_check_interval: Option<Value>,
     pub request_timeout: Option<Seconds>,
+    pub non_streamed_timeout: Option<Seconds>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -82,6 +82,8 @@ pub struct OllamaConfig {
     pub hosts: Vec<HostConfig>,
     /// Upstream request timeout.
     pub request_timeout: Duration,
+    /// Time to the head of a non-streamed generation (default `request_timeout`).
+    pub non_streamed_timeout: Duration,
 }
 
 /// One upstream in `ollama.hosts[]`.
