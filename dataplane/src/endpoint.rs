@@ -47,6 +47,9 @@ pub enum Inference {
     AnthropicMessages,
     /// `/v1/responses`: OpenAI's Responses API (Codex-style tools).
     OpenAiResponses,
+    /// `/v1/audio/transcriptions`: a `multipart/form-data` body whose `model` field names
+    /// the model ([`crate::form`]).
+    Transcription,
 }
 
 impl Inference {
@@ -65,9 +68,17 @@ impl Inference {
     pub fn streams_by_default(self) -> Option<bool> {
         match self {
             Self::Generate | Self::Chat => Some(true),
-            Self::OpenAiCompletion | Self::AnthropicMessages | Self::OpenAiResponses => Some(false),
+            Self::OpenAiCompletion
+            | Self::AnthropicMessages
+            | Self::OpenAiResponses
+            | Self::Transcription => Some(false),
             Self::Embed | Self::Embeddings | Self::OpenAiEmbeddings => None,
         }
+    }
+
+    /// Whether Ollama reads the body as JSON (all but a transcription's form).
+    pub fn reads_json(self) -> bool {
+        self != Self::Transcription
     }
 
     /// Whether responses may come from the embedding cache.
@@ -97,6 +108,7 @@ impl Endpoint {
             "/v1/embeddings" => Self::Inference(Inference::OpenAiEmbeddings),
             "/v1/messages" => Self::Inference(Inference::AnthropicMessages),
             "/v1/responses" => Self::Inference(Inference::OpenAiResponses),
+            "/v1/audio/transcriptions" => Self::Inference(Inference::Transcription),
             "/api/pull" | "/api/push" | "/api/delete" | "/api/create" | "/api/copy" | "/api/me"
             | "/api/signout" => Self::ModelManagement,
             _ if path.starts_with("/api/blobs/") || path.starts_with("/api/user/keys/") => {

@@ -32,6 +32,7 @@ use crate::body::{self, Body};
 use crate::embeddings;
 use crate::endpoint::{self, Access, Endpoint, Inference};
 use crate::error::{self, Cause, Failures, ProxyError};
+use crate::form;
 use crate::headers;
 use crate::hop;
 use crate::metrics;
@@ -343,7 +344,9 @@ async fn forward(
     // The routes whose body Ollama reads for its model (`/api/show` also by its `name`).
     // (`eq` on the `str`: a borrow of the `&str` local would keep it in this future's state.)
     let shows = path.eq("/api/show");
-    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) || shows;
+    // A transcription's body is a form, read for its model alone (`form`), not as JSON.
+    let form = matches!(endpoint, Endpoint::Inference(inference) if !inference.reads_json());
+    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) && !form || shows;
     let retrieved = path
         .strip_prefix("/v1/models/")
         .filter(|_| endpoint == Endpoint::Metadata)
@@ -407,7 +410,11 @@ async fn forward(
             let client = key_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
             app.dispatcher.over_capacity(tier, &client)
         };
-        let read = read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?;
+        let read = if form {
+            BodyView::default()
+        } else {
+            read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?
+        };
         (RequestBody::Buffered(bytes), Some(Box::new(read)))
     } else {
         let streamed = proxy::stream_body(
@@ -514,7 +521,13 @@ async fn forward(
     let view = read;
     // A model the key may not use is refused before anything else sees the request: no
     // cache, no queue, no host. A key limited to some models names one Ollama reads.
-    let model = view.model().map(str::to_owned);
+    let model = if inference.reads_json() {
+        view.model().map(str::to_owned)
+    } else {
+        let content_type = outbound.headers.get(header::CONTENT_TYPE);
+        let query = outbound.path_and_query.query();
+        Some(form::model(content_type, query, &body).map_err(ProxyError::FormUnreadable)?)
+    };
     match &model {
         Some(model) => identity.allow_model(model)?,
         None if identity.has_allowlist() => return Err(ProxyError::ModelUnreadable),
@@ -604,7 +617,10 @@ fn conversation(
         Inference::OpenAiCompletion => affinity::Shape::OpenAiChat,
         Inference::AnthropicMessages => affinity::Shape::Messages,
         Inference::OpenAiResponses => affinity::Shape::Responses,
-        Inference::Embed | Inference::Embeddings | Inference::OpenAiEmbeddings => return None,
+        Inference::Embed
+        | Inference::Embeddings
+        | Inference::OpenAiEmbeddings
+        | Inference::Transcription => return None,
     };
     let model = crate::policy::normalize_model(model?);
     let scope = if settings.share_across_keys {
