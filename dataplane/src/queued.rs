@@ -373,6 +373,7 @@ async fn send_granted(
     // The slot time of attempts that reached a host and were not answered (a head timeout, a
     // broken connection): the host may have computed for them, so they are charged too.
     let mut spent = Duration::ZERO;
+    let prompt_estimate = prompt_estimate(&outbound.body);
     let forwarded = forward::send(
         parts.forward(),
         policy.clone(),
@@ -407,6 +408,7 @@ async fn send_granted(
         guards,
         headers: extra_headers,
     } = forwarded;
+    let answered = answer.response.status().is_success();
     parts.metrics.host_request(&answer.host.name);
     parts.metrics.observe_ttfb(tier, sent.elapsed());
     let metrics = parts.metrics.clone();
@@ -424,7 +426,14 @@ async fn send_granted(
                 model.as_deref().unwrap_or_default(),
                 Totals {
                     gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
-                    prompt_tokens: outcome.tokens.prompt,
+                    // A stream that stated no prompt count is charged an estimate, so that
+                    // leaving out `include_usage` (or cutting the stream) does not dodge a
+                    // token budget.
+                    prompt_tokens: if outcome.prompt_stated || !answered {
+                        outcome.tokens.prompt
+                    } else {
+                        prompt_estimate
+                    },
                     completion_tokens: outcome.tokens.completion,
                     requests: 1,
                     // The engine's own figure, where it states one, wins over the estimate.
@@ -518,6 +527,19 @@ fn queue_headers(
         headers.push((headers::QUEUE_POSITION, HeaderValue::from(position)));
     }
     headers
+}
+
+/// The prompt tokens a request body stands for when its answer does not say: a token for
+/// every [`BYTES_PER_TOKEN`](crate::affinity::chain::BYTES_PER_TOKEN) bytes of the body sent,
+/// rounded up (the whole body, its JSON included: Ollama's tokenizers average about that
+/// on English text).
+fn prompt_estimate(body: &RequestBody) -> u64 {
+    match body {
+        RequestBody::Buffered(bytes) => {
+            (bytes.len() as u64).div_ceil(u64::from(crate::affinity::chain::BYTES_PER_TOKEN))
+        }
+        RequestBody::Streamed(_) => 0,
+    }
 }
 
 fn declared_length(headers: &http::HeaderMap) -> u64 {
