@@ -346,7 +346,10 @@ async fn forward(
     let shows = path.eq("/api/show");
     // A transcription's body is a form, read for its model alone (`form`), not as JSON.
     let form = matches!(endpoint, Endpoint::Inference(inference) if !inference.reads_json());
-    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) && !form || shows;
+    // A copy names two models, both checked against an allowlist: its (small) body is read.
+    let copies = path.eq("/api/copy");
+    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) && !form || shows || copies;
+    let reads_body = endpoint.reads_body() || copies;
     let retrieved = path
         .strip_prefix("/v1/models/")
         .filter(|_| endpoint == Endpoint::Metadata)
@@ -375,7 +378,7 @@ async fn forward(
     if let Some(hop) = &hopped {
         // A body read whole is bound by its digest, a streamed one by its trailer: the form
         // the route's body does not take is refused.
-        if matches!(hop.body, hop::Body::Digest(_)) != endpoint.reads_body() {
+        if matches!(hop.body, hop::Body::Digest(_)) != reads_body {
             tracing::warn!("node hop refused: its body is not bound as its route needs");
             return Err(ProxyError::HopUnverified);
         }
@@ -399,7 +402,7 @@ async fn forward(
     };
     // The one reading of a read body: everything below that looks inside it reads this.
     // Boxed: it lives in this future's state, which a waiting request holds.
-    let (body, view) = if endpoint.reads_body() {
+    let (body, view) = if reads_body {
         let read = proxy::BodyRead {
             limit,
             timeout: policy.proxy.body_read_timeout,
@@ -502,6 +505,15 @@ async fn forward(
         queue.peers = None;
     }
     let Endpoint::Inference(inference) = endpoint else {
+        if copies {
+            copy_allowed(&identity, &outbound.body, view.as_deref())?;
+            if let (Some(hop), RequestBody::Buffered(bytes)) = (&hopped, &outbound.body)
+                && hop.body != hop::Body::Digest(hop::body_digest(bytes))
+            {
+                tracing::warn!("node hop refused: the body is not the one signed");
+                return Err(ProxyError::HopUnverified);
+            }
+        }
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
         queue.accounted = false;
@@ -656,6 +668,29 @@ fn read_view(
         Err(_) if ollama_reads => Err(ProxyError::BodyNotJson),
         Err(_) => Ok(BodyView::default()),
     }
+}
+
+/// `/api/copy` by a key with a model allowlist: its `source` and its `destination` (read as
+/// Ollama reads them) must both be allowed, so that a forbidden model cannot be copied under
+/// an allowed name, nor an allowed one under a name the key could not use.
+fn copy_allowed(
+    identity: &Identity,
+    body: &RequestBody,
+    view: Option<&BodyView>,
+) -> Result<(), ProxyError> {
+    if !identity.has_allowlist() {
+        return Ok(());
+    }
+    let (RequestBody::Buffered(body), Some(view)) = (body, view) else {
+        return Err(ProxyError::ModelUnreadable);
+    };
+    for field in ["source", "destination"] {
+        match view.string_at(body, &[field.to_owned()]) {
+            Ok(Some(model)) => identity.allow_model(&model)?,
+            _ => return Err(ProxyError::ModelUnreadable),
+        }
+    }
+    Ok(())
 }
 
 /// The conversation a request names: in its app key's `users.session_header`, else in
