@@ -480,9 +480,18 @@ async fn forward(
     };
 
     if endpoint == Endpoint::Metadata {
-        // The fast path: never queued, never capped, no slot; bounded per client.
+        // The fast path: never queued, never capped, no slot; bounded per client, and an app
+        // key's users together by the app's own bucket too (new user ids get no new reads).
+        let caller = identity.caller();
+        if let Some(key) = identity.key()
+            && caller.member.is_some()
+            && key.id != caller.id
+        {
+            app.metadata_limit
+                .admit(policy.auth.metadata_rate, &key.id)?;
+        }
         app.metadata_limit
-            .admit(policy.auth.metadata_rate, &identity.caller().id)?;
+            .admit(policy.auth.metadata_rate, &caller.id)?;
         // `/v1/models/{model}` names its model in the path; `/api/show` in its body, where
         // Ollama also reads the deprecated `name`; the others name none (a model read from
         // them only orders the hosts).

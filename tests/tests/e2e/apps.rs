@@ -564,3 +564,35 @@ async fn a_thousand_users_do_not_explode_the_metrics() {
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_app_rotating_user_ids_is_held_to_its_own_metadata_bucket() {
+    let fake = FakeOllama::builder().model("llama3.2").spawn().await;
+    let yaml = config(&fake.url(), 2, "").replace(
+        "auth:\n  enabled: true\n",
+        "auth:\n  enabled: true\n  metadata_rate_limit: {per_second: 1, burst: 3}\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    let base = stack.url();
+    let show = json!({"model": "llama3.2"});
+    // A new user id every read: each user's bucket is full, the app's is not.
+    let started = std::time::Instant::now();
+    let mut served = 0;
+    let refused = loop {
+        let user = format!("user-{served}");
+        let reply = post(&base, "/api/show", WEBUI, &[(USER_HEADER, &user)], &show).await;
+        if reply.status != 200 {
+            break reply;
+        }
+        served += 1;
+        assert!(served < 20, "never limited");
+    };
+    let refilled = started.elapsed().as_secs_f64().ceil() as usize;
+    assert!((3..=3 + refilled).contains(&served), "{served}");
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.json()["error"], "too many metadata requests");
+    // Another app has its own bucket.
+    let other = post(&base, "/api/show", LIBRECHAT, &[], &show).await;
+    assert_eq!(other.status, 200, "{}", other.text());
+    stack.shutdown().await;
+}
