@@ -374,3 +374,37 @@ async fn a_damaged_usage_file_is_set_aside_and_the_control_plane_starts() {
     assert_eq!(totals.total.unwrap_or_default().gpu_ns, SECOND);
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_embedding_the_cache_holds_is_refused_once_the_budget_is_spent() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = one_slot_budgeted(&fake.url(), &dir.path().display().to_string(), "");
+    assert!(yaml.contains("backend: memory"), "{yaml}");
+    let stack = harness::Stack::start(&yaml).await;
+    let embed = async |reported: &str| {
+        oqp_tests::client::HttpClient::new()
+            .post_json(
+                &format!("{}/api/embed", stack.url()),
+                &[
+                    ("authorization", &format!("Bearer {BATCH_KEY}")),
+                    (oqp_tests::fake::USAGE_HEADER, reported),
+                ],
+                &json!({"model": "nomic-embed-text", "input": "hello"}),
+            )
+            .await
+    };
+    // A miss, computed and cached: 20 s of GPU time against a budget of 10.
+    let first = embed("total_duration=20000000000").await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.header("x-cache").as_deref(), Some("MISS"));
+    // The same input again: the cache has it whole, and the spent budget still refuses it.
+    let again = embed("total_duration=1").await;
+    assert_eq!(again.status, 429, "{}", again.text());
+    assert_eq!(
+        again.json()["error"],
+        "budget exceeded: gpu_seconds 10 per 1d"
+    );
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 1);
+    stack.shutdown().await;
+}
