@@ -285,6 +285,7 @@ pub fn snapshot(
                 port: u32::from(listener.listen_port),
                 inject_as: listener.inject_as.clone(),
                 tls: listener.tls.as_ref().map(tls_files),
+                trust_users: listener.trust_users,
             })
             .collect(),
         logging: Some(wire::LoggingSettings {

@@ -772,6 +772,8 @@ pub struct InjectionListener {
     pub inject_as: Arc<str>,
     /// TLS on this listener; `None` = plain HTTP.
     pub tls: Option<TlsFiles>,
+    /// Whether an app key's end users named in requests are believed on this port.
+    pub trust_users: bool,
 }
 
 impl Policy {

@@ -160,11 +160,12 @@ async fn route(
         // Verified: the answer tells the edge what it took and whether to try another box.
         *hopped = true;
         identity.require(Scope::Inference)?;
-        return forward(app, policy, identity, Some(hop), request).await;
+        // The edge named the end user (or none) in what it signed: not read again here.
+        return forward(app, policy, identity, Some(hop), false, request).await;
     }
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
-    forward(app, policy, identity, None, request).await
+    forward(app, policy, identity, None, kind.trusts_users(), request).await
 }
 
 /// The identity and tier another node's data plane asserts for a request it forwarded here
@@ -331,6 +332,7 @@ async fn forward(
     policy: &Arc<Policy>,
     identity: Identity,
     hopped: Option<Hop>,
+    trust_users: bool,
     request: Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
     if app.is_shutting_down() {
@@ -436,12 +438,17 @@ async fn forward(
         };
         (RequestBody::Streamed(streamed), None)
     };
-    // An app key's end user, from its header or its body field: from here on the caller.
     let read = match (&body, &view) {
         (RequestBody::Buffered(bytes), Some(view)) => Some((&bytes[..], &**view)),
         _ => None,
     };
-    let identity = identity.delegated(&parts.headers, read)?;
+    // An app key's end user, from its header or its body field: from here on the caller
+    // (only where the user named is believed: not on an injection port that does not say so).
+    let identity = if trust_users {
+        identity.delegated(&parts.headers, read)?
+    } else {
+        identity
+    };
     let client_id = identity.client_id().cloned();
     let span = tracing::Span::current();
     span.record("client", client_id.as_deref().unwrap_or(ANONYMOUS))

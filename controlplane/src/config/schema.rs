@@ -289,6 +289,8 @@ pub(crate) struct RawListener {
     pub bind: Option<Text>,
     #[serde(default)]
     pub tls: Option<RawListenerTls>,
+    #[serde(default)]
+    pub trust_users: Option<Flag>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -370,6 +370,9 @@ pub struct InjectionListener {
     pub bind: String,
     /// TLS on this listener; `None` = plain HTTP.
     pub tls: Option<ListenerTls>,
+    /// Whether an app key's end users named in requests are believed (default false: the
+    /// port has no credential, so anyone reaching it could name any user).
+    pub trust_users: bool,
 }
 
 /// `routing`: host selection.

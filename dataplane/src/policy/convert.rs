@@ -269,6 +269,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 addr,
                 inject_as,
                 tls,
+                trust_users: listener.trust_users,
             });
         }
 

@@ -596,3 +596,57 @@ async fn an_app_rotating_user_ids_is_held_to_its_own_metadata_bucket() {
     assert_eq!(other.status, 200, "{}", other.text());
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_injection_port_believes_an_apps_users_only_when_it_says_trust_users() {
+    let fake = FakeOllama::builder().model("llama3.2:3b").spawn().await;
+    let free_port = async || {
+        oqp_tests::harness::loopback()
+            .await
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (untrusting, trusting) = (free_port().await, free_port().await);
+    let yaml = format!(
+        "{}client_injection:\n  listeners:\n    - listen_port: {untrusting}\n      inject_as: webui\n    \
+         - listen_port: {trusting}\n      inject_as: webui\n      trust_users: true\n",
+        config(&fake.url(), 2, "")
+    );
+    let stack = Stack::start(&yaml).await;
+    for port in [untrusting, trusting] {
+        assert!(
+            oqp_tests::client::eventually(std::time::Duration::from_secs(5), || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            })
+            .await,
+            "port {port} opened"
+        );
+    }
+    let send = async |port: u16| {
+        HttpClient::new()
+            .post_json(
+                &format!("http://127.0.0.1:{port}/api/chat"),
+                &[(USER_HEADER, "mallory")],
+                &chat("llama3.2:3b"),
+            )
+            .await
+    };
+    // Anyone who reaches a port without a credential could name any user: the request is
+    // the app's own there.
+    let reply = send(untrusting).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let reply = send(trusting).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen: Vec<Option<String>> = fake
+        .handle()
+        .requests_to("/api/chat")
+        .iter()
+        .map(|request| request.header("x-client-id"))
+        .collect();
+    assert_eq!(
+        seen,
+        [Some("webui".to_owned()), Some("webui/mallory".to_owned())]
+    );
+    stack.shutdown().await;
+}
