@@ -315,9 +315,12 @@ fn observe(
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Read)?;
     Ok(match path {
-        "/queue/status" => {
-            status::status_response(app.status_sources(), policy, identity.usage_scope())
-        }
+        "/queue/status" => status::status_response(
+            app.status_sources(),
+            policy,
+            identity.usage_scope(),
+            &|model| identity.may_use(model),
+        ),
         "/queue/summary" => status::summary_response(app.status_sources(), policy),
         "/metrics" => metrics::response(&app.metrics, &app.metric_sources()),
         _ => dashboard::response(policy),

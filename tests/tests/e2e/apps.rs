@@ -650,3 +650,58 @@ async fn an_injection_port_believes_an_apps_users_only_when_it_says_trust_users(
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_key_with_a_models_list_sees_only_its_models_in_the_queue_status() {
+    let fake = FakeOllama::builder()
+        .model("llama3.2:3b")
+        .model("qwen")
+        .loaded("qwen")
+        .loaded("llama3.2:3b")
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), 2, "")).await;
+    let base = stack.url();
+    let models = |status: &Value, list: &str| -> Vec<String> {
+        status["hosts"][0][list]
+            .as_array()
+            .unwrap_or_else(|| panic!("{status}"))
+            .iter()
+            .filter_map(|model| model.as_str().map(str::to_owned))
+            .collect()
+    };
+    // The host's models as the control plane polled them, seen by a key without a list
+    // (waited for, bounded: the first poll may not have reached the data plane yet).
+    let mut everything = Value::Null;
+    for _ in 0..100 {
+        everything = get(&base, "/queue/status", OPEN).await.json();
+        if models(&everything, "loaded_models").len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        models(&everything, "models")
+            .iter()
+            .any(|m| m.starts_with("qwen")),
+        "{everything}"
+    );
+    assert_eq!(
+        models(&everything, "loaded_models").len(),
+        2,
+        "{everything}"
+    );
+    // The limited key: only what it may use.
+    let limited = get(&base, "/queue/status", STUDENTS).await;
+    assert_eq!(limited.status, 200, "{}", limited.text());
+    let limited = limited.json();
+    for list in ["models", "loaded_models"] {
+        let seen = models(&limited, list);
+        assert!(!seen.is_empty(), "{list}: {limited}");
+        assert!(
+            seen.iter().all(|model| model.starts_with("llama3.2")),
+            "{list}: {limited}"
+        );
+    }
+    stack.shutdown().await;
+}
