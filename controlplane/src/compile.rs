@@ -164,6 +164,7 @@ pub fn snapshot(
             allow_model_management: config.proxy.allow_model_management,
             max_request_body_bytes: config.proxy.max_request_body_bytes(),
             request_timeout_ms: millis(config.ollama.request_timeout),
+            non_streamed_timeout_ms: millis(config.ollama.non_streamed_timeout),
             drain_timeout_ms: millis(config.proxy.drain_timeout),
             max_connections: config.proxy.max_connections,
             max_connections_per_ip: config.proxy.max_connections_per_ip,
@@ -260,6 +261,7 @@ pub fn snapshot(
                 port: u32::from(listener.listen_port),
                 inject_as: listener.inject_as.clone(),
                 tls: listener.tls.as_ref().map(tls_files),
+                trust_users: listener.trust_users,
             })
             .collect(),
         logging: Some(wire::LoggingSettings {

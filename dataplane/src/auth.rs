@@ -248,7 +248,23 @@ pub enum ListenerKind {
     /// The main port: authentication by bearer key, every route.
     Main,
     /// An injection port: every request carries this client's identity.
-    Injection(Arc<str>),
+    Injection {
+        /// The client injected.
+        client: Arc<str>,
+        /// Whether an app key's end users named in requests are believed.
+        trust_users: bool,
+    },
+}
+
+impl ListenerKind {
+    /// Whether the end user an app key's request names is believed: on the main port the
+    /// key's holder names them; on an injection port only if the port says so.
+    pub fn trusts_users(&self) -> bool {
+        match self {
+            Self::Main => true,
+            Self::Injection { trust_users, .. } => *trust_users,
+        }
+    }
 }
 
 /// Identifies the caller of a request on `listener`.
@@ -259,7 +275,10 @@ pub fn identify(
     headers: &HeaderMap,
     throttle: &Throttle,
 ) -> Result<Identity, ProxyError> {
-    if let ListenerKind::Injection(client_id) = listener {
+    if let ListenerKind::Injection {
+        client: client_id, ..
+    } = listener
+    {
         // The snapshot that opened the port named the client; a newer one
         // may have removed it, or its key expired since: then the port refuses.
         return policy

@@ -70,6 +70,15 @@ pub async fn handle(
     mut outbound: Outbound,
     (body, view): (Bytes, BodyView),
 ) -> Result<Response<Body>, ProxyError> {
+    // A client over its budget is refused here, before the cache: an answer the cache could
+    // give whole is refused as one that would be queued (a budget bounds what a client may
+    // ask for, not only what reaches a GPU).
+    if parts.queue.accounted {
+        parts
+            .queue
+            .usage
+            .check_caller(policy, &client, std::time::SystemTime::now())?;
+    }
     let (body, view, openai) = if inference == Inference::OpenAiEmbeddings {
         let model = view.model().unwrap_or_default().to_owned();
         match rewrite::openai_embed_request(&body) {
@@ -122,6 +131,7 @@ pub async fn handle(
             path_and_query: outbound.path_and_query.clone(),
             headers: outbound.headers.clone(),
             body: RequestBody::Buffered(miss_body),
+            unstreamed: false,
         };
         let model = Some(model.clone());
         async move {

@@ -47,6 +47,9 @@ pub enum Inference {
     AnthropicMessages,
     /// `/v1/responses`: OpenAI's Responses API (Codex-style tools).
     OpenAiResponses,
+    /// `/v1/audio/transcriptions`: a `multipart/form-data` body whose `model` field names
+    /// the model ([`crate::form`]).
+    Transcription,
 }
 
 impl Inference {
@@ -56,6 +59,26 @@ impl Inference {
             self,
             Self::Generate | Self::Chat | Self::Embed | Self::Embeddings | Self::OpenAiEmbeddings
         )
+    }
+
+    /// Whether a request of this route streams its answer when its body says nothing
+    /// (`stream` absent or not a boolean): `None` for a route that does not generate text
+    /// (embeddings answer whole and quickly). Ollama's native routes stream by default,
+    /// the OpenAI and Anthropic shapes do not.
+    pub fn streams_by_default(self) -> Option<bool> {
+        match self {
+            Self::Generate | Self::Chat => Some(true),
+            Self::OpenAiCompletion
+            | Self::AnthropicMessages
+            | Self::OpenAiResponses
+            | Self::Transcription => Some(false),
+            Self::Embed | Self::Embeddings | Self::OpenAiEmbeddings => None,
+        }
+    }
+
+    /// Whether Ollama reads the body as JSON (all but a transcription's form).
+    pub fn reads_json(self) -> bool {
+        self != Self::Transcription
     }
 
     /// Whether responses may come from the embedding cache.
@@ -85,6 +108,7 @@ impl Endpoint {
             "/v1/embeddings" => Self::Inference(Inference::OpenAiEmbeddings),
             "/v1/messages" => Self::Inference(Inference::AnthropicMessages),
             "/v1/responses" => Self::Inference(Inference::OpenAiResponses),
+            "/v1/audio/transcriptions" => Self::Inference(Inference::Transcription),
             "/api/pull" | "/api/push" | "/api/delete" | "/api/create" | "/api/copy" | "/api/me"
             | "/api/signout" => Self::ModelManagement,
             _ if path.starts_with("/api/blobs/") || path.starts_with("/api/user/keys/") => {

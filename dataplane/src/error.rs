@@ -54,6 +54,10 @@ pub enum ProxyError {
     /// anything but whitespace (see [`crate::view`]).
     #[error("request body must be one JSON value, with nothing after it but whitespace")]
     BodyNotJson,
+    /// A `multipart/form-data` body (`/v1/audio/transcriptions`) whose `model` oqp cannot
+    /// read the one way Ollama would (see [`crate::form`]).
+    #[error("request form unreadable: {0}")]
+    FormUnreadable(crate::form::FormError),
     /// A key with a model allowlist sent a request that names no model Ollama would read
     /// (no `model`, or one that is not a string).
     #[error("this key may use only some models: the request must name one in a string `model`")]
@@ -252,6 +256,7 @@ impl ProxyError {
             | Self::InvalidUser(_)
             | Self::BodyUnreadable
             | Self::BodyNotJson
+            | Self::FormUnreadable(_)
             | Self::ModelUnreadable
             | Self::PathNotCanonical => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge | Self::TooManyInputs { .. } => StatusCode::PAYLOAD_TOO_LARGE,

@@ -4,8 +4,14 @@
 //! Nothing has reached the client while this runs, so every retry here is
 //! invisible to it:
 //!
-//! - connect error or timeout → the host is marked down until its next poll,
-//!   and the request moves to another host with a free slot;
+//! - connect error or a connection broken before the head → the host is
+//!   marked down until its next poll, and the request moves to another host
+//!   with a free slot;
+//! - no head within the head timeout (`request_timeout`, or
+//!   `non_streamed_timeout` for a generation answered whole) → the request
+//!   may be running there still: it is not sent anywhere else (it would run
+//!   twice), the host is not marked down (it is busy, not gone), and the
+//!   client gets a 503;
 //! - `503 server busy` → another host, without marking this one down;
 //! - `404 model not found` → `(host, model)` leaves the routing table until
 //!   the next poll, and the request moves to another host that has it;
@@ -14,7 +20,11 @@
 //!   when a model-free request with that key (`GET /api/usage`) is refused
 //!   too; otherwise only that account is out of rotation for that model (a
 //!   model that needs a subscription), and when every account refused it the
-//!   client gets the cloud's `403` as it was.
+//!   client gets the cloud's `403` as it was; a timeout under one key is not
+//!   tried under another.
+//!
+//! The slot time of every attempt that reached a host and was not the answer
+//! passed on is handed back to the caller to charge (`spent`).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -81,15 +91,20 @@ impl std::fmt::Debug for Forwarded {
 }
 
 /// Sends `outbound` to `lease`'s host, moving the lease to other hosts as
-/// the failures above require.
+/// the failures above require. `spent` gathers the slot time of the attempts
+/// that reached a host without an answer passed on (a head timeout, a broken
+/// connection, a refusal another host replaced): the caller charges it, as the
+/// host may have computed for them.
 pub async fn send(
     parts: Parts<'_>,
     policy: Arc<Policy>,
     lease: &mut Lease,
     model: Option<&str>,
     outbound: Outbound,
+    spent: &mut std::time::Duration,
 ) -> Result<Forwarded, ProxyError> {
     let policy: &Policy = &policy;
+    let head_timeout = outbound.head_timeout(&policy.proxy);
     let mut tried: Vec<Arc<str>> = Vec::new();
     let mut outbound = Some(outbound);
     let mut last_refusal: Option<Answer> = None;
@@ -104,15 +119,20 @@ pub async fn send(
             break;
         };
         let (this_attempt, replay) = split_for_retry(attempt);
-        let can_retry = replay.is_some();
+        let mut can_retry = replay.is_some();
         outbound = replay;
         tried.push(host.name.clone());
+        let started = Instant::now();
         let result = match host.kind {
-            HostKind::Cloud => send_cloud(parts, policy, &host, model, this_attempt).await,
+            HostKind::Cloud => {
+                send_cloud(parts, policy, &host, model, this_attempt, head_timeout).await
+            }
             HostKind::Ollama | HostKind::Openai => {
-                send_local(parts, policy, &host, this_attempt).await
+                send_local(parts, &host, this_attempt, head_timeout).await
             }
         };
+        // Every attempt that reached the host held its slot there.
+        let reached = !matches!(result, Err(UpstreamError::Connect(_)));
         let down = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),
             Ok(Sent::Busy(answer)) => {
@@ -131,9 +151,22 @@ pub async fn send(
                 parts.metrics.host_failure(&host.name);
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
                 failures.push(host.name.clone(), error.cause());
-                true
+                match error {
+                    UpstreamError::Connect(_) => true,
+                    // The host took the whole request and has not answered in time: it may
+                    // be running it still, so it is neither sent elsewhere (it would run
+                    // twice) nor taken for down (it is busy, not gone).
+                    UpstreamError::Timeout => {
+                        can_retry = false;
+                        false
+                    }
+                    UpstreamError::Transport(_) => true,
+                }
             }
         };
+        if reached {
+            *spent += started.elapsed();
+        }
         if !can_retry
             || !parts
                 .dispatcher
@@ -168,9 +201,9 @@ enum Sent {
 
 async fn send_local(
     parts: Parts<'_>,
-    policy: &Policy,
     host: &Arc<Host>,
     outbound: Outbound,
+    head_timeout: std::time::Duration,
 ) -> Result<Sent, UpstreamError> {
     let request = proxy::request_for(
         host,
@@ -180,10 +213,7 @@ async fn send_local(
         body_of(outbound.body),
     )
     .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-    let response = parts
-        .upstream
-        .send(request, policy.proxy.request_timeout)
-        .await?;
+    let response = parts.upstream.send(request, head_timeout).await?;
     let mut answer = Answer::new(host.clone(), response);
     let status = answer.response.status();
     if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::NOT_FOUND {
@@ -209,9 +239,10 @@ async fn send_cloud(
     host: &Arc<Host>,
     model: Option<&str>,
     outbound: Outbound,
+    head_timeout: std::time::Duration,
 ) -> Result<Sent, UpstreamError> {
     let Some(pool) = parts.cloud.get(&host.name) else {
-        return send_local(parts, policy, host, outbound).await;
+        return send_local(parts, host, outbound, head_timeout).await;
     };
     if pool.host_backoff_until(Instant::now()).is_some() {
         return Err(UpstreamError::Connect(
@@ -231,7 +262,7 @@ async fn send_cloud(
             headers,
             ..outbound
         };
-        return send_local(parts, policy, host, outbound).await;
+        return send_local(parts, host, outbound, head_timeout).await;
     };
     let requested = model.unwrap_or_default();
     let candidates = if requested.is_empty() {
@@ -265,15 +296,12 @@ async fn send_cloud(
                 body::full(body.clone()),
             )
             .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-            let response = match parts
-                .upstream
-                .send(request, policy.proxy.request_timeout)
-                .await
-            {
+            let response = match parts.upstream.send(request, head_timeout).await {
                 Ok(response) => response,
                 Err(UpstreamError::Timeout) => {
+                    // It may be running under this key: never sent again under another.
                     attempts.fail(&attempt, Failure::Timeout, Instant::now());
-                    continue;
+                    return Err(UpstreamError::Timeout);
                 }
                 Err(error) => {
                     attempts.fail(&attempt, Failure::Connect, Instant::now());
@@ -497,6 +525,7 @@ pub fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
                 path_and_query: outbound.path_and_query.clone(),
                 headers: outbound.headers.clone(),
                 body: RequestBody::Buffered(bytes.clone()),
+                unstreamed: outbound.unstreamed,
             };
             (outbound, Some(replay))
         }

@@ -39,6 +39,7 @@ pub mod dispatch;
 pub mod embeddings;
 pub mod endpoint;
 pub mod error;
+pub mod form;
 pub mod forward;
 pub mod headers;
 pub mod hop;

@@ -99,7 +99,10 @@ impl Listeners {
                     tokio::spawn(server::serve(
                         socket,
                         app.clone(),
-                        ListenerKind::Injection(listener.inject_as.clone()),
+                        ListenerKind::Injection {
+                            client: listener.inject_as.clone(),
+                            trust_users: listener.trust_users,
+                        },
                         tls,
                         stop.clone(),
                         move || drain_app.store.load().proxy.drain_timeout,

@@ -129,6 +129,9 @@ pub struct ProxySettings {
     pub max_request_body_bytes: u64,
     /// Upstream connect and time-to-headers timeout.
     pub request_timeout: Duration,
+    /// Time to the head of a non-streamed generation, whose head comes with the whole
+    /// answer ([`crate::proxy::Outbound::head_timeout`]).
+    pub non_streamed_timeout: Duration,
     /// How long shutdown lets in-flight work finish.
     pub drain_timeout: Duration,
     /// Connection caps and timeouts of the listeners.
@@ -769,6 +772,8 @@ pub struct InjectionListener {
     pub inject_as: Arc<str>,
     /// TLS on this listener; `None` = plain HTTP.
     pub tls: Option<TlsFiles>,
+    /// Whether an app key's end users named in requests are believed on this port.
+    pub trust_users: bool,
 }
 
 impl Policy {

@@ -218,9 +218,21 @@ pub struct Outbound {
     pub headers: http::HeaderMap,
     /// The body.
     pub body: RequestBody,
+    /// Whether the answer's head comes only with the whole answer (a non-streamed
+    /// generation): its head timeout is `non_streamed_timeout`, not `request_timeout`.
+    pub unstreamed: bool,
 }
 
 impl Outbound {
+    /// How long a host may take to send this request's answer head.
+    pub fn head_timeout(&self, proxy: &crate::policy::ProxySettings) -> std::time::Duration {
+        if self.unstreamed {
+            proxy.non_streamed_timeout
+        } else {
+            proxy.request_timeout
+        }
+    }
+
     /// The same request in memory of its own. What hyper parsed (header
     /// values, the path, a body read in one piece) are views into the
     /// connection's read buffer; a request that waits in the queue would keep
@@ -253,6 +265,7 @@ impl Outbound {
             path_and_query,
             headers,
             body,
+            unstreamed: self.unstreamed,
         }
     }
 }
@@ -298,6 +311,7 @@ pub async fn send(
         path_and_query,
         mut headers,
         body,
+        unstreamed: _,
     } = outbound;
     let (buffered, mut streamed) = match body {
         RequestBody::Buffered(bytes) => {

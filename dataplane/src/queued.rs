@@ -370,37 +370,70 @@ async fn send_granted(
             sent,
         )
     }));
+    // The slot time of attempts that reached a host and were not answered (a head timeout, a
+    // broken connection): the host may have computed for them, so they are charged too.
+    let mut spent = Duration::ZERO;
+    let prompt_estimate = prompt_estimate(&outbound.body);
     let forwarded = forward::send(
         parts.forward(),
         policy.clone(),
         &mut lease,
         model.as_deref(),
         outbound,
+        &mut spent,
     )
     .await;
     // Answered (the body's completion hook charges it from here) or failed: not abandoned.
     abandoned.disarm();
-    let forwarded = forwarded?;
+    let forwarded = match forwarded {
+        Ok(forwarded) => forwarded,
+        Err(error) => {
+            if parts.accounted && !spent.is_zero() {
+                parts.usage.record(
+                    client,
+                    model.as_deref().unwrap_or_default(),
+                    Totals {
+                        gpu_ns: u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX),
+                        requests: 1,
+                        ..Totals::default()
+                    },
+                    std::time::SystemTime::now(),
+                );
+            }
+            return Err(error);
+        }
+    };
     let forward::Forwarded {
         answer,
         guards,
         headers: extra_headers,
     } = forwarded;
+    let answered = answer.response.status().is_success();
     parts.metrics.host_request(&answer.host.name);
     parts.metrics.observe_ttfb(tier, sent.elapsed());
     let metrics = parts.metrics.clone();
     let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
     let completion: Completion = Box::new(move |outcome| {
-        // GPU time: Ollama's figure, else the time the request held its slot.
-        let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
+        // GPU time: Ollama's figure (and the attempts before the one that answered), else
+        // the time the request held its slots.
+        let gpu = outcome
+            .total_duration
+            .map_or_else(|| sent.elapsed(), |total| total.saturating_add(spent));
         if let Some(usage) = usage {
             usage.record(
                 &client,
                 model.as_deref().unwrap_or_default(),
                 Totals {
                     gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
-                    prompt_tokens: outcome.tokens.prompt,
+                    // A stream that stated no prompt count is charged an estimate, so that
+                    // leaving out `include_usage` (or cutting the stream) does not dodge a
+                    // token budget.
+                    prompt_tokens: if outcome.prompt_stated || !answered {
+                        outcome.tokens.prompt
+                    } else {
+                        prompt_estimate
+                    },
                     completion_tokens: outcome.tokens.completion,
                     requests: 1,
                     // The engine's own figure, where it states one, wins over the estimate.
@@ -494,6 +527,19 @@ fn queue_headers(
         headers.push((headers::QUEUE_POSITION, HeaderValue::from(position)));
     }
     headers
+}
+
+/// The prompt tokens a request body stands for when its answer does not say: a token for
+/// every [`BYTES_PER_TOKEN`](crate::affinity::chain::BYTES_PER_TOKEN) bytes of the body sent,
+/// rounded up (the whole body, its JSON included: Ollama's tokenizers average about that
+/// on English text).
+fn prompt_estimate(body: &RequestBody) -> u64 {
+    match body {
+        RequestBody::Buffered(bytes) => {
+            (bytes.len() as u64).div_ceil(u64::from(crate::affinity::chain::BYTES_PER_TOKEN))
+        }
+        RequestBody::Streamed(_) => 0,
+    }
 }
 
 fn declared_length(headers: &http::HeaderMap) -> u64 {

@@ -71,11 +71,13 @@ pub async fn send(
         tracing::warn!(%node, "cannot forward: this data plane has no node token to sign with");
         return Ok(Relayed::Unreachable);
     };
+    let head_timeout = outbound.head_timeout(&policy.proxy);
     let Outbound {
         method,
         path_and_query,
         mut headers,
         body,
+        unstreamed: _,
     } = outbound;
     let request_id = headers
         .get(headers::REQUEST_ID)
@@ -125,14 +127,14 @@ pub async fn send(
     *request.uri_mut() = uri;
     *request.headers_mut() = headers;
     // The owner may wait the longest queue wait, then fail over inside its box (each host up
-    // to the request timeout, and as long again for a free one).
+    // to the request's head timeout, and as long again for a free one).
     let hosts = policy
         .remote
         .iter()
         .filter(|host| host.owner.as_ref() == Some(node))
         .count()
         .max(1);
-    let upstream = policy.proxy.request_timeout * u32::try_from(2 * hosts).unwrap_or(u32::MAX);
+    let upstream = head_timeout * u32::try_from(2 * hosts).unwrap_or(u32::MAX);
     let head_timeout = policy.queue.longest_wait() + upstream + HEAD_SLACK;
     let outstanding = parts.peers.forwarding(node);
     let sent = Instant::now();

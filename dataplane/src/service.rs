@@ -32,6 +32,7 @@ use crate::body::{self, Body};
 use crate::embeddings;
 use crate::endpoint::{self, Access, Endpoint, Inference};
 use crate::error::{self, Cause, Failures, ProxyError};
+use crate::form;
 use crate::headers;
 use crate::hop;
 use crate::metrics;
@@ -159,11 +160,12 @@ async fn route(
         // Verified: the answer tells the edge what it took and whether to try another box.
         *hopped = true;
         identity.require(Scope::Inference)?;
-        return forward(app, policy, identity, Some(hop), request).await;
+        // The edge named the end user (or none) in what it signed: not read again here.
+        return forward(app, policy, identity, Some(hop), false, request).await;
     }
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Inference)?;
-    forward(app, policy, identity, None, request).await
+    forward(app, policy, identity, None, kind.trusts_users(), request).await
 }
 
 /// The identity and tier another node's data plane asserts for a request it forwarded here
@@ -313,9 +315,12 @@ fn observe(
     let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
     identity.require(Scope::Read)?;
     Ok(match path {
-        "/queue/status" => {
-            status::status_response(app.status_sources(), policy, identity.usage_scope())
-        }
+        "/queue/status" => status::status_response(
+            app.status_sources(),
+            policy,
+            identity.usage_scope(),
+            &|model| identity.may_use(model),
+        ),
         "/queue/summary" => status::summary_response(app.status_sources(), policy),
         "/metrics" => metrics::response(&app.metrics, &app.metric_sources()),
         _ => dashboard::response(policy),
@@ -330,6 +335,7 @@ async fn forward(
     policy: &Arc<Policy>,
     identity: Identity,
     hopped: Option<Hop>,
+    trust_users: bool,
     request: Request<Incoming>,
 ) -> Result<Response<Body>, ProxyError> {
     if app.is_shutting_down() {
@@ -343,7 +349,12 @@ async fn forward(
     // The routes whose body Ollama reads for its model (`/api/show` also by its `name`).
     // (`eq` on the `str`: a borrow of the `&str` local would keep it in this future's state.)
     let shows = path.eq("/api/show");
-    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) || shows;
+    // A transcription's body is a form, read for its model alone (`form`), not as JSON.
+    let form = matches!(endpoint, Endpoint::Inference(inference) if !inference.reads_json());
+    // A copy names two models, both checked against an allowlist: its (small) body is read.
+    let copies = path.eq("/api/copy");
+    let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) && !form || shows || copies;
+    let reads_body = endpoint.reads_body() || copies;
     let retrieved = path
         .strip_prefix("/v1/models/")
         .filter(|_| endpoint == Endpoint::Metadata)
@@ -372,7 +383,7 @@ async fn forward(
     if let Some(hop) = &hopped {
         // A body read whole is bound by its digest, a streamed one by its trailer: the form
         // the route's body does not take is refused.
-        if matches!(hop.body, hop::Body::Digest(_)) != endpoint.reads_body() {
+        if matches!(hop.body, hop::Body::Digest(_)) != reads_body {
             tracing::warn!("node hop refused: its body is not bound as its route needs");
             return Err(ProxyError::HopUnverified);
         }
@@ -396,7 +407,7 @@ async fn forward(
     };
     // The one reading of a read body: everything below that looks inside it reads this.
     // Boxed: it lives in this future's state, which a waiting request holds.
-    let (body, view) = if endpoint.reads_body() {
+    let (body, view) = if reads_body {
         let read = proxy::BodyRead {
             limit,
             timeout: policy.proxy.body_read_timeout,
@@ -407,7 +418,11 @@ async fn forward(
             let client = key_id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS));
             app.dispatcher.over_capacity(tier, &client)
         };
-        let read = read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?;
+        let read = if form {
+            BodyView::default()
+        } else {
+            read_view(&bytes, ollama_reads_body, &mut reservation, over_budget)?
+        };
         (RequestBody::Buffered(bytes), Some(Box::new(read)))
     } else {
         let streamed = proxy::stream_body(
@@ -426,12 +441,17 @@ async fn forward(
         };
         (RequestBody::Streamed(streamed), None)
     };
-    // An app key's end user, from its header or its body field: from here on the caller.
     let read = match (&body, &view) {
         (RequestBody::Buffered(bytes), Some(view)) => Some((&bytes[..], &**view)),
         _ => None,
     };
-    let identity = identity.delegated(&parts.headers, read)?;
+    // An app key's end user, from its header or its body field: from here on the caller
+    // (only where the user named is believed: not on an injection port that does not say so).
+    let identity = if trust_users {
+        identity.delegated(&parts.headers, read)?
+    } else {
+        identity
+    };
     let client_id = identity.client_id().cloned();
     let span = tracing::Span::current();
     span.record("client", client_id.as_deref().unwrap_or(ANONYMOUS))
@@ -466,12 +486,22 @@ async fn forward(
         path_and_query,
         headers: upstream_headers,
         body,
+        unstreamed: false,
     };
 
     if endpoint == Endpoint::Metadata {
-        // The fast path: never queued, never capped, no slot; bounded per client.
+        // The fast path: never queued, never capped, no slot; bounded per client, and an app
+        // key's users together by the app's own bucket too (new user ids get no new reads).
+        let caller = identity.caller();
+        if let Some(key) = identity.key()
+            && caller.member.is_some()
+            && key.id != caller.id
+        {
+            app.metadata_limit
+                .admit(policy.auth.metadata_rate, &key.id)?;
+        }
         app.metadata_limit
-            .admit(policy.auth.metadata_rate, &identity.caller().id)?;
+            .admit(policy.auth.metadata_rate, &caller.id)?;
         // `/v1/models/{model}` names its model in the path; `/api/show` in its body, where
         // Ollama also reads the deprecated `name`; the others name none (a model read from
         // them only orders the hosts).
@@ -494,6 +524,15 @@ async fn forward(
         queue.peers = None;
     }
     let Endpoint::Inference(inference) = endpoint else {
+        if copies {
+            copy_allowed(&identity, &outbound.body, view.as_deref())?;
+            if let (Some(hop), RequestBody::Buffered(bytes)) = (&hopped, &outbound.body)
+                && hop.body != hop::Body::Digest(hop::body_digest(bytes))
+            {
+                tracing::warn!("node hop refused: the body is not the one signed");
+                return Err(ProxyError::HopUnverified);
+            }
+        }
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
         queue.accounted = false;
@@ -513,12 +552,22 @@ async fn forward(
     let view = read;
     // A model the key may not use is refused before anything else sees the request: no
     // cache, no queue, no host. A key limited to some models names one Ollama reads.
-    let model = view.model().map(str::to_owned);
+    let model = if inference.reads_json() {
+        view.model().map(str::to_owned)
+    } else {
+        let content_type = outbound.headers.get(header::CONTENT_TYPE);
+        let query = outbound.path_and_query.query();
+        Some(form::model(content_type, query, &body).map_err(ProxyError::FormUnreadable)?)
+    };
     match &model {
         Some(model) => identity.allow_model(model)?,
         None if identity.has_allowlist() => return Err(ProxyError::ModelUnreadable),
         None => {}
     }
+    // A generation whose answer comes whole has its head only when it is done.
+    outbound.unstreamed = inference
+        .streams_by_default()
+        .is_some_and(|default| !view.stream(&body).unwrap_or(default));
     // Its conversation, for a chat-shaped request (the keep_alive inserted below is not part
     // of it).
     let chain = conversation(
@@ -599,7 +648,10 @@ fn conversation(
         Inference::OpenAiCompletion => affinity::Shape::OpenAiChat,
         Inference::AnthropicMessages => affinity::Shape::Messages,
         Inference::OpenAiResponses => affinity::Shape::Responses,
-        Inference::Embed | Inference::Embeddings | Inference::OpenAiEmbeddings => return None,
+        Inference::Embed
+        | Inference::Embeddings
+        | Inference::OpenAiEmbeddings
+        | Inference::Transcription => return None,
     };
     let model = crate::policy::normalize_model(model?);
     let scope = if settings.share_across_keys {
@@ -635,6 +687,29 @@ fn read_view(
         Err(_) if ollama_reads => Err(ProxyError::BodyNotJson),
         Err(_) => Ok(BodyView::default()),
     }
+}
+
+/// `/api/copy` by a key with a model allowlist: its `source` and its `destination` (read as
+/// Ollama reads them) must both be allowed, so that a forbidden model cannot be copied under
+/// an allowed name, nor an allowed one under a name the key could not use.
+fn copy_allowed(
+    identity: &Identity,
+    body: &RequestBody,
+    view: Option<&BodyView>,
+) -> Result<(), ProxyError> {
+    if !identity.has_allowlist() {
+        return Ok(());
+    }
+    let (RequestBody::Buffered(body), Some(view)) = (body, view) else {
+        return Err(ProxyError::ModelUnreadable);
+    };
+    for field in ["source", "destination"] {
+        match view.string_at(body, &[field.to_owned()]) {
+            Ok(Some(model)) => identity.allow_model(&model)?,
+            _ => return Err(ProxyError::ModelUnreadable),
+        }
+    }
+    Ok(())
 }
 
 /// The conversation a request names: in its app key's `users.session_header`, else in

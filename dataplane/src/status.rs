@@ -318,8 +318,14 @@ pub struct Summary {
 
 /// The `/queue/status` response. With `own` (a key below `management`: its client id), only
 /// that client's row and its app's users' (`<own>/<user>`) carry `usage_today`.
-pub fn status_response(sources: Sources<'_>, policy: &Policy, own: Option<&str>) -> Response<Body> {
+pub fn status_response(
+    sources: Sources<'_>,
+    policy: &Policy,
+    own: Option<&str>,
+    visible: &dyn Fn(&str) -> bool,
+) -> Response<Body> {
     let mut status = status(sources, policy);
+    status.scope_models(visible);
     if let Some(own) = own {
         for (id, client) in &mut status.clients {
             let mine = id
@@ -331,6 +337,25 @@ pub fn status_response(sources: Sources<'_>, policy: &Policy, own: Option<&str>)
         }
     }
     json(&status)
+}
+
+impl Status {
+    /// Leaves out of the hosts every model `visible` refuses (a key with a model allowlist
+    /// sees only the models it may use: installed, loaded, resident, switched to, bound to a
+    /// cloud key).
+    fn scope_models(&mut self, visible: &dyn Fn(&str) -> bool) {
+        for host in &mut self.hosts {
+            host.models.retain(|model| visible(model));
+            host.loaded_models.retain(|model| visible(model));
+            if let Some(vram) = &mut host.vram {
+                vram.resident.retain(|resident| visible(&resident.model));
+                vram.switching_to = vram.switching_to.take().filter(|model| visible(model));
+            }
+            for key in host.cloud_pool.iter_mut().flatten() {
+                key.bound_model = key.bound_model.take().filter(|model| visible(model));
+            }
+        }
+    }
 }
 
 /// The `/queue/summary` response.

@@ -221,6 +221,10 @@ pub struct Outcome {
     pub prompt_eval_duration: Option<Duration>,
     /// The token counts of the final object, when it had them.
     pub tokens: Tokens,
+    /// False only for a stream (NDJSON or SSE) that stated no prompt count: an OpenAI
+    /// stream without `stream_options.include_usage`, or a stream cut short before its
+    /// final object. The caller then charges an estimate of the prompt.
+    pub prompt_stated: bool,
     /// The prompt's tokens the engine says came from its cache, when it says (see
     /// [`engine_cached`]); counted in `tokens.prompt` too.
     pub cached_tokens: Option<u64>,
@@ -244,6 +248,13 @@ pub struct Tokens {
 }
 
 impl Tokens {
+    /// Whether the kept tail of a body states a prompt count at all.
+    fn states_prompt(tail: &[u8]) -> bool {
+        PROMPT_FIELDS
+            .into_iter()
+            .any(|field| last_number(tail, field).is_some())
+    }
+
     /// Whether the kept tail of a body states a completion count at all.
     fn states_completion(tail: &[u8]) -> bool {
         COMPLETION_FIELDS
@@ -473,6 +484,9 @@ impl ResponseBody {
                         completion: self.chunks,
                     }
                 },
+                prompt_stated: self.framing == Framing::Opaque
+                    || self.head_prompt.is_some()
+                    || complete && Tokens::states_prompt(&self.tail),
                 cached_tokens: complete
                     .then(|| engine_cached(&self.tail, self.head_cached))
                     .flatten(),

@@ -4,8 +4,10 @@
 //! with the request's client and model): GPU time (Ollama's `total_duration`, else the
 //! time the request held its slot), prompt and completion tokens (a stream cut short:
 //! its chunks as completion tokens), one request; inference only. A request whose client
-//! left before the answer's head is charged the slot time it held (`queued`). The embedding path adds
-//! the inputs it sent upstream and those the cache answered. Recording feeds the two usage
+//! left before the answer's head is charged the slot time it held (`queued`), as is every
+//! attempt that reached a host and was not the answer (a head timeout, a broken
+//! connection). The embedding path adds the inputs it sent upstream and those the cache
+//! answered. Recording feeds the two usage
 //! metrics and a ledger of increments not yet reported, under the metrics' bounded labels
 //! (a model no host lists is `(other)` in the ledger).
 //!

@@ -38,6 +38,15 @@ pub(crate) fn ollama(
         "ollama.request_timeout",
         problems,
     );
+    // A non-streamed generation's head comes with its whole answer: its own bound.
+    let non_streamed_timeout = duration_within(
+        raw.non_streamed_timeout,
+        request_timeout,
+        Duration::from_nanos(1),
+        DAY,
+        "ollama.non_streamed_timeout",
+        problems,
+    );
     let hosts = hosts?;
     if !hosts_given || hosts.is_empty() {
         problems.error(
@@ -65,6 +74,7 @@ pub(crate) fn ollama(
         OllamaConfig {
             hosts,
             request_timeout,
+            non_streamed_timeout,
         }
     })
 }

@@ -93,6 +93,7 @@ pub(crate) struct RawOllama {
     /// Deprecated and unused; any value is accepted and reported.
     pub health_check_interval: Option<Value>,
     pub request_timeout: Option<Seconds>,
+    pub non_streamed_timeout: Option<Seconds>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -288,6 +289,8 @@ pub(crate) struct RawListener {
     pub bind: Option<Text>,
     #[serde(default)]
     pub tls: Option<RawListenerTls>,
+    #[serde(default)]
+    pub trust_users: Option<Flag>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -53,6 +53,7 @@ fn every_default() {
     assert_eq!(config.proxy.client_stall_timeout, Duration::from_secs(60));
 
     assert_eq!(config.ollama.request_timeout, Duration::from_secs(300));
+    assert_eq!(config.ollama.non_streamed_timeout, Duration::from_secs(300));
     let host = &config.ollama.hosts[0];
     assert_eq!(host.url, "http://127.0.0.1:11434");
     assert_eq!(host.name, "local");
@@ -302,6 +303,27 @@ fn the_python_config_loads() {
         !warnings.iter().any(|w| w.contains("SECURITY")),
         "auth is on: {warnings:?}"
     );
+}
+
+#[test]
+fn the_non_streamed_timeout_follows_the_request_timeout_unless_set() {
+    let hosts = "  hosts:\n    - {url: http://127.0.0.1:11434, name: local}\n";
+    let config = load(&format!("ollama:\n  request_timeout: 20\n{hosts}")).config;
+    assert_eq!(config.ollama.non_streamed_timeout, Duration::from_secs(20));
+    let config = load(&format!(
+        "ollama:\n  request_timeout: 20\n  non_streamed_timeout: 900\n{hosts}"
+    ))
+    .config;
+    assert_eq!(config.ollama.request_timeout, Duration::from_secs(20));
+    assert_eq!(config.ollama.non_streamed_timeout, Duration::from_secs(900));
+    let compiled = crate::compile::snapshot(
+        &config,
+        &Default::default(),
+        &std::collections::HashMap::new(),
+        &[],
+        1,
+    );
+    assert_eq!(compiled.proxy.unwrap().non_streamed_timeout_ms, 900_000);
 }
 
 #[test]
@@ -1301,7 +1323,7 @@ const BOUNDED_KEYS: &[(&str, &str, &str)] = &[
 fn every_duration_and_size_key_has_an_upper_bound_named_in_its_error() {
     let hosts = |sync: &str| {
         format!(
-            "ollama:\n  request_timeout: {sync}\n  hosts:\n    - {{url: http://127.0.0.1:11434, name: local, model_sync_interval: {sync}}}\n"
+            "ollama:\n  request_timeout: {sync}\n  non_streamed_timeout: {sync}\n  hosts:\n    - {{url: http://127.0.0.1:11434, name: local, model_sync_interval: {sync}}}\n"
         )
     };
     let mut cases: Vec<(String, String, &str)> = BOUNDED_KEYS
@@ -1310,6 +1332,7 @@ fn every_duration_and_size_key_has_an_upper_bound_named_in_its_error() {
         .collect();
     // The hosts' own keys: both in one file, each reported under its own path.
     cases.push((hosts("{}"), "ollama.request_timeout".into(), "1d"));
+    cases.push((hosts("{}"), "ollama.non_streamed_timeout".into(), "1d"));
     cases.push((
         hosts("{}"),
         "ollama.hosts[0].model_sync_interval".into(),

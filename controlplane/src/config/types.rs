@@ -82,6 +82,8 @@ pub struct OllamaConfig {
     pub hosts: Vec<HostConfig>,
     /// Upstream request timeout.
     pub request_timeout: Duration,
+    /// Time to the head of a non-streamed generation (default `request_timeout`).
+    pub non_streamed_timeout: Duration,
 }
 
 /// One upstream in `ollama.hosts[]`.
@@ -368,6 +370,9 @@ pub struct InjectionListener {
     pub bind: String,
     /// TLS on this listener; `None` = plain HTTP.
     pub tls: Option<ListenerTls>,
+    /// Whether an app key's end users named in requests are believed (default false: the
+    /// port has no credential, so anyone reaching it could name any user).
+    pub trust_users: bool,
 }
 
 /// `routing`: host selection.

@@ -86,6 +86,7 @@ pub(crate) fn client_injection(
                 inject_as,
                 bind,
                 tls,
+                trust_users: super::resolve::flag(raw.trust_users, false),
             });
         }
         ClientInjectionConfig {

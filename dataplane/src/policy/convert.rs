@@ -39,6 +39,11 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
         if proxy.max_concurrent == 0 {
             return Err(PolicyError::new("proxy.max_concurrent must be at least 1"));
         }
+        let request_timeout = millis(
+            proxy.request_timeout_ms,
+            Duration::from_secs(300),
+            "proxy.request_timeout_ms",
+        )?;
         let proxy = ProxySettings {
             tls: tls_files(proxy.tls.clone(), "proxy.tls")?,
             max_concurrent: proxy.max_concurrent,
@@ -47,10 +52,11 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 proxy.max_request_body_bytes,
                 "proxy.max_request_body_bytes",
             )?,
-            request_timeout: millis(
-                proxy.request_timeout_ms,
-                Duration::from_secs(300),
-                "proxy.request_timeout_ms",
+            request_timeout,
+            non_streamed_timeout: millis(
+                proxy.non_streamed_timeout_ms,
+                request_timeout,
+                "proxy.non_streamed_timeout_ms",
             )?,
             drain_timeout: millis(
                 proxy.drain_timeout_ms,
@@ -263,6 +269,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 addr,
                 inject_as,
                 tls,
+                trust_users: listener.trust_users,
             });
         }
 
@@ -814,6 +821,9 @@ mod tests {
     const FIELDS: &[(&str, Edit)] = &[
         ("proxy.request_timeout_ms", |s, v| {
             s.proxy.as_mut().unwrap().request_timeout_ms = v;
+        }),
+        ("proxy.non_streamed_timeout_ms", |s, v| {
+            s.proxy.as_mut().unwrap().non_streamed_timeout_ms = v;
         }),
         ("proxy.drain_timeout_ms", |s, v| {
             s.proxy.as_mut().unwrap().drain_timeout_ms = v;

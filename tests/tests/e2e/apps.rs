@@ -564,3 +564,144 @@ async fn a_thousand_users_do_not_explode_the_metrics() {
     );
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_app_rotating_user_ids_is_held_to_its_own_metadata_bucket() {
+    let fake = FakeOllama::builder().model("llama3.2").spawn().await;
+    let yaml = config(&fake.url(), 2, "").replace(
+        "auth:\n  enabled: true\n",
+        "auth:\n  enabled: true\n  metadata_rate_limit: {per_second: 1, burst: 3}\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    let base = stack.url();
+    let show = json!({"model": "llama3.2"});
+    // A new user id every read: each user's bucket is full, the app's is not.
+    let started = std::time::Instant::now();
+    let mut served = 0;
+    let refused = loop {
+        let user = format!("user-{served}");
+        let reply = post(&base, "/api/show", WEBUI, &[(USER_HEADER, &user)], &show).await;
+        if reply.status != 200 {
+            break reply;
+        }
+        served += 1;
+        assert!(served < 20, "never limited");
+    };
+    let refilled = started.elapsed().as_secs_f64().ceil() as usize;
+    assert!((3..=3 + refilled).contains(&served), "{served}");
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert_eq!(refused.json()["error"], "too many metadata requests");
+    // Another app has its own bucket.
+    let other = post(&base, "/api/show", LIBRECHAT, &[], &show).await;
+    assert_eq!(other.status, 200, "{}", other.text());
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_injection_port_believes_an_apps_users_only_when_it_says_trust_users() {
+    let fake = FakeOllama::builder().model("llama3.2:3b").spawn().await;
+    let free_port = async || {
+        oqp_tests::harness::loopback()
+            .await
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (untrusting, trusting) = (free_port().await, free_port().await);
+    let yaml = format!(
+        "{}client_injection:\n  listeners:\n    - listen_port: {untrusting}\n      inject_as: webui\n    \
+         - listen_port: {trusting}\n      inject_as: webui\n      trust_users: true\n",
+        config(&fake.url(), 2, "")
+    );
+    let stack = Stack::start(&yaml).await;
+    for port in [untrusting, trusting] {
+        assert!(
+            oqp_tests::client::eventually(std::time::Duration::from_secs(5), || {
+                std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            })
+            .await,
+            "port {port} opened"
+        );
+    }
+    let send = async |port: u16| {
+        HttpClient::new()
+            .post_json(
+                &format!("http://127.0.0.1:{port}/api/chat"),
+                &[(USER_HEADER, "mallory")],
+                &chat("llama3.2:3b"),
+            )
+            .await
+    };
+    // Anyone who reaches a port without a credential could name any user: the request is
+    // the app's own there.
+    let reply = send(untrusting).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let reply = send(trusting).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let seen: Vec<Option<String>> = fake
+        .handle()
+        .requests_to("/api/chat")
+        .iter()
+        .map(|request| request.header("x-client-id"))
+        .collect();
+    assert_eq!(
+        seen,
+        [Some("webui".to_owned()), Some("webui/mallory".to_owned())]
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_key_with_a_models_list_sees_only_its_models_in_the_queue_status() {
+    let fake = FakeOllama::builder()
+        .model("llama3.2:3b")
+        .model("qwen")
+        .loaded("qwen")
+        .loaded("llama3.2:3b")
+        .spawn()
+        .await;
+    let stack = Stack::start(&config(&fake.url(), 2, "")).await;
+    let base = stack.url();
+    let models = |status: &Value, list: &str| -> Vec<String> {
+        status["hosts"][0][list]
+            .as_array()
+            .unwrap_or_else(|| panic!("{status}"))
+            .iter()
+            .filter_map(|model| model.as_str().map(str::to_owned))
+            .collect()
+    };
+    // The host's models as the control plane polled them, seen by a key without a list
+    // (waited for, bounded: the first poll may not have reached the data plane yet).
+    let mut everything = Value::Null;
+    for _ in 0..100 {
+        everything = get(&base, "/queue/status", OPEN).await.json();
+        if models(&everything, "loaded_models").len() == 2 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        models(&everything, "models")
+            .iter()
+            .any(|m| m.starts_with("qwen")),
+        "{everything}"
+    );
+    assert_eq!(
+        models(&everything, "loaded_models").len(),
+        2,
+        "{everything}"
+    );
+    // The limited key: only what it may use.
+    let limited = get(&base, "/queue/status", STUDENTS).await;
+    assert_eq!(limited.status, 200, "{}", limited.text());
+    let limited = limited.json();
+    for list in ["models", "loaded_models"] {
+        let seen = models(&limited, list);
+        assert!(!seen.is_empty(), "{list}: {limited}");
+        assert!(
+            seen.iter().all(|model| model.starts_with("llama3.2")),
+            "{list}: {limited}"
+        );
+    }
+    stack.shutdown().await;
+}

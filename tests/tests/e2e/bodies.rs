@@ -219,6 +219,46 @@ async fn a_key_with_a_models_list_is_checked_against_the_model_ollama_reads() {
 }
 
 #[tokio::test]
+async fn with_model_management_on_a_copy_needs_both_its_models_allowed() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = config(&fake.url(), &dir.path().display().to_string()).replace(
+        "ollama:\n",
+        "proxy:\n  allow_model_management: true\nollama:\n",
+    );
+    let stack = Stack::start(&yaml).await;
+    let base = stack.url();
+    let copies = || fake.handle().requests_to("/api/copy").len();
+    // A forbidden model under an allowed name, an allowed one under a forbidden name, the
+    // last occurrence deciding as in any body Ollama reads.
+    for body in [
+        r#"{"source":"qwen","destination":"llama3-mine"}"#,
+        r#"{"source":"llama3","destination":"qwen-mine"}"#,
+        r#"{"source":"llama3","SOURCE":"qwen","destination":"llama3-mine"}"#,
+    ] {
+        let reply = post_raw(&base, "/api/copy", LIMITED, body).await;
+        assert_eq!(reply.status, 403, "{body}: {}", reply.text());
+    }
+    for body in [
+        r#"{"destination":"llama3-mine"}"#,
+        r#"{"source":"llama3"} x"#,
+    ] {
+        let reply = post_raw(&base, "/api/copy", LIMITED, body).await;
+        assert_eq!(reply.status, 400, "{body}: {}", reply.text());
+    }
+    assert_eq!(copies(), 0, "no refused copy reached Ollama");
+    let body = r#"{"source":"llama3","destination":"llama3-mine"}"#;
+    let reply = post_raw(&base, "/api/copy", LIMITED, body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // A key without a list copies as before.
+    let body = r#"{"source":"qwen","destination":"qwen-mine"}"#;
+    let reply = post_raw(&base, "/api/copy", OPEN, body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(copies(), 2);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn inputs_named_in_any_case_are_counted_as_ollama_embeds_them() {
     let fake = FakeOllama::builder()
         .embedding_model("nomic-embed-text")

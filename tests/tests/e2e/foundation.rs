@@ -369,7 +369,7 @@ async fn a_model_blob_larger_than_max_request_body_mb_is_streamed_through() {
     let reply = http
         .send(
             Method::POST,
-            &format!("{}/v1/audio/transcriptions", stack.url()),
+            &format!("{}/api/create", stack.url()),
             &[],
             blob,
         )

@@ -372,13 +372,14 @@ async fn a_slot_freed_by_a_failover_goes_to_a_request_already_queued() {
 #[tokio::test]
 async fn a_streamed_body_that_stops_half_way_frees_the_slot() {
     let fake = FakeOllama::builder().model("llama3").spawn().await;
-    let stack = Stack::start(&config(&fake.url(), "  body_read_timeout: 0.3\n", "")).await;
+    let proxy = "  body_read_timeout: 0.3\n  allow_model_management: true\n";
+    let stack = Stack::start(&config(&fake.url(), proxy, "")).await;
     // A streamed path (not read whole by the proxy): a slot is granted, then
     // the body stops after a few bytes.
     let mut trickle = TcpStream::connect(stack.proxy_addr()).await.unwrap();
     trickle
         .write_all(
-            b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
+            b"POST /api/create HTTP/1.1\r\nHost: oqp\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
         )
         .await
         .unwrap();

@@ -641,8 +641,8 @@ async fn a_switch_waits_for_a_long_request_at_most_max_defer_and_its_requester_p
     stack.shutdown().await;
 }
 
-/// One `POST /v1/audio/transcriptions` for `model` through oqp with `key`: a route oqp queues
-/// without reading its body, so the model it loads is not in oqp's view of the host.
+/// One `POST /v1/audio/transcriptions` for `model` through oqp with `key`: a multipart form,
+/// whose `model` field oqp reads (it once queued the route unread, which this test guarded).
 async fn transcribe(base: &str, model: &str, key: &str) {
     let boundary = "oqp-test-boundary";
     let body = format!(
@@ -698,8 +698,8 @@ async fn models_a_tenant_loads_through_oqp_on_uncounted_routes_do_not_turn_holdi
             .any(|(name, bytes)| name.starts_with(model) && *bytes == 8 * GIB)
     };
     assert!(eventually(Duration::from_secs(10), || resident("alpha")).await);
-    // One tenant loads two models through oqp on a route whose model oqp does not read: each
-    // shows up only in a later poll, as a model oqp's view did not load.
+    // One tenant loads two models through oqp with multipart forms: neither load is taken for
+    // one around oqp.
     for model in ["gamma", "beta"] {
         transcribe(&stack.url(), model, "sk-yvonne-0123456789").await;
         assert!(

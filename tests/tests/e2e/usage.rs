@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 
 mod edges;
 mod forged;
+mod timeouts;
+mod transcriptions;
 mod users;
 
 pub const CHAT_KEY: &str = "sk-chat-0123456789";
@@ -73,8 +75,9 @@ pub async fn post(base: &str, path: &str, reported: &str, body: Value) -> Reply 
 /// OpenAI chats (non-streamed, streamed with and without `include_usage`) and an OpenAI
 /// embed. Native figures are the fake's, chosen per request; OpenAI calls carry no
 /// `total_duration`, so their GPU time is the slot's hold time (model `qwen`). Returns the
-/// events of the stream without `include_usage`, which are its completion tokens.
-pub async fn send_mix(base: &str) -> u64 {
+/// events of the stream without `include_usage`, which are its completion tokens, and its
+/// body's size in tokens of four bytes, its prompt tokens.
+pub async fn send_mix(base: &str) -> (u64, u64) {
     let chat = |stream: bool| json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": stream});
     let generate = |stream: bool| json!({"model": "llama3", "prompt": "hi", "stream": stream});
     post(
@@ -159,8 +162,8 @@ pub async fn send_mix(base: &str) -> u64 {
         sse.text()
     );
     // Without include_usage the stream carries no counts: its events stand for its
-    // completion tokens (as a stream cut short), its prompt is not counted, and the slot's
-    // hold time is its GPU time.
+    // completion tokens (as a stream cut short), its body's size for its prompt tokens (a
+    // token every four bytes, rounded up), and the slot's hold time is its GPU time.
     let uncounted = post(
         base,
         "/v1/chat/completions",
@@ -170,7 +173,8 @@ pub async fn send_mix(base: &str) -> u64 {
     .await;
     let events = uncounted.text().matches("\n\n").count() as u64;
     assert!(events > 3, "{}", uncounted.text());
-    events
+    let sent = serde_json::to_vec(&openai(true, false)).unwrap().len() as u64;
+    (events, sent.div_ceil(4))
 }
 
 /// The value of the sample `series` (name and labels, as `/metrics` prints them).
@@ -197,7 +201,7 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
     let dir = tempfile::tempdir().unwrap();
     let stack = Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
     let base = stack.url();
-    let events = send_mix(&base).await;
+    let (events, estimated) = send_mix(&base).await;
     let text = metrics(&base).await;
     let gpu = |model: &str| {
         sample(
@@ -220,9 +224,9 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
     assert_eq!(gpu("nomic-embed-text"), Some(0.375));
     assert_eq!(tokens("nomic-embed-text", "prompt"), Some(10.0));
     assert_eq!(tokens("nomic-embed-text", "completion"), Some(0.0));
-    // OpenAI: the non-streamed usage, the last chunk's, the events of the stream without
-    // usage; held-slot time as GPU time.
-    assert_eq!(tokens("qwen", "prompt"), Some(10.0));
+    // OpenAI: the non-streamed usage, the last chunk's, the events and the body's estimate of
+    // the stream without usage; held-slot time as GPU time.
+    assert_eq!(tokens("qwen", "prompt"), Some(10.0 + estimated as f64));
     assert_eq!(tokens("qwen", "completion"), Some(12.0 + events as f64));
     assert!(gpu("qwen").is_some_and(|seconds| seconds > 0.0 && seconds < 30.0));
     for family in ["oqp_client_gpu_seconds_total", "oqp_client_tokens_total"] {
@@ -241,7 +245,7 @@ async fn usage_metrics_add_up_to_what_the_fake_reported() {
         .await
         .json();
     let today = &status["clients"]["chat"]["usage_today"];
-    assert_eq!(today["prompt_tokens"], 40, "{today}");
+    assert_eq!(today["prompt_tokens"], 40 + estimated, "{today}");
     assert_eq!(today["completion_tokens"], 47 + events);
     assert_eq!(today["cached_inputs"], 2);
     assert_eq!(today["requests"], 10);
@@ -319,7 +323,7 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
         .await
         .unwrap();
     let base = format!("http://{}", edge.local_addr());
-    let events = send_mix(&base).await;
+    let (events, estimated) = send_mix(&base).await;
     let usage = wait_for_requests(&control_url, 10).await;
     let llama = row(&usage, "chat", "llama3");
     assert_eq!(llama.gpu_ns, 4 * SECOND);
@@ -334,7 +338,7 @@ async fn totals_reach_the_control_plane_and_survive_restarts_of_either_plane() {
     let qwen = row(&usage, "chat", "qwen");
     assert_eq!(
         (qwen.prompt_tokens, qwen.completion_tokens),
-        (10, 12 + events)
+        (10 + estimated, 12 + events)
     );
     assert!(qwen.gpu_ns > 0);
     // Today's batches, appended to the day's log (the day file is written whole only when

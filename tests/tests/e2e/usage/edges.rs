@@ -246,19 +246,65 @@ async fn a_stream_cut_short_counts_the_chunks_it_sent() {
         harness::Stack::start(&config(&fake.url(), &dir.path().display().to_string(), "")).await;
     fake.handle()
         .fail_next(oqp_tests::fake::Failure::DieMidStream { after_lines: 3 });
+    let body =
+        json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": true});
+    let sent = serde_json::to_vec(&body).unwrap().len() as u64;
     let cut = post(
         &stack.url(),
         "/api/chat",
         "total_duration=5000000000,prompt_eval_count=4,eval_count=10",
-        json!({"model": "llama3", "messages": [{"role": "user", "content": "hi"}], "stream": true}),
+        body,
     )
     .await;
     assert!(cut.text().contains("\"error\""), "{}", cut.text());
     let usage = super::wait_for_requests(&stack.control_url(), 1).await;
     let total = usage.total.unwrap();
-    // No final object: the three chunks stand for the completion tokens.
-    assert_eq!((total.prompt_tokens, total.completion_tokens), (0, 3));
+    // No final object: the three chunks stand for the completion tokens, and the body sent
+    // (the client's, with the keep_alive oqp adds) for the prompt, a token every four bytes.
+    assert_eq!(total.completion_tokens, 3);
+    assert!(
+        total.prompt_tokens >= sent.div_ceil(4) && total.prompt_tokens < sent,
+        "{total:?} for {sent} bytes"
+    );
     assert!(total.gpu_ns > 0, "the time the slot was held");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_openai_stream_without_usage_is_charged_its_prompt_against_a_token_budget() {
+    const TOKENS_KEY: &str = "sk-tokens-0123456789";
+    let fake = fake().tokens(3).spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = config(
+        &fake.url(),
+        &dir.path().display().to_string(),
+        &format!(
+            "    - key: \"{TOKENS_KEY}\"\n      client_id: writer\n      budget: {{tokens: 100, window: 1d}}\n"
+        ),
+    );
+    let stack = harness::Stack::start(&yaml).await;
+    // A long prompt (600 bytes of content) and three tokens of answer, streamed without
+    // `stream_options.include_usage`: the stream states no counts.
+    let body = json!({
+        "model": "qwen",
+        "messages": [{"role": "user", "content": "word ".repeat(120)}],
+        "stream": true,
+    });
+    let sent = serde_json::to_vec(&body).unwrap().len() as u64;
+    let url = format!("{}/v1/chat/completions", stack.url());
+    let auth = format!("Bearer {TOKENS_KEY}");
+    let http = oqp_tests::client::HttpClient::new();
+    let headers = [("authorization", auth.as_str())];
+    let send = || http.post_json(&url, &headers, &body);
+    let first = send().await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert!(!first.text().contains("\"usage\""), "{}", first.text());
+    // Its prompt is charged as the body's size in tokens of four bytes: past the budget.
+    let refused = send().await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let usage = super::wait_for_requests(&stack.control_url(), 1).await;
+    let total = usage.total.unwrap();
+    assert_eq!(total.prompt_tokens, sent.div_ceil(4), "{total:?}");
     stack.shutdown().await;
 }
 
@@ -326,5 +372,39 @@ async fn a_damaged_usage_file_is_set_aside_and_the_control_plane_starts() {
     .await;
     let totals = super::wait_for_requests(&stack.control_url(), 1).await;
     assert_eq!(totals.total.unwrap_or_default().gpu_ns, SECOND);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_embedding_the_cache_holds_is_refused_once_the_budget_is_spent() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = one_slot_budgeted(&fake.url(), &dir.path().display().to_string(), "");
+    assert!(yaml.contains("backend: memory"), "{yaml}");
+    let stack = harness::Stack::start(&yaml).await;
+    let embed = async |reported: &str| {
+        oqp_tests::client::HttpClient::new()
+            .post_json(
+                &format!("{}/api/embed", stack.url()),
+                &[
+                    ("authorization", &format!("Bearer {BATCH_KEY}")),
+                    (oqp_tests::fake::USAGE_HEADER, reported),
+                ],
+                &json!({"model": "nomic-embed-text", "input": "hello"}),
+            )
+            .await
+    };
+    // A miss, computed and cached: 20 s of GPU time against a budget of 10.
+    let first = embed("total_duration=20000000000").await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.header("x-cache").as_deref(), Some("MISS"));
+    // The same input again: the cache has it whole, and the spent budget still refuses it.
+    let again = embed("total_duration=1").await;
+    assert_eq!(again.status, 429, "{}", again.text());
+    assert_eq!(
+        again.json()["error"],
+        "budget exceeded: gpu_seconds 10 per 1d"
+    );
+    assert_eq!(fake.handle().requests_to("/api/embed").len(), 1);
     stack.shutdown().await;
 }
