@@ -81,6 +81,15 @@ pub struct KeyStatus {
     pub last_error: Option<&'static str>,
 }
 
+/// Why an account refused one model (and keeps serving every other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Refusal {
+    /// A 403: the model needs a subscription the account lacks.
+    Subscription,
+    /// A 402: the model bills extra usage only, and the account's extra balance is empty.
+    ExtraUsage,
+}
+
 /// A key's identity across snapshots: the SHA-256 of the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct KeyId([u8; 32]);
@@ -95,9 +104,10 @@ struct PoolState {
     host_backoff_until: Option<Instant>,
     /// Lease tokens, so that a lease only ever frees its own reservation.
     next_token: u64,
-    /// (account id, normalised model) → refused until: a model-specific 403 (a model that
-    /// needs a subscription). Bounded by [`MAX_REFUSALS`]: models are named by clients.
-    refused: HashMap<(Arc<str>, Arc<str>), Instant>,
+    /// (account id, normalised model) → refused until, and why: a model-specific 403 (a model
+    /// that needs a subscription) or a 402 (an extra-usage-only model and an empty extra
+    /// balance). Bounded by [`MAX_REFUSALS`]: models are named by clients.
+    refused: HashMap<(Arc<str>, Arc<str>), (Instant, Refusal)>,
 }
 
 /// Most (account, model) refusals remembered per pool; beyond it the one ending first goes.
@@ -179,7 +189,7 @@ impl KeyPool {
                 continue;
             }
             let account: Arc<str> = if cloud_key.account.is_empty() {
-                format!("key:{}", hex::encode(&id.0[..8])).into()
+                format!("key:{}", account_key_hash_of(&id)).into()
             } else {
                 format!("account:{}", cloud_key.account).into()
             };
@@ -250,16 +260,64 @@ impl KeyPool {
             .map(|until| until.saturating_duration_since(now))
     }
 
-    /// Whether every key's account has refused `model` (a model-specific 403) and still does
-    /// at `now`: the request path answers 403 without asking Ollama Cloud again.
-    pub fn refuses_everywhere(&self, model: &str, now: Instant) -> bool {
+    /// Whether every key's account has refused `model` (a model-specific 403 or 402) and still
+    /// does at `now`, and why: the request path answers without asking Ollama Cloud again.
+    /// When the accounts refused for different reasons, an empty extra balance wins (money
+    /// would fix it for that account).
+    pub fn refused_everywhere(&self, model: &str, now: Instant) -> Option<Refusal> {
         let model = normalize_model(strip_cloud_suffix(model));
         let state = self.lock();
-        !state.keys.is_empty()
-            && state
-                .keys
-                .iter()
-                .all(|slot| state.refuses(&slot.account, &model, now))
+        let mut reasons = state
+            .keys
+            .iter()
+            .map(|slot| state.refusal(&slot.account, &model, now))
+            .collect::<Option<Vec<Refusal>>>()?;
+        reasons.sort_by_key(|reason| *reason != Refusal::ExtraUsage);
+        reasons.first().copied()
+    }
+
+    /// An account's balance was seen to change: its extra-usage refusals (402) end now, so the
+    /// next request for such a model asks it again. `account` is the label of the account
+    /// (its keys' `account`), or for a key without one, the key's [`account_key_hash`].
+    pub fn balance_changed(&self, account: &str) {
+        let mut state = self.lock();
+        let ids: Vec<Arc<str>> = state
+            .keys
+            .iter()
+            .filter(|slot| {
+                if slot.label.is_empty() {
+                    account_key_hash_of(&slot.id) == account
+                } else {
+                    &*slot.label == account
+                }
+            })
+            .map(|slot| slot.account.clone())
+            .collect();
+        state.refused.retain(|(refused_account, _), (_, reason)| {
+            *reason != Refusal::ExtraUsage || !ids.contains(refused_account)
+        });
+    }
+
+    /// Every (account, model) pair refused at `now`: the account's label (or the redacted key
+    /// of a key without one), the model and the reason, for status displays.
+    pub fn refusals(&self, now: Instant) -> Vec<(String, Arc<str>, Refusal)> {
+        let state = self.lock();
+        let mut out: Vec<(String, Arc<str>, Refusal)> = state
+            .refused
+            .iter()
+            .filter(|(_, (until, _))| *until > now)
+            .filter_map(|((account, model), (_, reason))| {
+                let slot = state.keys.iter().find(|slot| &slot.account == account)?;
+                let label = if slot.label.is_empty() {
+                    redact_key(&slot.secret)
+                } else {
+                    slot.label.to_string()
+                };
+                Some((label, model.clone(), *reason))
+            })
+            .collect();
+        out.sort();
+        out
     }
 
     /// Every key's status, for `/queue/status` and oqpctl.
@@ -325,29 +383,51 @@ impl PoolState {
 
     /// Whether `account` refused `model` (normalised) and the refusal still holds at `now`.
     fn refuses(&self, account: &Arc<str>, model: &str, now: Instant) -> bool {
+        self.refusal(account, model, now).is_some()
+    }
+
+    /// Why `account` refuses `model` (normalised) at `now`, if it does.
+    fn refusal(&self, account: &Arc<str>, model: &str, now: Instant) -> Option<Refusal> {
         self.refused
             .get(&(account.clone(), Arc::from(model)))
-            .is_some_and(|until| *until > now)
+            .filter(|(until, _)| *until > now)
+            .map(|(_, reason)| *reason)
     }
 
     /// Remembers that `account` refused `model` until `until`, within [`MAX_REFUSALS`].
-    fn refuse(&mut self, account: Arc<str>, model: Arc<str>, until: Instant, now: Instant) {
-        self.refused.retain(|_, until| *until > now);
+    fn refuse(
+        &mut self,
+        account: Arc<str>,
+        model: Arc<str>,
+        refusal: (Instant, Refusal),
+        now: Instant,
+    ) {
+        self.refused.retain(|_, (until, _)| *until > now);
         if self.refused.len() >= MAX_REFUSALS
             && let Some(first) = self
                 .refused
                 .iter()
-                .min_by_key(|(_, until)| **until)
+                .min_by_key(|(_, (until, _))| *until)
                 .map(|(pair, _)| pair.clone())
         {
             self.refused.remove(&first);
         }
-        self.refused.insert((account, model), until);
+        self.refused.insert((account, model), refusal);
     }
 
     fn position(&self, id: KeyId) -> Option<usize> {
         self.keys.iter().position(|slot| slot.id == id)
     }
+}
+
+/// How the snapshot names the account of a key that has no account label: the first 16 hex
+/// digits of the key's SHA-256 (the control plane computes the same).
+pub fn account_key_hash(key: &str) -> String {
+    account_key_hash_of(&KeyId(sha2::Sha256::digest(key.as_bytes()).into()))
+}
+
+fn account_key_hash_of(id: &KeyId) -> String {
+    hex::encode(&id.0[..8])
 }
 
 /// The models to try, in order, for a request for `model` on a cloud host: the model itself,

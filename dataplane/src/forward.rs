@@ -14,7 +14,10 @@
 //!   when a model-free request with that key (`GET /api/usage`) is refused
 //!   too; otherwise only that account is out of rotation for that model (a
 //!   model that needs a subscription), and when every account refused it the
-//!   client gets the cloud's `403` as it was.
+//!   client gets the cloud's `403` as it was. A `402` for a model that uses
+//!   extra usage only refuses that model on that account alone; when every
+//!   account refused it, the client gets one `402` of oqp's own naming the
+//!   model ([`ProxyError::CloudExtraUsageEmpty`]), in its route's shape.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -115,6 +118,7 @@ pub async fn send(
         };
         let down = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),
+            Ok(Sent::Refused(error)) => return Err(error),
             Ok(Sent::Busy(answer)) => {
                 last_refusal = Some(answer);
                 false
@@ -164,6 +168,9 @@ enum Sent {
     Busy(Answer),
     /// `404 model not found`: worth another host that has it.
     ModelMissing(Answer),
+    /// A refusal oqp answers itself, in the route's shape (every cloud account refused the
+    /// model with a 402).
+    Refused(ProxyError),
 }
 
 async fn send_local(
@@ -242,7 +249,10 @@ async fn send_cloud(
     let mut last: Option<(Answer, Failure)> = None;
     let mut missing: Option<Answer> = None;
     // A model every account had already refused: no key was asked again.
-    let mut refused_everywhere: Option<String> = None;
+    let mut refused_everywhere: Option<(String, cloud::Refusal)> = None;
+    // Whether an account ran out of quota, or refused a model with a 402, in this call.
+    let mut quota_seen = false;
+    let mut extra_usage_seen = false;
     for candidate in candidates {
         let lease = pool
             .acquire(&candidate, policy.routing.acquire_timeout)
@@ -306,6 +316,8 @@ async fn send_cloud(
                 if let Some(failure) = failure {
                     tracing::info!(host = %host.name, failure = failure.as_str(), "cloud key failed; rotating");
                     attempts.fail(&attempt, failure, Instant::now());
+                    quota_seen |= matches!(failure, Failure::Quota(_));
+                    extra_usage_seen |= failure == Failure::ExtraUsageEmpty;
                     give_up_host = matches!(failure, Failure::Connect | Failure::Overloaded);
                     last = Some((answer, failure));
                     if give_up_host {
@@ -329,9 +341,10 @@ async fn send_cloud(
         }
         if attempts.tried() == 0
             && !candidate.is_empty()
-            && pool.refuses_everywhere(&candidate, Instant::now())
+            && let Some(refusal) = pool.refused_everywhere(&candidate, Instant::now())
         {
-            refused_everywhere = Some(candidate);
+            extra_usage_seen |= refusal == cloud::Refusal::ExtraUsage;
+            refused_everywhere = Some((candidate, refusal));
         }
         if give_up_host {
             break;
@@ -340,7 +353,19 @@ async fn send_cloud(
     if let (None, Some(answer)) = (&last, missing) {
         return Ok(Sent::ModelMissing(answer));
     }
-    if let (None, Some(model)) = (&last, refused_everywhere) {
+    // Only 402s (asked now or remembered): the model, on no account. A quota error elsewhere
+    // in the call says more (that account serves again after its cooldown).
+    if extra_usage_seen
+        && !quota_seen
+        && last
+            .as_ref()
+            .is_none_or(|(_, failure)| *failure == Failure::ExtraUsageEmpty)
+    {
+        return Ok(Sent::Refused(ProxyError::CloudExtraUsageEmpty {
+            model: requested.to_owned(),
+        }));
+    }
+    if let (None, Some((model, _))) = (&last, refused_everywhere) {
         let message = format!(
             "Ollama Cloud refused model '{model}' for every account of this host (it may need a subscription)"
         );

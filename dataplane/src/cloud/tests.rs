@@ -444,7 +444,7 @@ fn a_model_refusal_skips_the_account_for_that_model_only() {
     attempts.fail(&a1, Failure::ModelRefused, t0);
     // alice's other key shares her subscription: bob's is next.
     assert_eq!(next(&mut attempts, t0).unwrap().0, "b1");
-    assert!(!pool.refuses_everywhere("kimi-k2:1t", t0));
+    assert_eq!(pool.refused_everywhere("kimi-k2:1t", t0), None);
     // No key is disabled: other models still rotate over all three.
     let status = pool.snapshot_at(t0, SystemTime::UNIX_EPOCH);
     assert!(status.iter().all(|key| key.cooldown_until.is_none()));
@@ -469,4 +469,86 @@ fn model_refusals_are_bounded() {
         attempts.fail(&attempt, Failure::ModelRefused, t0);
     }
     assert!(pool.lock().refused.len() <= MAX_REFUSALS);
+}
+
+#[test]
+fn an_empty_extra_balance_refuses_the_model_on_that_account_until_its_balance_changes() {
+    let pool = two_accounts();
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("glm-5.2:cloud");
+    let (first, a1) = next(&mut attempts, t0).unwrap();
+    assert_eq!(first, "a1");
+    attempts.fail(&a1, Failure::ExtraUsageEmpty, t0);
+    // The next account is tried at once; alice's other key shares her balance.
+    let (second, b1) = next(&mut attempts, t0).unwrap();
+    assert_eq!(second, "b1");
+    assert_eq!(pool.refused_everywhere("glm-5.2", t0), None);
+    attempts.fail(&b1, Failure::ExtraUsageEmpty, t0);
+    assert!(next(&mut attempts, t0).is_none());
+    assert_eq!(
+        pool.refused_everywhere("glm-5.2", t0),
+        Some(Refusal::ExtraUsage)
+    );
+    // No key cools down: every key keeps serving other models.
+    let status = pool.snapshot_at(t0, SystemTime::UNIX_EPOCH);
+    assert!(status.iter().all(|key| key.cooldown_until.is_none()));
+    assert_eq!(order(&pool, &Lease::none(), t0).len(), 3);
+    assert_eq!(
+        pool.refusals(t0),
+        [
+            (
+                "alice@example.com".to_owned(),
+                Arc::from("glm-5.2:latest"),
+                Refusal::ExtraUsage
+            ),
+            (
+                "bob@example.com".to_owned(),
+                Arc::from("glm-5.2:latest"),
+                Refusal::ExtraUsage
+            ),
+        ]
+    );
+    // Bob's balance changed: he is asked again; alice still is not.
+    pool.balance_changed("bob@example.com");
+    let mut again = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    assert_eq!(next(&mut again, t0).unwrap().0, "b1");
+    assert!(next(&mut again, t0).is_none());
+    // An hour on, alice is asked again too.
+    let later = t0 + Cooldowns::default().extra_usage;
+    assert_eq!(Cooldowns::default().extra_usage, HOUR);
+    let mut after = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    let mut asked = vec![next(&mut after, later).unwrap().0];
+    asked.extend(next(&mut after, later).map(|(name, _)| name));
+    assert!(asked.contains(&"a1") || asked.contains(&"a2"), "{asked:?}");
+}
+
+#[test]
+fn a_key_without_an_account_is_named_by_its_hash_when_its_balance_changes() {
+    let pool = Arc::new(KeyPool::new(&host(&[(A1, ""), (B1, "")], &[])));
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    let (_, first) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&first, Failure::ExtraUsageEmpty, t0);
+    let (_, second) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&second, Failure::ExtraUsageEmpty, t0);
+    assert_eq!(
+        pool.refused_everywhere("glm-5.2", t0),
+        Some(Refusal::ExtraUsage)
+    );
+    pool.balance_changed(&account_key_hash(A1));
+    let mut again = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    assert_eq!(next(&mut again, t0).unwrap().0, "a1");
+    assert!(next(&mut again, t0).is_none());
+    // A subscription refusal is not lifted by a balance.
+    let mut attempts = pool.attempts(&Lease::none()).for_model("kimi-k2:1t");
+    let (_, only) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&only, Failure::ModelRefused, t0);
+    let (_, other) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&other, Failure::ModelRefused, t0);
+    pool.balance_changed(&account_key_hash(A1));
+    pool.balance_changed(&account_key_hash(B1));
+    assert_eq!(
+        pool.refused_everywhere("kimi-k2:1t", t0),
+        Some(Refusal::Subscription)
+    );
 }
