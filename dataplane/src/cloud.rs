@@ -26,8 +26,10 @@
 //! the logic is tested without sleeping.
 
 mod attempts;
+mod balance;
 mod failure;
 mod lease;
+mod status;
 
 #[cfg(test)]
 #[allow(clippy::expect_used, clippy::unwrap_used)]
@@ -46,8 +48,10 @@ use crate::redact::redact_key;
 use crate::router::strip_cloud_suffix;
 
 pub use attempts::{Attempt, Attempts};
+pub use balance::{Account, Balance, WindowLeft};
 pub use failure::{Cooldowns, Failure, Window};
 pub use lease::Lease;
+pub use status::{AccountStatus, RefusedModel, WindowStatus};
 
 /// One key pool per cloud host, kept across snapshots.
 #[derive(Debug, Default)]
@@ -108,6 +112,8 @@ struct PoolState {
     /// that needs a subscription) or a 402 (an extra-usage-only model and an empty extra
     /// balance). Bounded by [`MAX_REFUSALS`]: models are named by clients.
     refused: HashMap<(Arc<str>, Arc<str>), (Instant, Refusal)>,
+    /// Account id → the account and its balance, from the snapshot.
+    accounts: HashMap<Arc<str>, Account>,
 }
 
 /// Most (account, model) refusals remembered per pool; beyond it the one ending first goes.
@@ -169,6 +175,7 @@ impl KeyPool {
                 host_backoff_until: None,
                 next_token: 0,
                 refused: HashMap::new(),
+                accounts: HashMap::new(),
             }),
             changed: Notify::new(),
         };
@@ -189,7 +196,7 @@ impl KeyPool {
                 continue;
             }
             let account: Arc<str> = if cloud_key.account.is_empty() {
-                format!("key:{}", account_key_hash_of(&id)).into()
+                format!("key:{}", hex::encode(&id.0[..8])).into()
             } else {
                 format!("account:{}", cloud_key.account).into()
             };
@@ -214,6 +221,20 @@ impl KeyPool {
             keys.push(slot);
         }
         state.keys = keys;
+        // A balance seen to change lifts that account's extra-usage refusals (402).
+        let mut accounts = HashMap::new();
+        for account in &host.cloud_accounts {
+            let id = pool_account(&account.account);
+            if let (Some(old), Some(new)) = (
+                state.accounts.get(&id).and_then(|old| old.balance.as_ref()),
+                account.balance.as_ref(),
+            ) && old.extra_changed(new)
+            {
+                state.lift_extra_usage(&id);
+            }
+            accounts.insert(id, account.clone());
+        }
+        state.accounts = accounts;
         drop(state);
         self.changed.notify_waiters();
     }
@@ -277,25 +298,27 @@ impl KeyPool {
     }
 
     /// An account's balance was seen to change: its extra-usage refusals (402) end now, so the
-    /// next request for such a model asks it again. `account` is the label of the account
-    /// (its keys' `account`), or for a key without one, the key's [`account_key_hash`].
+    /// next request for such a model asks it again. `account` names it as the snapshot does:
+    /// its label, or [`account_id_of_key`] for a key without one.
     pub fn balance_changed(&self, account: &str) {
-        let mut state = self.lock();
-        let ids: Vec<Arc<str>> = state
-            .keys
-            .iter()
-            .filter(|slot| {
-                if slot.label.is_empty() {
-                    account_key_hash_of(&slot.id) == account
-                } else {
-                    &*slot.label == account
-                }
-            })
-            .map(|slot| slot.account.clone())
-            .collect();
-        state.refused.retain(|(refused_account, _), (_, reason)| {
-            *reason != Refusal::ExtraUsage || !ids.contains(refused_account)
-        });
+        self.lock().lift_extra_usage(&pool_account(account));
+    }
+
+    /// The accounts of the pool with their balances, in key order.
+    pub fn accounts(&self) -> Vec<Account> {
+        let state = self.lock();
+        let mut seen: Vec<&Arc<str>> = Vec::new();
+        let mut out = Vec::new();
+        for slot in &state.keys {
+            if seen.contains(&&slot.account) {
+                continue;
+            }
+            seen.push(&slot.account);
+            if let Some(account) = state.accounts.get(&slot.account) {
+                out.push(account.clone());
+            }
+        }
+        out
     }
 
     /// Every (account, model) pair refused at `now`: the account's label (or the redacted key
@@ -415,19 +438,36 @@ impl PoolState {
         self.refused.insert((account, model), refusal);
     }
 
+    /// Ends `account`'s extra-usage refusals.
+    fn lift_extra_usage(&mut self, account: &Arc<str>) {
+        self.refused.retain(|(refused_account, _), (_, reason)| {
+            *reason != Refusal::ExtraUsage || refused_account != account
+        });
+    }
+
     fn position(&self, id: KeyId) -> Option<usize> {
         self.keys.iter().position(|slot| slot.id == id)
     }
 }
 
-/// How the snapshot names the account of a key that has no account label: the first 16 hex
-/// digits of the key's SHA-256 (the control plane computes the same).
-pub fn account_key_hash(key: &str) -> String {
-    account_key_hash_of(&KeyId(sha2::Sha256::digest(key.as_bytes()).into()))
+/// How the snapshot names the account of a key that has no account label: `key:` and the
+/// first 16 hex digits of the key's SHA-256 (the control plane computes the same).
+pub fn account_id_of_key(key: &str) -> String {
+    pool_account(&format!(
+        "key:{}",
+        hex::encode(&sha2::Sha256::digest(key.as_bytes())[..8])
+    ))
+    .to_string()
 }
 
-fn account_key_hash_of(id: &KeyId) -> String {
-    hex::encode(&id.0[..8])
+/// The pool's account id for the snapshot's name of an account: `key:<hash>` as it is, a
+/// label as `account:<label>`.
+fn pool_account(account: &str) -> Arc<str> {
+    if account.starts_with("key:") {
+        account.into()
+    } else {
+        format!("account:{account}").into()
+    }
 }
 
 /// The models to try, in order, for a request for `model` on a cloud host: the model itself,

@@ -1166,6 +1166,7 @@ fn examples_load() {
     assert_eq!(example.webhooks, WebhooksConfig::default());
     assert_eq!(example.dashboard, DashboardConfig::default());
     assert_eq!(example.logging, LoggingConfig::default());
+    assert_eq!(example.cloud, CloudConfig::default());
 }
 
 proptest! {

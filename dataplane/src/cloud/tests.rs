@@ -36,6 +36,7 @@ fn host(keys: &[(&str, &str)], fallback: &[&str]) -> Host {
                 account: (*account).into(),
             })
             .collect(),
+        cloud_accounts: Vec::new(),
         fallback_models: fallback.iter().map(|m| (*m).to_owned()).collect(),
         owner: None,
         vram: Default::default(),
@@ -535,7 +536,7 @@ fn a_key_without_an_account_is_named_by_its_hash_when_its_balance_changes() {
         pool.refused_everywhere("glm-5.2", t0),
         Some(Refusal::ExtraUsage)
     );
-    pool.balance_changed(&account_key_hash(A1));
+    pool.balance_changed(&account_id_of_key(A1));
     let mut again = pool.attempts(&Lease::none()).for_model("glm-5.2");
     assert_eq!(next(&mut again, t0).unwrap().0, "a1");
     assert!(next(&mut again, t0).is_none());
@@ -545,8 +546,8 @@ fn a_key_without_an_account_is_named_by_its_hash_when_its_balance_changes() {
     attempts.fail(&only, Failure::ModelRefused, t0);
     let (_, other) = next(&mut attempts, t0).unwrap();
     attempts.fail(&other, Failure::ModelRefused, t0);
-    pool.balance_changed(&account_key_hash(A1));
-    pool.balance_changed(&account_key_hash(B1));
+    pool.balance_changed(&account_id_of_key(A1));
+    pool.balance_changed(&account_id_of_key(B1));
     assert_eq!(
         pool.refused_everywhere("kimi-k2:1t", t0),
         Some(Refusal::Subscription)

@@ -2,10 +2,12 @@
 //! the fake ollama.com. A 402 for a model that uses extra usage only refuses that model on that
 //! account alone; balances are read per account within the cloud's read limit.
 
-use oqp_tests::client::HttpClient;
-use oqp_tests::fake::FakeOllama;
+use std::time::Duration;
+
+use oqp_tests::client::{HttpClient, eventually};
+use oqp_tests::fake::{CloudPlan, CloudReply, FakeOllama, READS_PER_MINUTE};
 use oqp_tests::harness::Stack;
-use serde_json::json;
+use serde_json::{Value, json};
 
 const A1: &str = "a1-0000000000000001";
 const A2: &str = "a2-0000000000000002";
@@ -155,5 +157,207 @@ async fn when_every_account_refuses_with_402_the_client_gets_one_clean_402() {
         body["error"]["message"].as_str().unwrap().contains(EXTRA),
         "{body}"
     );
+    stack.shutdown().await;
+}
+
+/// Balances read every 100 ms (the read limit still holds), the cloud host polled each second.
+const FAST_BALANCES: &str = "      model_sync_interval: 1\n";
+const CLOUD_SECTION: &str = "cloud:\n  balance_interval: 0.1\n";
+
+fn fast_config(url: &str, cloud_section: &str) -> String {
+    config(url, FAST_BALANCES).replace("auth:\n", &format!("{cloud_section}auth:\n"))
+}
+
+/// `/queue/status`'s cloud accounts.
+async fn accounts(http: &HttpClient, base: &str) -> Vec<Value> {
+    let status = http
+        .get(
+            &format!("{base}/queue/status"),
+            &[("authorization", CONSUMER)],
+        )
+        .await;
+    status.json()["hosts"][0]["cloud_accounts"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Waits (up to 30 s) until `/queue/status` shows accounts that satisfy `check`.
+async fn until_accounts(
+    http: &HttpClient,
+    base: &str,
+    check: impl Fn(&[Value]) -> bool,
+) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let seen = accounts(http, base).await;
+        if check(&seen) || std::time::Instant::now() >= deadline {
+            return seen;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn account<'a>(accounts: &'a [Value], name: &str) -> &'a Value {
+    accounts
+        .iter()
+        .find(|account| account["account"] == name)
+        .unwrap_or_else(|| panic!("no {name} in {accounts:?}"))
+}
+
+/// Waits until the cloud host has been polled `more` more times: time has passed, by the
+/// control plane's own clock, without a sleep deciding anything.
+async fn polls_pass(cloud: &FakeOllama, more: usize) {
+    let handle = cloud.handle();
+    let start = handle.requests_to("/api/tags").len();
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            handle.requests_to("/api/tags").len() >= start + more
+        })
+        .await,
+        "the cloud host is polled"
+    );
+}
+
+#[tokio::test]
+async fn balances_of_both_plan_kinds_reach_the_status_per_account() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_plan(
+        "alice",
+        CloudPlan::Credits {
+            allowance_usd: 20.0,
+            balance_usd: 12.5,
+        },
+    );
+    handle.set_cloud_extra("alice", 3.0);
+    handle.set_cloud_plan(
+        "bob",
+        CloudPlan::Windows {
+            session_percent: 70.0,
+            weekly_percent: 40.0,
+        },
+    );
+    let stack = Stack::start(&fast_config(&cloud.url(), CLOUD_SECTION)).await;
+    let http = HttpClient::new();
+    let seen = until_accounts(&http, &stack.url(), |accounts| {
+        accounts.len() == 2 && accounts.iter().all(|account| !account["plan"].is_null())
+    })
+    .await;
+    let alice = account(&seen, "alice");
+    assert_eq!(alice["plan"], "credits", "{alice}");
+    assert_eq!(alice["included_usd"], 12.5);
+    assert_eq!(alice["allowance_usd"], 20.0);
+    assert_eq!(alice["extra_usd"], 3.0);
+    assert!(alice["resets_at"].is_string(), "{alice}");
+    assert!(alice["read_at"].is_string(), "{alice}");
+    let bob = account(&seen, "bob");
+    assert_eq!(bob["plan"], "windows", "{bob}");
+    assert_eq!(bob["session"]["remaining_percent"], 70.0);
+    assert_eq!(bob["weekly"]["remaining_percent"], 40.0);
+    assert!(bob["weekly"]["resets_at"].is_string(), "{bob}");
+    let text = serde_json::to_string(&seen).unwrap();
+    assert!(!text.contains("0000000000"), "no key in status: {text}");
+
+    // The balance falls with output tokens (the fake's 5 at $0.5): the next read shows it.
+    // Bob is out of his session window, so alice serves.
+    handle.set_cloud_price(0.5);
+    handle.set_cloud_default(B1, CloudReply::SessionLimit);
+    let served = chat(&http, &stack.url(), INCLUDED).await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    assert_ne!(asked(&cloud, INCLUDED).last().map(String::as_str), Some(B1));
+    let seen = until_accounts(&http, &stack.url(), |accounts| {
+        accounts
+            .iter()
+            .any(|account| account["account"] == "alice" && account["included_usd"] == 10.0)
+    })
+    .await;
+    assert_eq!(account(&seen, "alice")["included_usd"], 10.0, "{seen:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn balances_are_read_at_most_ten_a_minute_per_account_however_many_keys_and_data_planes() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    let stack = Stack::start(&fast_config(&cloud.url(), CLOUD_SECTION)).await;
+    let _second = stack.start_dataplane("second", None).await.unwrap();
+    // Asked every 100 ms, each account is read ten times, then waits out the minute.
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            handle.cloud_balance_reads("alice").len() >= READS_PER_MINUTE
+                && handle.cloud_balance_reads("bob").len() >= READS_PER_MINUTE
+        })
+        .await
+    );
+    // Two more polls of the host: long enough for twenty more reads at that interval.
+    polls_pass(&cloud, 2).await;
+    for name in ["alice", "bob"] {
+        let reads = handle.cloud_balance_reads(name);
+        assert_eq!(reads.len(), READS_PER_MINUTE, "{name}: {reads:?}");
+        assert!(reads.iter().all(|read| !read.limited), "{name}: {reads:?}");
+    }
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_429_on_balance_reads_holds_them_for_its_retry_after() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_read_limit(2);
+    let stack = Stack::start(&fast_config(&cloud.url(), CLOUD_SECTION)).await;
+    assert!(
+        eventually(Duration::from_secs(30), || {
+            handle
+                .cloud_balance_reads("alice")
+                .iter()
+                .any(|read| read.limited)
+        })
+        .await
+    );
+    // The 429 said to wait most of a minute: no read in the next polls.
+    polls_pass(&cloud, 2).await;
+    let reads = handle.cloud_balance_reads("alice");
+    assert_eq!(reads.len(), 3, "{reads:?}");
+    assert!(reads[2].limited, "{reads:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_extra_usage_refusal_ends_when_the_accounts_balance_changes() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    let stack = Stack::start(&fast_config(&cloud.url(), CLOUD_SECTION)).await;
+    let http = HttpClient::new();
+    // Both balances read (no extra usage anywhere), then both accounts refuse the model.
+    until_accounts(&http, &stack.url(), |accounts| {
+        accounts.len() == 2 && accounts.iter().all(|account| account["extra_usd"] == 0.0)
+    })
+    .await;
+    assert_eq!(chat(&http, &stack.url(), EXTRA).await.status, 402);
+    let seen = accounts(&http, &stack.url()).await;
+    for name in ["alice", "bob"] {
+        assert_eq!(
+            account(&seen, name)["refused_models"],
+            json!([{"model": "glm-5.2:latest", "reason": "extra_usage"}]),
+            "{seen:?}"
+        );
+    }
+    // Bob buys extra usage: once the read shows it, bob is asked again, and serves.
+    handle.set_cloud_extra("bob", 5.0);
+    let seen = until_accounts(&http, &stack.url(), |accounts| {
+        accounts
+            .iter()
+            .any(|account| account["account"] == "bob" && account["extra_usd"] == 5.0)
+    })
+    .await;
+    assert_eq!(
+        account(&seen, "bob")["refused_models"],
+        json!([]),
+        "{seen:?}"
+    );
+    let served = chat(&http, &stack.url(), EXTRA).await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    assert_eq!(asked(&cloud, EXTRA).last().map(String::as_str), Some(B1));
     stack.shutdown().await;
 }
