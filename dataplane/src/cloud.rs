@@ -343,6 +343,12 @@ impl KeyPool {
         out
     }
 
+    /// Whether every account of the pool is at or under its reserve (or empty) as last read:
+    /// the request path then answers 429 without asking Ollama Cloud.
+    pub fn exhausted(&self) -> bool {
+        self.lock().all_under_reserve()
+    }
+
     /// Every key's status, for `/queue/status` and oqpctl.
     pub fn snapshot(&self) -> Vec<KeyStatus> {
         self.snapshot_at(Instant::now(), SystemTime::now())
@@ -402,6 +408,54 @@ impl PoolState {
 
     fn usable(&self, slot: &KeySlot, now: Instant) -> bool {
         self.unavailable_until(slot, now).is_none()
+    }
+
+    /// Whether `account`'s balance, as last read, is at or under its reserve (an account with
+    /// nothing left is under a reserve of 0): nothing is sent to it.
+    fn under_reserve(&self, account: &Arc<str>) -> bool {
+        self.accounts
+            .get(account)
+            .is_some_and(Account::under_reserve)
+    }
+
+    /// How much `account` has left above its reserve, with its plan kind, when read.
+    fn remaining(&self, account: &Arc<str>) -> Option<(&'static str, f64)> {
+        let account = self.accounts.get(account)?;
+        Some((account.balance.as_ref()?.plan(), account.remaining()?))
+    }
+
+    /// Of `candidates` (key indexes, in the order the caller prefers), the one whose account
+    /// has the most left, when every candidate's balance is read and of one plan kind (dollars
+    /// and percents do not compare); else the first. Ties keep the caller's order.
+    fn fullest(&self, candidates: impl Iterator<Item = usize>) -> Option<usize> {
+        let candidates: Vec<usize> = candidates.collect();
+        let first = *candidates.first()?;
+        let scores: Option<Vec<(&'static str, f64)>> = candidates
+            .iter()
+            .map(|&index| self.remaining(&self.keys[index].account))
+            .collect();
+        let Some(scores) = scores else {
+            return Some(first);
+        };
+        if scores.iter().any(|(kind, _)| *kind != scores[0].0) {
+            return Some(first);
+        }
+        let mut best = 0;
+        for (position, (_, left)) in scores.iter().enumerate() {
+            if *left > scores[best].1 {
+                best = position;
+            }
+        }
+        candidates.get(best).copied()
+    }
+
+    /// Whether every key's account is under its reserve (so none may be sent to).
+    pub(crate) fn all_under_reserve(&self) -> bool {
+        !self.keys.is_empty()
+            && self
+                .keys
+                .iter()
+                .all(|slot| self.under_reserve(&slot.account))
     }
 
     /// Whether `account` refused `model` (normalised) and the refusal still holds at `now`.

@@ -225,6 +225,19 @@ async fn send_cloud(
             "Ollama Cloud asked to back off".into(),
         ));
     }
+    if pool.exhausted() {
+        // Every account is at its reserve (or empty) as last read: keep the owners' floor.
+        return Ok(Sent::Done(Forwarded {
+            answer: refusal(
+                host,
+                StatusCode::TOO_MANY_REQUESTS,
+                "every Ollama Cloud account of this host is at its reserve",
+                None,
+            ),
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
+    }
     let RequestBody::Buffered(body) = outbound.body else {
         // A streamed body cannot be retried on another key: one attempt.
         let key = pool

@@ -164,6 +164,7 @@ impl Attempts<'_> {
             !self.tried.contains(&slot.id)
                 && !self.skipped_accounts.contains(&slot.account)
                 && state.usable(slot, now)
+                && !state.under_reserve(&slot.account)
                 && self
                     .model
                     .as_ref()
@@ -179,10 +180,14 @@ impl Attempts<'_> {
         let rotation = (0..count).map(|offset| (start + offset) % count);
         // Idle keys first, so a request that could not get a lease does not pile onto a key
         // another request holds; then the leased ones.
-        rotation
-            .clone()
-            .find(|&index| state.keys[index].lease.is_none() && allowed(index))
-            .or_else(|| rotation.clone().find(|&index| allowed(index)))
+        // Among those, the account with the most left (when balances say so).
+        state
+            .fullest(
+                rotation
+                    .clone()
+                    .filter(|&index| state.keys[index].lease.is_none() && allowed(index)),
+            )
+            .or_else(|| state.fullest(rotation.clone().filter(|&index| allowed(index))))
     }
 }
 

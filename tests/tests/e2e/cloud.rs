@@ -81,7 +81,9 @@ fn asked(cloud: &FakeOllama, model: &str) -> Vec<String> {
 #[tokio::test]
 async fn a_402_on_one_account_is_served_by_the_next_within_the_same_call() {
     let cloud = cloud().await;
+    // Alice has the most left (read or not, she comes first), but no extra usage.
     cloud.handle().set_cloud_extra("bob", 5.0);
+    cloud.handle().set_cloud_plan("alice", credits(30.0));
     let stack = Stack::start(&config(&cloud.url(), "")).await;
     let http = HttpClient::new();
 
@@ -359,5 +361,90 @@ async fn an_extra_usage_refusal_ends_when_the_accounts_balance_changes() {
     let served = chat(&http, &stack.url(), EXTRA).await;
     assert_eq!(served.status, 200, "{}", served.text());
     assert_eq!(asked(&cloud, EXTRA).last().map(String::as_str), Some(B1));
+    stack.shutdown().await;
+}
+
+fn credits(balance_usd: f64) -> CloudPlan {
+    CloudPlan::Credits {
+        allowance_usd: 50.0,
+        balance_usd,
+    }
+}
+
+/// Waits until `/queue/status` shows `name`'s included balance at `usd`.
+async fn until_included(http: &HttpClient, base: &str, name: &str, usd: f64) {
+    let seen = until_accounts(http, base, |accounts| {
+        accounts
+            .iter()
+            .any(|account| account["account"] == name && account["included_usd"] == usd)
+    })
+    .await;
+    assert_eq!(account(&seen, name)["included_usd"], usd, "{seen:?}");
+}
+
+#[tokio::test]
+async fn the_fuller_account_is_preferred_while_warmth_holds() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_plan("alice", credits(0.4));
+    handle.set_cloud_plan("bob", credits(40.0));
+    let stack = Stack::start(&fast_config(&cloud.url(), CLOUD_SECTION)).await;
+    let http = HttpClient::new();
+    let base = stack.url();
+    until_included(&http, &base, "alice", 0.4).await;
+    until_included(&http, &base, "bob", 40.0).await;
+    // Bob has the most left: the model binds to his key and stays there.
+    for _ in 0..3 {
+        assert_eq!(chat(&http, &base, INCLUDED).await.status, 200);
+    }
+    assert_eq!(asked(&cloud, INCLUDED), [B1, B1, B1].map(String::from));
+    // Bob now has less than alice, but still room: the warm key keeps the model.
+    handle.set_cloud_plan("bob", credits(0.2));
+    until_included(&http, &base, "bob", 0.2).await;
+    assert_eq!(chat(&http, &base, INCLUDED).await.status, 200);
+    assert_eq!(asked(&cloud, INCLUDED).last().map(String::as_str), Some(B1));
+    // Bob is empty: nothing more is sent to him; alice serves.
+    handle.set_cloud_plan("bob", credits(0.0));
+    until_included(&http, &base, "bob", 0.0).await;
+    for _ in 0..2 {
+        assert_eq!(chat(&http, &base, INCLUDED).await.status, 200);
+    }
+    let last: Vec<String> = asked(&cloud, INCLUDED)[4..].to_vec();
+    assert!(last.iter().all(|key| key != B1), "{last:?}");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn the_reserve_is_respected() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_plan("alice", credits(10.0));
+    handle.set_cloud_plan("bob", credits(40.0));
+    let section = "cloud:\n  balance_interval: 0.1\n  accounts:\n    bob:\n      reserve_usd: 45\n    \
+                   alice:\n      reserve_percent: 10\n";
+    let stack = Stack::start(&fast_config(&cloud.url(), section)).await;
+    let http = HttpClient::new();
+    let base = stack.url();
+    until_included(&http, &base, "alice", 10.0).await;
+    until_included(&http, &base, "bob", 40.0).await;
+    let seen = accounts(&http, &base).await;
+    assert_eq!(account(&seen, "bob")["under_reserve"], true, "{seen:?}");
+    assert_eq!(account(&seen, "alice")["under_reserve"], false, "{seen:?}");
+    // Bob keeps $45: with $40 left he gets nothing, though he has the most.
+    for _ in 0..3 {
+        assert_eq!(chat(&http, &base, INCLUDED).await.status, 200);
+    }
+    assert!(
+        asked(&cloud, INCLUDED).iter().all(|key| key != B1),
+        "{:?}",
+        asked(&cloud, INCLUDED)
+    );
+    // Alice keeps 10 % of her $50: at $5 nobody may be asked, and the client is told so.
+    handle.set_cloud_plan("alice", credits(5.0));
+    until_included(&http, &base, "alice", 5.0).await;
+    let refused = chat(&http, &base, INCLUDED).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(refused.text().contains("reserve"), "{}", refused.text());
+    assert_eq!(asked(&cloud, INCLUDED).len(), 3);
     stack.shutdown().await;
 }
