@@ -260,6 +260,25 @@ async fn balances_of_both_plan_kinds_reach_the_status_per_account() {
     assert!(bob["weekly"]["resets_at"].is_string(), "{bob}");
     let text = serde_json::to_string(&seen).unwrap();
     assert!(!text.contains("0000000000"), "no key in status: {text}");
+    // And in the metrics.
+    let metrics = http
+        .get(
+            &format!("{}/metrics", stack.url()),
+            &[("authorization", CONSUMER)],
+        )
+        .await
+        .text();
+    for line in [
+        r#"oqp_cloud_balance_usd{account="alice"} 15.5"#,
+        r#"oqp_cloud_remaining_ratio{account="alice",window="monthly"} 0.625"#,
+        r#"oqp_cloud_remaining_ratio{account="bob",window="session"} 0.7"#,
+        r#"oqp_cloud_remaining_ratio{account="bob",window="weekly"} 0.4"#,
+    ] {
+        assert!(
+            metrics.lines().any(|l| l == line),
+            "{line} not in:\n{metrics}"
+        );
+    }
 
     // The balance falls with output tokens (the fake's 5 at $0.5): the next read shows it.
     // Bob is out of his session window, so alice serves.
