@@ -65,14 +65,28 @@ impl Balance {
     }
 
     /// Whether the part of the balance an extra-usage-only model draws on differs between
-    /// `self` and `other`: the extra balance of a credit plan; anything for a window plan (its
-    /// extra usage is not reported separately).
+    /// `self` and `other`: the extra balance of a credit plan; what is left of either window
+    /// of a window plan (its extra usage is not reported separately); any change of plan.
     pub fn extra_changed(&self, other: &Balance) -> bool {
         match (self, other) {
             (Balance::Credits { extra_usd: a, .. }, Balance::Credits { extra_usd: b, .. }) => {
                 a != b
             }
-            _ => self != other,
+            // What is left, not when it resets (a reset time may be restated at each read).
+            (
+                Balance::Windows {
+                    session: s1,
+                    weekly: w1,
+                },
+                Balance::Windows {
+                    session: s2,
+                    weekly: w2,
+                },
+            ) => {
+                let left = |w: &Option<WindowLeft>| w.map(|w| w.remaining_percent);
+                left(s1) != left(s2) || left(w1) != left(w2)
+            }
+            _ => true,
         }
     }
 }

@@ -81,6 +81,44 @@ impl Refusal {
 }
 
 impl KeyPool {
+    /// Every account of the pool as this node reports it to the control plane: the refused
+    /// models and the cooldown, the account named as the snapshot names it.
+    pub fn account_reports(&self) -> Vec<oqp_proto::policy::v1::CloudAccountReport> {
+        let (now, wall) = (Instant::now(), SystemTime::now());
+        let state = self.lock();
+        let mut out: Vec<oqp_proto::policy::v1::CloudAccountReport> = Vec::new();
+        for slot in &state.keys {
+            let name = slot
+                .account
+                .strip_prefix("account:")
+                .unwrap_or(&slot.account)
+                .to_owned();
+            if out.iter().any(|report| report.account == name) {
+                continue;
+            }
+            let mut refused_models: Vec<String> = state
+                .refused
+                .iter()
+                .filter(|((id, _), (until, _))| id == &slot.account && *until > now)
+                .map(|((_, model), (_, reason))| format!("{model} ({})", reason.as_str()))
+                .collect();
+            refused_models.sort();
+            let cooldown_until_unix_ms = state
+                .cooling
+                .get(&slot.account)
+                .filter(|until| **until > now)
+                .map_or(0, |until| {
+                    crate::policy::unix_ms(wall + until.saturating_duration_since(now))
+                });
+            out.push(oqp_proto::policy::v1::CloudAccountReport {
+                account: name,
+                refused_models,
+                cooldown_until_unix_ms,
+            });
+        }
+        out
+    }
+
     /// Every account of the pool (in key order) as status shows it.
     pub fn account_status(&self) -> Vec<AccountStatus> {
         self.account_status_at(Instant::now(), SystemTime::now())

@@ -58,6 +58,8 @@ pub(crate) struct Billing {
 struct Account {
     plan: CloudPlan,
     extra_usd: f64,
+    /// When the account was first seen: reset times are stated from it, the same at each read.
+    since: SystemTime,
     /// Every `/api/balance` read: when, and whether it was refused with a 429.
     reads: Vec<(Instant, bool)>,
 }
@@ -70,6 +72,7 @@ impl Default for Account {
                 balance_usd: 20.0,
             },
             extra_usd: 0.0,
+            since: SystemTime::now(),
             reads: Vec::new(),
         }
     }
@@ -203,7 +206,7 @@ impl Billing {
         if let Some(body) = &self.balance_body {
             return gin_json(StatusCode::OK, body);
         }
-        let wall = SystemTime::now();
+        let wall = account.since;
         let body = match account.plan {
             CloudPlan::Credits {
                 allowance_usd,
