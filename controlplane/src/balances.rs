@@ -28,9 +28,10 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, HostConfig, HostKind, Secret};
+use crate::config::{Config, HostConfig, HostKind, Secret, WebhookEvent};
 use crate::hub::Hub;
 use crate::outbound::Outbound;
+use crate::webhooks::Notice;
 
 pub use budget::{MINUTE, READS_PER_MINUTE, ReadBudget};
 pub use parse::{Balance, WindowLeft};
@@ -61,6 +62,8 @@ struct Target {
     /// The keys that may read it, in config order (the first that is not refused is used).
     keys: Vec<Secret>,
     interval: Duration,
+    /// Its accounts with their reserves (USD, percent), for the under-reserve webhook.
+    accounts: Vec<(String, f64, f64)>,
 }
 
 impl std::fmt::Debug for Target {
@@ -167,11 +170,17 @@ fn targets(config: &Config) -> Vec<Target> {
         .filter(|host| host.kind == HostKind::Cloud)
     {
         for key in &host.api_keys {
-            let unit = unit_of(config, &account_id(key));
+            let account = account_id(key);
+            let unit = unit_of(config, &account);
+            let settings = config.cloud.account(&account);
+            let reserve = (account, settings.reserve_usd, settings.reserve_percent);
             match out.iter_mut().find(|target| target.unit == unit) {
                 Some(target) => {
                     if !target.keys.contains(&key.key) {
                         target.keys.push(key.key.clone());
+                    }
+                    if !target.accounts.iter().any(|known| known.0 == reserve.0) {
+                        target.accounts.push(reserve);
                     }
                 }
                 None => out.push(Target {
@@ -179,6 +188,7 @@ fn targets(config: &Config) -> Vec<Target> {
                     url: host.url.clone(),
                     keys: vec![key.key.clone()],
                     interval: config.cloud.balance_interval,
+                    accounts: vec![reserve],
                 }),
             }
         }
@@ -250,6 +260,8 @@ async fn read_unit(
     let mut due = Instant::now();
     let mut key = 0usize;
     let mut unknown_logged = false;
+    // Accounts seen at or under their reserve, so that the webhook fires on the way down only.
+    let mut under: Vec<String> = Vec::new();
     loop {
         let at = lock(&budget).next_at(due);
         tokio::select! {
@@ -274,6 +286,23 @@ async fn read_unit(
         match reply {
             Ok(reply) if reply.status.is_success() => match Balance::parse(&reply.body) {
                 Some(balance) => {
+                    for (account, reserve_usd, reserve_percent) in &target.accounts {
+                        let is_under = under_reserve(&balance, *reserve_usd, *reserve_percent);
+                        let was_under = under.contains(account);
+                        if is_under && !was_under {
+                            under.push(account.clone());
+                            tracing::info!(unit, account = %account, "a cloud account is at or under its reserve");
+                            hub.webhooks().notify(
+                                Notice::new(WebhookEvent::CloudUnderReserve)
+                                    .field("account", account.as_str())
+                                    .field("plan", balance.plan())
+                                    .field("reserve_usd", *reserve_usd)
+                                    .field("reserve_percent", *reserve_percent),
+                            );
+                        } else if !is_under && was_under {
+                            under.retain(|known| known != account);
+                        }
+                    }
                     hub.set_balance(unit, balance, SystemTime::now());
                 }
                 None if !unknown_logged => {
@@ -312,6 +341,56 @@ async fn read_unit(
             Err(error) => tracing::debug!(unit, %error, "balance read failed"),
         }
     }
+}
+
+/// Whether `balance` is at or under a reserve of `reserve_usd` or `reserve_percent` (of the
+/// allowance on a credit plan, of each window on a window plan); nothing left is under a
+/// reserve of 0. The data planes apply the same rule (`oqp_dataplane::cloud::Account`).
+pub fn under_reserve(balance: &Balance, reserve_usd: f64, reserve_percent: f64) -> bool {
+    match balance {
+        Balance::Credits {
+            included_usd,
+            allowance_usd,
+            extra_usd,
+            ..
+        } => {
+            let floor = reserve_usd.max(allowance_usd.unwrap_or(0.0) * reserve_percent / 100.0);
+            included_usd + extra_usd - floor <= 0.0
+        }
+        Balance::Windows { session, weekly } => [session, weekly]
+            .into_iter()
+            .flatten()
+            .any(|window| window.remaining_percent - reserve_percent <= 0.0),
+    }
+}
+
+/// The (host, account, model) refusals with a 402 in `after` that `before` (the same node's
+/// previous report) did not have.
+pub fn new_refusals(
+    before: &wire::NodeReport,
+    after: &wire::NodeReport,
+) -> Vec<(String, String, String)> {
+    let mut out = Vec::new();
+    for host in &after.hosts {
+        let previous = before.hosts.iter().find(|old| old.name == host.name);
+        for account in &host.cloud_accounts {
+            let known: &[String] = previous
+                .and_then(|old| {
+                    old.cloud_accounts
+                        .iter()
+                        .find(|a| a.account == account.account)
+                })
+                .map_or(&[], |old| old.refused_models.as_slice());
+            for refused in &account.refused_models {
+                if let Some(model) = refused.strip_suffix(" (extra_usage)")
+                    && !known.contains(refused)
+                {
+                    out.push((host.name.clone(), account.account.clone(), model.to_owned()));
+                }
+            }
+        }
+    }
+    out
 }
 
 async fn read(

@@ -372,6 +372,8 @@ impl Hub {
             })
             .map(|host| host.name.clone())
             .collect();
+        // An account newly refusing a model with a 402 on this node: a webhook.
+        let refused = crate::balances::new_refusals(&node.report, &report);
         node.report = report;
         node.reported_at = Some(Instant::now());
         let suspect: Vec<String> = newly_unreachable
@@ -379,6 +381,14 @@ impl Hub {
             .filter(|host| state.inventory.get(host).is_none_or(|seen| seen.healthy))
             .collect();
         drop(state);
+        for (host, account, model) in refused {
+            self.webhooks().notify(
+                crate::webhooks::Notice::new(crate::config::WebhookEvent::CloudRefused)
+                    .field("host", host)
+                    .field("account", account)
+                    .field("model", model),
+            );
+        }
         for host in suspect.into_iter().chain(loaded) {
             self.request_repoll(&host);
         }

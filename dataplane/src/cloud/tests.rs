@@ -553,3 +553,37 @@ fn a_key_without_an_account_is_named_by_its_hash_when_its_balance_changes() {
         Some(Refusal::Subscription)
     );
 }
+
+#[test]
+fn a_changed_extra_balance_in_the_snapshot_lifts_the_accounts_402_refusals() {
+    let with_extra = |extra_usd: f64| {
+        let mut host = host(&[(A1, "alice"), (B1, "bob")], &[]);
+        host.cloud_accounts = ["alice", "bob"]
+            .iter()
+            .map(|name| Account {
+                account: Arc::from(*name),
+                balance: Some(Balance::Credits {
+                    included_usd: 20.0,
+                    allowance_usd: Some(20.0),
+                    extra_usd: if *name == "bob" { extra_usd } else { 0.0 },
+                    resets_at: None,
+                }),
+                ..Account::default()
+            })
+            .collect();
+        host
+    };
+    let pool = Arc::new(KeyPool::new(&with_extra(0.0)));
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    while let Some(attempt) = attempts.next_key(t0) {
+        attempts.fail(&attempt, Failure::ExtraUsageEmpty, t0);
+    }
+    assert_eq!(pool.refusals(t0).len(), 2);
+    // The same balances again: nothing lifted.
+    pool.update(&with_extra(0.0));
+    assert_eq!(pool.refusals(t0).len(), 2);
+    pool.update(&with_extra(5.0));
+    let left: Vec<String> = pool.refusals(t0).into_iter().map(|(a, _, _)| a).collect();
+    assert_eq!(left, ["alice"]);
+}

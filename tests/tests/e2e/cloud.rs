@@ -190,7 +190,7 @@ async fn until_accounts(
     base: &str,
     check: impl Fn(&[Value]) -> bool,
 ) -> Vec<Value> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let seen = accounts(http, base).await;
         if check(&seen) || std::time::Instant::now() >= deadline {
@@ -348,7 +348,12 @@ async fn a_429_on_balance_reads_holds_them_for_its_retry_after() {
 async fn an_extra_usage_refusal_ends_when_the_accounts_balance_changes() {
     let cloud = cloud().await;
     let handle = cloud.handle();
-    let stack = Stack::start(&fast_config(&cloud.url(), CLOUD_SECTION)).await;
+    // Read every 2 s: within the read limit, so a change is seen within one interval.
+    let stack = Stack::start(&fast_config(
+        &cloud.url(),
+        "cloud:\n  balance_interval: 2\n",
+    ))
+    .await;
     let http = HttpClient::new();
     // Both balances read (no extra usage anywhere), then both accounts refuse the model.
     until_accounts(&http, &stack.url(), |accounts| {
@@ -367,9 +372,11 @@ async fn an_extra_usage_refusal_ends_when_the_accounts_balance_changes() {
     // Bob buys extra usage: once the read shows it, bob is asked again, and serves.
     handle.set_cloud_extra("bob", 5.0);
     let seen = until_accounts(&http, &stack.url(), |accounts| {
-        accounts
-            .iter()
-            .any(|account| account["account"] == "bob" && account["extra_usd"] == 5.0)
+        accounts.iter().any(|account| {
+            account["account"] == "bob"
+                && account["extra_usd"] == 5.0
+                && account["refused_models"] == json!([])
+        })
     })
     .await;
     assert_eq!(
@@ -465,5 +472,34 @@ async fn the_reserve_is_respected() {
     assert_eq!(refused.status, 429, "{}", refused.text());
     assert!(refused.text().contains("reserve"), "{}", refused.text());
     assert_eq!(asked(&cloud, INCLUDED).len(), 3);
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn webhooks_tell_of_an_account_under_its_reserve_and_of_a_402() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_plan("alice", credits(10.0));
+    handle.set_cloud_plan("bob", credits(4.0));
+    let mut sink = crate::hosts::Sink::start().await;
+    let section = format!(
+        "{}cloud:\n  balance_interval: 0.1\n  accounts:\n    bob:\n      reserve_usd: 5\n",
+        sink.config(&["cloud.under_reserve", "cloud.refused"])
+    );
+    let stack = Stack::start(&fast_config(&cloud.url(), &section)).await;
+    let under = sink.next().await;
+    assert_eq!(under["event"], "cloud.under_reserve", "{under}");
+    assert_eq!(under["account"], "bob", "{under}");
+    assert_eq!(under["reserve_usd"], 5.0, "{under}");
+    // Alice is asked for the extra-usage-only model and refuses it (bob is at his reserve).
+    let http = HttpClient::new();
+    assert_eq!(chat(&http, &stack.url(), EXTRA).await.status, 402);
+    let refused = sink.next().await;
+    assert_eq!(refused["event"], "cloud.refused", "{refused}");
+    assert_eq!(refused["account"], "alice", "{refused}");
+    assert_eq!(refused["model"], "glm-5.2:latest", "{refused}");
+    assert_eq!(refused["host"], "cloud", "{refused}");
+    let text = refused.to_string() + &under.to_string();
+    assert!(!text.contains("0000000000"), "no key in a webhook: {text}");
     stack.shutdown().await;
 }
