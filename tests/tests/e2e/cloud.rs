@@ -503,3 +503,30 @@ async fn webhooks_tell_of_an_account_under_its_reserve_and_of_a_402() {
     assert!(!text.contains("0000000000"), "no key in a webhook: {text}");
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn accounts_of_one_team_share_one_balance_read_once() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_plan("alice", credits(33.0));
+    handle.set_cloud_plan("bob", credits(1.0));
+    let section = "cloud:\n  balance_interval: 0.1\n  accounts:\n    alice:\n      team: acme\n    \
+                   bob:\n      team: acme\n";
+    let stack = Stack::start(&fast_config(&cloud.url(), section)).await;
+    let http = HttpClient::new();
+    // The team's balance is read with its first key (alice's), and shown for both.
+    let seen = until_accounts(&http, &stack.url(), |accounts| {
+        accounts.len() == 2
+            && accounts
+                .iter()
+                .all(|account| account["included_usd"] == 33.0)
+    })
+    .await;
+    for name in ["alice", "bob"] {
+        assert_eq!(account(&seen, name)["included_usd"], 33.0, "{seen:?}");
+        assert_eq!(account(&seen, name)["team"], "acme", "{seen:?}");
+    }
+    assert!(!handle.cloud_balance_reads("alice").is_empty());
+    assert!(handle.cloud_balance_reads("bob").is_empty());
+    stack.shutdown().await;
+}
