@@ -149,6 +149,8 @@ pub fn snapshot(
                     .and_then(|s| s.learned.problem.clone())
                     .unwrap_or_default(),
                 poll_error: seen.and_then(|s| s.error.clone()).unwrap_or_default(),
+                // Balances are added by the hub from its reads (`balances::attach`).
+                cloud_accounts: crate::balances::accounts_of(config, host),
             }
         })
         .collect();

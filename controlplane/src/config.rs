@@ -13,6 +13,7 @@
 //! Raw structs are private; the public types ([`Config`] and its sections) hold only values
 //! that passed every check. Secrets are [`Secret`]s and never print.
 
+mod cloud;
 mod cluster;
 mod enums;
 mod env;
@@ -35,6 +36,7 @@ use std::path::{Path, PathBuf};
 
 use serde_yaml::Value;
 
+pub use cloud::{CloudAccountConfig, CloudConfig, DEFAULT_BALANCE_INTERVAL};
 pub use enums::{
     HostKind, LogFormat, LogLevel, RoutingFallback, RoutingStrategy, Scope, Tier, WebhookEvent,
 };
@@ -183,6 +185,10 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
         .control_plane
         .and_then(|control_plane| cluster::control_plane(control_plane, env, problems));
     let nodes = raw.nodes.and_then(|nodes| cluster::nodes(nodes, problems));
+    let cloud = raw.cloud.and_then(|section| {
+        let hosts = ollama.as_ref().map(|ollama| ollama.hosts.as_slice());
+        cloud::cloud(section, hosts, problems)
+    });
     if let (Some(ollama), Some(nodes), Some(proxy), Some(control_plane)) =
         (&ollama, &nodes, &proxy, &control_plane)
     {
@@ -202,5 +208,6 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
         dashboard: dashboard?,
         control_plane: control_plane?,
         nodes: nodes?,
+        cloud: cloud?,
     })
 }

@@ -52,6 +52,8 @@ struct State {
     extra_clients: Vec<wire::Client>,
     version: u64,
     nodes: BTreeMap<String, Node>,
+    /// Ollama Cloud balances by reading unit (`crate::balances`).
+    balances: HashMap<String, crate::balances::Read>,
 }
 
 /// What the control plane knows about one data plane.
@@ -106,6 +108,7 @@ impl Hub {
                 extra_clients: Vec::new(),
                 version,
                 nodes: BTreeMap::new(),
+                balances: HashMap::new(),
             }),
             snapshots,
             configs,
@@ -229,6 +232,40 @@ impl Hub {
         }
     }
 
+    /// Records a cloud balance read of `unit` (a team or an account) and publishes when the
+    /// balance changed. `None` when nothing changed.
+    pub fn set_balance(
+        &self,
+        unit: &str,
+        balance: crate::balances::Balance,
+        at: SystemTime,
+    ) -> Option<u64> {
+        let mut state = self.lock();
+        if state
+            .balances
+            .get(unit)
+            .is_some_and(|read| read.balance == balance)
+        {
+            return None;
+        }
+        state
+            .balances
+            .insert(unit.to_owned(), crate::balances::Read { balance, at });
+        Some(self.publish(&mut state))
+    }
+
+    /// Forgets a unit's balance (it left the config).
+    pub fn forget_balance(&self, unit: &str) -> Option<u64> {
+        let mut state = self.lock();
+        state.balances.remove(unit)?;
+        Some(self.publish(&mut state))
+    }
+
+    /// Every unit's last balance read.
+    pub fn balances(&self) -> HashMap<String, crate::balances::Read> {
+        self.lock().balances.clone()
+    }
+
     /// Replaces the clients that come from the key store and publishes.
     /// Clients whose `expires_unix_ms` has passed are left out of every
     /// snapshot built from then on.
@@ -279,13 +316,14 @@ impl Hub {
             .filter(|client| client.expires_unix_ms == 0 || client.expires_unix_ms > now)
             .cloned()
             .collect();
-        let snapshot = compile::snapshot(
+        let mut snapshot = compile::snapshot(
             &state.config,
             &state.runtime,
             &state.inventory,
             &live,
             state.version,
         );
+        crate::balances::attach(&mut snapshot, &state.config, &state.balances);
         self.snapshots.send_replace(Arc::new(snapshot));
         state.version
     }
@@ -334,6 +372,8 @@ impl Hub {
             })
             .map(|host| host.name.clone())
             .collect();
+        // An account newly refusing a model with a 402 on this node: a webhook.
+        let refused = crate::balances::new_refusals(&node.report, &report);
         node.report = report;
         node.reported_at = Some(Instant::now());
         let suspect: Vec<String> = newly_unreachable
@@ -341,6 +381,14 @@ impl Hub {
             .filter(|host| state.inventory.get(host).is_none_or(|seen| seen.healthy))
             .collect();
         drop(state);
+        for (host, account, model) in refused {
+            self.webhooks().notify(
+                crate::webhooks::Notice::new(crate::config::WebhookEvent::CloudRefused)
+                    .field("host", host)
+                    .field("account", account)
+                    .field("model", model),
+            );
+        }
         for host in suspect.into_iter().chain(loaded) {
             self.request_repoll(&host);
         }

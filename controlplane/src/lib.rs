@@ -5,11 +5,12 @@
 //! snapshot is built from ([`hub`]), keeps the keys minted at run time
 //! ([`keystore`]), and serves them to data planes and the
 //! admin API to oqpctl over gRPC ([`grpc`]). In the background it polls the
-//! upstream hosts ([`poller`]) and delivers webhooks ([`webhooks`]) over one
+//! upstream hosts ([`poller`]), reads Ollama Cloud balances ([`balances`]) and delivers webhooks ([`webhooks`]) over one
 //! outbound HTTP client ([`outbound`]). Management actions are recorded in
 //! the audit trail ([`audit`]). [`ControlPlane`] starts it all.
 
 pub mod audit;
+pub mod balances;
 pub mod compile;
 pub mod config;
 pub mod grpc;

@@ -83,6 +83,8 @@ pub struct Reply {
     pub status: StatusCode,
     /// The whole body (at most the limit given to [`Outbound::send`]).
     pub body: Bytes,
+    /// `Retry-After` in seconds, when the answer carried one as a number.
+    pub retry_after: Option<u64>,
 }
 
 /// Why an exchange failed.
@@ -148,6 +150,11 @@ impl Outbound {
                 }
             })?;
             let status = response.status();
+            let retry_after = response
+                .headers()
+                .get(http::header::RETRY_AFTER)
+                .and_then(|value| value.to_str().ok())
+                .and_then(|value| value.trim().parse().ok());
             let body = Limited::new(response.into_body(), limit)
                 .collect()
                 .await
@@ -159,7 +166,11 @@ impl Outbound {
                     }
                 })?
                 .to_bytes();
-            Ok(Reply { status, body })
+            Ok(Reply {
+                status,
+                body,
+                retry_after,
+            })
         };
         tokio::time::timeout(timeout, exchange)
             .await

@@ -26,8 +26,10 @@
 //! the logic is tested without sleeping.
 
 mod attempts;
+mod balance;
 mod failure;
 mod lease;
+mod status;
 
 #[cfg(test)]
 #[allow(clippy::expect_used, clippy::unwrap_used)]
@@ -46,8 +48,10 @@ use crate::redact::redact_key;
 use crate::router::strip_cloud_suffix;
 
 pub use attempts::{Attempt, Attempts};
+pub use balance::{Account, Balance, WindowLeft};
 pub use failure::{Cooldowns, Failure, Window};
 pub use lease::Lease;
+pub use status::{AccountStatus, RefusedModel, WindowStatus};
 
 /// One key pool per cloud host, kept across snapshots.
 #[derive(Debug, Default)]
@@ -81,6 +85,15 @@ pub struct KeyStatus {
     pub last_error: Option<&'static str>,
 }
 
+/// Why an account refused one model (and keeps serving every other).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Refusal {
+    /// A 403: the model needs a subscription the account lacks.
+    Subscription,
+    /// A 402: the model bills extra usage only, and the account's extra balance is empty.
+    ExtraUsage,
+}
+
 /// A key's identity across snapshots: the SHA-256 of the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct KeyId([u8; 32]);
@@ -95,9 +108,12 @@ struct PoolState {
     host_backoff_until: Option<Instant>,
     /// Lease tokens, so that a lease only ever frees its own reservation.
     next_token: u64,
-    /// (account id, normalised model) → refused until: a model-specific 403 (a model that
-    /// needs a subscription). Bounded by [`MAX_REFUSALS`]: models are named by clients.
-    refused: HashMap<(Arc<str>, Arc<str>), Instant>,
+    /// (account id, normalised model) → refused until, and why: a model-specific 403 (a model
+    /// that needs a subscription) or a 402 (an extra-usage-only model and an empty extra
+    /// balance). Bounded by [`MAX_REFUSALS`]: models are named by clients.
+    refused: HashMap<(Arc<str>, Arc<str>), (Instant, Refusal)>,
+    /// Account id → the account and its balance, from the snapshot.
+    accounts: HashMap<Arc<str>, Account>,
 }
 
 /// Most (account, model) refusals remembered per pool; beyond it the one ending first goes.
@@ -159,6 +175,7 @@ impl KeyPool {
                 host_backoff_until: None,
                 next_token: 0,
                 refused: HashMap::new(),
+                accounts: HashMap::new(),
             }),
             changed: Notify::new(),
         };
@@ -204,6 +221,20 @@ impl KeyPool {
             keys.push(slot);
         }
         state.keys = keys;
+        // A balance seen to change lifts that account's extra-usage refusals (402).
+        let mut accounts = HashMap::new();
+        for account in &host.cloud_accounts {
+            let id = pool_account(&account.account);
+            if let (Some(old), Some(new)) = (
+                state.accounts.get(&id).and_then(|old| old.balance.as_ref()),
+                account.balance.as_ref(),
+            ) && old.extra_changed(new)
+            {
+                state.lift_extra_usage(&id);
+            }
+            accounts.insert(id, account.clone());
+        }
+        state.accounts = accounts;
         drop(state);
         self.changed.notify_waiters();
     }
@@ -250,16 +281,72 @@ impl KeyPool {
             .map(|until| until.saturating_duration_since(now))
     }
 
-    /// Whether every key's account has refused `model` (a model-specific 403) and still does
-    /// at `now`: the request path answers 403 without asking Ollama Cloud again.
-    pub fn refuses_everywhere(&self, model: &str, now: Instant) -> bool {
+    /// Whether every key's account has refused `model` (a model-specific 403 or 402) and still
+    /// does at `now`, and why: the request path answers without asking Ollama Cloud again.
+    /// When the accounts refused for different reasons, an empty extra balance wins (money
+    /// would fix it for that account).
+    pub fn refused_everywhere(&self, model: &str, now: Instant) -> Option<Refusal> {
         let model = normalize_model(strip_cloud_suffix(model));
         let state = self.lock();
-        !state.keys.is_empty()
-            && state
-                .keys
-                .iter()
-                .all(|slot| state.refuses(&slot.account, &model, now))
+        let mut reasons = state
+            .keys
+            .iter()
+            .map(|slot| state.refusal(&slot.account, &model, now))
+            .collect::<Option<Vec<Refusal>>>()?;
+        reasons.sort_by_key(|reason| *reason != Refusal::ExtraUsage);
+        reasons.first().copied()
+    }
+
+    /// An account's balance was seen to change: its extra-usage refusals (402) end now, so the
+    /// next request for such a model asks it again. `account` names it as the snapshot does:
+    /// its label, or [`account_id_of_key`] for a key without one.
+    pub fn balance_changed(&self, account: &str) {
+        self.lock().lift_extra_usage(&pool_account(account));
+    }
+
+    /// The accounts of the pool with their balances, in key order.
+    pub fn accounts(&self) -> Vec<Account> {
+        let state = self.lock();
+        let mut seen: Vec<&Arc<str>> = Vec::new();
+        let mut out = Vec::new();
+        for slot in &state.keys {
+            if seen.contains(&&slot.account) {
+                continue;
+            }
+            seen.push(&slot.account);
+            if let Some(account) = state.accounts.get(&slot.account) {
+                out.push(account.clone());
+            }
+        }
+        out
+    }
+
+    /// Every (account, model) pair refused at `now`: the account's label (or the redacted key
+    /// of a key without one), the model and the reason, for status displays.
+    pub fn refusals(&self, now: Instant) -> Vec<(String, Arc<str>, Refusal)> {
+        let state = self.lock();
+        let mut out: Vec<(String, Arc<str>, Refusal)> = state
+            .refused
+            .iter()
+            .filter(|(_, (until, _))| *until > now)
+            .filter_map(|((account, model), (_, reason))| {
+                let slot = state.keys.iter().find(|slot| &slot.account == account)?;
+                let label = if slot.label.is_empty() {
+                    redact_key(&slot.secret)
+                } else {
+                    slot.label.to_string()
+                };
+                Some((label, model.clone(), *reason))
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Whether every account of the pool is at or under its reserve (or empty) as last read:
+    /// the request path then answers 429 without asking Ollama Cloud.
+    pub fn exhausted(&self) -> bool {
+        self.lock().all_under_reserve()
     }
 
     /// Every key's status, for `/queue/status` and oqpctl.
@@ -323,30 +410,117 @@ impl PoolState {
         self.unavailable_until(slot, now).is_none()
     }
 
+    /// Whether `account`'s balance, as last read, is at or under its reserve (an account with
+    /// nothing left is under a reserve of 0): nothing is sent to it.
+    fn under_reserve(&self, account: &Arc<str>) -> bool {
+        self.accounts
+            .get(account)
+            .is_some_and(Account::under_reserve)
+    }
+
+    /// How much `account` has left above its reserve, with its plan kind, when read.
+    fn remaining(&self, account: &Arc<str>) -> Option<(&'static str, f64)> {
+        let account = self.accounts.get(account)?;
+        Some((account.balance.as_ref()?.plan(), account.remaining()?))
+    }
+
+    /// Of `candidates` (key indexes, in the order the caller prefers), the one whose account
+    /// has the most left, when every candidate's balance is read and of one plan kind (dollars
+    /// and percents do not compare); else the first. Ties keep the caller's order.
+    fn fullest(&self, candidates: impl Iterator<Item = usize>) -> Option<usize> {
+        let candidates: Vec<usize> = candidates.collect();
+        let first = *candidates.first()?;
+        let scores: Option<Vec<(&'static str, f64)>> = candidates
+            .iter()
+            .map(|&index| self.remaining(&self.keys[index].account))
+            .collect();
+        let Some(scores) = scores else {
+            return Some(first);
+        };
+        if scores.iter().any(|(kind, _)| *kind != scores[0].0) {
+            return Some(first);
+        }
+        let mut best = 0;
+        for (position, (_, left)) in scores.iter().enumerate() {
+            if *left > scores[best].1 {
+                best = position;
+            }
+        }
+        candidates.get(best).copied()
+    }
+
+    /// Whether every key's account is under its reserve (so none may be sent to).
+    pub(crate) fn all_under_reserve(&self) -> bool {
+        !self.keys.is_empty()
+            && self
+                .keys
+                .iter()
+                .all(|slot| self.under_reserve(&slot.account))
+    }
+
     /// Whether `account` refused `model` (normalised) and the refusal still holds at `now`.
     fn refuses(&self, account: &Arc<str>, model: &str, now: Instant) -> bool {
+        self.refusal(account, model, now).is_some()
+    }
+
+    /// Why `account` refuses `model` (normalised) at `now`, if it does.
+    fn refusal(&self, account: &Arc<str>, model: &str, now: Instant) -> Option<Refusal> {
         self.refused
             .get(&(account.clone(), Arc::from(model)))
-            .is_some_and(|until| *until > now)
+            .filter(|(until, _)| *until > now)
+            .map(|(_, reason)| *reason)
     }
 
     /// Remembers that `account` refused `model` until `until`, within [`MAX_REFUSALS`].
-    fn refuse(&mut self, account: Arc<str>, model: Arc<str>, until: Instant, now: Instant) {
-        self.refused.retain(|_, until| *until > now);
+    fn refuse(
+        &mut self,
+        account: Arc<str>,
+        model: Arc<str>,
+        refusal: (Instant, Refusal),
+        now: Instant,
+    ) {
+        self.refused.retain(|_, (until, _)| *until > now);
         if self.refused.len() >= MAX_REFUSALS
             && let Some(first) = self
                 .refused
                 .iter()
-                .min_by_key(|(_, until)| **until)
+                .min_by_key(|(_, (until, _))| *until)
                 .map(|(pair, _)| pair.clone())
         {
             self.refused.remove(&first);
         }
-        self.refused.insert((account, model), until);
+        self.refused.insert((account, model), refusal);
+    }
+
+    /// Ends `account`'s extra-usage refusals.
+    fn lift_extra_usage(&mut self, account: &Arc<str>) {
+        self.refused.retain(|(refused_account, _), (_, reason)| {
+            *reason != Refusal::ExtraUsage || refused_account != account
+        });
     }
 
     fn position(&self, id: KeyId) -> Option<usize> {
         self.keys.iter().position(|slot| slot.id == id)
+    }
+}
+
+/// How the snapshot names the account of a key that has no account label: `key:` and the
+/// first 16 hex digits of the key's SHA-256 (the control plane computes the same).
+pub fn account_id_of_key(key: &str) -> String {
+    pool_account(&format!(
+        "key:{}",
+        hex::encode(&sha2::Sha256::digest(key.as_bytes())[..8])
+    ))
+    .to_string()
+}
+
+/// The pool's account id for the snapshot's name of an account: `key:<hash>` as it is, a
+/// label as `account:<label>`.
+fn pool_account(account: &str) -> Arc<str> {
+    if account.starts_with("key:") {
+        account.into()
+    } else {
+        format!("account:{account}").into()
     }
 }
 

@@ -150,6 +150,17 @@ pub enum ProxyError {
         /// Seconds until the window resets.
         retry_after: u64,
     },
+    /// Every account of a cloud host refused the model with a 402: it bills extra usage only,
+    /// and every account's extra-usage balance is empty. Names the model, never a key or an
+    /// account.
+    #[error(
+        "Ollama Cloud refused model '{model}' on every account: it uses extra usage only and \
+         every account's extra usage balance is empty"
+    )]
+    CloudExtraUsageEmpty {
+        /// The model asked for.
+        model: String,
+    },
     /// An embed request with more inputs than `embedding_cache.max_inputs`.
     #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
     TooManyInputs {
@@ -252,6 +263,7 @@ impl ProxyError {
             | Self::RouteNotProxied
             | Self::ForeignOrigin => StatusCode::FORBIDDEN,
             Self::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::CloudExtraUsageEmpty { .. } => StatusCode::PAYMENT_REQUIRED,
             Self::InvalidTier(_)
             | Self::InvalidUser(_)
             | Self::BodyUnreadable
@@ -387,6 +399,7 @@ impl Shape {
 fn anthropic_type(status: StatusCode) -> &'static str {
     match status.as_u16() {
         401 => "authentication_error",
+        402 => "billing_error",
         403 => "permission_error",
         404 => "not_found_error",
         413 => "request_too_large",
@@ -419,6 +432,7 @@ impl ProxyError {
             }
             Self::QueueFull { .. } | Self::OverCapacity { .. } => Some("queue_full"),
             Self::ModelNotAllowed(_) => Some("model_not_allowed"),
+            Self::CloudExtraUsageEmpty { .. } => Some("extra_usage_empty"),
             _ => None,
         }
     }

@@ -21,7 +21,10 @@
 //!   too; otherwise only that account is out of rotation for that model (a
 //!   model that needs a subscription), and when every account refused it the
 //!   client gets the cloud's `403` as it was; a timeout under one key is not
-//!   tried under another.
+//!   tried under another. A `402` for a model that uses extra usage only
+//!   refuses that model on that account alone; when every account refused it,
+//!   the client gets one `402` of oqp's own naming the model
+//!   ([`ProxyError::CloudExtraUsageEmpty`]), in its route's shape.
 //!
 //! The slot time of every attempt that reached a host and was not the answer
 //! passed on is handed back to the caller to charge (`spent`).
@@ -135,6 +138,7 @@ pub async fn send(
         let reached = !matches!(result, Err(UpstreamError::Connect(_)));
         let down = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),
+            Ok(Sent::Refused(error)) => return Err(error),
             Ok(Sent::Busy(answer)) => {
                 last_refusal = Some(answer);
                 false
@@ -197,6 +201,9 @@ enum Sent {
     Busy(Answer),
     /// `404 model not found`: worth another host that has it.
     ModelMissing(Answer),
+    /// A refusal oqp answers itself, in the route's shape (every cloud account refused the
+    /// model with a 402).
+    Refused(ProxyError),
 }
 
 async fn send_local(
@@ -249,6 +256,19 @@ async fn send_cloud(
             "Ollama Cloud asked to back off".into(),
         ));
     }
+    if pool.exhausted() {
+        // Every account is at its reserve (or empty) as last read: keep the owners' floor.
+        return Ok(Sent::Done(Forwarded {
+            answer: refusal(
+                host,
+                StatusCode::TOO_MANY_REQUESTS,
+                "every Ollama Cloud account of this host is at its reserve",
+                None,
+            ),
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
+    }
     let RequestBody::Buffered(body) = outbound.body else {
         // A streamed body cannot be retried on another key: one attempt.
         let key = pool
@@ -273,7 +293,10 @@ async fn send_cloud(
     let mut last: Option<(Answer, Failure)> = None;
     let mut missing: Option<Answer> = None;
     // A model every account had already refused: no key was asked again.
-    let mut refused_everywhere: Option<String> = None;
+    let mut refused_everywhere: Option<(String, cloud::Refusal)> = None;
+    // Whether an account ran out of quota, or refused a model with a 402, in this call.
+    let mut quota_seen = false;
+    let mut extra_usage_seen = false;
     for candidate in candidates {
         let lease = pool
             .acquire(&candidate, policy.routing.acquire_timeout)
@@ -334,6 +357,8 @@ async fn send_cloud(
                 if let Some(failure) = failure {
                     tracing::info!(host = %host.name, failure = failure.as_str(), "cloud key failed; rotating");
                     attempts.fail(&attempt, failure, Instant::now());
+                    quota_seen |= matches!(failure, Failure::Quota(_));
+                    extra_usage_seen |= failure == Failure::ExtraUsageEmpty;
                     give_up_host = matches!(failure, Failure::Connect | Failure::Overloaded);
                     last = Some((answer, failure));
                     if give_up_host {
@@ -357,9 +382,10 @@ async fn send_cloud(
         }
         if attempts.tried() == 0
             && !candidate.is_empty()
-            && pool.refuses_everywhere(&candidate, Instant::now())
+            && let Some(refusal) = pool.refused_everywhere(&candidate, Instant::now())
         {
-            refused_everywhere = Some(candidate);
+            extra_usage_seen |= refusal == cloud::Refusal::ExtraUsage;
+            refused_everywhere = Some((candidate, refusal));
         }
         if give_up_host {
             break;
@@ -368,7 +394,19 @@ async fn send_cloud(
     if let (None, Some(answer)) = (&last, missing) {
         return Ok(Sent::ModelMissing(answer));
     }
-    if let (None, Some(model)) = (&last, refused_everywhere) {
+    // Only 402s (asked now or remembered): the model, on no account. A quota error elsewhere
+    // in the call says more (that account serves again after its cooldown).
+    if extra_usage_seen
+        && !quota_seen
+        && last
+            .as_ref()
+            .is_none_or(|(_, failure)| *failure == Failure::ExtraUsageEmpty)
+    {
+        return Ok(Sent::Refused(ProxyError::CloudExtraUsageEmpty {
+            model: requested.to_owned(),
+        }));
+    }
+    if let (None, Some((model, _))) = (&last, refused_everywhere) {
         let message = format!(
             "Ollama Cloud refused model '{model}' for every account of this host (it may need a subscription)"
         );

@@ -162,6 +162,9 @@ pub struct Metrics {
     cache_bytes: IntGauge,
     cache_errors_seen: std::sync::atomic::AtomicU64,
     cloud_keys_cooling: IntGaugeVec,
+    /// `oqp_cloud_balance_usd{account}` and `oqp_cloud_remaining_ratio{account,window}`.
+    cloud_balance_usd: GaugeVec,
+    cloud_remaining_ratio: GaugeVec,
     routing_decisions: IntCounterVec,
     /// `oqp_affinity_total{result}`, one handle per outcome in [`Outcome::ALL`]'s order.
     affinity: [prometheus::IntCounter; 4],
@@ -260,6 +263,21 @@ impl Metrics {
         )
         .expect("valid metric");
         add(Box::new(model_load_seconds.clone()), "counter");
+        let float_gauges = |name: &str, help: &str, labels: &[&str]| {
+            let vec = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+            add(Box::new(vec.clone()), "gauge");
+            vec
+        };
+        let cloud_balance_usd = float_gauges(
+            "oqp_cloud_balance_usd",
+            "Ollama Cloud credit-plan balance in USD (included plus extra usage) as last read, by account",
+            &["account"],
+        );
+        let cloud_remaining_ratio = float_gauges(
+            "oqp_cloud_remaining_ratio",
+            "Share of an Ollama Cloud account's allowance left as last read, 0 to 1, by window (monthly, session, weekly)",
+            &["account", "window"],
+        );
         let recent_share = GaugeVec::new(
             Opts::new(
                 "oqp_client_recent_share",
@@ -448,6 +466,8 @@ impl Metrics {
                 "Ollama Cloud pool keys out of rotation (account cooling down or key disabled)",
                 &["host"],
             ),
+            cloud_balance_usd,
+            cloud_remaining_ratio,
             routing_decisions: counters(
                 "oqp_routing_decisions_total",
                 "Host choices, by reason",
@@ -824,6 +844,36 @@ impl Metrics {
                     .filter(|key| key.cooldown_until.is_some())
                     .count();
                 set(&self.cloud_keys_cooling, &host.name, count(cooling));
+            }
+        }
+        self.cloud_balance_usd.reset();
+        self.cloud_remaining_ratio.reset();
+        for host in &policy.hosts {
+            let Some(pool) = sources.cloud.get(&host.name) else {
+                continue;
+            };
+            for account in pool.account_status() {
+                let label = account.account.as_str();
+                if let (Some(included), Some(extra)) = (account.included_usd, account.extra_usd) {
+                    self.cloud_balance_usd
+                        .with_label_values(&[label])
+                        .set(included + extra);
+                }
+                if let (Some(included), Some(allowance)) =
+                    (account.included_usd, account.allowance_usd)
+                    && allowance > 0.0
+                {
+                    self.cloud_remaining_ratio
+                        .with_label_values(&[label, "monthly"])
+                        .set((included / allowance).clamp(0.0, 1.0));
+                }
+                for (window, left) in [("session", &account.session), ("weekly", &account.weekly)] {
+                    if let Some(left) = left {
+                        self.cloud_remaining_ratio
+                            .with_label_values(&[label, window])
+                            .set(left.remaining_percent / 100.0);
+                    }
+                }
             }
         }
 

@@ -216,6 +216,7 @@ mod tests {
             loaded_names: Vec::new(),
             last_checked: None,
             cloud_keys: Vec::new(),
+            cloud_accounts: Vec::new(),
             fallback_models: Vec::new(),
             owner: None,
             vram: Default::default(),

@@ -540,6 +540,8 @@ pub struct Host {
     pub last_checked: Option<SystemTime>,
     /// Cloud key pool.
     pub cloud_keys: Vec<CloudKey>,
+    /// Cloud hosts: each account of the pool, with its balance as last read.
+    pub cloud_accounts: Vec<crate::cloud::Account>,
     /// Cloud fallback models.
     pub fallback_models: Vec<String>,
     /// The node that alone dispatches to it; `None` = every node.

@@ -464,6 +464,11 @@ fn report(app: &App) -> NodeReport {
                             .collect()
                     })
                     .unwrap_or_default(),
+                cloud_accounts: app
+                    .cloud
+                    .get(&host.name)
+                    .map(|pool| pool.account_reports())
+                    .unwrap_or_default(),
             }
         })
         .collect();

@@ -159,6 +159,9 @@ struct HostStatus {
     /// Cloud hosts: the key pool, redacted (account label or `…` + last 4).
     #[serde(skip_serializing_if = "Option::is_none")]
     cloud_pool: Option<Vec<CloudKeyStatus>>,
+    /// Cloud hosts: each account, its balance, reserve, refused models and cooldown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cloud_accounts: Option<Vec<crate::cloud::AccountStatus>>,
     /// Ollama hosts: what the VRAM holds and the requests held back for a model switch.
     #[serde(skip_serializing_if = "Option::is_none")]
     vram: Option<VramStatus>,
@@ -579,6 +582,10 @@ fn host_status(
                 })
                 .collect()
         }),
+        cloud_accounts: sources
+            .cloud
+            .get(&host.name)
+            .map(|pool| pool.account_status()),
         vram: (host.kind == HostKind::Ollama).then(|| VramStatus::new(host, swap)),
     }
 }

@@ -83,6 +83,9 @@ enum Command {
     Hosts(WatchArg),
     /// Clients: ceilings, waiting, in flight, share.
     Clients(WatchArg),
+    /// Ollama Cloud accounts: plan, balance or windows, resets, reserve, refused models,
+    /// cooldowns, keys (redacted).
+    Cloud(WatchArg),
     /// Consumer keys.
     #[command(subcommand)]
     Keys(KeysCommand),
@@ -142,6 +145,7 @@ enum View {
     Status,
     Hosts,
     Clients,
+    Cloud,
 }
 
 impl View {
@@ -150,6 +154,7 @@ impl View {
             View::Status => "status",
             View::Hosts => "hosts",
             View::Clients => "clients",
+            View::Cloud => "cloud",
         }
     }
 }
@@ -273,6 +278,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Status(arg) => show(&mut admin, View::Status, arg, output, style).await?,
         Command::Hosts(arg) => show(&mut admin, View::Hosts, arg, output, style).await?,
         Command::Clients(arg) => show(&mut admin, View::Clients, arg, output, style).await?,
+        Command::Cloud(arg) => show(&mut admin, View::Cloud, arg, output, style).await?,
         Command::Keys(command) => keys(&mut admin, command, output, style).await?,
         Command::Queue(command) => queue(&mut admin, command, output).await?,
         Command::Usage(args) => {
@@ -349,6 +355,10 @@ async fn fetch(
         View::Clients => {
             let response = admin.list_clients(api::ListClientsRequest {}).await?;
             render::clients(&response.into_inner(), output, style)
+        }
+        View::Cloud => {
+            let response = admin.list_hosts(api::ListHostsRequest {}).await?;
+            render::cloud(&response.into_inner(), output, style)
         }
     })
 }
@@ -520,7 +530,10 @@ mod tests {
     #[test]
     fn watch_takes_an_optional_interval() {
         let watch_of = |args: &[&str]| match parse(args).unwrap().command {
-            Command::Status(arg) | Command::Hosts(arg) | Command::Clients(arg) => arg.watch,
+            Command::Status(arg)
+            | Command::Hosts(arg)
+            | Command::Clients(arg)
+            | Command::Cloud(arg) => arg.watch,
             other => panic!("not a view: {other:?}"),
         };
         assert_eq!(watch_of(&["status"]), None);

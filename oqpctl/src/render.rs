@@ -8,8 +8,10 @@ use oqp_proto::admin::v1 as api;
 use oqp_proto::policy::v1 as wire;
 use serde_json::{Value, json};
 
+mod cloud;
 mod status;
 
+pub use cloud::cloud;
 pub use status::status;
 
 /// How answers are printed.

@@ -169,6 +169,8 @@ vocabulary! {
         KeyRotated => "key.rotated",
         ClientBudgetExceeded => "client.budget_exceeded",
         Audit => "audit",
+        CloudUnderReserve => "cloud.under_reserve",
+        CloudRefused => "cloud.refused",
     }
 }
 

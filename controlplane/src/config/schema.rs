@@ -29,6 +29,7 @@ pub(crate) const SECTIONS: &[&str] = &[
     "dashboard",
     "control_plane",
     "nodes",
+    "cloud",
 ];
 
 /// The file after schema parsing. `None` means the section failed (its errors are recorded);
@@ -56,6 +57,7 @@ pub(crate) struct RawConfig {
     pub dashboard: Option<RawDashboard>,
     pub control_plane: Option<RawControlPlane>,
     pub nodes: Option<BTreeMap<String, RawNode>>,
+    pub cloud: Option<super::cloud::RawCloud>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -409,6 +411,7 @@ pub(crate) fn parse_sections(root: Value, problems: &mut Problems) -> RawConfig 
         dashboard: section(take("dashboard"), "dashboard", problems),
         control_plane: section(take("control_plane"), "control_plane", problems),
         nodes: section(take("nodes"), "nodes", problems),
+        cloud: section(take("cloud"), "cloud", problems),
         ..RawConfig::default()
     };
 

@@ -983,7 +983,7 @@ fn section_value_errors() {
         [
             "queue.overflow_status_code must be 503 or 429, got 500",
             "webhooks.events[0]: unknown value 'queue.exploded' (expected queue.full, queue.high_watermark, queue.drained, \
-         queue.over_capacity, host.unhealthy, host.recovered, key.revoked, key.rotated, client.budget_exceeded or audit)",
+         queue.over_capacity, host.unhealthy, host.recovered, key.revoked, key.rotated, client.budget_exceeded, audit, cloud.under_reserve or cloud.refused)",
             "webhooks.url: Webhook URL must use http or https scheme, got: 'ftp'",
             "logging.format: unknown value 'xml' (expected text or json)",
             "routing.strategy: unknown value 'fastest' (expected model_aware or round_robin)",
@@ -1188,6 +1188,7 @@ fn examples_load() {
     assert_eq!(example.webhooks, WebhooksConfig::default());
     assert_eq!(example.dashboard, DashboardConfig::default());
     assert_eq!(example.logging, LoggingConfig::default());
+    assert_eq!(example.cloud, CloudConfig::default());
 }
 
 proptest! {

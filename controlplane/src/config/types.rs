@@ -31,6 +31,8 @@ pub struct Config {
     pub control_plane: ControlPlaneConfig,
     /// Per-node listener overrides, keyed by node name.
     pub nodes: BTreeMap<String, NodeOverride>,
+    /// Ollama Cloud balance reads and per-account settings.
+    pub cloud: super::CloudConfig,
 }
 
 /// `proxy`: the main listener and global limits.

@@ -17,6 +17,7 @@
 //! `GetStatus` and `ListHosts` also say who owns what when there are several
 //! GPU boxes (`nodes`).
 
+mod cloud;
 mod nodes;
 mod swap;
 
@@ -577,6 +578,7 @@ impl AdminService for AdminApi {
                     failures,
                     ..api::HostInfo::default()
                 };
+                info.cloud_accounts = cloud::accounts(host, &config, &nodes);
                 swap::fill(&mut info, host, &owner, &nodes);
                 info.runners = runners_of(&host.name, &nodes);
                 info.node = owner;

@@ -293,7 +293,9 @@ fn notice(node: &str, event: &Event) -> Option<Notice> {
         | WebhookEvent::KeyRevoked
         | WebhookEvent::KeyRotated
         | WebhookEvent::ClientBudgetExceeded
-        | WebhookEvent::Audit => return None,
+        | WebhookEvent::Audit
+        | WebhookEvent::CloudUnderReserve
+        | WebhookEvent::CloudRefused => return None,
     })
 }
 

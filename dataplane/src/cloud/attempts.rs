@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Failure, KeyId, KeyPool, Lease, PoolState};
+use super::{Failure, KeyId, KeyPool, Lease, PoolState, Refusal};
 use crate::policy::normalize_model;
 use crate::redact::redact_key;
 use crate::router::strip_cloud_suffix;
@@ -52,7 +52,8 @@ impl KeyPool {
 
 impl Attempts<'_> {
     /// The same attempts for a request for `model`: accounts that refused it (a model-specific
-    /// 403) are skipped, and a [`Failure::ModelRefused`] is remembered for it.
+    /// 403 or 402) are skipped, and a [`Failure::ModelRefused`] or
+    /// [`Failure::ExtraUsageEmpty`] is remembered for it.
     #[must_use]
     pub fn for_model(mut self, model: &str) -> Self {
         if !model.is_empty() {
@@ -102,11 +103,16 @@ impl Attempts<'_> {
                 *entry = (*entry).max(until);
             }
             Failure::Auth => state.keys[index].disabled_until = Some(now + cooldowns.auth),
-            // Unconfirmed, a 403 never disables a key: at most the model is refused.
-            Failure::ModelRefused | Failure::Forbidden => {
+            // Unconfirmed, a 403 never disables a key: at most the model is refused. A 402 for
+            // an extra-usage-only model refuses the model on this account, nothing more.
+            Failure::ModelRefused | Failure::Forbidden | Failure::ExtraUsageEmpty => {
                 if let Some(model) = self.model.clone() {
-                    let until = now + cooldowns.model_refused;
-                    state.refuse(account.clone(), model.clone(), until, now);
+                    let refusal = if failure == Failure::ExtraUsageEmpty {
+                        (now + cooldowns.extra_usage, Refusal::ExtraUsage)
+                    } else {
+                        (now + cooldowns.model_refused, Refusal::Subscription)
+                    };
+                    state.refuse(account.clone(), model.clone(), refusal, now);
                     // Other accounts' keys then bind to it; this one is free for other models.
                     for slot in &mut state.keys {
                         if slot.account == account && slot.bound.as_ref() == Some(&model) {
@@ -158,6 +164,7 @@ impl Attempts<'_> {
             !self.tried.contains(&slot.id)
                 && !self.skipped_accounts.contains(&slot.account)
                 && state.usable(slot, now)
+                && !state.under_reserve(&slot.account)
                 && self
                     .model
                     .as_ref()
@@ -173,10 +180,14 @@ impl Attempts<'_> {
         let rotation = (0..count).map(|offset| (start + offset) % count);
         // Idle keys first, so a request that could not get a lease does not pile onto a key
         // another request holds; then the leased ones.
-        rotation
-            .clone()
-            .find(|&index| state.keys[index].lease.is_none() && allowed(index))
-            .or_else(|| rotation.clone().find(|&index| allowed(index)))
+        // Among those, the account with the most left (when balances say so).
+        state
+            .fullest(
+                rotation
+                    .clone()
+                    .filter(|&index| state.keys[index].lease.is_none() && allowed(index)),
+            )
+            .or_else(|| state.fullest(rotation.clone().filter(|&index| allowed(index))))
     }
 }
 

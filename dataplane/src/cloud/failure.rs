@@ -26,7 +26,8 @@ pub enum Window {
 /// Why one attempt with one key failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Failure {
-    /// 429 (or 402): the key's ACCOUNT ran out of this window; all its keys cool down.
+    /// 429 (or a 402 that is not about extra usage): the key's ACCOUNT ran out of this window;
+    /// all its keys cool down.
     Quota(Window),
     /// "timed out waiting for a concurrent request slot": the account is at its plan's
     /// concurrency, not out of quota. No cooldown; another account is tried now.
@@ -43,6 +44,11 @@ pub enum Failure {
     /// A 403 for this model while the key itself is good: only the (account, model) pair is
     /// out of rotation, for [`Cooldowns::model_refused`]; every key keeps serving other models.
     ModelRefused,
+    /// 402 "this model uses extra usage only … your extra usage balance is empty": the model
+    /// bills only the account's purchased extra usage, and it has none. Only the (account,
+    /// model) pair is out of rotation, until the account's balance is seen to change or for
+    /// [`Cooldowns::extra_usage`]; every key keeps serving other models.
+    ExtraUsageEmpty,
     /// Another 5xx: the next key is tried; nothing cools down.
     Server,
     /// No response headers in time: probably the account's concurrency queue at ollama.com, so
@@ -72,6 +78,9 @@ pub struct Cooldowns {
     pub auth: Duration,
     /// An (account, model) pair after a model-specific 403 (a model needing a subscription).
     pub model_refused: Duration,
+    /// An (account, model) pair after a 402 for an extra-usage-only model, unless the
+    /// account's balance is seen to change first.
+    pub extra_usage: Duration,
     /// How long a released key counts as warm for its bound model: an idle key bound to another
     /// model is rebound only after this (Ollama's default `keep_alive` is 5 minutes).
     pub warm_for: Duration,
@@ -90,6 +99,7 @@ impl Default for Cooldowns {
             overloaded: Duration::from_secs(15),
             auth: HOUR,
             model_refused: Duration::from_secs(15 * 60),
+            extra_usage: HOUR,
             warm_for: Duration::from_secs(300),
         }
     }
@@ -119,6 +129,9 @@ impl Failure {
         if text.contains("concurrent request slot") {
             return Some(Failure::SlotTimeout);
         }
+        if status == StatusCode::PAYMENT_REQUIRED && text.contains("extra usage") {
+            return Some(Failure::ExtraUsageEmpty);
+        }
         match status.as_u16() {
             402 | 429 => Some(Failure::Quota(window_of(&text))),
             401 => Some(Failure::Auth),
@@ -138,6 +151,7 @@ impl Failure {
             Failure::Auth => "auth",
             Failure::Forbidden => "forbidden",
             Failure::ModelRefused => "model_refused",
+            Failure::ExtraUsageEmpty => "extra_usage_empty",
             Failure::Server => "server",
             Failure::Timeout => "timeout",
             Failure::Connect => "connect",
@@ -200,6 +214,24 @@ mod tests {
             Some(Failure::Quota(Window::Unknown))
         );
         assert_eq!(classify(402, "{}"), Some(Failure::Quota(Window::Unknown)));
+    }
+
+    #[test]
+    fn an_extra_usage_402_refuses_the_model_not_the_account() {
+        // ollama/ollama#17639, in Ollama's and in OpenAI's error shape.
+        let text = "this model uses extra usage only (not included plan usage) and your extra \
+                    usage balance is empty, add extra usage or turn on auto reload";
+        let native = serde_json::json!({ "error": text }).to_string();
+        assert_eq!(classify(402, &native), Some(Failure::ExtraUsageEmpty));
+        let openai =
+            serde_json::json!({ "error": { "message": text, "type": "invalid_request_error" } })
+                .to_string();
+        assert_eq!(classify(402, &openai), Some(Failure::ExtraUsageEmpty));
+        // The same words on another status are not this refusal.
+        assert_eq!(
+            classify(429, &native),
+            Some(Failure::Quota(Window::Unknown))
+        );
     }
 
     #[test]

@@ -5,11 +5,14 @@
 //! 1. an idle usable key bound to M: lease it;
 //! 2. a usable key bound to M that is busy: wait for it (requests for the same model share
 //!    one key rather than fan out);
-//! 3. an idle unbound key, on the account with the fewest bound keys: bind it to M;
+//! 3. an idle unbound key, on the account with the most left (balances read by the control
+//!    plane, one plan kind), else on the account with the fewest bound keys: bind it to M;
 //! 4. an idle key whose model has gone cold (`Cooldowns::warm_for` since its release): rebind;
 //! 5. an idle key still warm for another model: no lease (plain rotation), rather than evict it;
 //! 6. every usable key busy: wait;
 //! 7. no usable key, or fewer than two keys: no lease.
+//!
+//! Keys of an account at or under its reserve (or predicted empty) take no part.
 //!
 //! Waiting ends when a key frees or the keys change (then the choice runs again), or at the
 //! deadline, with no lease. An empty lease is never an error: the request proceeds on plain
@@ -117,11 +120,14 @@ fn choose(state: &PoolState, model: &Arc<str>, now: Instant, warm_for: Duration)
         // One key: binding could only make requests queue for it.
         return Step::Plain;
     }
-    // A key whose account refused the model is never bound to it.
+    // A key whose account refused the model is never bound to it, nor one whose account is at
+    // its reserve: warmth holds while the account has room.
     let usable: Vec<usize> = (0..state.keys.len())
         .filter(|&index| {
             let slot = &state.keys[index];
-            state.usable(slot, now) && !state.refuses(&slot.account, model, now)
+            state.usable(slot, now)
+                && !state.refuses(&slot.account, model, now)
+                && !state.under_reserve(&slot.account)
         })
         .collect();
     if usable.is_empty() {
@@ -145,11 +151,15 @@ fn choose(state: &PoolState, model: &Arc<str>, now: Instant, warm_for: Duration)
             .filter(|other| &other.account == account && other.bound.is_some())
             .count()
     };
-    if let Some(&index) = usable
+    // An unbound key: on the account with the most left (when balances say so), else on the
+    // one with the fewest bindings.
+    let mut unbound: Vec<usize> = usable
         .iter()
-        .filter(|&&i| idle(i) && slot(i).bound.is_none())
-        .min_by_key(|&&i| bindings(i))
-    {
+        .copied()
+        .filter(|&i| idle(i) && slot(i).bound.is_none())
+        .collect();
+    unbound.sort_by_key(|&i| bindings(i));
+    if let Some(index) = state.fullest(unbound.into_iter()) {
         return Step::Take(index);
     }
     let cold = |index: usize| {

@@ -36,6 +36,7 @@ fn host(keys: &[(&str, &str)], fallback: &[&str]) -> Host {
                 account: (*account).into(),
             })
             .collect(),
+        cloud_accounts: Vec::new(),
         fallback_models: fallback.iter().map(|m| (*m).to_owned()).collect(),
         owner: None,
         vram: Default::default(),
@@ -444,7 +445,7 @@ fn a_model_refusal_skips_the_account_for_that_model_only() {
     attempts.fail(&a1, Failure::ModelRefused, t0);
     // alice's other key shares her subscription: bob's is next.
     assert_eq!(next(&mut attempts, t0).unwrap().0, "b1");
-    assert!(!pool.refuses_everywhere("kimi-k2:1t", t0));
+    assert_eq!(pool.refused_everywhere("kimi-k2:1t", t0), None);
     // No key is disabled: other models still rotate over all three.
     let status = pool.snapshot_at(t0, SystemTime::UNIX_EPOCH);
     assert!(status.iter().all(|key| key.cooldown_until.is_none()));
@@ -469,4 +470,120 @@ fn model_refusals_are_bounded() {
         attempts.fail(&attempt, Failure::ModelRefused, t0);
     }
     assert!(pool.lock().refused.len() <= MAX_REFUSALS);
+}
+
+#[test]
+fn an_empty_extra_balance_refuses_the_model_on_that_account_until_its_balance_changes() {
+    let pool = two_accounts();
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("glm-5.2:cloud");
+    let (first, a1) = next(&mut attempts, t0).unwrap();
+    assert_eq!(first, "a1");
+    attempts.fail(&a1, Failure::ExtraUsageEmpty, t0);
+    // The next account is tried at once; alice's other key shares her balance.
+    let (second, b1) = next(&mut attempts, t0).unwrap();
+    assert_eq!(second, "b1");
+    assert_eq!(pool.refused_everywhere("glm-5.2", t0), None);
+    attempts.fail(&b1, Failure::ExtraUsageEmpty, t0);
+    assert!(next(&mut attempts, t0).is_none());
+    assert_eq!(
+        pool.refused_everywhere("glm-5.2", t0),
+        Some(Refusal::ExtraUsage)
+    );
+    // No key cools down: every key keeps serving other models.
+    let status = pool.snapshot_at(t0, SystemTime::UNIX_EPOCH);
+    assert!(status.iter().all(|key| key.cooldown_until.is_none()));
+    assert_eq!(order(&pool, &Lease::none(), t0).len(), 3);
+    assert_eq!(
+        pool.refusals(t0),
+        [
+            (
+                "alice@example.com".to_owned(),
+                Arc::from("glm-5.2:latest"),
+                Refusal::ExtraUsage
+            ),
+            (
+                "bob@example.com".to_owned(),
+                Arc::from("glm-5.2:latest"),
+                Refusal::ExtraUsage
+            ),
+        ]
+    );
+    // Bob's balance changed: he is asked again; alice still is not.
+    pool.balance_changed("bob@example.com");
+    let mut again = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    assert_eq!(next(&mut again, t0).unwrap().0, "b1");
+    assert!(next(&mut again, t0).is_none());
+    // An hour on, alice is asked again too.
+    let later = t0 + Cooldowns::default().extra_usage;
+    assert_eq!(Cooldowns::default().extra_usage, HOUR);
+    let mut after = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    let mut asked = vec![next(&mut after, later).unwrap().0];
+    asked.extend(next(&mut after, later).map(|(name, _)| name));
+    assert!(asked.contains(&"a1") || asked.contains(&"a2"), "{asked:?}");
+}
+
+#[test]
+fn a_key_without_an_account_is_named_by_its_hash_when_its_balance_changes() {
+    let pool = Arc::new(KeyPool::new(&host(&[(A1, ""), (B1, "")], &[])));
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    let (_, first) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&first, Failure::ExtraUsageEmpty, t0);
+    let (_, second) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&second, Failure::ExtraUsageEmpty, t0);
+    assert_eq!(
+        pool.refused_everywhere("glm-5.2", t0),
+        Some(Refusal::ExtraUsage)
+    );
+    pool.balance_changed(&account_id_of_key(A1));
+    let mut again = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    assert_eq!(next(&mut again, t0).unwrap().0, "a1");
+    assert!(next(&mut again, t0).is_none());
+    // A subscription refusal is not lifted by a balance.
+    let mut attempts = pool.attempts(&Lease::none()).for_model("kimi-k2:1t");
+    let (_, only) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&only, Failure::ModelRefused, t0);
+    let (_, other) = next(&mut attempts, t0).unwrap();
+    attempts.fail(&other, Failure::ModelRefused, t0);
+    pool.balance_changed(&account_id_of_key(A1));
+    pool.balance_changed(&account_id_of_key(B1));
+    assert_eq!(
+        pool.refused_everywhere("kimi-k2:1t", t0),
+        Some(Refusal::Subscription)
+    );
+}
+
+#[test]
+fn a_changed_extra_balance_in_the_snapshot_lifts_the_accounts_402_refusals() {
+    let with_extra = |extra_usd: f64| {
+        let mut host = host(&[(A1, "alice"), (B1, "bob")], &[]);
+        host.cloud_accounts = ["alice", "bob"]
+            .iter()
+            .map(|name| Account {
+                account: Arc::from(*name),
+                balance: Some(Balance::Credits {
+                    included_usd: 20.0,
+                    allowance_usd: Some(20.0),
+                    extra_usd: if *name == "bob" { extra_usd } else { 0.0 },
+                    resets_at: None,
+                }),
+                ..Account::default()
+            })
+            .collect();
+        host
+    };
+    let pool = Arc::new(KeyPool::new(&with_extra(0.0)));
+    let t0 = Instant::now();
+    let mut attempts = pool.attempts(&Lease::none()).for_model("glm-5.2");
+    while let Some(attempt) = attempts.next_key(t0) {
+        attempts.fail(&attempt, Failure::ExtraUsageEmpty, t0);
+    }
+    assert_eq!(pool.refusals(t0).len(), 2);
+    // The same balances again: nothing lifted.
+    pool.update(&with_extra(0.0));
+    assert_eq!(pool.refusals(t0).len(), 2);
+    pool.update(&with_extra(5.0));
+    let left: Vec<String> = pool.refusals(t0).into_iter().map(|(a, _, _)| a).collect();
+    assert_eq!(left, ["alice"]);
 }

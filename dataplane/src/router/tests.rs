@@ -79,6 +79,7 @@ impl Spec {
             loaded_names: Vec::new(),
             last_checked: Some(SystemTime::UNIX_EPOCH + Duration::from_secs(self.checked)),
             cloud_keys: Vec::new(),
+            cloud_accounts: Vec::new(),
             fallback_models: Vec::new(),
             owner: None,
             vram: Default::default(),

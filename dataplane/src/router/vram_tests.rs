@@ -53,6 +53,7 @@ fn sized(
         loaded_names: Vec::new(),
         last_checked: Some(SystemTime::now()),
         cloud_keys: Vec::new(),
+        cloud_accounts: Vec::new(),
         fallback_models: Vec::new(),
         owner: None,
         vram: Vram {

@@ -26,6 +26,7 @@ fn host(capacity: Option<u64>, resident: &[(&str, u64)], checked: SystemTime) ->
         loaded_names: Vec::new(),
         last_checked: Some(checked),
         cloud_keys: Vec::new(),
+        cloud_accounts: Vec::new(),
         fallback_models: Vec::new(),
         owner: None,
         vram: Vram {

@@ -3,7 +3,10 @@
 //! no Retry-After), overload or slot-timeout errors. `GET /api/usage` reports per-key session and
 //! weekly fractions. A model can need a subscription: a key without one gets a 403 for that model
 //! only, while every other model and `GET /api/usage` still work with it; a suspended key gets
-//! a 403 for everything, `/api/usage` included.
+//! a 403 for everything, `/api/usage` included. Accounts, plans, balances and the 402 of an
+//! extra-usage-only model are in [`billing`].
+
+mod billing;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
@@ -11,6 +14,8 @@ use std::time::{Duration, SystemTime};
 
 use http::StatusCode;
 use serde_json::json;
+
+pub use billing::{BalanceRead, CloudPlan, READS_PER_MINUTE};
 
 use super::record::lock;
 use super::wire::{Reply, gin_error, gin_json, reference_id, rfc3339};
@@ -45,6 +50,8 @@ pub(crate) struct Cloud {
     subscriptions: Mutex<HashMap<String, HashSet<String>>>,
     /// Keys refused with a 403 on every authenticated route.
     suspended: Mutex<HashSet<String>>,
+    /// Accounts, plans, balances and the read limit.
+    pub(crate) billing: Mutex<billing::Billing>,
 }
 
 impl CloudReply {
@@ -89,6 +96,7 @@ impl Cloud {
             usage: Mutex::default(),
             subscriptions: Mutex::default(),
             suspended: Mutex::default(),
+            billing: Mutex::default(),
         }
     }
 
@@ -118,6 +126,15 @@ impl Cloud {
                 ),
             )),
             _ => Ok(()),
+        }
+    }
+
+    /// Checks that `key` may run `model` now; `Err` is the 402 of an extra-usage-only model
+    /// on an account without extra usage.
+    pub fn bill_model(&self, key: Option<&str>, model: &str) -> Result<(), Reply> {
+        match key.and_then(|key| lock(&self.billing).refuse_model(key, model)) {
+            Some(reply) => Err(reply),
+            None => Ok(()),
         }
     }
 

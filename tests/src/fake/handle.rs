@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cloud::{Cloud, CloudReply};
+use super::cloud::{BalanceRead, Cloud, CloudPlan, CloudReply};
 use super::models::{Kind, canonical};
 use super::record::{RecordedRequest, lock};
 use super::state::Shared;
@@ -368,6 +368,63 @@ impl FakeHandle {
         if let Some(cloud) = self.cloud() {
             cloud.suspend(key);
         }
+    }
+
+    /// Cloud mode: `keys` belong to `account` (they share its plan, balances and read limit).
+    pub fn set_cloud_account(&self, account: &str, keys: &[&str]) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_account(account, keys);
+        }
+    }
+
+    /// Cloud mode: `account`'s plan, and so what `GET /api/balance` reports for it.
+    pub fn set_cloud_plan(&self, account: &str, plan: CloudPlan) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_plan(account, plan);
+        }
+    }
+
+    /// Cloud mode: `account`'s purchased extra-usage balance in USD (0 by default).
+    pub fn set_cloud_extra(&self, account: &str, usd: f64) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_extra(account, usd);
+        }
+    }
+
+    /// Cloud mode: `model` uses extra usage only (402 on an account without extra usage).
+    pub fn cloud_extra_usage_only(&self, model: &str) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).extra_usage_only(model);
+        }
+    }
+
+    /// Cloud mode: each served request costs its output tokens at this price (USD per token).
+    pub fn set_cloud_price(&self, usd_per_output_token: f64) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_price(usd_per_output_token);
+        }
+    }
+
+    /// Cloud mode: `/api/balance` reads allowed per account and rolling minute (default
+    /// [`READS_PER_MINUTE`](super::READS_PER_MINUTE)).
+    pub fn set_cloud_read_limit(&self, reads: usize) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_read_limit(reads);
+        }
+    }
+
+    /// Cloud mode: every `/api/balance` answers this body instead of the plan's shape.
+    pub fn set_cloud_balance_body(&self, body: serde_json::Value) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_balance_body(body);
+        }
+    }
+
+    /// Cloud mode: the `/api/balance` reads `account` made, in order.
+    pub fn cloud_balance_reads(&self, account: &str) -> Vec<BalanceRead> {
+        self.cloud()
+            .map(|cloud| lock(&cloud.billing).balance_reads(account))
+            .unwrap_or_default()
     }
 
     fn cloud(&self) -> Option<&Cloud> {

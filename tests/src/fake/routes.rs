@@ -41,6 +41,7 @@ enum Endpoint {
     Delete,
     Blob(String),
     Usage,
+    Balance,
     ChatCompletions,
     Completions,
     Messages,
@@ -123,7 +124,12 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
         && let Some(model) = serde_json::from_slice::<serde_json::Value>(body)
             .ok()
             .and_then(|value| value.get("model")?.as_str().map(str::to_owned))
-        && let Err(reply) = cloud.authorize_model(ctx.key.as_deref(), &model)
+        && let Err(reply) = cloud
+            .authorize_model(ctx.key.as_deref(), &model)
+            .and_then(|()| match endpoint {
+                Endpoint::Show => Ok(()),
+                _ => cloud.bill_model(ctx.key.as_deref(), &model),
+            })
     {
         return reply;
     }
@@ -150,6 +156,10 @@ async fn route(ctx: &mut Ctx, parts: &Parts, body: &Bytes) -> Reply {
         Endpoint::Blob(digest) => Ok(admin::blob_upload(ctx, &digest, body)),
         Endpoint::Usage => match (&ctx.shared.cloud, &ctx.key) {
             (Some(cloud), Some(key)) => Ok(cloud.usage(key)),
+            _ => Ok(route_not_found()),
+        },
+        Endpoint::Balance => match (&ctx.shared.cloud, &ctx.key) {
+            (Some(cloud), Some(key)) => Ok(super::record::lock(&cloud.billing).balance(key)),
             _ => Ok(route_not_found()),
         },
         Endpoint::ChatCompletions => openai::chat_completions(ctx, body).await,
@@ -219,6 +229,7 @@ fn endpoint(path: &str, cloud: bool) -> Option<Endpoint> {
         "/api/copy" => Endpoint::Copy,
         "/api/delete" => Endpoint::Delete,
         "/api/usage" if cloud => Endpoint::Usage,
+        "/api/balance" if cloud => Endpoint::Balance,
         "/v1/chat/completions" => Endpoint::ChatCompletions,
         "/v1/completions" => Endpoint::Completions,
         "/v1/messages" => Endpoint::Messages,
@@ -250,6 +261,7 @@ fn allows(endpoint: &Endpoint, method: &Method) -> bool {
         Endpoint::Status
         | Endpoint::Ps
         | Endpoint::Usage
+        | Endpoint::Balance
         | Endpoint::Models
         | Endpoint::RunnerWaits
         | Endpoint::Model(_) => method == Method::GET,

@@ -105,6 +105,10 @@ pub(crate) async fn admit(
     {
         return Err(reply);
     }
+    if let (Some(cloud), Some(key)) = (&shared.cloud, &ctx.key) {
+        // Billed when admitted: the answer's output tokens at the account's price.
+        super::record::lock(&cloud.billing).charge(key, model, shared.timing().tokens);
+    }
     let mut cut = None;
     match shared.next_failure() {
         None => {}

@@ -13,6 +13,7 @@ mod agents;
 mod apps;
 mod bench_smoke;
 mod bodies;
+mod cloud;
 mod connections;
 mod embeddings;
 mod engines;

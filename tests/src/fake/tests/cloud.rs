@@ -3,7 +3,7 @@
 use http::{Method, StatusCode};
 
 use super::{Answer, call, call_with};
-use crate::fake::{CloudReply, FakeOllama};
+use crate::fake::{CloudPlan, CloudReply, FakeOllama};
 
 const CHAT: &str =
     r#"{"model":"gpt-oss:120b","stream":false,"messages":[{"role":"user","content":"hi"}]}"#;
@@ -168,4 +168,119 @@ async fn a_subscription_model_is_refused_per_key_and_a_suspended_key_everywhere(
     // A suspended key is refused on every authenticated route, the model-free ones included.
     assert_eq!(chat(addr, Some("k3")).await.status, StatusCode::FORBIDDEN);
     assert_eq!(usage("k3").await, StatusCode::FORBIDDEN);
+}
+
+async fn balance(addr: std::net::SocketAddr, key: &str) -> Answer {
+    let bearer = format!("Bearer {key}");
+    call_with(
+        addr,
+        Method::GET,
+        "/api/balance",
+        "",
+        &[("authorization", &bearer)],
+    )
+    .await
+}
+
+#[tokio::test]
+async fn an_extra_usage_only_model_is_refused_with_402_on_an_account_without_extra_usage() {
+    let fake = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .cloud(&["k1", "k2", "k3"])
+        .spawn()
+        .await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.set_cloud_account("alice", &["k1", "k2"]);
+    handle.set_cloud_account("bob", &["k3"]);
+    handle.cloud_extra_usage_only("gpt-oss:120b");
+    handle.set_cloud_extra("bob", 5.0);
+    for key in ["k1", "k2"] {
+        let refused = chat(addr, Some(key)).await;
+        assert_eq!(refused.status, StatusCode::PAYMENT_REQUIRED);
+        assert!(
+            refused
+                .error()
+                .starts_with("this model uses extra usage only (not included plan usage)"),
+            "{}",
+            refused.text()
+        );
+    }
+    assert_eq!(chat(addr, Some("k3")).await.status, StatusCode::OK);
+    // Model-free routes and /api/show still work for alice.
+    assert_eq!(balance(addr, "k1").await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn balances_come_in_both_plan_shapes_and_fall_with_output_tokens() {
+    let fake = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .tokens(10)
+        .cloud(&["k1", "k2", "k3"])
+        .spawn()
+        .await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.set_cloud_account("alice", &["k1", "k2"]);
+    handle.set_cloud_account("carol", &["k3"]);
+    handle.set_cloud_plan(
+        "alice",
+        CloudPlan::Credits {
+            allowance_usd: 20.0,
+            balance_usd: 1.0,
+        },
+    );
+    handle.set_cloud_extra("alice", 2.0);
+    handle.set_cloud_plan(
+        "carol",
+        CloudPlan::Windows {
+            session_percent: 70.0,
+            weekly_percent: 40.0,
+        },
+    );
+    handle.set_cloud_price(0.25);
+    let credits = balance(addr, "k2").await.json();
+    assert_eq!(credits["included"]["balance_usd"], 1.0);
+    assert_eq!(credits["included"]["allowance_usd"], 20.0);
+    assert_eq!(credits["period"]["type"], "monthly");
+    assert!(credits["period"]["resets_at"].is_string());
+    // 10 output tokens at $0.25: the included dollar, then 1.5 of the extra 2.
+    assert_eq!(chat(addr, Some("k1")).await.status, StatusCode::OK);
+    let after = balance(addr, "k1").await.json();
+    assert_eq!(after["included"]["balance_usd"], 0.0);
+    assert_eq!(after["extra"]["balance_usd"], 0.5);
+    let windows = balance(addr, "k3").await.json();
+    assert_eq!(windows["session"]["remaining_percent"], 70.0);
+    assert_eq!(windows["weekly"]["remaining_percent"], 40.0);
+    assert!(windows["weekly"]["resets_at"].is_string());
+}
+
+#[tokio::test]
+async fn balance_reads_past_the_limit_get_429_with_retry_after_per_account() {
+    let fake = FakeOllama::builder()
+        .cloud(&["k1", "k2", "k3"])
+        .spawn()
+        .await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.set_cloud_account("alice", &["k1", "k2"]);
+    for read in 0..crate::fake::READS_PER_MINUTE {
+        let key = if read % 2 == 0 { "k1" } else { "k2" };
+        assert_eq!(
+            balance(addr, key).await.status,
+            StatusCode::OK,
+            "read {read}"
+        );
+    }
+    // The eleventh read of alice's, whichever key: 429 with Retry-After.
+    let limited = balance(addr, "k2").await;
+    assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
+    let after: u64 = limited.headers["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&after), "{after}");
+    // Another account has its own budget.
+    assert_eq!(balance(addr, "k3").await.status, StatusCode::OK);
+    let reads = handle.cloud_balance_reads("alice");
+    assert_eq!(reads.len(), 11);
+    assert_eq!(reads.iter().filter(|read| read.limited).count(), 1);
 }
