@@ -479,6 +479,12 @@ fn key_file_is_stripped_and_its_mode_checked() {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(load(&yaml).warnings.is_empty());
+        // Shared with a service's group (a container's gid, the package's `oqp`): no warning.
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert!(load(&yaml).warnings.is_empty());
+        // Writable by the group is not reading.
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o660)).unwrap();
+        assert_eq!(load(&yaml).warnings.len(), 1);
     }
 
     let empty = tempfile::NamedTempFile::new().unwrap();
