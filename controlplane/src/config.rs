@@ -176,13 +176,23 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
     let keep_alive = raw
         .keep_alive
         .and_then(|keep_alive| resolve::keep_alive(keep_alive, problems));
-    let dashboard = raw
-        .dashboard
-        .and_then(|dashboard| resolve::dashboard(dashboard, problems));
     let control_plane = raw
         .control_plane
         .and_then(|control_plane| cluster::control_plane(control_plane, env, problems));
     let nodes = raw.nodes.and_then(|nodes| cluster::nodes(nodes, problems));
+    // Every node's proxy listener (the default host, or a node's own) on loopback.
+    let loopback = proxy
+        .as_ref()
+        .is_some_and(|proxy| resolve::is_loopback_host(&proxy.host))
+        && nodes.as_ref().is_none_or(|nodes| {
+            nodes
+                .values()
+                .filter_map(|node| node.host.as_deref())
+                .all(resolve::is_loopback_host)
+        });
+    let dashboard = raw
+        .dashboard
+        .and_then(|dashboard| resolve::dashboard(dashboard, loopback, problems));
     if let (Some(ollama), Some(nodes), Some(proxy), Some(control_plane)) =
         (&ollama, &nodes, &proxy, &control_plane)
     {

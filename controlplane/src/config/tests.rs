@@ -125,7 +125,8 @@ fn every_default() {
     assert!(!config.keep_alive.override_client);
     assert_eq!(config.keep_alive.max, Duration::from_secs(1800));
 
-    assert!(!config.dashboard.enabled);
+    // On by default where only this machine reaches it (the default listener, loopback).
+    assert!(config.dashboard.enabled);
     assert_eq!(config.dashboard.refresh_seconds, 5);
 
     assert_eq!(config.control_plane.listen, "127.0.0.1:50051");
@@ -1800,4 +1801,22 @@ fn audit_rotation_is_configured_within_bounds() {
             .any(|e| e.contains("control_plane.audit.keep_files must be 0 to 100, got 101")),
         "{errors:?}"
     );
+}
+
+#[test]
+fn the_dashboard_is_on_by_default_only_where_the_proxy_listens_on_loopback() {
+    let enabled = |rest: &str| load(&with_host(rest)).config.dashboard.enabled;
+    assert!(enabled(""));
+    assert!(enabled("proxy:\n  host: \"::1\"\n"));
+    assert!(enabled("proxy:\n  host: localhost\n"));
+    assert!(!enabled("proxy:\n  host: 0.0.0.0\n"));
+    assert!(!enabled("proxy:\n  host: 192.168.1.10\n"));
+    // One node listening outward is enough to keep it off by default.
+    assert!(!enabled("nodes:\n  box1:\n    host: 0.0.0.0\n"));
+    assert!(enabled("nodes:\n  box1:\n    host: 127.0.0.1\n"));
+    // Stated, it is what it says.
+    assert!(enabled(
+        "proxy:\n  host: 0.0.0.0\ndashboard:\n  enabled: true\n"
+    ));
+    assert!(!enabled("dashboard:\n  enabled: false\n"));
 }

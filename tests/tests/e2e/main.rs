@@ -14,6 +14,7 @@ mod apps;
 mod bench_smoke;
 mod bodies;
 mod connections;
+mod dashboard;
 mod embeddings;
 mod engines;
 mod foundation;
