@@ -167,7 +167,7 @@ pub fn view(usage: &Usage, policy: &Policy, own: Option<&str>, now: SystemTime) 
             users: Vec::new(),
         })
         .collect();
-    others.sort_by(|a, b| b.used.gpu_ns.cmp(&a.used.gpu_ns));
+    others.sort_by_key(|row| std::cmp::Reverse(row.used.gpu_ns));
     others.truncate(MAX_OTHER_ROWS);
     rows.extend(others);
     rows.sort_by(|a, b| {
