@@ -245,14 +245,19 @@ fn is_json(headers: &HeaderMap) -> Result<bool, ProxyError> {
     }
 }
 
-/// Whether the cookie must be `Secure`: TLS on the main listener, or a browser on an https
-/// page in front of it (a TLS reverse proxy).
+/// Whether the cookie must be `Secure`: TLS on the main listener, or https in front of it (a
+/// TLS reverse proxy's `X-Forwarded-Proto`, or the browser's `Origin` when it sends one).
+/// Believing either from anyone is safe: `Secure` only narrows where the cookie goes.
 fn is_secure(policy: &Policy, headers: &HeaderMap) -> bool {
+    let says_https = |name: &str, value: &str| {
+        headers
+            .get(name)
+            .and_then(|header| header.to_str().ok())
+            .is_some_and(|header| header.trim().to_ascii_lowercase().starts_with(value))
+    };
     policy.proxy.tls.is_some()
-        || headers
-            .get(header::ORIGIN)
-            .and_then(|origin| origin.to_str().ok())
-            .is_some_and(|origin| origin.starts_with("https://"))
+        || says_https("x-forwarded-proto", "https")
+        || says_https("origin", "https://")
 }
 
 async fn read_body(body: Incoming, timeout: Duration) -> Result<bytes::Bytes, ProxyError> {

@@ -197,6 +197,21 @@ async fn a_key_is_exchanged_once_for_a_strict_session_cookie() {
     assert_eq!(scripted.status, 200);
     assert!(scripted.header("set-cookie").is_none());
 
+    // Behind a TLS reverse proxy the cookie is Secure too.
+    let proxied = post(
+        &http,
+        &format!("{base}/dashboard/login"),
+        "application/x-www-form-urlencoded",
+        &[("x-forwarded-proto", "https".to_owned())],
+        &format!("key={READ}"),
+    )
+    .await;
+    assert!(
+        proxied.header("set-cookie").unwrap().ends_with("; Secure"),
+        "{:?}",
+        proxied.header("set-cookie")
+    );
+
     // JSON for scripts that want a session: the same cookie, the expiry in the body.
     let reply = http
         .post_json(
