@@ -178,9 +178,6 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
     let keep_alive = raw
         .keep_alive
         .and_then(|keep_alive| resolve::keep_alive(keep_alive, problems));
-    let dashboard = raw
-        .dashboard
-        .and_then(|dashboard| resolve::dashboard(dashboard, problems));
     let control_plane = raw
         .control_plane
         .and_then(|control_plane| cluster::control_plane(control_plane, env, problems));
@@ -189,6 +186,19 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
         let hosts = ollama.as_ref().map(|ollama| ollama.hosts.as_slice());
         cloud::cloud(section, hosts, problems)
     });
+    // Every node's proxy listener (the default host, or a node's own) on loopback.
+    let loopback = proxy
+        .as_ref()
+        .is_some_and(|proxy| resolve::is_loopback_host(&proxy.host))
+        && nodes.as_ref().is_none_or(|nodes| {
+            nodes
+                .values()
+                .filter_map(|node| node.host.as_deref())
+                .all(resolve::is_loopback_host)
+        });
+    let dashboard = raw
+        .dashboard
+        .and_then(|dashboard| resolve::dashboard(dashboard, loopback, problems));
     if let (Some(ollama), Some(nodes), Some(proxy), Some(control_plane)) =
         (&ollama, &nodes, &proxy, &control_plane)
     {

@@ -61,6 +61,8 @@ pub struct App {
     pub peers: Arc<crate::peers::Peers>,
     /// The TLS listeners' certificates, for reloads.
     pub tls: Arc<crate::tls::TlsCerts>,
+    /// Dashboard sessions (a key exchanged once for a cookie): memory only.
+    pub sessions: crate::dashboard::session::Sessions,
     shutting_down: AtomicBool,
     active: Active,
     last_used: Mutex<HashMap<Arc<str>, SystemTime>>,
@@ -101,6 +103,7 @@ impl App {
             connections: Arc::default(),
             peers: Arc::new(peers),
             tls: Arc::default(),
+            sessions: Default::default(),
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             metadata_limit: Default::default(),

@@ -380,6 +380,11 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !key.is_empty()).then_some(key)
 }
 
+/// Whether a request presents a key at all (`Authorization: Bearer` or `x-api-key`).
+pub fn presents_key(headers: &HeaderMap) -> bool {
+    presented_key(headers) != Presented::Missing
+}
+
 /// What a request presents as its key.
 #[derive(Debug, PartialEq, Eq)]
 enum Presented<'a> {

@@ -11,6 +11,12 @@
 //!
 //! The route is checked by [`crate::service`]: disabled → 404 before any
 //! authentication, so a turned-off feature does not advertise itself.
+//!
+//! With auth on, a browser signs in once ([`login`]): without a key or a session
+//! `/dashboard` answers 401 with the login form as its body, and the form's key
+//! is exchanged for a session cookie ([`session`]) that the page's polls carry.
+//! [`usage`] is the page's usage view (`/dashboard/usage`): GPU time and tokens
+//! per client and app user today, with budget bars, as the key's scope allows.
 
 use base64::Engine;
 use http::{HeaderValue, Response, header};
@@ -21,20 +27,30 @@ use crate::policy::Policy;
 /// The page, with `{{NONCE}}` and `{{REFRESH_MS}}` to fill in.
 pub const PAGE: &str = include_str!("dashboard.html");
 
+pub mod login;
+pub mod session;
+pub mod usage;
+
 /// The `/dashboard` response for `policy` (which has it enabled).
 pub fn response(policy: &Policy) -> Response<Body> {
     let nonce = nonce();
     let refresh_ms = u64::try_from(policy.dashboard.refresh.as_millis()).unwrap_or(u64::MAX);
     let mut response = Response::new(body::full(render(&nonce, refresh_ms)));
     let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/html; charset=utf-8"),
-    );
+    page_headers(headers);
     // The nonce is URL-safe base64: always a valid header value.
     if let Ok(csp) = HeaderValue::from_str(&content_security_policy(&nonce)) {
         headers.insert(header::CONTENT_SECURITY_POLICY, csp);
     }
+    response
+}
+
+/// The headers every page of the dashboard carries, its CSP aside.
+fn page_headers(headers: &mut http::HeaderMap) {
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
     headers.insert(
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),
@@ -45,7 +61,6 @@ pub fn response(policy: &Policy) -> Response<Body> {
     );
     headers.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-    response
 }
 
 /// The page with its nonce and refresh interval.
@@ -111,6 +126,8 @@ mod tests {
         // Polls are relative and carry same-origin credentials.
         assert!(page.contains("fetchJson(\"queue/summary\")"));
         assert!(page.contains("fetchJson(\"queue/status\")"));
+        assert!(page.contains("fetchJson(\"dashboard/usage\")"));
+        assert!(page.contains("fetch(\"dashboard/logout\""));
         assert!(page.contains("credentials: \"same-origin\""));
         assert!(page.contains("document.hidden"));
     }

@@ -314,6 +314,11 @@ impl ModelAllowlist {
         }
     }
 
+    /// The patterns as configured.
+    pub fn patterns(&self) -> &[String] {
+        &self.written
+    }
+
     /// Whether `model` is on the list.
     pub fn allows(&self, model: &str) -> bool {
         let name = normalize_model(model);

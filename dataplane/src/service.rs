@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! handle → reserved routes (main port: /health, /queue/*, /metrics,
-//!          /dashboard)
+//!          /dashboard, its usage view, sign-in and sign-out)
 //!        → identify (key digest or injected identity) → scope
 //!        → canonical path (no escapes, empty or dot segments) → classify
 //!          → with model management off, the route allowlist
@@ -149,7 +149,22 @@ async fn route(
                 identity.require(Scope::Management)?;
                 return queue_control::handle(&app.admin, &app.dispatcher, &request).await;
             }
-            (&Method::GET, "/queue/status" | "/queue/summary" | "/metrics" | "/dashboard") => {
+            (&Method::POST, "/dashboard/login" | "/dashboard/logout") => {
+                // Like the page: a disabled dashboard does not advertise itself.
+                if !policy.dashboard.enabled {
+                    return Err(ProxyError::NotFound);
+                }
+                return if request.uri().path() == "/dashboard/login" {
+                    dashboard::login::login(&app.sessions, &app.throttle, policy, peer, request)
+                        .await
+                } else {
+                    dashboard::login::logout(&app.sessions, policy, &request)
+                };
+            }
+            (
+                &Method::GET,
+                "/queue/status" | "/queue/summary" | "/metrics" | "/dashboard" | "/dashboard/usage",
+            ) => {
                 return observe(app, policy, kind, peer, &request);
             }
             _ => {}
@@ -309,10 +324,25 @@ fn observe(
     let path = request.uri().path();
     // A disabled dashboard answers like an unknown route, before any
     // authentication: a feature turned off does not advertise itself.
-    if path == "/dashboard" && !policy.dashboard.enabled {
+    if path.starts_with("/dashboard") && !policy.dashboard.enabled {
         return Err(ProxyError::NotFound);
     }
-    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
+    // A key, or (auth on) the dashboard's session cookie: these routes only read.
+    let identity = match dashboard::login::identify(
+        &app.sessions,
+        &app.throttle,
+        policy,
+        kind,
+        peer,
+        request.headers(),
+    ) {
+        Ok(identity) => identity,
+        // A browser without a session: the 401 is the login form.
+        Err(ProxyError::MissingCredentials | ProxyError::UnknownKey) if path == "/dashboard" => {
+            return Ok(dashboard::login::login_page(""));
+        }
+        Err(error) => return Err(error),
+    };
     identity.require(Scope::Read)?;
     Ok(match path {
         "/queue/status" => status::status_response(
@@ -323,6 +353,9 @@ fn observe(
         ),
         "/queue/summary" => status::summary_response(app.status_sources(), policy),
         "/metrics" => metrics::response(&app.metrics, &app.metric_sources()),
+        "/dashboard/usage" => {
+            dashboard::usage::response(&app.usage, policy, identity.usage_scope())
+        }
         _ => dashboard::response(policy),
     })
 }

@@ -453,6 +453,52 @@ impl Usage {
     }
 }
 
+impl Usage {
+    /// Every client (and app user) that used anything today (UTC), over all data planes as far
+    /// as this node knows, with what it used: the dashboard's usage view.
+    pub fn today_all(&self, now: SystemTime) -> Vec<(Arc<str>, Totals)> {
+        let now = unix_s(now);
+        let day = now.div_euclid(86_400);
+        let since = day * 86_400;
+        let inner = self.lock();
+        let mut all: HashMap<Arc<str>, Totals> = HashMap::new();
+        if inner.today.0 == day {
+            for (client, totals) in &inner.today.1 {
+                all.entry(client.clone()).or_default().add(totals);
+            }
+        }
+        let ledgers = std::iter::once(&inner.pending).chain(inner.sent.as_ref().map(|(_, l)| l));
+        for ledger in ledgers {
+            if ledger.last_unix_s < since {
+                continue;
+            }
+            for (client, totals) in &ledger.clients {
+                all.entry(client.clone()).or_default().add(totals);
+            }
+        }
+        drop(inner);
+        let mut all: Vec<_> = all.into_iter().collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    /// GPU time (ns) and tokens `client` used of `budget` in its current window, as the
+    /// refusal would count them; `app`: an app key's budget, which counts its users too.
+    pub fn budget_used(
+        &self,
+        client: &str,
+        budget: &UsageBudget,
+        app: bool,
+        now: SystemTime,
+    ) -> (u64, u64) {
+        let now = unix_s(now);
+        let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
+        let whose = if app { Whose::App } else { Whose::Own };
+        let inner = self.lock();
+        used_in(budget, inner.used.get(client), &inner, client, whose, start)
+    }
+}
+
 /// Most figures kept from acks; past it, those of the oldest windows are forgotten first.
 pub const MAX_FIGURES: usize = 100_000;
 

@@ -2,11 +2,13 @@
 //! plane's admin gRPC API.
 //!
 //! Exit codes: 0 done, 1 refused by the control plane (permission, unknown
-//! client, invalid request), 2 usage error or control plane unreachable.
+//! client, invalid request), 2 usage error or control plane unreachable;
+//! `oqpctl health`: 0 healthy, 1 anything else (what container health checks expect).
 
 mod audit;
 mod client;
 mod figures;
+mod health;
 mod render;
 mod usage;
 mod watch;
@@ -24,6 +26,7 @@ Examples:
   oqpctl status
   oqpctl status --output json
   oqpctl config check /etc/oqp/config.yml
+  oqpctl health http://127.0.0.1:11435/health
   oqpctl queue pause --tier low
   oqpctl queue drain --timeout 2m
   oqpctl hosts
@@ -93,6 +96,13 @@ enum Command {
     Usage(usage::UsageArgs),
     /// The audit trail: who changed keys, queues and the config, and refused calls.
     Audit(audit::AuditArgs),
+    /// Liveness probe: GET a proxy's /health (exit 0 on 200, else 1); `tcp://HOST:PORT` only
+    /// checks that a port accepts connections. Needs no key and no control plane.
+    Health {
+        /// What to probe.
+        #[arg(default_value = health::DEFAULT_URL)]
+        url: String,
+    },
     /// Prints a shell completion script.
     Completions {
         /// The shell.
@@ -270,6 +280,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             return Ok(());
         }
         Command::Config(ConfigCommand::Check { path }) => return check_config(&path, output),
+        Command::Health { url } => {
+            let healthy = health::probe(&url).await.map_err(|error| Failure {
+                code: 1,
+                message: format!("{error:#}"),
+            })?;
+            println!("{healthy}");
+            return Ok(());
+        }
         _ => {}
     }
     let key = client::load_key(cli.key_file.as_ref())?;
@@ -293,7 +311,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
         }
         Command::Audit(args) => audit::run(&mut admin, &args, output).await?,
-        Command::Config(_) | Command::Completions { .. } => {}
+        Command::Config(_) | Command::Completions { .. } | Command::Health { .. } => {}
     }
     Ok(())
 }

@@ -2,8 +2,9 @@
 //! stands for a GPU server), the harness that boots the real control plane
 //! and data planes on loopback ([`harness`]), several data planes as
 //! separate processes following one control plane ([`cluster`]), a small
-//! HTTP client ([`client`]), and a real llama.cpp `llama-server`
-//! ([`engine`]) where a test needs a real engine. The end-to-end tests live
+//! HTTP client ([`client`]), a real llama.cpp `llama-server`
+//! ([`engine`]) where a test needs a real engine, and headless Chromium driven
+//! over the DevTools protocol ([`browser`]). The end-to-end tests live
 //! in `tests/tests/`, the benchmark in [`mod@bench`] (run by
 //! `src/bin/oqp-bench.rs`).
 
@@ -12,6 +13,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod bench;
+pub mod browser;
 pub mod client;
 pub mod cluster;
 pub mod engine;

@@ -1,7 +1,8 @@
 //! Secrets never leak: every log line both planes write (at trace level),
 //! every status, summary, metrics and error body, every response header and
 //! everything the fake Ollamas received are searched for the consumer keys,
-//! the upstream cloud key and the node token of a busy run: one box first,
+//! the upstream cloud key and the node token of a busy run (dashboard sign-ins
+//! included): one box first,
 //! then two nodes whose requests cross the node hop, whose header (and its
 //! signature) must stop at the owner and never be logged.
 
@@ -156,6 +157,41 @@ control_plane:
             .await;
         record(&reply);
     }
+    // The dashboard's sign-in: the key in a form and in JSON, the session used and ended.
+    let login = format!("{base}/dashboard/login");
+    let form = http
+        .send(
+            "POST".parse().unwrap(),
+            &login,
+            &[("content-type", "application/x-www-form-urlencoded")],
+            format!("key={}", SECRETS[1]),
+        )
+        .await;
+    assert_eq!(form.status, 303);
+    record(&form);
+    let json = http
+        .post_json(&login, &[], &serde_json::json!({ "key": SECRETS[2] }))
+        .await;
+    assert_eq!(json.status, 200);
+    record(&json);
+    let cookie = form.header("set-cookie").unwrap();
+    let cookie = cookie.split(';').next().unwrap();
+    for path in ["/dashboard", "/dashboard/usage", "/queue/status"] {
+        let reply = http
+            .get(&format!("{base}{path}"), &[("cookie", cookie)])
+            .await;
+        assert_eq!(reply.status, 200, "{path}");
+        record(&reply);
+    }
+    let out = http
+        .send(
+            "POST".parse().unwrap(),
+            &format!("{base}/dashboard/logout"),
+            &[("cookie", cookie)],
+            "",
+        )
+        .await;
+    record(&out);
     // Near misses: a prefix of a real key, then the throttle.
     for _ in 0..3 {
         let reply = http

@@ -122,16 +122,18 @@ impl<'a> KeySource<'a> {
     }
 }
 
-/// Warns when a secret file is accessible to group or others.
+/// Warns when a secret file is accessible to others or writable by its group. Reading by
+/// the group is how a service's user is given its keys (the Debian package's `root:oqp`,
+/// a container's gid with `chmod 640`), so that alone is not warned about.
 #[cfg(unix)]
 fn warn_if_shared(path: &Path, subject: &str, problems: &mut Problems) {
     use std::os::unix::fs::PermissionsExt;
     if let Ok(metadata) = std::fs::metadata(path) {
         let mode = metadata.permissions().mode() & 0o777;
-        if mode & 0o077 != 0 {
+        if mode & 0o027 != 0 {
             problems.warn(format!(
-                "{subject}: key file '{}' is accessible by group or others (mode {mode:04o}); \
-                 restrict it with chmod 600",
+                "{subject}: key file '{}' is accessible by others or writable by its group \
+                 (mode {mode:04o}); restrict it with chmod 600, or 640 for a service's group",
                 path.display()
             ));
         }

@@ -886,10 +886,17 @@ pub(crate) fn keep_alive(raw: RawKeepAlive, problems: &mut Problems) -> Option<K
     })
 }
 
-pub(crate) fn dashboard(raw: RawDashboard, problems: &mut Problems) -> Option<DashboardConfig> {
+/// `dashboard`. Unset, `enabled` follows where the proxy listens: on when only this machine
+/// can reach it (`loopback`), off otherwise, so that turning the listener outward does not
+/// also publish a page nobody asked for.
+pub(crate) fn dashboard(
+    raw: RawDashboard,
+    loopback: bool,
+    problems: &mut Problems,
+) -> Option<DashboardConfig> {
     let defaults = DashboardConfig::default();
     checked(problems, |problems| DashboardConfig {
-        enabled: flag(raw.enabled, defaults.enabled),
+        enabled: flag(raw.enabled, loopback),
         refresh_seconds: ranged(
             raw.refresh_seconds,
             defaults.refresh_seconds,
@@ -904,4 +911,13 @@ pub(crate) fn dashboard(raw: RawDashboard, problems: &mut Problems) -> Option<Da
             },
         ),
     })
+}
+
+/// Whether a listener bound to `host` is reachable from this machine only.
+pub(crate) fn is_loopback_host(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|address| address.is_loopback())
 }

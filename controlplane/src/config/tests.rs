@@ -126,7 +126,8 @@ fn every_default() {
     assert!(!config.keep_alive.override_client);
     assert_eq!(config.keep_alive.max, Duration::from_secs(1800));
 
-    assert!(!config.dashboard.enabled);
+    // On by default where only this machine reaches it (the default listener, loopback).
+    assert!(config.dashboard.enabled);
     assert_eq!(config.dashboard.refresh_seconds, 5);
 
     assert_eq!(config.control_plane.listen, "127.0.0.1:50051");
@@ -501,6 +502,12 @@ fn key_file_is_stripped_and_its_mode_checked() {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(load(&yaml).warnings.is_empty());
+        // Shared with a service's group (a container's gid, the package's `oqp`): no warning.
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert!(load(&yaml).warnings.is_empty());
+        // Writable by the group is not reading.
+        std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o660)).unwrap();
+        assert_eq!(load(&yaml).warnings.len(), 1);
     }
 
     let empty = tempfile::NamedTempFile::new().unwrap();
@@ -1818,4 +1825,22 @@ fn audit_rotation_is_configured_within_bounds() {
             .any(|e| e.contains("control_plane.audit.keep_files must be 0 to 100, got 101")),
         "{errors:?}"
     );
+}
+
+#[test]
+fn the_dashboard_is_on_by_default_only_where_the_proxy_listens_on_loopback() {
+    let enabled = |rest: &str| load(&with_host(rest)).config.dashboard.enabled;
+    assert!(enabled(""));
+    assert!(enabled("proxy:\n  host: \"::1\"\n"));
+    assert!(enabled("proxy:\n  host: localhost\n"));
+    assert!(!enabled("proxy:\n  host: 0.0.0.0\n"));
+    assert!(!enabled("proxy:\n  host: 192.168.1.10\n"));
+    // One node listening outward is enough to keep it off by default.
+    assert!(!enabled("nodes:\n  box1:\n    host: 0.0.0.0\n"));
+    assert!(enabled("nodes:\n  box1:\n    host: 127.0.0.1\n"));
+    // Stated, it is what it says.
+    assert!(enabled(
+        "proxy:\n  host: 0.0.0.0\ndashboard:\n  enabled: true\n"
+    ));
+    assert!(!enabled("dashboard:\n  enabled: false\n"));
 }

@@ -742,9 +742,11 @@ impl Default for KeepAliveConfig {
 }
 
 impl Default for DashboardConfig {
+    /// The default of the default listener (`127.0.0.1`): on. Off by default when the proxy
+    /// listens beyond loopback (`resolve::dashboard`).
     fn default() -> Self {
         Self {
-            enabled: false,
+            enabled: true,
             refresh_seconds: 5,
         }
     }

@@ -15,6 +15,7 @@ mod bench_smoke;
 mod bodies;
 mod cloud;
 mod connections;
+mod dashboard;
 mod embeddings;
 mod engines;
 mod foundation;

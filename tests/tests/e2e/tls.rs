@@ -435,3 +435,43 @@ async fn a_throttled_address_gets_no_handshake() {
     assert!(http1(&stack, &ca.pem()).await.is_err());
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_dashboard_session_cookie_is_secure_on_a_tls_port() {
+    let ca = TestCa::new();
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = ca.issue().write(dir.path(), "server");
+    let yaml = format!(
+        "{}auth:\n  enabled: true\n  keys:\n    - {{key: sk-read-0123456789, client_id: widget, scope: read}}\n",
+        config(&fake.url(), &proxy_tls_yaml(&cert, &key))
+    );
+    let stack = Stack::start(&yaml).await;
+    until_connected(&stack, &ca.pem()).await;
+    let tls = connect(stack.proxy_addr(), client_config(&ca.pem(), &[b"http/1.1"]))
+        .await
+        .unwrap();
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let request = http::Request::post("/dashboard/login")
+        .header("host", "127.0.0.1")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(Bytes::from_static(
+            br#"{"key":"sk-read-0123456789"}"#,
+        )))
+        .unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let cookie = response.headers()["set-cookie"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        cookie.starts_with("oqp_session=")
+            && cookie.ends_with("; HttpOnly; SameSite=Strict; Secure"),
+        "{cookie}"
+    );
+    stack.shutdown().await;
+}
