@@ -15,6 +15,7 @@ pub mod config;
 pub mod grpc;
 pub mod hub;
 pub mod incoming;
+pub mod jwks;
 pub mod keystore;
 pub mod node_token;
 pub mod outbound;

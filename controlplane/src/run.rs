@@ -257,6 +257,11 @@ impl ControlPlane {
         if let Some(sender) = hub.webhooks().sender(outbound.clone(), shutdown.clone()) {
             tasks.spawn(sender);
         }
+        tasks.spawn(crate::jwks::run(
+            hub.clone(),
+            outbound.clone(),
+            shutdown.clone(),
+        ));
         tasks.spawn(poller::run(hub.clone(), outbound, shutdown.clone()));
         tasks.spawn(hub::version::persist(
             hub.clone(),

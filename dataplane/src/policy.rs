@@ -35,6 +35,8 @@ pub struct Policy {
     pub clients: HashMap<[u8; 32], Arc<Client>>,
     /// Consumers, by client id (for injection listeners and status).
     pub clients_by_id: HashMap<Arc<str>, Arc<Client>>,
+    /// Consumers whose credential is each user's token (`auth.keys[].jwt`), in snapshot order.
+    pub token_clients: Vec<Arc<Client>>,
     /// Queue tiers and admission limits.
     pub queue: QueueSettings,
     /// The upstream hosts this node dispatches to (those it owns, and those no node owns), in
@@ -217,8 +219,9 @@ impl Scope {
 pub struct Client {
     /// The client's name.
     pub id: Arc<str>,
-    /// SHA-256 of its key.
-    pub key_digest: [u8; 32],
+    /// SHA-256 of its key; `None` when each user's token is the credential
+    /// (`auth.keys[].jwt`).
+    pub key_digest: Option<[u8; 32]>,
     /// What it may do.
     pub scope: Scope,
     /// Highest tier it may use.
@@ -261,13 +264,16 @@ pub struct Users {
 }
 
 /// Where an app puts its end user's id.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum UserSource {
     /// A request header (Open WebUI's `X-OpenWebUI-User-Id`).
     Header(http::HeaderName),
     /// A JSON body field, as a path of object keys (OpenAI's `user`, Anthropic's
     /// `metadata.user_id`).
     BodyField(Vec<String>),
+    /// The subject of a signed token, verified against the issuer's public keys
+    /// (`jwt:`, see [`crate::auth::jwt`]).
+    Jwt(Arc<crate::auth::jwt::Verifier>),
 }
 
 /// A glob (`*`, `?`) over model names as Ollama compares them: any case, and a pattern without

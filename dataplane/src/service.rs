@@ -143,8 +143,14 @@ async fn route(
                             .and_then(|host| host.to_str().ok())
                     });
                 queue_control::check_origin_and_body(request.headers(), authority)?;
-                let identity =
-                    auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
+                let identity = auth::identify(
+                    policy,
+                    kind,
+                    peer,
+                    request.headers(),
+                    &app.throttle,
+                    &app.key_refresh,
+                )?;
                 identity.require(Scope::Management)?;
                 return queue_control::handle(&app.admin, &app.dispatcher, &request).await;
             }
@@ -161,7 +167,14 @@ async fn route(
         identity.require(Scope::Inference)?;
         return forward(app, policy, identity, Some(hop), request).await;
     }
-    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
+    let identity = auth::identify(
+        policy,
+        kind,
+        peer,
+        request.headers(),
+        &app.throttle,
+        &app.key_refresh,
+    )?;
     identity.require(Scope::Inference)?;
     forward(app, policy, identity, None, request).await
 }
@@ -310,7 +323,14 @@ fn observe(
     if path == "/dashboard" && !policy.dashboard.enabled {
         return Err(ProxyError::NotFound);
     }
-    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
+    let identity = auth::identify(
+        policy,
+        kind,
+        peer,
+        request.headers(),
+        &app.throttle,
+        &app.key_refresh,
+    )?;
     identity.require(Scope::Read)?;
     Ok(match path {
         "/queue/status" => {
@@ -431,7 +451,7 @@ async fn forward(
         (RequestBody::Buffered(bytes), Some(view)) => Some((&bytes[..], &**view)),
         _ => None,
     };
-    let identity = identity.delegated(&parts.headers, read)?;
+    let identity = identity.delegated(&parts.headers, read, &app.key_refresh)?;
     let client_id = identity.client_id().cloned();
     let span = tracing::Span::current();
     span.record("client", client_id.as_deref().unwrap_or(ANONYMOUS))

@@ -17,4 +17,5 @@ pub mod cluster;
 pub mod engine;
 pub mod fake;
 pub mod harness;
+pub mod jwt;
 pub mod tls;

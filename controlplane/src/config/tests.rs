@@ -273,7 +273,14 @@ fn the_python_config_loads() {
         (Tier::Low, Tier::Low, 2)
     );
     assert_eq!(
-        config.auth.key("searxng-mcp").unwrap().key.expose(),
+        config
+            .auth
+            .key("searxng-mcp")
+            .unwrap()
+            .key
+            .as_ref()
+            .unwrap()
+            .expose(),
         "sk-searxng"
     );
     assert_eq!(config.logging.level, LogLevel::Info);
@@ -466,7 +473,10 @@ fn key_file_is_stripped_and_its_mode_checked() {
         "auth:\n  keys:\n    - key_file: {path}{KEY_SUFFIX}"
     ));
     let Loaded { config, warnings } = load(&yaml);
-    assert_eq!(config.auth.keys[0].key.expose(), "sk-from-file");
+    assert_eq!(
+        config.auth.keys[0].key.as_ref().unwrap().expose(),
+        "sk-from-file"
+    );
     #[cfg(unix)]
     {
         assert_eq!(warnings.len(), 1, "{warnings:?}");
@@ -996,7 +1006,10 @@ fn env_overrides() {
     assert_eq!(config.ollama.hosts[0].name, "local");
     assert_eq!(config.ollama.hosts[1].name, "second");
     assert!(config.auth.enabled);
-    assert_eq!(config.auth.keys[0].key.expose(), "sk-alice");
+    assert_eq!(
+        config.auth.keys[0].key.as_ref().unwrap().expose(),
+        "sk-alice"
+    );
     assert_eq!(config.auth.keys[0].weight, 2.5);
     assert_eq!(
         config.control_plane.node_token.as_ref().unwrap().expose(),
