@@ -265,3 +265,38 @@ pub async fn run(hub: Arc<Hub>, outbound: Outbound, shutdown: CancellationToken)
         }
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_public_members_of_signing_keys_leave_the_control_plane() {
+        let set = serde_json::json!({ "keys": [
+            // An RSA key given whole, private parts included.
+            { "kty": "RSA", "kid": "r1", "use": "sig", "alg": "RS256", "n": "sXch", "e": "AQAB",
+              "d": "secret-d", "p": "secret-p", "q": "secret-q", "dp": "x", "dq": "y", "qi": "z" },
+            // A shared secret, an encryption key, an unknown curve: left out.
+            { "kty": "oct", "kid": "h1", "k": "c2VjcmV0" },
+            { "kty": "EC", "kid": "e2", "use": "enc", "crv": "P-256", "x": "AA", "y": "AA" },
+            { "kty": "EC", "kid": "e3", "crv": "secp256k1", "x": "AA", "y": "AA" },
+            { "kty": "OKP", "kid": "o1", "crv": "Ed25519", "x": "11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo", "d": "secret" },
+        ]});
+        let public = public_set(set.to_string().as_bytes()).unwrap();
+        assert!(!public.contains("secret"), "{public}");
+        let kept: Value = serde_json::from_str(&public).unwrap();
+        let kids: Vec<&str> = kept["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|key| key["kid"].as_str().unwrap())
+            .collect();
+        assert_eq!(kids, ["r1", "o1"]);
+        assert_eq!(
+            public_set(br#"{"keys": [{"kty": "oct", "k": "c2VjcmV0"}]}"#),
+            Err("the key set has no public signing key".to_owned())
+        );
+        assert!(public_set(b"<html>").unwrap_err().contains("not JSON"));
+    }
+}

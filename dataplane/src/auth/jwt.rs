@@ -344,3 +344,178 @@ fn token_error(kind: &jsonwebtoken::errors::ErrorKind) -> TokenError {
         _ => TokenError::Malformed,
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use base64::Engine;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use serde_json::json;
+
+    use super::*;
+
+    const ISSUER: &str = "https://idp.example";
+
+    /// A P-256 key: its encoding half and its public JWK under `kid`.
+    fn p256(kid: &str) -> (jsonwebtoken::EncodingKey, serde_json::Value) {
+        let pair = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let point = pair.public_key_raw();
+        let jwk = json!({
+            "kty": "EC", "crv": "P-256", "kid": kid,
+            "x": URL_SAFE_NO_PAD.encode(&point[1..33]),
+            "y": URL_SAFE_NO_PAD.encode(&point[33..65]),
+        });
+        (
+            jsonwebtoken::EncodingKey::from_ec_der(&pair.serialize_der()),
+            jwk,
+        )
+    }
+
+    fn verifier(keys: &[&serde_json::Value], algorithms: &[&str]) -> Result<Verifier, String> {
+        let set = json!({ "keys": keys }).to_string();
+        let algorithms: Vec<String> = algorithms.iter().map(|a| (*a).to_owned()).collect();
+        Verifier::try_new(&Settings {
+            issuer: ISSUER,
+            audiences: &["oqp".to_owned()],
+            user_claim: "",
+            header: "",
+            algorithms: &algorithms,
+            jwks_json: &set,
+            jwks_error: "",
+        })
+    }
+
+    fn sign(
+        key: &jsonwebtoken::EncodingKey,
+        kid: Option<&str>,
+        claims: &serde_json::Value,
+    ) -> String {
+        let mut header = jsonwebtoken::Header::new(Algorithm::ES256);
+        header.kid = kid.map(str::to_owned);
+        jsonwebtoken::encode(&header, claims, key).unwrap()
+    }
+
+    fn claims(sub: &str) -> serde_json::Value {
+        let now = jsonwebtoken::get_current_timestamp();
+        json!({ "iss": ISSUER, "aud": "oqp", "sub": sub, "exp": now + 300 })
+    }
+
+    #[test]
+    fn a_token_names_its_subject_and_its_key_by_kid() {
+        let (key, jwk) = p256("k1");
+        let (other, other_jwk) = p256("k2");
+        let verifier = verifier(&[&jwk, &other_jwk], &["ES256"]).unwrap();
+        assert_eq!(
+            verifier.verify(&sign(&key, Some("k1"), &claims("alice"))),
+            Ok("alice".into())
+        );
+        assert_eq!(
+            verifier.verify(&sign(&other, Some("k2"), &claims("bob"))),
+            Ok("bob".into())
+        );
+        // Signed by one key, naming the other.
+        assert_eq!(
+            verifier.verify(&sign(&key, Some("k2"), &claims("eve"))),
+            Err(TokenError::Signature)
+        );
+        assert_eq!(
+            verifier.verify(&sign(&key, Some("k3"), &claims("eve"))),
+            Err(TokenError::UnknownKeyId)
+        );
+        // No kid: only a set of one key says which key that is.
+        assert_eq!(
+            verifier.verify(&sign(&key, None, &claims("eve"))),
+            Err(TokenError::UnknownKeyId)
+        );
+        let single = self::verifier(&[&jwk], &["ES256"]).unwrap();
+        assert_eq!(
+            single.verify(&sign(&key, None, &claims("alice"))),
+            Ok("alice".into())
+        );
+    }
+
+    #[test]
+    fn none_hs_and_algorithms_that_do_not_fit_the_key_are_refused() {
+        let (key, jwk) = p256("k1");
+        assert!(verifier(&[&jwk], &["HS256"]).is_err());
+        assert!(verifier(&[&jwk], &["none"]).is_err());
+        let verifier = verifier(&[&jwk], &["ES256", "EdDSA"]).unwrap();
+        let body = URL_SAFE_NO_PAD.encode(claims("eve").to_string());
+        let none = format!(
+            "{}.{body}.",
+            URL_SAFE_NO_PAD.encode(r#"{"alg":"none","kid":"k1"}"#)
+        );
+        assert_eq!(verifier.verify(&none), Err(TokenError::Malformed));
+        // HMAC with the public key's bytes as the secret: not an accepted algorithm.
+        let mut header = jsonwebtoken::Header::new(Algorithm::HS256);
+        header.kid = Some("k1".into());
+        let secret = jsonwebtoken::EncodingKey::from_secret(jwk["x"].as_str().unwrap().as_bytes());
+        let hs = jsonwebtoken::encode(&header, &claims("eve"), &secret).unwrap();
+        assert!(matches!(
+            verifier.verify(&hs),
+            Err(TokenError::Algorithm(_))
+        ));
+        // An accepted algorithm the named key cannot verify.
+        let mut header = jsonwebtoken::Header::new(Algorithm::ES256);
+        header.kid = Some("k1".into());
+        let token = jsonwebtoken::encode(&header, &claims("alice"), &key).unwrap();
+        let (_, rest) = token.split_once('.').unwrap();
+        let eddsa = format!(
+            "{}.{rest}",
+            URL_SAFE_NO_PAD.encode(r#"{"alg":"EdDSA","kid":"k1"}"#)
+        );
+        assert!(matches!(
+            verifier.verify(&eddsa),
+            Err(TokenError::Algorithm(_))
+        ));
+    }
+
+    #[test]
+    fn exp_is_required_and_oversized_tokens_are_not_decoded() {
+        let (key, jwk) = p256("k1");
+        let verifier = verifier(&[&jwk], &["ES256"]).unwrap();
+        let mut no_exp = claims("eve");
+        no_exp.as_object_mut().unwrap().remove("exp");
+        assert_eq!(
+            verifier.verify(&sign(&key, Some("k1"), &no_exp)),
+            Err(TokenError::MissingClaim("exp".into()))
+        );
+        // Within the leeway an expired token still passes; beyond it, not.
+        let now = jsonwebtoken::get_current_timestamp();
+        let mut late = claims("alice");
+        late["exp"] = json!(now - LEEWAY_SECONDS / 2);
+        assert!(verifier.verify(&sign(&key, Some("k1"), &late)).is_ok());
+        late["exp"] = json!(now - LEEWAY_SECONDS * 2);
+        assert_eq!(
+            verifier.verify(&sign(&key, Some("k1"), &late)),
+            Err(TokenError::Expired)
+        );
+        let mut big = claims("alice");
+        big["pad"] = json!("x".repeat(MAX_TOKEN_BYTES));
+        assert_eq!(
+            verifier.verify(&sign(&key, Some("k1"), &big)),
+            Err(TokenError::TooLarge)
+        );
+    }
+
+    #[test]
+    fn without_keys_every_token_is_refused_with_the_reason() {
+        let (key, _) = p256("k1");
+        let verifier = Verifier::try_new(&Settings {
+            issuer: ISSUER,
+            audiences: &["oqp".to_owned()],
+            algorithms: &["ES256".to_owned()],
+            jwks_error: "fetching the key set failed: connection refused",
+            ..Settings::default()
+        })
+        .unwrap();
+        let refused = verifier
+            .verify(&sign(&key, Some("k1"), &claims("alice")))
+            .unwrap_err();
+        assert!(refused.wants_keys() && !refused.counts_as_failure());
+        assert!(
+            refused.to_string().contains("connection refused"),
+            "{refused}"
+        );
+    }
+}
