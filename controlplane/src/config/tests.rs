@@ -1698,6 +1698,19 @@ fn key_models_and_users() {
 }
 
 #[test]
+fn the_readme_jwt_example_loads() {
+    let readme = include_str!("../../../README.md");
+    let section = &readme[readme.find("## JWT users").unwrap()..];
+    let block = &section[section.find("```yaml\n").unwrap() + 8..];
+    let block = &block[..block.find("```").unwrap()];
+    let loaded = load_with(&with_host(block), &[("PORTAL_KEY", "sk-portal")]).unwrap();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let keys = &loaded.config.auth.keys;
+    assert_eq!(keys.len(), 2);
+    assert!(keys[0].key.is_none() && keys[1].key.is_some());
+}
+
+#[test]
 fn jwt_keys_and_users() {
     let loaded = load(&with_host(
         "auth:\n  keys:\n    \
