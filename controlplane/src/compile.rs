@@ -105,6 +105,7 @@ pub fn snapshot(
             budget: key.budget.as_ref().map(budget_to_wire),
             models: key.models.clone(),
             users: key.users.as_ref().map(users_to_wire),
+            tls_subject: key.tls_subject.clone().unwrap_or_default(),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
@@ -410,6 +411,11 @@ fn tls_files(tls: &crate::config::ListenerTls) -> wire::TlsFiles {
     wire::TlsFiles {
         cert_file: tls.cert_file.display().to_string(),
         key_file: tls.key_file.display().to_string(),
+        client_ca_file: tls
+            .client_ca_file
+            .as_ref()
+            .map(|path| path.display().to_string())
+            .unwrap_or_default(),
     }
 }
 

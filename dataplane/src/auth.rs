@@ -258,6 +258,11 @@ pub fn requested_tier(headers: &HeaderMap) -> Option<Tier> {
         .find(|tier| value.eq_ignore_ascii_case(tier.as_str()))
 }
 
+/// The Common Name of the verified client certificate of the connection a request came on
+/// (`proxy.tls.client_ca_file`), as a request extension.
+#[derive(Debug, Clone)]
+pub struct PeerCertificate(pub Arc<str>);
+
 /// What a listener is for.
 #[derive(Debug, Clone)]
 pub enum ListenerKind {
@@ -306,6 +311,7 @@ pub fn identify(
     headers: &HeaderMap,
     throttle: &Throttle,
     refresh: &KeyRefresh,
+    certificate: Option<&PeerCertificate>,
 ) -> Result<Identity, ProxyError> {
     if let ListenerKind::Injection(client_id) = listener {
         // The snapshot that opened the port named the client; a newer one
@@ -335,7 +341,16 @@ pub fn identify(
             Some(client) => return Ok(Identity::Client(client.clone())),
             None => ProxyError::UnknownKey,
         },
-        Presented::Missing => ProxyError::MissingCredentials,
+        Presented::Missing => {
+            // No key: a verified client certificate may name the client (`tls_subject`).
+            if let Some(client) = certificate
+                .and_then(|PeerCertificate(name)| policy.clients_by_subject.get(name))
+                .filter(|client| !client.is_expired(SystemTime::now()))
+            {
+                return Ok(Identity::Client(client.clone()));
+            }
+            ProxyError::MissingCredentials
+        }
         Presented::Conflicting => {
             throttle.fail(peer, window);
             return Err(ProxyError::UnknownKey);

@@ -37,6 +37,9 @@ pub struct Policy {
     pub clients_by_id: HashMap<Arc<str>, Arc<Client>>,
     /// Consumers whose credential is each user's token (`auth.keys[].jwt`), in snapshot order.
     pub token_clients: Vec<Arc<Client>>,
+    /// Consumers whose credential is a verified client certificate, by its Common Name
+    /// (`auth.keys[].tls_subject`).
+    pub clients_by_subject: HashMap<Arc<str>, Arc<Client>>,
     /// Queue tiers and admission limits.
     pub queue: QueueSettings,
     /// The upstream hosts this node dispatches to (those it owns, and those no node owns), in
@@ -150,6 +153,9 @@ pub struct TlsFiles {
     pub cert_file: std::path::PathBuf,
     /// PEM private key.
     pub key_file: std::path::PathBuf,
+    /// PEM certificates of the CAs whose client certificates are verified; `None` = none
+    /// asked for.
+    pub client_ca_file: Option<std::path::PathBuf>,
 }
 
 /// What a client connection may hold, and for how long.
@@ -244,6 +250,9 @@ pub struct Client {
     pub models: Option<ModelAllowlist>,
     /// Where an app names its end users, if the key speaks for many people.
     pub users: Option<Users>,
+    /// The Common Name of the client certificate that is this client, if that is its
+    /// credential.
+    pub tls_subject: Option<Arc<str>>,
 }
 
 /// An app key's end users (`auth.keys[].users`): each is the sub-client `<client_id>/<user>`.

@@ -150,6 +150,7 @@ async fn route(
                     request.headers(),
                     &app.throttle,
                     &app.key_refresh,
+                    request.extensions().get::<auth::PeerCertificate>(),
                 )?;
                 identity.require(Scope::Management)?;
                 return queue_control::handle(&app.admin, &app.dispatcher, &request).await;
@@ -174,6 +175,7 @@ async fn route(
         request.headers(),
         &app.throttle,
         &app.key_refresh,
+        request.extensions().get::<auth::PeerCertificate>(),
     )?;
     identity.require(Scope::Inference)?;
     forward(app, policy, identity, None, request).await
@@ -330,6 +332,7 @@ fn observe(
         request.headers(),
         &app.throttle,
         &app.key_refresh,
+        request.extensions().get::<auth::PeerCertificate>(),
     )?;
     identity.require(Scope::Read)?;
     Ok(match path {

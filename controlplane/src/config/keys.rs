@@ -162,7 +162,17 @@ pub(crate) fn resolve_auth_keys(
     }
     let mut seen_ids: BTreeMap<&str, usize> = BTreeMap::new();
     let mut seen_keys: HashMap<[u8; 32], &str> = HashMap::new();
+    let mut seen_subjects: HashMap<&str, &str> = HashMap::new();
     for (index, key) in keys.iter().enumerate() {
+        if let Some(subject) = &key.tls_subject
+            && let Some(other) = seen_subjects.insert(subject, &key.client_id)
+        {
+            problems.error(format!(
+                "auth.keys: client_id='{other}' and client_id='{}' name the same tls_subject \
+                 '{subject}'; a certificate identifies one client",
+                key.client_id
+            ));
+        }
         if let Some(first) = seen_ids.insert(&key.client_id, index) {
             problems.error(format!(
                 "auth.keys: duplicate client_id '{}' (entries {first} and {index}); every client_id \
@@ -211,7 +221,22 @@ fn resolve_key(
         .jwt
         .as_ref()
         .and_then(|jwt| resolve_jwt(jwt, &format!("{at}.jwt"), true, problems));
-    let required = if raw.jwt.is_some() {
+    // With `tls_subject`, a verified client certificate is the credential.
+    let tls_subject = raw
+        .tls_subject
+        .as_ref()
+        .map(|text| text.0.trim().to_owned());
+    if let Some(subject) = &tls_subject
+        && (subject.is_empty() || subject.len() > 256 || subject.chars().any(char::is_control))
+    {
+        problems.error(format!(
+            "{at}.tls_subject must be a certificate's Common Name (1-256 characters)"
+        ));
+    }
+    if raw.jwt.is_some() && tls_subject.is_some() {
+        problems.error(format!("{at}: set jwt or tls_subject, not both"));
+    }
+    let required = if raw.jwt.is_some() || tls_subject.is_some() {
         Required::AtMostOne
     } else {
         Required::ExactlyOne
@@ -224,6 +249,11 @@ fn resolve_key(
     .resolve(&subject, required, env, problems)
     .ok()
     .flatten();
+    if tls_subject.is_some() && key.is_some() {
+        problems.error(format!(
+            "{at}: set tls_subject or a key (key, key_env, key_file), not both"
+        ));
+    }
     if raw.jwt.is_some() && key.is_some() {
         problems.error(format!(
             "{at}: set jwt or a key (key, key_env, key_file), not both; an app that \
@@ -346,12 +376,13 @@ fn resolve_key(
     if problems.error_count() != before {
         return None;
     }
-    if key.is_none() && raw.jwt.is_none() {
+    if key.is_none() && raw.jwt.is_none() && tls_subject.is_none() {
         return None;
     }
     Some(KeyConfig {
         client_id,
         key,
+        tls_subject,
         description: raw.description.as_ref().map(|text| text.0.clone()),
         scope,
         max_priority,

@@ -83,6 +83,7 @@ pub(crate) struct RawProxy {
 pub(crate) struct RawListenerTls {
     pub cert_file: Option<Text>,
     pub key_file: Option<Text>,
+    pub client_ca_file: Option<Text>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -245,6 +246,8 @@ pub(crate) struct RawKey {
     pub users: Option<RawUsers>,
     #[serde(default)]
     pub jwt: Option<RawJwt>,
+    #[serde(default)]
+    pub tls_subject: Option<Text>,
 }
 
 /// `auth.keys[].jwt` and `auth.keys[].users.jwt`.

@@ -1846,6 +1846,44 @@ fn listener_tls_files() {
 }
 
 #[test]
+fn client_certificates_name_clients_by_subject() {
+    let loaded = load(&with_host(
+        "proxy:\n  tls: {cert_file: /c.pem, key_file: /k.pem, client_ca_file: /ca.pem}\n\
+         auth:\n  keys:\n    - {client_id: backup, tls_subject: svc-backup}\n",
+    ));
+    let tls = loaded.config.proxy.tls.expect("proxy.tls");
+    assert_eq!(
+        tls.client_ca_file,
+        Some(std::path::PathBuf::from("/ca.pem"))
+    );
+    let key = &loaded.config.auth.keys[0];
+    assert_eq!(key.tls_subject.as_deref(), Some("svc-backup"));
+    assert!(key.key.is_none());
+
+    let errors = problems_of(&with_host(
+        "proxy:\n  tls: {cert_file: /c.pem, key_file: /k.pem, client_ca_file: ca.pem}\n\
+         auth:\n  keys:\n    - {client_id: a, tls_subject: svc, key: k1}\n    \
+         - {client_id: b, tls_subject: svc}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "proxy.tls.client_ca_file: 'ca.pem' is not an absolute path (the data plane reads it on its own box)",
+            "auth.keys[client_id=a]: set tls_subject or a key (key, key_env, key_file), not both",
+        ]
+    );
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    - {client_id: a, tls_subject: svc}\n    - {client_id: b, tls_subject: svc}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys: client_id='a' and client_id='b' name the same tls_subject 'svc'; a certificate identifies one client"
+        ]
+    );
+}
+
+#[test]
 fn audit_rotation_is_configured_within_bounds() {
     let config = load(&with_host(
         "control_plane: {audit: {max_file_mb: 2, keep_files: 0}}\n",

@@ -73,6 +73,8 @@ pub struct ListenerTls {
     pub cert_file: PathBuf,
     /// PEM private key.
     pub key_file: PathBuf,
+    /// PEM CA certificates whose client certificates are verified (optional client auth).
+    pub client_ca_file: Option<PathBuf>,
 }
 
 /// `ollama`: the upstream hosts.
@@ -252,6 +254,9 @@ pub struct KeyConfig {
     pub models: Vec<String>,
     /// Where the app this key belongs to names its end users, if it speaks for many people.
     pub users: Option<UsersConfig>,
+    /// Instead of a key: the Common Name of the verified client certificate that is this
+    /// client (`proxy.tls.client_ca_file`).
+    pub tls_subject: Option<String>,
 }
 
 /// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.

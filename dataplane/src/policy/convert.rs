@@ -123,6 +123,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
         let mut clients = HashMap::new();
         let mut clients_by_id: HashMap<Arc<str>, Arc<Client>> = HashMap::new();
         let mut token_clients = Vec::new();
+        let mut clients_by_subject: HashMap<Arc<str>, Arc<Client>> = HashMap::new();
         for client in snapshot.clients {
             let client = Arc::new(convert_client(client)?);
             // Several digests may map to one id (a rotated key in its grace
@@ -131,7 +132,20 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                 .entry(client.id.clone())
                 .or_insert_with(|| client.clone());
             let Some(digest) = client.key_digest else {
-                token_clients.push(client);
+                match &client.tls_subject {
+                    Some(subject) => {
+                        if clients_by_subject
+                            .insert(subject.clone(), client.clone())
+                            .is_some()
+                        {
+                            return Err(PolicyError::new(format!(
+                                "client '{}' shares its tls_subject with another client",
+                                client.id
+                            )));
+                        }
+                    }
+                    None => token_clients.push(client),
+                }
                 continue;
             };
             if clients.insert(digest, client.clone()).is_some() {
@@ -287,6 +301,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             clients,
             clients_by_id,
             token_clients,
+            clients_by_subject,
             queue,
             hosts,
             node,
@@ -332,9 +347,12 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .users
         .as_ref()
         .is_some_and(|users| users.jwt.is_some());
+    // No digest either: a verified client certificate is the credential.
+    let tls_subject =
+        (!client.tls_subject.is_empty()).then(|| Arc::from(client.tls_subject.as_str()));
     let key_digest: Option<[u8; 32]> =
         match client.key_sha256.as_slice() {
-            [] if token_keyed => None,
+            [] if token_keyed || tls_subject.is_some() => None,
             digest => Some(digest.try_into().map_err(|_| {
                 PolicyError::new(format!("client '{id}': key digest is not 32 bytes"))
             })?),
@@ -384,6 +402,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         budget,
         models,
         users,
+        tls_subject,
     })
 }
 
@@ -787,6 +806,7 @@ fn tls_files(files: Option<wire::TlsFiles>, what: &str) -> Result<Option<TlsFile
     Ok(Some(TlsFiles {
         cert_file: files.cert_file.into(),
         key_file: files.key_file.into(),
+        client_ca_file: (!files.client_ca_file.is_empty()).then(|| files.client_ca_file.into()),
     }))
 }
 
