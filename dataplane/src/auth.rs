@@ -387,8 +387,8 @@ fn token_identity(
         let Some(token) = verifier.token(headers) else {
             continue;
         };
+        // An entry past its `expires` takes no token (its users get the plain refusal).
         if client.is_expired(now) {
-            refused.get_or_insert(jwt::TokenError::Issuer);
             continue;
         }
         match verifier.verify(token) {
