@@ -64,7 +64,11 @@ pub fn snapshot(
         .iter()
         .map(|key| wire::Client {
             client_id: key.client_id.clone(),
-            key_sha256: key.key.sha256().to_vec(),
+            key_sha256: key
+                .key
+                .as_ref()
+                .map(|key| key.sha256().to_vec())
+                .unwrap_or_default(),
             scope: scope_to_wire(key.scope) as i32,
             max_priority: tier_to_wire(key.max_priority) as i32,
             default_priority: tier_to_wire(key.default_priority) as i32,
@@ -77,6 +81,7 @@ pub fn snapshot(
             budget: key.budget.as_ref().map(budget_to_wire),
             models: key.models.clone(),
             users: key.users.as_ref().map(users_to_wire),
+            tls_subject: key.tls_subject.clone().unwrap_or_default(),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
@@ -386,6 +391,11 @@ fn tls_files(tls: &crate::config::ListenerTls) -> wire::TlsFiles {
     wire::TlsFiles {
         cert_file: tls.cert_file.display().to_string(),
         key_file: tls.key_file.display().to_string(),
+        client_ca_file: tls
+            .client_ca_file
+            .as_ref()
+            .map(|path| path.display().to_string())
+            .unwrap_or_default(),
     }
 }
 
@@ -402,17 +412,35 @@ pub fn unix_ms(time: SystemTime) -> i64 {
 
 /// An app key's users on the wire.
 fn users_to_wire(users: &crate::config::UsersConfig) -> wire::Users {
-    let (header, body_field) = match &users.source {
-        crate::config::UserSource::Header(name) => (name.clone(), String::new()),
-        crate::config::UserSource::BodyField(path) => (String::new(), path.clone()),
+    let (header, body_field, jwt) = match &users.source {
+        crate::config::UserSource::Header(name) => (name.clone(), String::new(), None),
+        crate::config::UserSource::BodyField(path) => (String::new(), path.clone(), None),
+        crate::config::UserSource::Jwt(jwt) => {
+            (String::new(), String::new(), Some(jwt_to_wire(jwt)))
+        }
     };
     wire::Users {
         header,
         body_field,
+        jwt,
         max_concurrent: users.max_concurrent,
         max_queued: users.max_queued,
         budget: users.budget.as_ref().map(budget_to_wire),
         session_header: users.session_header.clone().unwrap_or_default(),
+    }
+}
+
+/// A `jwt:` block on the wire, without its keys: the hub adds the key set it last fetched
+/// ([`crate::jwks::attach`]).
+fn jwt_to_wire(jwt: &crate::config::JwtConfig) -> wire::Jwt {
+    wire::Jwt {
+        issuer: jwt.issuer.clone(),
+        audiences: jwt.audiences.clone(),
+        user_claim: jwt.user_claim.clone(),
+        header: jwt.header.clone(),
+        algorithms: jwt.algorithms.clone(),
+        jwks_json: String::new(),
+        jwks_error: String::new(),
     }
 }
 

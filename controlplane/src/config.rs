@@ -47,10 +47,10 @@ pub use secret::Secret;
 pub use types::{
     AffinityConfig, AuditConfig, AuthConfig, Budget, BudgetWindow, CacheBackend,
     ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig, DashboardConfig,
-    EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener, KeepAliveConfig,
-    KeyConfig, ListenerTls, LoggingConfig, ModelSwapConfig, NodeOverride, OllamaConfig,
-    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig, UserSource,
-    UsersConfig, WebhooksConfig,
+    EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener, JwksSource, JwtConfig,
+    KeepAliveConfig, KeyConfig, ListenerTls, LoggingConfig, ModelSwapConfig, NodeOverride,
+    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
+    UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

@@ -40,6 +40,10 @@ pub struct Hub {
     repolls: Mutex<HashMap<String, Arc<Notify>>>,
     /// Hosts a data plane reported unreachable since their last poll.
     doubted: Mutex<std::collections::HashSet<String>>,
+    /// Clients whose issuer keys a data plane asked for since the JWKS task last looked.
+    jwks_wanted: Mutex<std::collections::BTreeSet<String>>,
+    /// Wakes the JWKS task when a data plane asks for keys.
+    jwks_signal: Notify,
     started: Instant,
     clock: Clock,
 }
@@ -50,6 +54,8 @@ struct State {
     runtime: Runtime,
     inventory: HashMap<String, Inventory>,
     extra_clients: Vec<wire::Client>,
+    /// The issuers' public keys as last fetched, by where they are read.
+    jwks: HashMap<crate::config::JwksSource, crate::jwks::KeySet>,
     version: u64,
     nodes: BTreeMap<String, Node>,
     /// Ollama Cloud balances by reading unit (`crate::balances`).
@@ -106,6 +112,7 @@ impl Hub {
                 runtime: Runtime::default(),
                 inventory: HashMap::new(),
                 extra_clients: Vec::new(),
+                jwks: HashMap::new(),
                 version,
                 nodes: BTreeMap::new(),
                 balances: HashMap::new(),
@@ -115,6 +122,8 @@ impl Hub {
             webhooks,
             repolls: Mutex::new(HashMap::new()),
             doubted: Mutex::new(std::collections::HashSet::new()),
+            jwks_wanted: Mutex::new(std::collections::BTreeSet::new()),
+            jwks_signal: Notify::new(),
             started: Instant::now(),
             clock,
         })
@@ -273,6 +282,36 @@ impl Hub {
         self.update(|state| state.extra_clients = clients)
     }
 
+    /// Records what a fetch of `source`'s keys gave and publishes if that changed what the
+    /// data planes hold.
+    pub fn set_jwks(
+        &self,
+        source: &crate::config::JwksSource,
+        keys: crate::jwks::KeySet,
+    ) -> Option<u64> {
+        let mut state = self.lock();
+        if state.jwks.get(source) == Some(&keys) {
+            return None;
+        }
+        state.jwks.insert(source.clone(), keys);
+        Some(self.publish(&mut state))
+    }
+
+    /// The key set last fetched from `source`, if any fetch ended.
+    pub fn jwks(&self, source: &crate::config::JwksSource) -> Option<crate::jwks::KeySet> {
+        self.lock().jwks.get(source).cloned()
+    }
+
+    /// Takes the clients whose issuer keys data planes asked for.
+    pub fn take_jwks_wanted(&self) -> std::collections::BTreeSet<String> {
+        std::mem::take(&mut *lock(&self.jwks_wanted))
+    }
+
+    /// Resolves when a data plane asks for issuer keys.
+    pub async fn jwks_asked(&self) {
+        self.jwks_signal.notified().await;
+    }
+
     fn update(&self, change: impl FnOnce(&mut State)) -> u64 {
         let mut state = self.lock();
         change(&mut state);
@@ -324,6 +363,7 @@ impl Hub {
             state.version,
         );
         crate::balances::attach(&mut snapshot, &state.config, &state.balances);
+        crate::jwks::attach(&mut snapshot, &state.config, &state.jwks);
         self.snapshots.send_replace(Arc::new(snapshot));
         state.version
     }
@@ -333,6 +373,10 @@ impl Hub {
     /// so that every node learns of the failure within a poll's time rather
     /// than an interval's.
     pub fn record_report(&self, report: NodeReport) {
+        if !report.jwks_refresh.is_empty() {
+            lock(&self.jwks_wanted).extend(report.jwks_refresh.iter().take(1024).cloned());
+            self.jwks_signal.notify_one();
+        }
         // A node that watched before it could present its version (an older
         // data plane) still moves versions forward, from its first report.
         self.adopt_version(&report.node, report.applied_version);

@@ -542,6 +542,7 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             budget: record.budget.as_ref().map(crate::compile::budget_to_wire),
             models: record.models.clone(),
             users: None,
+            tls_subject: String::new(),
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {

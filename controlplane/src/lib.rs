@@ -17,6 +17,7 @@ pub mod grpc;
 pub mod hub;
 pub mod incoming;
 pub mod inventory;
+pub mod jwks;
 pub mod keystore;
 pub mod node_token;
 pub mod outbound;

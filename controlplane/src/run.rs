@@ -262,6 +262,11 @@ impl ControlPlane {
             outbound.clone(),
             shutdown.clone(),
         ));
+        tasks.spawn(crate::jwks::run(
+            hub.clone(),
+            outbound.clone(),
+            shutdown.clone(),
+        ));
         tasks.spawn(poller::run(hub.clone(), outbound, shutdown.clone()));
         tasks.spawn(hub::version::persist(
             hub.clone(),

@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{WebhookEvent, WebhooksConfig};
 use crate::outbound::Outbound;
 
-pub use delivery::TIMEOUT;
+pub use delivery::{TIMEOUT, redacted};
 pub use payload::{Notice, timestamp};
 pub use ssrf::SsrfError;
 

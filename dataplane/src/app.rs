@@ -45,6 +45,8 @@ pub struct App {
     pub embedding_cache: arc_swap::ArcSwapOption<Cache>,
     /// Failed-authentication throttle.
     pub throttle: Throttle,
+    /// Clients whose issuer keys a user's token asked for, until the next report.
+    pub key_refresh: crate::auth::KeyRefresh,
     /// Metadata reads per client.
     pub metadata_limit: crate::metadata_limit::MetadataLimit,
     /// The control plane's admin API, for the HTTP queue-control endpoints.
@@ -106,6 +108,7 @@ impl App {
             sessions: Default::default(),
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
+            key_refresh: crate::auth::KeyRefresh::default(),
             metadata_limit: Default::default(),
             admin,
             node: Arc::from(node),

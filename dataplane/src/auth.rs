@@ -7,12 +7,16 @@
 //! follows from the [`Identity`] found here, never from what the client
 //! claims. Failed attempts are throttled per client address ([`Throttle`]);
 //! behind a trusted reverse proxy that address comes from `X-Forwarded-For`
-//! ([`client_addr`]).
+//! ([`client_addr`]). A user's signed token (a JWT) is a credential too, for the clients
+//! configured with `jwt:` ([`jwt`]): verified against its issuer's public keys, it names the
+//! sub-client `<client_id>/<user>`.
 
+pub mod jwt;
 mod throttle;
 
+use std::collections::BTreeSet;
 use std::net::IpAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use http::HeaderMap;
@@ -154,10 +158,13 @@ impl Identity {
     /// body field when the body is read (`body`, with its reading), matched as Ollama
     /// matches field names. The app itself when it names none; a value that is not a user id
     /// is refused. Other identities are returned as they are.
+    /// A user's token that fails is refused; one that names a key the snapshot lacks asks
+    /// for the issuer's keys again (`refresh`).
     pub fn delegated(
         self,
         headers: &HeaderMap,
         body: Option<(&[u8], &BodyView)>,
+        refresh: &KeyRefresh,
     ) -> Result<Self, ProxyError> {
         let Identity::Client(client) = &self else {
             return Ok(self);
@@ -174,6 +181,15 @@ impl Identity {
             UserSource::BodyField(path) => match body {
                 None => None,
                 Some((body, view)) => view.string_at(body, path).map_err(|_| invalid())?,
+            },
+            UserSource::Jwt(verifier) => match verifier.token(headers) {
+                None => None,
+                Some(token) => Some(verifier.verify(token).map_err(|error| {
+                    if error.wants_keys() {
+                        refresh.want(&client.id);
+                    }
+                    ProxyError::InvalidToken(error)
+                })?),
             },
         };
         let Some(user) = user else {
@@ -242,6 +258,11 @@ pub fn requested_tier(headers: &HeaderMap) -> Option<Tier> {
         .find(|tier| value.eq_ignore_ascii_case(tier.as_str()))
 }
 
+/// The Common Name of the verified client certificate of the connection a request came on
+/// (`proxy.tls.client_ca_file`), as a request extension.
+#[derive(Debug, Clone)]
+pub struct PeerCertificate(pub Arc<str>);
+
 /// What a listener is for.
 #[derive(Debug, Clone)]
 pub enum ListenerKind {
@@ -267,13 +288,46 @@ impl ListenerKind {
     }
 }
 
-/// Identifies the caller of a request on `listener`.
+/// Clients whose issuer's keys a token asked for (it named an unknown key id, or there were
+/// none): the node's next report carries them, and the control plane fetches those keys again.
+#[derive(Debug, Default)]
+pub struct KeyRefresh(Mutex<BTreeSet<Arc<str>>>);
+
+impl KeyRefresh {
+    /// Asks for `client`'s issuer keys. Only ids of the snapshot come here, so the set stays
+    /// as small as the config.
+    pub fn want(&self, client: &Arc<str>) {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(client.clone());
+    }
+
+    /// The clients asked for since the last call.
+    pub fn take(&self) -> Vec<String> {
+        let mut wanted = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        std::mem::take(&mut *wanted)
+            .into_iter()
+            .map(|id| id.to_string())
+            .collect()
+    }
+}
+
+/// Identifies the caller of a request on `listener`. A request whose key matches no client
+/// may still carry a user's token where a `jwt:` client reads one; a token that fails is
+/// refused with the reason, and one that names an unknown key id asks for the issuer's keys
+/// again (`refresh`).
 pub fn identify(
     policy: &Policy,
     listener: &ListenerKind,
     peer: IpAddr,
     headers: &HeaderMap,
     throttle: &Throttle,
+    refresh: &KeyRefresh,
+    certificate: Option<&PeerCertificate>,
 ) -> Result<Identity, ProxyError> {
     if let ListenerKind::Injection {
         client: client_id, ..
@@ -299,26 +353,83 @@ pub fn identify(
     }
     let window = policy.auth.window;
     throttle.check(peer, policy.auth.max_failures, window)?;
-    let key = match presented_key(headers) {
-        Presented::Key(key) => key,
+    // A success does not clear the address's failures: whoever holds one key
+    // must not be able to guess others without limit.
+    let refusal = match presented_key(headers) {
+        Presented::Key(key) => match policy.client_by_key(key) {
+            Some(client) => return Ok(Identity::Client(client.clone())),
+            None => ProxyError::UnknownKey,
+        },
         Presented::Missing => {
-            throttle.fail(peer, window);
-            return Err(ProxyError::MissingCredentials);
+            // No key: a verified client certificate may name the client (`tls_subject`).
+            if let Some(client) = certificate
+                .and_then(|PeerCertificate(name)| policy.clients_by_subject.get(name))
+                .filter(|client| !client.is_expired(SystemTime::now()))
+            {
+                return Ok(Identity::Client(client.clone()));
+            }
+            ProxyError::MissingCredentials
         }
         Presented::Conflicting => {
             throttle.fail(peer, window);
             return Err(ProxyError::UnknownKey);
         }
     };
-    // A success does not clear the address's failures: whoever holds one key
-    // must not be able to guess others without limit.
-    match policy.client_by_key(key) {
-        Some(client) => Ok(Identity::Client(client.clone())),
-        None => {
-            throttle.fail(peer, window);
-            Err(ProxyError::UnknownKey)
+    let identity = match token_identity(policy, headers, refresh) {
+        Some(identity) => identity,
+        None => Err(refusal),
+    };
+    match &identity {
+        Err(ProxyError::InvalidToken(error)) if !error.counts_as_failure() => {}
+        Err(_) => throttle.fail(peer, window),
+        Ok(_) => {}
+    }
+    identity
+}
+
+/// The user of a token-keyed client (`auth.keys[].jwt`) whose token the request carries, or
+/// why the token is refused; `None` when no such client finds a token in the request. Of
+/// several clients that read the same header, the first whose checks pass wins; when none
+/// does, the refusal names the check that failed (a wrong issuer only if every one did).
+fn token_identity(
+    policy: &Policy,
+    headers: &HeaderMap,
+    refresh: &KeyRefresh,
+) -> Option<Result<Identity, ProxyError>> {
+    let now = SystemTime::now();
+    let mut refused: Option<jwt::TokenError> = None;
+    for client in &policy.token_clients {
+        let Some(UserSource::Jwt(verifier)) = client.users.as_ref().map(|users| &users.source)
+        else {
+            continue;
+        };
+        let Some(token) = verifier.token(headers) else {
+            continue;
+        };
+        // An entry past its `expires` takes no token (its users get the plain refusal).
+        if client.is_expired(now) {
+            continue;
+        }
+        match verifier.verify(token) {
+            Ok(user) => {
+                let id: Arc<str> = Arc::from(format!("{}/{user}", client.id));
+                let app = client.clone();
+                return Some(Ok(Identity::User { app, id }));
+            }
+            Err(error) => {
+                if error.wants_keys() {
+                    refresh.want(&client.id);
+                }
+                if refused
+                    .as_ref()
+                    .is_none_or(|kept| *kept == jwt::TokenError::Issuer)
+                {
+                    refused = Some(error);
+                }
+            }
         }
     }
+    refused.map(|error| Err(ProxyError::InvalidToken(error)))
 }
 
 /// Most `X-Forwarded-For` entries read, from the right: a longer chain is

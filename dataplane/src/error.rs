@@ -19,6 +19,9 @@ pub enum ProxyError {
     /// A bearer key that matches no client.
     #[error("invalid api key")]
     UnknownKey,
+    /// A user's signed token (`jwt:`) that failed a check; the reason names the check.
+    #[error("invalid token: {0}")]
+    InvalidToken(crate::auth::jwt::TokenError),
     /// The request's key was revoked, or expired, while the request waited in the queue.
     #[error("invalid api key (revoked or expired while the request was queued)")]
     KeyRevoked,
@@ -251,6 +254,7 @@ impl ProxyError {
         match self {
             Self::MissingCredentials
             | Self::UnknownKey
+            | Self::InvalidToken(_)
             | Self::KeyRevoked
             | Self::HopUnverified => StatusCode::UNAUTHORIZED,
             Self::PeerFailed(_) => StatusCode::BAD_GATEWAY,
@@ -353,6 +357,12 @@ impl ProxyError {
         ) {
             headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
+        if let Self::InvalidToken(_) = self {
+            headers.insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer error=\"invalid_token\""),
+            );
+        }
         if let Some(seconds) = self.retry_after() {
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
@@ -430,6 +440,7 @@ impl ProxyError {
             Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked => {
                 Some("invalid_api_key")
             }
+            Self::InvalidToken(_) => Some("invalid_token"),
             Self::QueueFull { .. } | Self::OverCapacity { .. } => Some("queue_full"),
             Self::ModelNotAllowed(_) => Some("model_not_allowed"),
             Self::CloudExtraUsageEmpty { .. } => Some("extra_usage_empty"),

@@ -35,6 +35,11 @@ pub struct Policy {
     pub clients: HashMap<[u8; 32], Arc<Client>>,
     /// Consumers, by client id (for injection listeners and status).
     pub clients_by_id: HashMap<Arc<str>, Arc<Client>>,
+    /// Consumers whose credential is each user's token (`auth.keys[].jwt`), in snapshot order.
+    pub token_clients: Vec<Arc<Client>>,
+    /// Consumers whose credential is a verified client certificate, by its Common Name
+    /// (`auth.keys[].tls_subject`).
+    pub clients_by_subject: HashMap<Arc<str>, Arc<Client>>,
     /// Queue tiers and admission limits.
     pub queue: QueueSettings,
     /// The upstream hosts this node dispatches to (those it owns, and those no node owns), in
@@ -151,6 +156,9 @@ pub struct TlsFiles {
     pub cert_file: std::path::PathBuf,
     /// PEM private key.
     pub key_file: std::path::PathBuf,
+    /// PEM certificates of the CAs whose client certificates are verified; `None` = none
+    /// asked for.
+    pub client_ca_file: Option<std::path::PathBuf>,
 }
 
 /// What a client connection may hold, and for how long.
@@ -220,8 +228,9 @@ impl Scope {
 pub struct Client {
     /// The client's name.
     pub id: Arc<str>,
-    /// SHA-256 of its key.
-    pub key_digest: [u8; 32],
+    /// SHA-256 of its key; `None` when each user's token is the credential
+    /// (`auth.keys[].jwt`).
+    pub key_digest: Option<[u8; 32]>,
     /// What it may do.
     pub scope: Scope,
     /// Highest tier it may use.
@@ -244,6 +253,9 @@ pub struct Client {
     pub models: Option<ModelAllowlist>,
     /// Where an app names its end users, if the key speaks for many people.
     pub users: Option<Users>,
+    /// The Common Name of the client certificate that is this client, if that is its
+    /// credential.
+    pub tls_subject: Option<Arc<str>>,
 }
 
 /// An app key's end users (`auth.keys[].users`): each is the sub-client `<client_id>/<user>`.
@@ -264,13 +276,16 @@ pub struct Users {
 }
 
 /// Where an app puts its end user's id.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum UserSource {
     /// A request header (Open WebUI's `X-OpenWebUI-User-Id`).
     Header(http::HeaderName),
     /// A JSON body field, as a path of object keys (OpenAI's `user`, Anthropic's
     /// `metadata.user_id`).
     BodyField(Vec<String>),
+    /// The subject of a signed token, verified against the issuer's public keys
+    /// (`jwt:`, see [`crate::auth::jwt`]).
+    Jwt(Arc<crate::auth::jwt::Verifier>),
 }
 
 /// A glob (`*`, `?`) over model names as Ollama compares them: any case, and a pattern without

@@ -495,6 +495,7 @@ fn report(app: &App) -> NodeReport {
         stale_version: app.control.stale_version(),
         forwarded: app.peers.report(),
         usage: app.usage.report(),
+        jwks_refresh: app.key_refresh.take(),
     }
 }
 

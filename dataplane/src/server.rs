@@ -125,8 +125,14 @@ pub async fn serve(
             match tls {
                 None => {
                     let io = StallGuarded::new(stream, stall);
-                    serve_connection(io, peer, app, kind, &builder, limits, activity, shutdown)
-                        .await;
+                    let connection = Connection {
+                        peer,
+                        certificate: None,
+                    };
+                    serve_connection(
+                        io, connection, app, kind, &builder, limits, activity, shutdown,
+                    )
+                    .await;
                 }
                 Some(acceptor) => {
                     // The handshake counts against the first request's deadline.
@@ -139,9 +145,13 @@ pub async fn serve(
                         done = handshake => done.ok().flatten(),
                     };
                     if let Some(stream) = stream {
+                        let certificate = crate::tls::peer_common_name(&stream);
                         let io = StallGuarded::new(stream, stall);
-                        serve_connection(io, peer, app, kind, &builder, limits, activity, shutdown)
-                            .await;
+                        let connection = Connection { peer, certificate };
+                        serve_connection(
+                            io, connection, app, kind, &builder, limits, activity, shutdown,
+                        )
+                        .await;
                     } else {
                         tracing::debug!(%peer, "closing a TLS connection with no handshake in time");
                     }
@@ -173,12 +183,19 @@ fn builder(limits: &ConnectionLimits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
+/// Who is at the other end of a connection.
+struct Connection {
+    peer: SocketAddr,
+    /// The Common Name of its verified client certificate, if it presented one.
+    certificate: Option<Arc<str>>,
+}
+
 /// Serves one connection until it ends, its deadline passes with no
 /// request in flight, or shutdown (then gracefully).
 #[allow(clippy::too_many_arguments)]
 async fn serve_connection<S>(
     io: StallGuarded<S>,
-    peer: SocketAddr,
+    connection: Connection,
     app: Arc<App>,
     kind: ListenerKind,
     builder: &auto::Builder<TokioExecutor>,
@@ -188,8 +205,14 @@ async fn serve_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let Connection { peer, certificate } = connection;
     let tracker = activity.clone();
-    let service = service_fn(move |request| {
+    let service = service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
+        if let Some(name) = &certificate {
+            request
+                .extensions_mut()
+                .insert(crate::auth::PeerCertificate(name.clone()));
+        }
         let app = app.clone();
         let kind = kind.clone();
         let in_flight = InFlight::start(&tracker);

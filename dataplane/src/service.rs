@@ -144,8 +144,15 @@ async fn route(
                             .and_then(|host| host.to_str().ok())
                     });
                 queue_control::check_origin_and_body(request.headers(), authority)?;
-                let identity =
-                    auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
+                let identity = auth::identify(
+                    policy,
+                    kind,
+                    peer,
+                    request.headers(),
+                    &app.throttle,
+                    &app.key_refresh,
+                    request.extensions().get::<auth::PeerCertificate>(),
+                )?;
                 identity.require(Scope::Management)?;
                 return queue_control::handle(&app.admin, &app.dispatcher, &request).await;
             }
@@ -178,7 +185,15 @@ async fn route(
         // The edge named the end user (or none) in what it signed: not read again here.
         return forward(app, policy, identity, Some(hop), false, request).await;
     }
-    let identity = auth::identify(policy, kind, peer, request.headers(), &app.throttle)?;
+    let identity = auth::identify(
+        policy,
+        kind,
+        peer,
+        request.headers(),
+        &app.throttle,
+        &app.key_refresh,
+        request.extensions().get::<auth::PeerCertificate>(),
+    )?;
     identity.require(Scope::Inference)?;
     forward(app, policy, identity, None, kind.trusts_users(), request).await
 }
@@ -331,10 +346,11 @@ fn observe(
     let identity = match dashboard::login::identify(
         &app.sessions,
         &app.throttle,
+        &app.key_refresh,
         policy,
         kind,
         peer,
-        request.headers(),
+        &request,
     ) {
         Ok(identity) => identity,
         // A browser without a session: the 401 is the login form.
@@ -481,7 +497,7 @@ async fn forward(
     // An app key's end user, from its header or its body field: from here on the caller
     // (only where the user named is believed: not on an injection port that does not say so).
     let identity = if trust_users {
-        identity.delegated(&parts.headers, read)?
+        identity.delegated(&parts.headers, read, &app.key_refresh)?
     } else {
         identity
     };

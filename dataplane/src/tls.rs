@@ -69,6 +69,9 @@ pub enum TlsError {
     /// rustls refused the configuration.
     #[error("TLS configuration: {0}")]
     Config(String),
+    /// The client CA file holds no usable PEM certificate.
+    #[error("TLS client_ca_file {0} holds no usable PEM CA certificate")]
+    NoClientCa(String),
 }
 
 /// A listener's certificate, replaced in place by a reload.
@@ -96,7 +99,12 @@ impl TlsCerts {
             current: ArcSwap::from_pointee(key),
             seen: Mutex::new(seen),
         });
-        let acceptor = acceptor(certificate.clone())?;
+        let verifier = files
+            .client_ca_file
+            .as_deref()
+            .map(client_verifier)
+            .transpose()?;
+        let acceptor = acceptor(certificate.clone(), verifier)?;
         if let Ok(mut loaded) = self.loaded.lock() {
             loaded.retain(|certificate| certificate.strong_count() > 0);
             loaded.push(Arc::downgrade(&certificate));
@@ -209,14 +217,52 @@ pub async fn accept(
     }
 }
 
-/// The rustls server configuration of a listener presenting `certificate`.
-fn acceptor(certificate: Arc<Certificate>) -> Result<TlsAcceptor, TlsError> {
+/// The Common Name of the client certificate a connection presented, which rustls verified
+/// against the listener's `client_ca_file`; `None` when it presented none.
+pub fn peer_common_name(stream: &TlsStream<TcpStream>) -> Option<Arc<str>> {
+    let leaf = stream.get_ref().1.peer_certificates()?.first()?;
+    validity::common_name(leaf).map(Arc::from)
+}
+
+/// A verifier of client certificates issued by the CAs in `path`; a client may also connect
+/// without one (it then needs a key, as on any port).
+fn client_verifier(
+    path: &Path,
+) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, TlsError> {
+    let shown = path.display().to_string();
+    let pem = read(path, "client CA")?;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(&pem) {
+        let cert = cert.map_err(|_| TlsError::NoClientCa(shown.clone()))?;
+        roots
+            .add(cert)
+            .map_err(|_| TlsError::NoClientCa(shown.clone()))?;
+    }
+    if roots.is_empty() {
+        return Err(TlsError::NoClientCa(shown));
+    }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+    rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+        .allow_unauthenticated()
+        .build()
+        .map_err(|error| TlsError::Config(error.to_string()))
+}
+
+/// The rustls server configuration of a listener presenting `certificate`, asking for client
+/// certificates when it has a `verifier`.
+fn acceptor(
+    certificate: Arc<Certificate>,
+    verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+) -> Result<TlsAcceptor, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
-        .map_err(|error| TlsError::Config(error.to_string()))?
-        .with_no_client_auth()
-        .with_cert_resolver(certificate);
+        .map_err(|error| TlsError::Config(error.to_string()))?;
+    let builder = match verifier {
+        Some(verifier) => builder.with_client_cert_verifier(verifier),
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_cert_resolver(certificate);
     config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(TlsAcceptor::from(Arc::new(config)))
 }

@@ -19,6 +19,7 @@ pub mod cluster;
 pub mod engine;
 pub mod fake;
 pub mod harness;
+pub mod jwt;
 pub mod load;
 pub mod procs;
 pub mod tls;

@@ -70,6 +70,27 @@ impl TestCa {
     pub fn issue(&self) -> Issued {
         self.issue_valid(None, None)
     }
+
+    /// A client certificate whose subject's Common Name is `common_name`.
+    #[allow(clippy::expect_used)]
+    pub fn issue_client(&self, common_name: &str) -> Issued {
+        let key = rcgen::KeyPair::generate().expect("client key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("parameters");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, "oqp tests");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, common_name);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = params
+            .signed_by(&key, &self.cert, &self.key)
+            .expect("client certificate");
+        Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        }
+    }
 }
 
 impl std::fmt::Debug for TestCa {
@@ -126,6 +147,32 @@ pub fn client_config(ca_pem: &str, alpn: &[&[u8]]) -> Arc<rustls::ClientConfig> 
     .with_root_certificates(roots)
     .with_no_client_auth();
     config.alpn_protocols = alpn.iter().map(|protocol| protocol.to_vec()).collect();
+    Arc::new(config)
+}
+
+/// A client configuration trusting `ca_pem` only, presenting `identity` as its client
+/// certificate, offering HTTP/1.1.
+#[allow(clippy::expect_used)]
+pub fn client_config_with_cert(ca_pem: &str, identity: &Issued) -> Arc<rustls::ClientConfig> {
+    use rustls_pki_types::PrivateKeyDer;
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(cert.expect("CA PEM")).expect("CA certificate");
+    }
+    let chain: Vec<CertificateDer<'static>> =
+        CertificateDer::pem_slice_iter(identity.cert_pem.as_bytes())
+            .collect::<Result<_, _>>()
+            .expect("client certificate PEM");
+    let key = PrivateKeyDer::from_pem_slice(identity.key_pem.as_bytes()).expect("client key PEM");
+    let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("protocol versions")
+    .with_root_certificates(roots)
+    .with_client_auth_cert(chain, key)
+    .expect("client certificate");
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Arc::new(config)
 }
 

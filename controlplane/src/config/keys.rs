@@ -12,9 +12,11 @@ use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
 use super::scalar::{Int, Text};
-use super::schema::{RawBudget, RawCloudKey, RawKey, RawUsers};
+use super::schema::{RawBudget, RawCloudKey, RawJwt, RawKey, RawUsers};
 use super::secret::Secret;
-use super::types::{Budget, BudgetWindow, CloudKey, KeyConfig, UserSource, UsersConfig};
+use super::types::{
+    Budget, BudgetWindow, CloudKey, JwksSource, JwtConfig, KeyConfig, UserSource, UsersConfig,
+};
 
 /// The three ways of giving one credential, with the field names of this entry.
 pub(crate) struct KeySource<'a> {
@@ -162,7 +164,17 @@ pub(crate) fn resolve_auth_keys(
     }
     let mut seen_ids: BTreeMap<&str, usize> = BTreeMap::new();
     let mut seen_keys: HashMap<[u8; 32], &str> = HashMap::new();
+    let mut seen_subjects: HashMap<&str, &str> = HashMap::new();
     for (index, key) in keys.iter().enumerate() {
+        if let Some(subject) = &key.tls_subject
+            && let Some(other) = seen_subjects.insert(subject, &key.client_id)
+        {
+            problems.error(format!(
+                "auth.keys: client_id='{other}' and client_id='{}' name the same tls_subject \
+                 '{subject}'; a certificate identifies one client",
+                key.client_id
+            ));
+        }
         if let Some(first) = seen_ids.insert(&key.client_id, index) {
             problems.error(format!(
                 "auth.keys: duplicate client_id '{}' (entries {first} and {index}); every client_id \
@@ -170,7 +182,10 @@ pub(crate) fn resolve_auth_keys(
                 key.client_id
             ));
         }
-        if let Some(other) = seen_keys.insert(key.key.sha256(), &key.client_id) {
+        let Some(secret) = &key.key else {
+            continue;
+        };
+        if let Some(other) = seen_keys.insert(secret.sha256(), &key.client_id) {
             problems.error(format!(
                 "auth.keys: client_id='{other}' and client_id='{}' resolve to the same key; every \
                  client needs its own key",
@@ -203,14 +218,50 @@ fn resolve_key(
     }
     let at = format!("auth.keys[client_id={client_id}]");
     let subject = format!("auth.keys[] entry for client_id='{client_id}'");
+    // With `jwt`, each user's token is the credential, and the entry has no key.
+    let jwt = raw
+        .jwt
+        .as_ref()
+        .and_then(|jwt| resolve_jwt(jwt, &format!("{at}.jwt"), true, problems));
+    // With `tls_subject`, a verified client certificate is the credential.
+    let tls_subject = raw
+        .tls_subject
+        .as_ref()
+        .map(|text| text.0.trim().to_owned());
+    if let Some(subject) = &tls_subject
+        && (subject.is_empty() || subject.len() > 256 || subject.chars().any(char::is_control))
+    {
+        problems.error(format!(
+            "{at}.tls_subject must be a certificate's Common Name (1-256 characters)"
+        ));
+    }
+    if raw.jwt.is_some() && tls_subject.is_some() {
+        problems.error(format!("{at}: set jwt or tls_subject, not both"));
+    }
+    let required = if raw.jwt.is_some() || tls_subject.is_some() {
+        Required::AtMostOne
+    } else {
+        Required::ExactlyOne
+    };
     let key = KeySource::key(
         raw.key.as_ref(),
         raw.key_env.as_ref(),
         raw.key_file.as_ref(),
     )
-    .resolve(&subject, Required::ExactlyOne, env, problems)
+    .resolve(&subject, required, env, problems)
     .ok()
     .flatten();
+    if tls_subject.is_some() && key.is_some() {
+        problems.error(format!(
+            "{at}: set tls_subject or a key (key, key_env, key_file), not both"
+        ));
+    }
+    if raw.jwt.is_some() && key.is_some() {
+        problems.error(format!(
+            "{at}: set jwt or a key (key, key_env, key_file), not both; an app that \
+             authenticates with its key and names each user with a token sets users.jwt"
+        ));
+    }
 
     let explicit_scope = word::<Scope>(raw.scope.as_ref(), &format!("{at}.scope"), problems);
     let management = raw.management.is_some_and(|flag| flag.0);
@@ -311,17 +362,29 @@ fn resolve_key(
         .as_ref()
         .and_then(|budget| resolve_budget(budget, &at, problems));
     let models = resolve_models(raw.models.as_deref(), &at, problems);
-    let users = raw
-        .users
-        .as_ref()
-        .and_then(|users| resolve_users(users, &at, problems));
+    let users = match (&raw.users, jwt) {
+        (Some(users), jwt) => resolve_users(users, &at, jwt, problems),
+        // A token-keyed entry's users have no caps or budget of their own.
+        (None, Some(jwt)) => Some(UsersConfig {
+            source: UserSource::Jwt(jwt),
+            max_concurrent: 0,
+            max_queued: 0,
+            budget: None,
+            session_header: None,
+        }),
+        (None, None) => None,
+    };
 
     if problems.error_count() != before {
         return None;
     }
+    if key.is_none() && raw.jwt.is_none() && tls_subject.is_none() {
+        return None;
+    }
     Some(KeyConfig {
         client_id,
-        key: key?,
+        key,
+        tls_subject,
         description: raw.description.as_ref().map(|text| text.0.clone()),
         scope,
         max_priority,
@@ -368,8 +431,14 @@ pub fn check_model_pattern(pattern: &str) -> Result<String, String> {
     Ok(pattern.to_owned())
 }
 
-/// `auth.keys[].users`.
-fn resolve_users(raw: &RawUsers, at: &str, problems: &mut Problems) -> Option<UsersConfig> {
+/// `auth.keys[].users`. `token` is the key's own `jwt` (each user's token is then the
+/// credential, and `users` carries only the caps and budget of each user).
+fn resolve_users(
+    raw: &RawUsers,
+    at: &str,
+    token: Option<JwtConfig>,
+    problems: &mut Problems,
+) -> Option<UsersConfig> {
     let at = format!("{at}.users");
     let text = |value: &Option<Text>| {
         value
@@ -382,6 +451,35 @@ fn resolve_users(raw: &RawUsers, at: &str, problems: &mut Problems) -> Option<Us
             problems.error(format!("{at}.{key} '{name}' is not a header name"));
         }
     };
+    let given = [
+        ("header", raw.header.is_some()),
+        ("body_field", raw.body_field.is_some()),
+        ("jwt", raw.jwt.is_some()),
+    ]
+    .into_iter()
+    .filter_map(|(key, set)| set.then_some(key))
+    .collect::<Vec<_>>();
+    if let Some(token) = token {
+        if !given.is_empty() {
+            problems.error(format!(
+                "{at}: the key's own jwt names each user; remove users.{}",
+                given.join(", users.")
+            ));
+            return None;
+        }
+        return resolve_user_limits(raw, &at, UserSource::Jwt(token), problems);
+    }
+    if let Some(jwt) = &raw.jwt {
+        if given.len() > 1 {
+            problems.error(format!(
+                "{at}: set one of header, body_field or jwt, not {}",
+                given.join(" and ")
+            ));
+            return None;
+        }
+        let jwt = resolve_jwt(jwt, &format!("{at}.jwt"), false, problems)?;
+        return resolve_user_limits(raw, &at, UserSource::Jwt(jwt), problems);
+    }
     let source = match (text(&raw.header), text(&raw.body_field)) {
         (Some(header), None) => {
             header_ok(&header, "header", problems);
@@ -401,11 +499,27 @@ fn resolve_users(raw: &RawUsers, at: &str, problems: &mut Problems) -> Option<Us
         }
         (None, None) => {
             problems.error(format!(
-                "{at}: set header (e.g. X-OpenWebUI-User-Id) or body_field (e.g. user) to say \
-                 where the app names its user"
+                "{at}: set header (e.g. X-OpenWebUI-User-Id), body_field (e.g. user) or jwt to \
+                 say where the app names its user"
             ));
             return None;
         }
+    };
+    resolve_user_limits(raw, &at, source, problems)
+}
+
+/// The caps, budget and session header of `auth.keys[].users`, with the user's `source`.
+fn resolve_user_limits(
+    raw: &RawUsers,
+    at: &str,
+    source: UserSource,
+    problems: &mut Problems,
+) -> Option<UsersConfig> {
+    let text = |value: &Option<Text>| {
+        value
+            .as_ref()
+            .map(|text| text.0.trim().to_owned())
+            .filter(|text| !text.is_empty())
     };
     let count = |value: &Option<Int>, key: &str, problems: &mut Problems| {
         let value = value.as_ref().map_or(0, |value| value.0);
@@ -421,10 +535,12 @@ fn resolve_users(raw: &RawUsers, at: &str, problems: &mut Problems) -> Option<Us
     let budget = raw
         .budget
         .as_ref()
-        .and_then(|budget| resolve_budget(budget, &at, problems));
+        .and_then(|budget| resolve_budget(budget, at, problems));
     let session_header = text(&raw.session_header);
-    if let Some(name) = &session_header {
-        header_ok(name, "session_header", problems);
+    if let Some(name) = &session_header
+        && http::HeaderName::from_bytes(name.as_bytes()).is_err()
+    {
+        problems.error(format!("{at}.session_header '{name}' is not a header name"));
     }
     Some(UsersConfig {
         source,
@@ -432,6 +548,138 @@ fn resolve_users(raw: &RawUsers, at: &str, problems: &mut Problems) -> Option<Us
         max_queued,
         budget,
         session_header,
+    })
+}
+
+/// The algorithms a `jwt` accepts unless it lists its own.
+const DEFAULT_JWT_ALGORITHMS: [&str; 3] = ["RS256", "ES256", "EdDSA"];
+
+/// The default `jwt.refresh_min_interval`.
+const DEFAULT_JWKS_MIN_INTERVAL: Duration = Duration::from_secs(60);
+
+/// `auth.keys[].jwt` (`credential`: the token is the entry's credential, and comes in
+/// `Authorization` unless `header` says otherwise) and `auth.keys[].users.jwt` (the token
+/// comes beside the app's key, in a header that must be named).
+fn resolve_jwt(
+    raw: &RawJwt,
+    at: &str,
+    credential: bool,
+    problems: &mut Problems,
+) -> Option<JwtConfig> {
+    let before = problems.error_count();
+    let text = |value: &Option<Text>| {
+        value
+            .as_ref()
+            .map(|text| text.0.trim().to_owned())
+            .filter(|text| !text.is_empty())
+    };
+    let list = |value: &Option<Vec<Text>>| -> Vec<String> {
+        value
+            .iter()
+            .flatten()
+            .map(|text| text.0.trim().to_owned())
+            .filter(|text| !text.is_empty())
+            .collect()
+    };
+    let issuer = text(&raw.issuer).unwrap_or_else(|| {
+        problems.error(format!(
+            "{at}.issuer is required: the iss of the tokens (e.g. https://login.example.com/realms/main)"
+        ));
+        String::new()
+    });
+    let audiences = list(&raw.audiences);
+    if audiences.is_empty() {
+        problems.error(format!(
+            "{at}.audiences is required: the aud values a token may carry (the client id the \
+             identity provider issued the tokens for)"
+        ));
+    }
+    let jwks = match (text(&raw.jwks_url), text(&raw.jwks_file)) {
+        (Some(url), None) => {
+            let scheme = url
+                .split_once("://")
+                .map(|(scheme, _)| scheme.to_ascii_lowercase());
+            if !matches!(scheme.as_deref(), Some("http" | "https"))
+                || url.parse::<http::Uri>().is_err()
+            {
+                problems.error(format!("{at}.jwks_url '{url}' is not an http or https URL"));
+            }
+            JwksSource::Url(url)
+        }
+        (None, Some(file)) => JwksSource::File(file.into()),
+        (Some(_), Some(_)) => {
+            problems.error(format!("{at}: set jwks_url or jwks_file, not both"));
+            return None;
+        }
+        (None, None) => {
+            problems.error(format!(
+                "{at}: set jwks_url (the identity provider's key set, e.g. \
+                 https://login.example.com/.well-known/jwks.json) or jwks_file"
+            ));
+            return None;
+        }
+    };
+    let user_claim = text(&raw.user_claim).unwrap_or_else(|| "sub".to_owned());
+    let header = match text(&raw.header) {
+        Some(header) => {
+            if http::HeaderName::from_bytes(header.as_bytes()).is_err() {
+                problems.error(format!("{at}.header '{header}' is not a header name"));
+            }
+            if !credential && header.eq_ignore_ascii_case("authorization") {
+                problems.error(format!(
+                    "{at}.header: Authorization carries the app's key; name another header for \
+                     the user's token (e.g. X-User-Token)"
+                ));
+            }
+            header
+        }
+        None if credential => "Authorization".to_owned(),
+        None => {
+            problems.error(format!(
+                "{at}.header is required: the header the app sends each user's token in \
+                 (e.g. X-User-Token)"
+            ));
+            String::new()
+        }
+    };
+    let mut algorithms = list(&raw.algorithms);
+    if raw.algorithms.is_none() {
+        algorithms = DEFAULT_JWT_ALGORITHMS.map(str::to_owned).to_vec();
+    }
+    for name in &mut algorithms {
+        match oqp_dataplane::auth::jwt::ALGORITHMS
+            .iter()
+            .find(|known| known.eq_ignore_ascii_case(name))
+        {
+            Some(known) => *name = (*known).to_owned(),
+            None => problems.error(format!(
+                "{at}.algorithms: '{name}' is not accepted (one of {}; none and HS* never are: \
+                 a token's signature must come from the issuer's private key)",
+                oqp_dataplane::auth::jwt::ALGORITHMS.join(", ")
+            )),
+        }
+    }
+    if algorithms.is_empty() {
+        problems.error(format!("{at}.algorithms is empty"));
+    }
+    let allowed_hosts = list(&raw.allowed_hosts);
+    let refresh_min_interval = raw
+        .refresh_min_interval
+        .map_or(DEFAULT_JWKS_MIN_INTERVAL, |seconds| seconds.0);
+    if refresh_min_interval < Duration::from_secs(1) {
+        problems.error(format!(
+            "{at}.refresh_min_interval must be at least 1s (the issuer is asked at most that often)"
+        ));
+    }
+    (problems.error_count() == before).then_some(JwtConfig {
+        issuer,
+        audiences,
+        jwks,
+        user_claim,
+        header,
+        algorithms,
+        allowed_hosts,
+        refresh_min_interval,
     })
 }
 

@@ -273,9 +273,14 @@ pub(crate) fn tls(raw: RawListenerTls, path: &str, problems: &mut Problems) -> O
     };
     let cert_file = file(raw.cert_file, "cert_file");
     let key_file = file(raw.key_file, "key_file");
+    let client_ca_file = match raw.client_ca_file {
+        None => None,
+        Some(value) => Some(file(Some(value), "client_ca_file")?),
+    };
     Some(ListenerTls {
         cert_file: cert_file?,
         key_file: key_file?,
+        client_ca_file,
     })
 }
 

@@ -85,6 +85,7 @@ pub(crate) struct RawProxy {
 pub(crate) struct RawListenerTls {
     pub cert_file: Option<Text>,
     pub key_file: Option<Text>,
+    pub client_ca_file: Option<Text>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -246,6 +247,25 @@ pub(crate) struct RawKey {
     pub models: Option<Vec<Text>>,
     #[serde(default)]
     pub users: Option<RawUsers>,
+    #[serde(default)]
+    pub jwt: Option<RawJwt>,
+    #[serde(default)]
+    pub tls_subject: Option<Text>,
+}
+
+/// `auth.keys[].jwt` and `auth.keys[].users.jwt`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawJwt {
+    pub issuer: Option<Text>,
+    pub audiences: Option<Vec<Text>>,
+    pub jwks_url: Option<Text>,
+    pub jwks_file: Option<Text>,
+    pub user_claim: Option<Text>,
+    pub header: Option<Text>,
+    pub algorithms: Option<Vec<Text>>,
+    pub allowed_hosts: Option<Vec<Text>>,
+    pub refresh_min_interval: Option<Seconds>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -257,6 +277,7 @@ pub(crate) struct RawUsers {
     pub max_queued: Option<Int>,
     pub budget: Option<RawBudget>,
     pub session_header: Option<Text>,
+    pub jwt: Option<RawJwt>,
 }
 
 #[derive(Debug, Default, Deserialize)]

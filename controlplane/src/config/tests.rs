@@ -275,7 +275,14 @@ fn the_python_config_loads() {
         (Tier::Low, Tier::Low, 2)
     );
     assert_eq!(
-        config.auth.key("searxng-mcp").unwrap().key.expose(),
+        config
+            .auth
+            .key("searxng-mcp")
+            .unwrap()
+            .key
+            .as_ref()
+            .unwrap()
+            .expose(),
         "sk-searxng"
     );
     assert_eq!(config.logging.level, LogLevel::Info);
@@ -489,7 +496,10 @@ fn key_file_is_stripped_and_its_mode_checked() {
         "auth:\n  keys:\n    - key_file: {path}{KEY_SUFFIX}"
     ));
     let Loaded { config, warnings } = load(&yaml);
-    assert_eq!(config.auth.keys[0].key.expose(), "sk-from-file");
+    assert_eq!(
+        config.auth.keys[0].key.as_ref().unwrap().expose(),
+        "sk-from-file"
+    );
     #[cfg(unix)]
     {
         assert_eq!(warnings.len(), 1, "{warnings:?}");
@@ -1025,7 +1035,10 @@ fn env_overrides() {
     assert_eq!(config.ollama.hosts[0].name, "local");
     assert_eq!(config.ollama.hosts[1].name, "second");
     assert!(config.auth.enabled);
-    assert_eq!(config.auth.keys[0].key.expose(), "sk-alice");
+    assert_eq!(
+        config.auth.keys[0].key.as_ref().unwrap().expose(),
+        "sk-alice"
+    );
     assert_eq!(config.auth.keys[0].weight, 2.5);
     assert_eq!(
         config.control_plane.node_token.as_ref().unwrap().expose(),
@@ -1707,10 +1720,81 @@ fn key_models_and_users() {
             "auth.keys[client_id=a].models is empty: the key could use no model; list some, or remove models to allow every model",
             "auth.keys[client_id=b].models[0] 'llama 3' is not a model name pattern (at most 256 characters, no spaces)",
             "auth.keys[client_id=c].users: set header or body_field, not both",
-            "auth.keys[client_id=d].users: set header (e.g. X-OpenWebUI-User-Id) or body_field (e.g. user) to say where the app names its user",
+            "auth.keys[client_id=d].users: set header (e.g. X-OpenWebUI-User-Id), body_field (e.g. user) or jwt to say where the app names its user",
             "auth.keys[client_id=e].users.header 'bad header' is not a header name",
             "auth.keys[client_id=f].users.body_field 'metadata..id' is not a path of keys (e.g. user, metadata.user_id)",
             "auth.keys[6].client_id 'g/h' must not contain '/' (it separates an app key's users: <client_id>/<user>)",
+        ]
+    );
+}
+
+#[test]
+fn the_readme_jwt_example_loads() {
+    let readme = include_str!("../../../README.md");
+    let section = &readme[readme.find("## JWT users").unwrap()..];
+    let block = &section[section.find("```yaml\n").unwrap() + 8..];
+    let block = &block[..block.find("```").unwrap()];
+    let loaded = load_with(&with_host(block), &[("PORTAL_KEY", "sk-portal")]).unwrap();
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let keys = &loaded.config.auth.keys;
+    assert_eq!(keys.len(), 2);
+    assert!(keys[0].key.is_none() && keys[1].key.is_some());
+}
+
+#[test]
+fn jwt_keys_and_users() {
+    let loaded = load(&with_host(
+        "auth:\n  keys:\n    \
+         - {client_id: people, jwt: {issuer: 'https://idp', audiences: [oqp], jwks_url: \
+         'https://idp/jwks', algorithms: [es256]}, users: {max_concurrent: 2}}\n    \
+         - {key: k2, client_id: app, users: {jwt: {issuer: 'https://idp', audiences: [oqp], \
+         jwks_file: /etc/oqp/jwks.json, header: X-User-Token, user_claim: email}}}\n",
+    ));
+    let keys = &loaded.config.auth.keys;
+    assert!(keys[0].key.is_none(), "the token is the credential");
+    let users = keys[0].users.clone().unwrap();
+    assert_eq!(users.max_concurrent, 2);
+    let UserSource::Jwt(jwt) = users.source else {
+        panic!("{users:?}")
+    };
+    assert_eq!(jwt.header, "Authorization");
+    assert_eq!(jwt.user_claim, "sub");
+    assert_eq!(jwt.algorithms, ["ES256"]);
+    assert_eq!(jwt.refresh_min_interval, std::time::Duration::from_secs(60));
+    assert_eq!(
+        jwt.jwks,
+        crate::config::JwksSource::Url("https://idp/jwks".into())
+    );
+    let UserSource::Jwt(jwt) = keys[1].users.clone().unwrap().source else {
+        panic!()
+    };
+    assert_eq!(
+        (jwt.header.as_str(), jwt.user_claim.as_str()),
+        ("X-User-Token", "email")
+    );
+    assert_eq!(jwt.algorithms, ["RS256", "ES256", "EdDSA"]);
+
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    \
+         - {client_id: a, key: k1, jwt: {issuer: i, audiences: [x], jwks_file: f}}\n    \
+         - {client_id: b, jwt: {issuer: i, audiences: [x], jwks_file: f, algorithms: [HS256]}}\n    \
+         - {client_id: c, jwt: {jwks_url: 'ftp://idp/keys'}}\n    \
+         - {key: k4, client_id: d, users: {jwt: {issuer: i, audiences: [x], jwks_file: f}}}\n    \
+         - {key: k5, client_id: e, users: {jwt: {issuer: i, audiences: [x], jwks_file: f, \
+         header: Authorization}}}\n    \
+         - {client_id: f, jwt: {issuer: i, audiences: [x], jwks_file: f}, users: {header: X-U}}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=a]: set jwt or a key (key, key_env, key_file), not both; an app that authenticates with its key and names each user with a token sets users.jwt",
+            "auth.keys[client_id=b].jwt.algorithms: 'HS256' is not accepted (one of RS256, RS384, RS512, PS256, PS384, PS512, ES256, ES384, EdDSA; none and HS* never are: a token's signature must come from the issuer's private key)",
+            "auth.keys[client_id=c].jwt.issuer is required: the iss of the tokens (e.g. https://login.example.com/realms/main)",
+            "auth.keys[client_id=c].jwt.audiences is required: the aud values a token may carry (the client id the identity provider issued the tokens for)",
+            "auth.keys[client_id=c].jwt.jwks_url 'ftp://idp/keys' is not an http or https URL",
+            "auth.keys[client_id=d].users.jwt.header is required: the header the app sends each user's token in (e.g. X-User-Token)",
+            "auth.keys[client_id=e].users.jwt.header: Authorization carries the app's key; name another header for the user's token (e.g. X-User-Token)",
+            "auth.keys[client_id=f].users: the key's own jwt names each user; remove users.header",
         ]
     );
 }
@@ -1789,6 +1873,44 @@ fn listener_tls_files() {
     assert_eq!(
         tls.map(|tls| tls.key_file),
         Some(std::path::PathBuf::from("/k.pem"))
+    );
+}
+
+#[test]
+fn client_certificates_name_clients_by_subject() {
+    let loaded = load(&with_host(
+        "proxy:\n  tls: {cert_file: /c.pem, key_file: /k.pem, client_ca_file: /ca.pem}\n\
+         auth:\n  keys:\n    - {client_id: backup, tls_subject: svc-backup}\n",
+    ));
+    let tls = loaded.config.proxy.tls.expect("proxy.tls");
+    assert_eq!(
+        tls.client_ca_file,
+        Some(std::path::PathBuf::from("/ca.pem"))
+    );
+    let key = &loaded.config.auth.keys[0];
+    assert_eq!(key.tls_subject.as_deref(), Some("svc-backup"));
+    assert!(key.key.is_none());
+
+    let errors = problems_of(&with_host(
+        "proxy:\n  tls: {cert_file: /c.pem, key_file: /k.pem, client_ca_file: ca.pem}\n\
+         auth:\n  keys:\n    - {client_id: a, tls_subject: svc, key: k1}\n    \
+         - {client_id: b, tls_subject: svc}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "proxy.tls.client_ca_file: 'ca.pem' is not an absolute path (the data plane reads it on its own box)",
+            "auth.keys[client_id=a]: set tls_subject or a key (key, key_env, key_file), not both",
+        ]
+    );
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    - {client_id: a, tls_subject: svc}\n    - {client_id: b, tls_subject: svc}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys: client_id='a' and client_id='b' name the same tls_subject 'svc'; a certificate identifies one client"
+        ]
     );
 }
 

@@ -75,6 +75,8 @@ pub struct ListenerTls {
     pub cert_file: PathBuf,
     /// PEM private key.
     pub key_file: PathBuf,
+    /// PEM CA certificates whose client certificates are verified (optional client auth).
+    pub client_ca_file: Option<PathBuf>,
 }
 
 /// `ollama`: the upstream hosts.
@@ -232,8 +234,9 @@ pub struct RateLimitConfig {
 #[derive(Debug, Clone)]
 pub struct KeyConfig {
     pub client_id: String,
-    /// The resolved credential (from `key`, `key_env` or `key_file`).
-    pub key: Secret,
+    /// The resolved credential (from `key`, `key_env` or `key_file`); `None` when each
+    /// user's token is the credential (`jwt`, and then `users` reads it).
+    pub key: Option<Secret>,
     pub description: Option<String>,
     /// `management: true` (deprecated) has been folded in here.
     pub scope: Scope,
@@ -255,6 +258,9 @@ pub struct KeyConfig {
     pub models: Vec<String>,
     /// Where the app this key belongs to names its end users, if it speaks for many people.
     pub users: Option<UsersConfig>,
+    /// Instead of a key: the Common Name of the verified client certificate that is this
+    /// client (`proxy.tls.client_ca_file`).
+    pub tls_subject: Option<String>,
 }
 
 /// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.
@@ -279,6 +285,39 @@ pub enum UserSource {
     Header(String),
     /// `users.body_field`: a dotted path of JSON object keys.
     BodyField(String),
+    /// `users.jwt` (or the key's own `jwt`): the subject of a verified token.
+    Jwt(JwtConfig),
+}
+
+/// `jwt:`: how a user's signed token is verified.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtConfig {
+    /// The `iss` a token must carry.
+    pub issuer: String,
+    /// The `aud` values accepted (at least one).
+    pub audiences: Vec<String>,
+    /// Where the issuer's public keys are.
+    pub jwks: JwksSource,
+    /// The claim that names the user (`sub` by default).
+    pub user_claim: String,
+    /// The header the token comes in; `Authorization` means `Authorization: Bearer`.
+    pub header: String,
+    /// The accepted signature algorithms.
+    pub algorithms: Vec<String>,
+    /// Hosts of `jwks_url` exempt from the SSRF check (an identity provider on the LAN).
+    pub allowed_hosts: Vec<String>,
+    /// Shortest time between two fetches of the keys asked for by a token (an unknown key
+    /// id) or after a failure.
+    pub refresh_min_interval: std::time::Duration,
+}
+
+/// Where an issuer's public keys (a JWK Set) are read.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum JwksSource {
+    /// `jwks_url`: fetched over HTTP(S), under the webhook SSRF rules.
+    Url(String),
+    /// `jwks_file`: read from this box's disk.
+    File(std::path::PathBuf),
 }
 
 /// `auth.keys[].budget` (or a store key's): GPU time and/or tokens per window.

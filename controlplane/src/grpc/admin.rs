@@ -207,7 +207,9 @@ impl AdminApi {
             .keys
             .iter()
             .find(|key| {
-                keystore::digests_match(&key.key.sha256(), &digest)
+                key.key
+                    .as_ref()
+                    .is_some_and(|secret| keystore::digests_match(&secret.sha256(), &digest))
                     && key.expires.is_none_or(|at| at > now)
             })
             .map(|key| (key.scope, key.client_id.clone()))
@@ -361,6 +363,16 @@ impl AdminService for AdminApi {
                     .map_or_else(String::new, |users| match &users.source {
                         crate::config::UserSource::Header(name) => format!("header {name}"),
                         crate::config::UserSource::BodyField(path) => format!("body field {path}"),
+                        crate::config::UserSource::Jwt(jwt) => {
+                            let keys = match self.hub.jwks(&jwt.jwks) {
+                                None => " (issuer keys not fetched yet)".to_owned(),
+                                Some(keys) if keys.json.is_empty() => {
+                                    format!(" (no issuer keys: {})", keys.error)
+                                }
+                                Some(_) => String::new(),
+                            };
+                            format!("token in {} from {}{keys}", jwt.header, jwt.issuer)
+                        }
                     }),
             })
             .collect();

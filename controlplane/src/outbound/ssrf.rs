@@ -80,6 +80,27 @@ pub async fn check(config: &WebhooksConfig) -> Result<(), SsrfError> {
     }
 }
 
+/// The same check for another URL the control plane fetches by itself (a `jwt`'s
+/// `jwks_url`), with that URL's own `allowed_hosts`: `Ok(true)` when its host is listed there
+/// (exempt, also when connecting), `Ok(false)` when it passed, and is then reached only
+/// through [`Outbound::public_only`](crate::outbound::Outbound::public_only).
+pub async fn check_url(url: &str, allowed_hosts: &[String]) -> Result<bool, SsrfError> {
+    match target(url, allowed_hosts)? {
+        Target::Allowed(_) => Ok(true),
+        Target::Literal(host, addr) => verdict(&host, &[addr]).map(|()| false),
+        Target::Name(host, port) => {
+            let resolved = tokio::net::lookup_host((host.as_str(), port))
+                .await
+                .map_err(|error| SsrfError::Unresolvable {
+                    host: host.clone(),
+                    error: error.to_string(),
+                })?;
+            let addrs: Vec<IpAddr> = resolved.map(|addr| addr.ip()).collect();
+            verdict(&host, &addrs).map(|()| false)
+        }
+    }
+}
+
 /// The same check with a blocking resolver, for the (synchronous) reload
 /// path; like reading the config file there, it blocks the caller briefly.
 pub fn check_blocking(config: &WebhooksConfig) -> Result<(), SsrfError> {

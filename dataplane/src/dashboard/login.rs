@@ -38,14 +38,16 @@ const BACK_TO_DASHBOARD: &str = "../dashboard";
 /// session in its cookie. A cookie that names no live session is a missing credential, not
 /// a failed attempt: it is not counted against the address (ids cannot be guessed, and a
 /// dashboard left open past its session must not lock its user out of signing in again).
-pub fn identify(
+pub fn identify<B>(
     sessions: &Sessions,
     throttle: &Throttle,
+    refresh: &auth::KeyRefresh,
     policy: &Policy,
     kind: &ListenerKind,
     peer: IpAddr,
-    headers: &HeaderMap,
+    request: &http::Request<B>,
 ) -> Result<Identity, ProxyError> {
+    let headers = request.headers();
     if policy.auth.enabled
         && matches!(kind, ListenerKind::Main)
         && !auth::presents_key(headers)
@@ -59,7 +61,8 @@ pub fn identify(
             .map(|client| Identity::Client(client.clone()))
             .ok_or(ProxyError::MissingCredentials);
     }
-    auth::identify(policy, kind, peer, headers, throttle)
+    let certificate = request.extensions().get::<auth::PeerCertificate>();
+    auth::identify(policy, kind, peer, headers, throttle, refresh, certificate)
 }
 
 /// The login page (401), saying `message` (fixed text, never anything the caller sent).
@@ -109,8 +112,13 @@ pub async fn login(
         form_field(&bytes, "key")
     };
     let key = key.map(|key| key.trim().to_owned()).unwrap_or_default();
-    let client = match policy.client_by_key(&key) {
-        Some(client) if !key.is_empty() => client.clone(),
+    // A key's client (a client keyed by a token or a certificate has no key to sign in with).
+    let found = policy
+        .client_by_key(&key)
+        .filter(|_| !key.is_empty())
+        .and_then(|client| Some((client.clone(), client.key_digest?)));
+    let (client, digest) = match found {
+        Some(found) => found,
         _ => {
             throttle.fail(peer, window);
             tracing::info!(%peer, "dashboard sign-in refused: unknown key");
@@ -122,7 +130,7 @@ pub async fn login(
         }
     };
     Identity::Client(client.clone()).require(Scope::Read)?;
-    let opened = sessions.open(client.key_digest, SystemTime::now());
+    let opened = sessions.open(digest, SystemTime::now());
     tracing::info!(client = %client.id, "dashboard session opened");
     let mut response = answer(
         json,

@@ -128,6 +128,8 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
 
         let mut clients = HashMap::new();
         let mut clients_by_id: HashMap<Arc<str>, Arc<Client>> = HashMap::new();
+        let mut token_clients = Vec::new();
+        let mut clients_by_subject: HashMap<Arc<str>, Arc<Client>> = HashMap::new();
         for client in snapshot.clients {
             let client = Arc::new(convert_client(client)?);
             // Several digests may map to one id (a rotated key in its grace
@@ -135,7 +137,24 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             clients_by_id
                 .entry(client.id.clone())
                 .or_insert_with(|| client.clone());
-            if clients.insert(client.key_digest, client.clone()).is_some() {
+            let Some(digest) = client.key_digest else {
+                match &client.tls_subject {
+                    Some(subject) => {
+                        if clients_by_subject
+                            .insert(subject.clone(), client.clone())
+                            .is_some()
+                        {
+                            return Err(PolicyError::new(format!(
+                                "client '{}' shares its tls_subject with another client",
+                                client.id
+                            )));
+                        }
+                    }
+                    None => token_clients.push(client),
+                }
+                continue;
+            };
+            if clients.insert(digest, client.clone()).is_some() {
                 return Err(PolicyError::new(format!(
                     "client '{}' shares its key with another client",
                     client.id
@@ -288,6 +307,8 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             auth,
             clients,
             clients_by_id,
+            token_clients,
+            clients_by_subject,
             queue,
             hosts,
             node,
@@ -311,6 +332,7 @@ fn delegation_headers<'a>(clients: impl Iterator<Item = &'a Arc<Client>>) -> Vec
     for users in clients.filter_map(|client| client.users.as_ref()) {
         let user = match &users.source {
             UserSource::Header(name) => Some(name),
+            UserSource::Jwt(verifier) => Some(verifier.header()),
             UserSource::BodyField(_) => None,
         };
         for name in user.into_iter().chain(&users.session_header) {
@@ -327,11 +349,21 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
     if id.is_empty() {
         return Err(PolicyError::new("a client has an empty client_id"));
     }
-    let key_digest: [u8; 32] = client
-        .key_sha256
-        .as_slice()
-        .try_into()
-        .map_err(|_| PolicyError::new(format!("client '{id}': key digest is not 32 bytes")))?;
+    // No digest: each user's token is the credential, which needs users with a `jwt`.
+    let token_keyed = client
+        .users
+        .as_ref()
+        .is_some_and(|users| users.jwt.is_some());
+    // No digest either: a verified client certificate is the credential.
+    let tls_subject =
+        (!client.tls_subject.is_empty()).then(|| Arc::from(client.tls_subject.as_str()));
+    let key_digest: Option<[u8; 32]> =
+        match client.key_sha256.as_slice() {
+            [] if token_keyed || tls_subject.is_some() => None,
+            digest => Some(digest.try_into().map_err(|_| {
+                PolicyError::new(format!("client '{id}': key digest is not 32 bytes"))
+            })?),
+        };
     let scope = match wire::Scope::try_from(client.scope) {
         Ok(wire::Scope::Read) => Scope::Read,
         Ok(wire::Scope::Inference | wire::Scope::Unspecified) => Scope::Inference,
@@ -377,6 +409,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         budget,
         models,
         users,
+        tls_subject,
     })
 }
 
@@ -417,12 +450,33 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
             PolicyError::new(format!("client '{id}': users.{what} is not a header name"))
         })
     };
-    let named = if users.header.is_empty() {
-        format!("body field {}", users.body_field)
-    } else {
-        users.header.clone()
+    let named = match &users.jwt {
+        Some(jwt) if jwt.header.is_empty() => "authorization token".to_owned(),
+        Some(jwt) => format!("{} token", jwt.header),
+        None if users.header.is_empty() => format!("body field {}", users.body_field),
+        None => users.header.clone(),
     };
     let source = match (users.header.is_empty(), users.body_field.is_empty()) {
+        (true, true) if users.jwt.is_some() => {
+            let jwt = users.jwt.unwrap_or_default();
+            let settings = crate::auth::jwt::Settings {
+                issuer: &jwt.issuer,
+                audiences: &jwt.audiences,
+                user_claim: &jwt.user_claim,
+                header: &jwt.header,
+                algorithms: &jwt.algorithms,
+                jwks_json: &jwt.jwks_json,
+                jwks_error: &jwt.jwks_error,
+            };
+            let verifier = crate::auth::jwt::Verifier::try_new(&settings)
+                .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?;
+            UserSource::Jwt(Arc::new(verifier))
+        }
+        _ if users.jwt.is_some() => {
+            return Err(PolicyError::new(format!(
+                "client '{id}': users needs exactly one of header, body_field and jwt"
+            )));
+        }
         (false, true) => UserSource::Header(header(&users.header, "header")?),
         (true, false) => {
             let path: Vec<String> = users.body_field.split('.').map(str::to_owned).collect();
@@ -435,7 +489,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         }
         _ => {
             return Err(PolicyError::new(format!(
-                "client '{id}': users needs exactly one of header and body_field"
+                "client '{id}': users needs exactly one of header, body_field and jwt"
             )));
         }
     };
@@ -764,6 +818,7 @@ fn tls_files(files: Option<wire::TlsFiles>, what: &str) -> Result<Option<TlsFile
     Ok(Some(TlsFiles {
         cert_file: files.cert_file.into(),
         key_file: files.key_file.into(),
+        client_ca_file: (!files.client_ca_file.is_empty()).then(|| files.client_ca_file.into()),
     }))
 }
 

@@ -46,6 +46,42 @@ fn validity(cert: &[u8]) -> Option<(Time, Time)> {
     Some((time(before_tag, before)?, time(after_tag, after)?))
 }
 
+/// The subject's Common Name (the first `CN`), read from the DER of a certificate that rustls
+/// already verified: `tbsCertificate → subject → RDN → (2.5.4.3, string)`.
+pub(super) fn common_name(cert: &[u8]) -> Option<String> {
+    const COMMON_NAME: [u8; 3] = [0x55, 0x04, 0x03];
+    let (_, certificate, _) = tlv(cert)?;
+    let (_, tbs, _) = tlv(certificate)?;
+    let (first, _, mut rest) = tlv(tbs)?;
+    if first == 0xa0 {
+        rest = tlv(rest)?.2;
+    }
+    // Past [0] version (optional) and serialNumber: signature, issuer, validity; then the
+    // subject.
+    for _ in 0..3 {
+        rest = tlv(rest)?.2;
+    }
+    let (tag, mut names, _) = tlv(rest)?;
+    if tag != 0x30 {
+        return None;
+    }
+    while !names.is_empty() {
+        let (_, set, after) = tlv(names)?;
+        names = after;
+        let (_, attribute, _) = tlv(set)?;
+        let (oid_tag, oid, value) = tlv(attribute)?;
+        if oid_tag == 0x06 && oid == COMMON_NAME {
+            let (string_tag, text, _) = tlv(value)?;
+            // UTF8String, PrintableString, IA5String.
+            if !matches!(string_tag, 0x0c | 0x13 | 0x16) {
+                return None;
+            }
+            return String::from_utf8(text.to_vec()).ok();
+        }
+    }
+    None
+}
+
 /// One DER element: tag, contents, what follows.
 fn tlv(input: &[u8]) -> Option<(u8, &[u8], &[u8])> {
     let (&tag, rest) = input.split_first()?;
@@ -111,8 +147,27 @@ fn days_from_civil(year: i64, month: i64, day: i64) -> i64 {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_common_name_is_read_from_the_subject() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, "lab");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "svc-backup");
+        let cert = params.self_signed(&key).unwrap();
+        assert_eq!(common_name(cert.der()).as_deref(), Some("svc-backup"));
+        let mut params = rcgen::CertificateParams::new(vec!["host".to_owned()]).unwrap();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        let cert = params.self_signed(&key).unwrap();
+        assert_eq!(common_name(cert.der()), None);
+    }
 
     #[test]
     fn dates_count_days_from_the_epoch() {

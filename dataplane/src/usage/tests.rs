@@ -34,7 +34,7 @@ fn gpu(seconds: u64) -> Totals {
 fn client(budget: Option<UsageBudget>) -> Client {
     Client {
         id: Arc::from("batch"),
-        key_digest: [0; 32],
+        key_digest: Some([0; 32]),
         scope: Scope::Inference,
         max_priority: Tier::Low,
         default_priority: Tier::Low,
@@ -46,6 +46,7 @@ fn client(budget: Option<UsageBudget>) -> Client {
         budget,
         models: None,
         users: None,
+        tls_subject: None,
     }
 }
 

@@ -20,6 +20,7 @@ mod embeddings;
 mod engines;
 mod foundation;
 pub mod hosts;
+mod jwt;
 mod keys;
 mod nodes;
 mod observability;

@@ -436,6 +436,136 @@ async fn a_throttled_address_gets_no_handshake() {
     stack.shutdown().await;
 }
 
+/// A POST of a chat over `sender`, with `headers`; the status.
+async fn chat_over(
+    sender: &mut hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>,
+    headers: &[(&str, &str)],
+) -> http::StatusCode {
+    let body = r#"{"model":"llama3","stream":false,"messages":[{"role":"user","content":"hi"}]}"#;
+    let mut request = http::Request::post("/api/chat")
+        .header("host", "127.0.0.1")
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request
+        .body(http_body_util::Full::new(Bytes::from_static(
+            body.as_bytes(),
+        )))
+        .unwrap();
+    sender.ready().await.unwrap();
+    let response = sender.send_request(request).await.unwrap();
+    let status = response.status();
+    let _ = response.into_body().collect().await;
+    status
+}
+
+/// An HTTP/1.1 connection over TLS presenting `config`'s client certificate, if any.
+async fn http1_with(
+    stack: &Stack,
+    config: std::sync::Arc<rustls::ClientConfig>,
+) -> std::io::Result<hyper::client::conn::http1::SendRequest<http_body_util::Full<Bytes>>> {
+    let tls = connect(stack.proxy_addr(), config).await?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        .await
+        .map_err(std::io::Error::other)?;
+    tokio::spawn(connection);
+    Ok(sender)
+}
+
+#[tokio::test]
+async fn a_verified_client_certificate_names_its_client_by_subject() {
+    use oqp_tests::tls::client_config_with_cert;
+    let server_ca = TestCa::new();
+    let clients_ca = TestCa::new();
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = server_ca.issue().write(dir.path(), "server");
+    let client_ca = dir.path().join("clients-ca.pem");
+    std::fs::write(&client_ca, clients_ca.pem()).unwrap();
+    let proxy = format!(
+        "{}    client_ca_file: \"{}\"\n",
+        proxy_tls_yaml(&cert, &key),
+        client_ca.display()
+    );
+    let yaml = format!(
+        "{}auth:\n  enabled: true\n  keys:\n    - client_id: backup\n      tls_subject: svc-backup\n    - client_id: web\n      key: sk-web-0123456789\n",
+        config(&fake.url(), &proxy)
+    );
+    let stack = Stack::start(&yaml).await;
+    let backup = clients_ca.issue_client("svc-backup");
+
+    // The certificate is the credential: no key needed.
+    let mut sender = {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            match http1_with(&stack, client_config_with_cert(&server_ca.pem(), &backup)).await {
+                Ok(sender) => break sender,
+                Err(error) if Instant::now() >= deadline => panic!("no handshake: {error}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    };
+    assert_eq!(chat_over(&mut sender, &[]).await, 200);
+    // A key sent on the same connection is the key's client.
+    assert_eq!(
+        chat_over(
+            &mut sender,
+            &[("authorization", "Bearer sk-web-0123456789")]
+        )
+        .await,
+        200
+    );
+    let seen: Vec<String> = fake
+        .handle()
+        .requests_to("/api/chat")
+        .iter()
+        .filter_map(|request| request.header("x-client-id"))
+        .collect();
+    assert_eq!(seen, ["backup", "web"]);
+
+    // Without a certificate the port still takes keys, and refuses a request with neither.
+    let plain = client_config(&server_ca.pem(), &[b"http/1.1"]);
+    let mut sender = http1_with(&stack, plain).await.unwrap();
+    assert_eq!(chat_over(&mut sender, &[]).await, 401);
+    assert_eq!(
+        chat_over(
+            &mut sender,
+            &[("authorization", "Bearer sk-web-0123456789")]
+        )
+        .await,
+        200
+    );
+
+    // A verified certificate whose subject names no client is no credential.
+    let stranger = clients_ca.issue_client("svc-unknown");
+    let mut sender = http1_with(&stack, client_config_with_cert(&server_ca.pem(), &stranger))
+        .await
+        .unwrap();
+    assert_eq!(chat_over(&mut sender, &[]).await, 401);
+
+    // A certificate from a CA the port does not trust fails the handshake (TLS 1.3 reports it
+    // on the client's first read): no request of it is answered.
+    let forged = TestCa::new().issue_client("svc-backup");
+    let answered =
+        match http1_with(&stack, client_config_with_cert(&server_ca.pem(), &forged)).await {
+            Err(_) => false,
+            Ok(mut sender) => {
+                let request = http::Request::get("/api/tags")
+                    .header("host", "127.0.0.1")
+                    .body(http_body_util::Full::new(Bytes::new()))
+                    .unwrap();
+                match sender.ready().await {
+                    Err(_) => false,
+                    Ok(()) => sender.send_request(request).await.is_ok(),
+                }
+            }
+        };
+    assert!(!answered, "a certificate of an untrusted CA was served");
+    assert_eq!(fake.handle().requests_to("/api/chat").len(), 3);
+    stack.shutdown().await;
+}
+
 #[tokio::test]
 async fn a_dashboard_session_cookie_is_secure_on_a_tls_port() {
     let ca = TestCa::new();

@@ -1,0 +1,371 @@
+//! End to end: verified end users from a signed token (`jwt:`), through the real planes with
+//! a loopback JWKS server and tokens signed in the test. A token is the credential of
+//! `auth.keys[].jwt` (each user the sub-client `<client_id>/<sub>`) or names the user of an app
+//! key (`users.jwt`); a token that fails a check is 401 in the route's shape, with the check
+//! named; keys the issuer rotates are picked up from the first token that names the new one;
+//! an issuer that is down at start refuses tokens with the reason until it answers.
+
+use std::time::{Duration, Instant};
+
+use oqp_tests::client::{HttpClient, Reply};
+use oqp_tests::fake::FakeOllama;
+use oqp_tests::harness::Stack;
+use oqp_tests::jwt::{JwksServer, SigningKey, hs256, key_set, now, unsigned};
+use serde_json::{Value, json};
+
+const ISSUER: &str = "https://login.example.com/realms/main";
+const AUDIENCE: &str = "oqp";
+const APP: &str = "sk-app-0123456789abcdef";
+const MODEL: &str = "llama3.2:3b";
+
+/// Long enough to never decide a test by itself.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A config whose `people` key takes tokens from `jwks_url` and whose `app` key names its
+/// users with a token in `X-User-Token`.
+fn config(fake: &str, jwks_url: &str, allowed: &str) -> String {
+    format!(
+        r#"proxy:
+  max_concurrent: 4
+ollama:
+  hosts:
+    - url: "{fake}"
+      name: gpu
+      max_concurrent: 4
+auth:
+  enabled: true
+  keys:
+    - client_id: people
+      jwt:
+        issuer: "{ISSUER}"
+        audiences: ["{AUDIENCE}", other]
+        jwks_url: "{jwks_url}"
+        algorithms: [ES256, EdDSA]
+        refresh_min_interval: 1s
+{allowed}      users:
+        max_concurrent: 1
+    - client_id: app
+      key: "{APP}"
+      users:
+        jwt:
+          issuer: "{ISSUER}"
+          audiences: ["{AUDIENCE}"]
+          jwks_url: "{jwks_url}"
+          header: X-User-Token
+          refresh_min_interval: 1s
+{allowed_users}"#,
+        allowed_users = allowed.replace("        ", "          "),
+    )
+}
+
+/// `allowed_hosts` for the loopback JWKS server (exempt from the SSRF check on purpose).
+const LOOPBACK: &str = "        allowed_hosts: [\"127.0.0.1\"]\n";
+
+fn claims(sub: &str) -> Value {
+    json!({ "iss": ISSUER, "aud": AUDIENCE, "sub": sub, "exp": now() + 600, "iat": now() })
+}
+
+fn chat() -> Value {
+    json!({"model": MODEL, "stream": false, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+async fn chat_with(stack: &Stack, path: &str, headers: &[(&str, &str)]) -> Reply {
+    HttpClient::new()
+        .post_json(&format!("{}{path}", stack.url()), headers, &chat())
+        .await
+}
+
+async fn chat_as(stack: &Stack, token: &str) -> Reply {
+    let auth = format!("Bearer {token}");
+    chat_with(stack, "/api/chat", &[("authorization", &auth)]).await
+}
+
+/// The client ids the fake saw, in order.
+fn seen(fake: &FakeOllama) -> Vec<String> {
+    fake.handle()
+        .requests_to("/api/chat")
+        .iter()
+        .filter_map(|request| request.header("x-client-id"))
+        .collect()
+}
+
+/// Sends `token` until it is accepted, or [`PATIENCE`] ends; the last reply.
+async fn until_accepted(stack: &Stack, token: &str) -> Reply {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let reply = chat_as(stack, token).await;
+        if reply.status == 200 || Instant::now() >= deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn stack_with(keys: &str, allowed: &str) -> (FakeOllama, JwksServer, Stack) {
+    let fake = FakeOllama::builder().model(MODEL).spawn().await;
+    let jwks = JwksServer::start(keys).await;
+    let stack = Stack::start(&config(&fake.url(), &jwks.url(), allowed)).await;
+    (fake, jwks, stack)
+}
+
+fn error_text(reply: &Reply) -> String {
+    reply.json()["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+#[tokio::test]
+async fn a_token_is_the_credential_and_its_subject_the_user() {
+    let es = SigningKey::es256("es-1");
+    let ed = SigningKey::ed25519("ed-1");
+    let (fake, _jwks, stack) = stack_with(&key_set(&[&es, &ed]), LOOPBACK).await;
+
+    let reply = until_accepted(&stack, &es.sign(&claims("alice"))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // EdDSA too, and a token for the second audience.
+    let mut bob = claims("bob");
+    bob["aud"] = json!(["someone-else", "other"]);
+    let reply = chat_as(&stack, &ed.sign(&bob)).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(seen(&fake), ["people/alice", "people/bob"]);
+
+    // The app's key with a user token beside it: the token's subject is the app's user.
+    let token = es.sign(&claims("carol"));
+    let auth = format!("Bearer {APP}");
+    let reply = chat_with(
+        &stack,
+        "/api/chat",
+        &[("authorization", &auth), ("x-user-token", &token)],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // Without one, the app itself; with a bad one, refused.
+    let reply = chat_with(&stack, "/api/chat", &[("authorization", &auth)]).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let mut stranger = claims("dave");
+    stranger["aud"] = json!("another-app");
+    let reply = chat_with(
+        &stack,
+        "/api/chat",
+        &[
+            ("authorization", &auth),
+            ("x-user-token", &es.sign(&stranger)),
+        ],
+    )
+    .await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert!(error_text(&reply).contains("audience"), "{}", reply.text());
+    assert_eq!(
+        seen(&fake),
+        ["people/alice", "people/bob", "app/carol", "app"],
+        "the user token never reaches Ollama, and a refused one sends nothing"
+    );
+    let upstream = fake.handle().requests_to("/api/chat");
+    assert!(
+        upstream
+            .iter()
+            .all(|request| request.header("x-user-token").is_none()
+                && request.header("authorization").is_none())
+    );
+}
+
+#[tokio::test]
+async fn a_token_that_fails_a_check_is_refused_in_the_routes_shape() {
+    let key = SigningKey::es256("es-1");
+    let impostor = SigningKey::es256("es-1");
+    let (fake, _jwks, stack) = stack_with(&key_set(&[&key]), LOOPBACK).await;
+    assert_eq!(
+        until_accepted(&stack, &key.sign(&claims("alice")))
+            .await
+            .status,
+        200
+    );
+
+    let with = |change: &dyn Fn(&mut Value)| {
+        let mut claims = claims("mallory");
+        change(&mut claims);
+        claims
+    };
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "wrong audience",
+            key.sign(&with(&|c| c["aud"] = json!("another-app"))),
+            "audience",
+        ),
+        (
+            "wrong issuer",
+            key.sign(&with(&|c| c["iss"] = json!("https://evil.example.com"))),
+            "issuer",
+        ),
+        (
+            "expired beyond the leeway",
+            key.sign(&with(&|c| c["exp"] = json!(now() - 120))),
+            "expired",
+        ),
+        (
+            "not valid yet",
+            key.sign(&with(&|c| c["nbf"] = json!(now() + 600))),
+            "not valid yet",
+        ),
+        (
+            "no exp",
+            key.sign(&with(&|c| {
+                c.as_object_mut().unwrap().remove("exp");
+            })),
+            "no exp claim",
+        ),
+        (
+            "signed by another key under the same kid",
+            impostor.sign(&claims("mallory")),
+            "signature",
+        ),
+        ("alg none", unsigned(&claims("mallory")), "malformed"),
+        (
+            "HS256 with the public key as secret",
+            hs256(
+                &claims("mallory"),
+                "es-1",
+                key.jwk["x"].as_str().unwrap().as_bytes(),
+            ),
+            "not accepted",
+        ),
+        (
+            "a user claim that is not a user id",
+            key.sign(&with(&|c| c["sub"] = json!("a/b"))),
+            "sub",
+        ),
+    ];
+    for (case, token, reason) in &cases {
+        let reply = chat_as(&stack, token).await;
+        assert_eq!(reply.status, 401, "{case}: {}", reply.text());
+        assert!(
+            error_text(&reply).contains(reason),
+            "{case}: {}",
+            reply.text()
+        );
+        assert_eq!(
+            reply.header("www-authenticate").as_deref(),
+            Some("Bearer error=\"invalid_token\""),
+            "{case}"
+        );
+    }
+    // The Anthropic route answers in Anthropic's shape, the Responses route in OpenAI's.
+    let expired = format!("Bearer {}", cases[2].1);
+    let reply = chat_with(&stack, "/v1/messages", &[("authorization", &expired)]).await;
+    assert_eq!(reply.status, 401);
+    assert_eq!(reply.json()["type"], "error");
+    assert_eq!(reply.json()["error"]["type"], "authentication_error");
+    assert!(
+        reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("expired")
+    );
+    let reply = chat_with(&stack, "/v1/responses", &[("authorization", &expired)]).await;
+    assert_eq!(reply.status, 401);
+    assert_eq!(reply.json()["error"]["code"], "invalid_token");
+    // Nothing refused reached Ollama.
+    assert_eq!(seen(&fake), ["people/alice"]);
+}
+
+#[tokio::test]
+async fn a_rotated_key_is_picked_up_from_the_first_token_that_names_it() {
+    let old = SigningKey::es256("2026-11");
+    let new = SigningKey::es256("2026-12");
+    let (fake, jwks, stack) = stack_with(&key_set(&[&old]), LOOPBACK).await;
+    assert_eq!(
+        until_accepted(&stack, &old.sign(&claims("alice")))
+            .await
+            .status,
+        200
+    );
+    let before = jwks.hits();
+
+    // The issuer rotates: the old key leaves, a new one signs.
+    jwks.serve(&key_set(&[&new]));
+    let reply = chat_as(&stack, &new.sign(&claims("bob"))).await;
+    assert_eq!(
+        reply.status,
+        401,
+        "not in the snapshot yet: {}",
+        reply.text()
+    );
+    assert!(
+        error_text(&reply).contains("unknown key id"),
+        "{}",
+        reply.text()
+    );
+    let reply = until_accepted(&stack, &new.sign(&claims("bob"))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert!(
+        jwks.hits() - before <= 3,
+        "asked at most once a second while tokens kept asking: {} fetches",
+        jwks.hits() - before
+    );
+    // The old key is gone with the old set.
+    let reply = chat_as(&stack, &old.sign(&claims("alice"))).await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert_eq!(seen(&fake), ["people/alice", "people/bob"]);
+}
+
+#[tokio::test]
+async fn an_issuer_down_at_start_refuses_tokens_with_the_reason_until_it_answers() {
+    let key = SigningKey::ed25519("ed-1");
+    let fake = FakeOllama::builder().model(MODEL).spawn().await;
+    let jwks = JwksServer::start(&key_set(&[&key])).await;
+    jwks.fail();
+    let stack = Stack::start(&config(&fake.url(), &jwks.url(), LOOPBACK)).await;
+
+    // The control plane started anyway; tokens are refused, saying why.
+    let token = key.sign(&claims("alice"));
+    let deadline = Instant::now() + PATIENCE;
+    let reply = loop {
+        let reply = chat_as(&stack, &token).await;
+        if error_text(&reply).contains("503") || Instant::now() >= deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(reply.status, 401);
+    assert!(
+        error_text(&reply).contains("no signing keys for this issuer yet")
+            && error_text(&reply).contains("503"),
+        "{}",
+        reply.text()
+    );
+    // An app key's own requests do not depend on the issuer.
+    let auth = format!("Bearer {APP}");
+    assert_eq!(
+        chat_with(&stack, "/api/chat", &[("authorization", &auth)])
+            .await
+            .status,
+        200
+    );
+
+    // The issuer comes back: tokens work without a restart.
+    jwks.serve(&key_set(&[&key]));
+    let reply = until_accepted(&stack, &token).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(seen(&fake), ["app", "people/alice"]);
+}
+
+#[tokio::test]
+async fn a_jwks_url_on_a_private_address_is_refused_by_the_ssrf_check() {
+    let key = SigningKey::es256("es-1");
+    // No allowed_hosts: the loopback server is what the SSRF rules keep the control plane from.
+    let (fake, jwks, stack) = stack_with(&key_set(&[&key]), "").await;
+    let token = key.sign(&claims("alice"));
+    let deadline = Instant::now() + PATIENCE;
+    let reply = loop {
+        let reply = chat_as(&stack, &token).await;
+        if error_text(&reply).contains("SSRF") || Instant::now() >= deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(reply.status, 401);
+    assert!(error_text(&reply).contains("SSRF"), "{}", reply.text());
+    assert_eq!(jwks.hits(), 0, "nothing was sent to a private address");
+    assert!(seen(&fake).is_empty());
+}
