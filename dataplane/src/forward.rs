@@ -172,6 +172,12 @@ async fn send_local(
     host: &Arc<Host>,
     outbound: Outbound,
 ) -> Result<Sent, UpstreamError> {
+    if host.kind == HostKind::Openai
+        && let Some(origin) = &outbound.openai_embeddings
+        && outbound.path_and_query.path() == "/api/embed"
+    {
+        return send_openai_embeddings(parts, policy, host, origin.clone(), outbound).await;
+    }
     let request = proxy::request_for(
         host,
         &outbound.method,
@@ -195,6 +201,92 @@ async fn send_local(
             return Ok(Sent::ModelMissing(answer));
         }
     }
+    Ok(Sent::Done(Forwarded {
+        answer,
+        guards: Vec::new(),
+        headers: Vec::new(),
+    }))
+}
+
+/// An `/api/embed` request translated from `/v1/embeddings`, on a host of kind `openai`:
+/// sent as `/v1/embeddings` in the client's own shape, its answer read back into
+/// `/api/embed`'s (see [`rewrite::openai_host`]). An answer that is not a list of
+/// vectors is a 502 with the reason; an error is passed on as the engine sent it.
+async fn send_openai_embeddings(
+    parts: Parts<'_>,
+    policy: &Policy,
+    host: &Arc<Host>,
+    origin: Bytes,
+    outbound: Outbound,
+) -> Result<Sent, UpstreamError> {
+    let RequestBody::Buffered(embed) = &outbound.body else {
+        return Err(UpstreamError::Connect("embedding body not buffered".into()));
+    };
+    let Some(body) = rewrite::openai_host::embed_request(&origin, embed) else {
+        return Ok(Sent::Done(Forwarded {
+            answer: refusal(
+                host,
+                StatusCode::BAD_REQUEST,
+                "the embedding request cannot be sent to an OpenAI-compatible host",
+                None,
+            ),
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
+    };
+    let model = BodyView::read(embed)
+        .ok()
+        .and_then(|view| view.model().map(str::to_owned))
+        .unwrap_or_default();
+    let path = http::uri::PathAndQuery::from_static(rewrite::openai_host::EMBEDDINGS_PATH);
+    let request = proxy::request_for(
+        host,
+        &outbound.method,
+        &path,
+        &outbound.headers,
+        body::full(body),
+    )
+    .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+    let response = parts
+        .upstream
+        .send(request, policy.proxy.request_timeout)
+        .await?;
+    let mut answer = Answer::new(host.clone(), response);
+    let status = answer.response.status();
+    if status != StatusCode::OK {
+        let bytes = peek(&mut answer.response, PEEK_TIMEOUT).await;
+        if is_model_not_found(status, &bytes) {
+            return Ok(Sent::ModelMissing(answer));
+        }
+        return Ok(Sent::Done(Forwarded {
+            answer,
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
+    }
+    let (mut head, incoming) = answer.response.into_parts();
+    let read = tokio::time::timeout(policy.proxy.request_timeout, incoming.collect()).await;
+    let Ok(Ok(collected)) = read else {
+        return Err(UpstreamError::Timeout);
+    };
+    let translated = rewrite::openai_host::embed_response(&collected.to_bytes(), &model);
+    let body = match translated {
+        Some(translated) => translated,
+        None => {
+            tracing::warn!(host = %host.name, "an OpenAI-compatible host answered embeddings with no list of vectors");
+            head.status = StatusCode::BAD_GATEWAY;
+            Bytes::from_static(
+                b"{\"error\":\"upstream returned an unexpected embeddings response\"}",
+            )
+        }
+    };
+    head.headers.remove(header::CONTENT_LENGTH);
+    head.headers.remove(header::TRANSFER_ENCODING);
+    head.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    answer.response = Response::from_parts(head, body::full(body));
     Ok(Sent::Done(Forwarded {
         answer,
         guards: Vec::new(),
@@ -497,6 +589,7 @@ pub fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
                 path_and_query: outbound.path_and_query.clone(),
                 headers: outbound.headers.clone(),
                 body: RequestBody::Buffered(bytes.clone()),
+                openai_embeddings: outbound.openai_embeddings.clone(),
             };
             (outbound, Some(replay))
         }

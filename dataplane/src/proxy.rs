@@ -218,6 +218,10 @@ pub struct Outbound {
     pub headers: http::HeaderMap,
     /// The body.
     pub body: RequestBody,
+    /// The client's own `/v1/embeddings` body when this is its `/api/embed`
+    /// translation: a host of kind `openai` is sent that instead
+    /// ([`crate::rewrite::openai_host`]).
+    pub openai_embeddings: Option<Bytes>,
 }
 
 impl Outbound {
@@ -253,6 +257,7 @@ impl Outbound {
             path_and_query,
             headers,
             body,
+            openai_embeddings: self.openai_embeddings,
         }
     }
 }
@@ -298,6 +303,7 @@ pub async fn send(
         path_and_query,
         mut headers,
         body,
+        ..
     } = outbound;
     let (buffered, mut streamed) = match body {
         RequestBody::Buffered(bytes) => {

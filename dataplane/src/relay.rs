@@ -76,6 +76,7 @@ pub async fn send(
         path_and_query,
         mut headers,
         body,
+        ..
     } = outbound;
     let request_id = headers
         .get(headers::REQUEST_ID)

@@ -466,6 +466,7 @@ async fn forward(
         path_and_query,
         headers: upstream_headers,
         body,
+        openai_embeddings: None,
     };
 
     if endpoint == Endpoint::Metadata {

@@ -297,3 +297,118 @@ async fn the_embedding_engine_answers_embeddings() {
     assert_eq!(data.len(), 2);
     assert_eq!(data[0]["embedding"].as_array().map(Vec::len), Some(128));
 }
+
+/// The value of the first sample of `/metrics` whose line contains every part of `parts`.
+fn sample(metrics: &str, parts: &[&str]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .find(|line| parts.iter().all(|part| line.contains(part)))
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test]
+async fn embeddings_reach_an_openai_host_as_openai_and_are_cached_per_item() {
+    if !engine::installed() {
+        return;
+    }
+    let embed_engine = Engine::builder(Model::Embed)
+        .alias("oqp-embed:latest")
+        .parallel(1)
+        .context(512)
+        .start()
+        .await;
+    let yaml = config(&[("embed", &embed_engine.url(), "openai")])
+        + "embedding_cache:\n  enabled: true\n  backend: memory\n";
+    let stack = Stack::start(&yaml).await;
+    wait_host(&stack, "embed", |host| host["healthy"] == true).await;
+    let http = HttpClient::new();
+    let url = format!("{}/v1/embeddings", stack.url());
+    let embed = |input: Value, format: &'static str| {
+        let http = &http;
+        let url = &url;
+        async move {
+            let body =
+                json!({"model": "oqp-embed:latest", "input": input, "encoding_format": format});
+            let reply = http.post_json(url, &[], &body).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let cache = reply.header("x-cache").unwrap_or_default();
+            (cache, reply.json())
+        }
+    };
+
+    let (cache, first) = embed(json!(["one", "two"]), "float").await;
+    assert_eq!(cache, "MISS");
+    assert_eq!(first["object"], "list", "{first}");
+    assert_eq!(first["model"], "oqp-embed:latest", "{first}");
+    let data = first["data"].as_array().expect("a data array");
+    assert_eq!(data.len(), 2, "{first}");
+    for (index, item) in data.iter().enumerate() {
+        assert_eq!(item["index"], index, "{first}");
+        assert_eq!(item["embedding"].as_array().map(Vec::len), Some(128));
+    }
+    let tokens = first["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    assert!(tokens > 0, "{first}");
+
+    // The same request again: answered from the cache, the same vectors.
+    let (cache, second) = embed(json!(["one", "two"]), "float").await;
+    assert_eq!(cache, "HIT");
+    assert_eq!(second["data"], first["data"]);
+
+    // One cached item and one new, in base64: only the new one goes to the engine.
+    let (cache, third) = embed(json!(["two", "three"]), "base64").await;
+    assert_eq!(cache, "PARTIAL");
+    let data = third["data"].as_array().expect("a data array");
+    assert_eq!(data.len(), 2, "{third}");
+    assert!(
+        data.iter().all(|item| item["embedding"].is_string()),
+        "{third}"
+    );
+
+    let metrics = HttpClient::new()
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    let counted = sample(
+        &metrics,
+        &[
+            "oqp_client_tokens_total{",
+            r#"kind="prompt""#,
+            r#"model="oqp-embed:latest""#,
+        ],
+    );
+    assert!(
+        counted.is_some_and(|counted| counted >= tokens as f64),
+        "{metrics}"
+    );
+
+    // The engine's own error comes back as it sent it: a 501 without `--embedding`.
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(1)
+        .context(512)
+        .start()
+        .await;
+    stack.shutdown().await;
+    let stack = Stack::start(&config(&[("chat", &chat_engine.url(), "openai")])).await;
+    wait_host(&stack, "chat", |host| host["healthy"] == true).await;
+    let reply = http
+        .post_json(
+            &format!("{}/v1/embeddings", stack.url()),
+            &[],
+            &json!({"model": "oqp-tiny:latest", "input": "one"}),
+        )
+        .await;
+    assert_eq!(reply.status, 501, "{}", reply.text());
+    let error = reply.json();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("embeddings"),
+        "{error}"
+    );
+    stack.shutdown().await;
+    embed_engine.stop().await;
+    chat_engine.stop().await;
+}
