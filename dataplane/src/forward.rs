@@ -178,18 +178,32 @@ async fn send_local(
     {
         return send_openai_embeddings(parts, policy, host, origin.clone(), outbound).await;
     }
-    let request = proxy::request_for(
-        host,
-        &outbound.method,
-        &outbound.path_and_query,
-        &outbound.headers,
-        body_of(outbound.body),
-    )
-    .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-    let response = parts
-        .upstream
-        .send(request, policy.proxy.request_timeout)
-        .await?;
+    let timeout = policy.proxy.request_timeout;
+    let response = match outbound.body {
+        // A body in memory can be sent again when a pooled connection turns out closed.
+        RequestBody::Buffered(bytes) => {
+            let request = || {
+                let body = body_of(RequestBody::Buffered(bytes.clone()));
+                let path = &outbound.path_and_query;
+                proxy::request_for(host, &outbound.method, path, &outbound.headers, body).ok()
+            };
+            parts
+                .upstream
+                .send_replayable(host.kind, request, timeout)
+                .await?
+        }
+        streamed @ RequestBody::Streamed(_) => {
+            let request = proxy::request_for(
+                host,
+                &outbound.method,
+                &outbound.path_and_query,
+                &outbound.headers,
+                body_of(streamed),
+            )
+            .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+            parts.upstream.send_to(host.kind, request, timeout).await?
+        }
+    };
     let mut answer = Answer::new(host.clone(), response);
     let status = answer.response.status();
     if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::NOT_FOUND {
@@ -239,17 +253,13 @@ async fn send_openai_embeddings(
         .and_then(|view| view.model().map(str::to_owned))
         .unwrap_or_default();
     let path = http::uri::PathAndQuery::from_static(rewrite::openai_host::EMBEDDINGS_PATH);
-    let request = proxy::request_for(
-        host,
-        &outbound.method,
-        &path,
-        &outbound.headers,
-        body::full(body),
-    )
-    .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+    let request = || {
+        let body = body::full(body.clone());
+        proxy::request_for(host, &outbound.method, &path, &outbound.headers, body).ok()
+    };
     let response = parts
         .upstream
-        .send(request, policy.proxy.request_timeout)
+        .send_replayable(host.kind, request, policy.proxy.request_timeout)
         .await?;
     let mut answer = Answer::new(host.clone(), response);
     let status = answer.response.status();

@@ -324,7 +324,7 @@ pub async fn send(
             (None, None) => break,
         };
         let request = request_for(host, &method, &path_and_query, &headers, body)?;
-        match upstream.send(request, timeout).await {
+        match upstream.send_to(host.kind, request, timeout).await {
             Ok(response) => {
                 let mut answer = Answer::new(host.clone(), response);
                 answer.failed = failed;
