@@ -308,8 +308,30 @@ pub struct Outcome {
     /// The prompt's tokens the engine says came from its cache, when it says (see
     /// [`engine_cached`]); counted in `tokens.prompt` too.
     pub cached_tokens: Option<u64>,
+    /// True when a whole stream ended with an error in place of its answer (see
+    /// [`in_band_error`]): a failure though its status was 200.
+    pub in_band_error: bool,
     /// Time from the response headers to the end of the body.
     pub elapsed: Duration,
+}
+
+/// Whether a stream's kept tail ends with an in-band error: the last NDJSON line
+/// `{"error":…}` (Ollama's runner failing mid-generation), or the last SSE event a
+/// JSON object with an `error` member and no `data: [DONE]` after it (llama-server's
+/// `data: {"error":{…}}`, Anthropic's `error` event). A whole JSON answer is never one.
+pub fn in_band_error(framing: Framing, tail: &[u8]) -> bool {
+    let last = tail
+        .split(|byte| *byte == b'\n')
+        .map(<[u8]>::trim_ascii)
+        .filter(|line| !line.is_empty())
+        .filter_map(|line| match framing {
+            Framing::Sse => line.strip_prefix(b"data:").map(<[u8]>::trim_ascii),
+            Framing::Ndjson => Some(line),
+            Framing::Opaque => None,
+        })
+        .next_back();
+    last.and_then(|line| serde_json::from_slice::<serde_json::Value>(line).ok())
+        .is_some_and(|value| value.get("error").is_some_and(|error| !error.is_null()))
 }
 
 /// The token counts of a response's final object: Ollama's `prompt_eval_count` and
@@ -560,6 +582,7 @@ impl ResponseBody {
                 cached_tokens: complete
                     .then(|| engine_cached(&self.tail, self.head_cached))
                     .flatten(),
+                in_band_error: complete && in_band_error(self.framing, &self.tail),
                 elapsed: self.started.elapsed(),
             });
         }
@@ -722,6 +745,29 @@ pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn in_band_errors_are_told_from_answers() {
+        // llama-server: an error event in a 200, no [DONE].
+        let llama = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"error\":{\"code\":500,\"message\":\"Context size has been exceeded.\",\"type\":\"server_error\"}}\n\n";
+        assert!(in_band_error(Framing::Sse, llama));
+        // Anthropic's error event.
+        let messages = b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\"}}\n\n";
+        assert!(in_band_error(Framing::Sse, messages));
+        // Ollama's runner failing mid-generation.
+        let ollama = b"{\"response\":\"a\",\"done\":false}\n{\"error\":\"an error was encountered while running the model\"}\n";
+        assert!(in_band_error(Framing::Ndjson, ollama));
+
+        let done = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
+        assert!(!in_band_error(Framing::Sse, done));
+        let null = b"data: {\"type\":\"response.completed\",\"error\":null}\n\n";
+        assert!(!in_band_error(Framing::Sse, null));
+        let whole = b"{\"done\":true,\"eval_count\":3}\n";
+        assert!(!in_band_error(Framing::Ndjson, whole));
+        // A whole JSON answer is never in-band, whatever it says.
+        assert!(!in_band_error(Framing::Opaque, br#"{"error":"x"}"#));
+        assert!(!in_band_error(Framing::Sse, b""));
+    }
 
     #[test]
     fn openai_hosts_idle_out_before_a_llama_server_does() {

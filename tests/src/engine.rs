@@ -282,6 +282,23 @@ fn spawn_reader(
     });
 }
 
+/// `count` made-up words (`w` and up to five digits, about six tokens each for the test
+/// models' vocabulary), the same for the same `seed` and different across seeds: a prompt
+/// of a known rough length that shares no prefix with another seed's.
+pub fn random_words(seed: u64, count: usize) -> String {
+    // xorshift64*: enough to make words, no dependency.
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut words = Vec::with_capacity(count);
+    for _ in 0..count {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let value = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        words.push(format!("w{}", (value >> 33) % 100_000));
+    }
+    words.join(" ")
+}
+
 /// The port in llama-server's `listening on http://127.0.0.1:<port>` line.
 fn listening_port(line: &str) -> Option<u16> {
     let (_, rest) = line.split_once("listening on http://")?;
@@ -292,6 +309,13 @@ fn listening_port(line: &str) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn random_words_are_repeatable_and_differ_by_seed() {
+        assert_eq!(random_words(7, 50), random_words(7, 50));
+        assert_ne!(random_words(7, 50), random_words(8, 50));
+        assert_eq!(random_words(7, 50).split(' ').count(), 50);
+    }
 
     #[test]
     fn the_port_is_read_from_the_listening_line() {

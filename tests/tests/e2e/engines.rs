@@ -412,3 +412,77 @@ async fn embeddings_reach_an_openai_host_as_openai_and_are_cached_per_item() {
     embed_engine.stop().await;
     chat_engine.stop().await;
 }
+
+#[tokio::test]
+async fn an_engines_errors_reach_the_client_unchanged_and_count_as_the_hosts_errors() {
+    if !engine::installed() {
+        return;
+    }
+    // Two slots sharing one pool of 1,024 tokens (`-kvu`): a prompt over it is refused
+    // with a 400; two streams that together outgrow it both fail inside their 200.
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(1024)
+        .arg("-kvu")
+        .start()
+        .await;
+    let stack = Stack::start(&config(&[("chat", &chat_engine.url(), "openai")])).await;
+    wait_host(&stack, "chat", |host| host["engine_slots"] == 2).await;
+    let http = HttpClient::new();
+    let url = format!("{}/v1/chat/completions", stack.url());
+
+    let long = json!({
+        "model": "oqp-tiny:latest",
+        "messages": [{"role": "user", "content": engine::random_words(1, 400)}],
+        "max_tokens": 2,
+    });
+    let refused = http.post_json(&url, &[], &long).await;
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    let error = refused.json();
+    assert_eq!(
+        error["error"]["type"], "exceed_context_size_error",
+        "{error}"
+    );
+    assert_eq!(error["error"]["n_ctx"], 1024, "{error}");
+
+    let stream = |seed: u64| {
+        json!({
+            "model": "oqp-tiny:latest",
+            "messages": [{"role": "user", "content": engine::random_words(seed, 120)}],
+            "max_tokens": 700,
+            "stream": true,
+        })
+    };
+    let (first, second) = (stream(2), stream(3));
+    let (first, second) = tokio::join!(
+        http.post_json(&url, &[], &first),
+        http.post_json(&url, &[], &second)
+    );
+    for reply in [&first, &second] {
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let text = reply.text();
+        let last = text.trim_end().lines().last().unwrap_or_default();
+        assert!(last.starts_with(r#"data: {"error":"#), "{text}");
+        assert!(!text.contains("[DONE]"), "{text}");
+    }
+
+    let metrics = http
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    let errors = |place: &str| {
+        sample(
+            &metrics,
+            &[&format!(
+                r#"oqp_host_errors_total{{name="chat",where="{place}"}}"#
+            )],
+        )
+    };
+    assert_eq!(errors("status"), Some(1.0), "{metrics}");
+    assert_eq!(errors("in_band"), Some(2.0), "{metrics}");
+    let host = wait_host(&stack, "chat", |host| host["answered_errors"] == 3).await;
+    assert_eq!(host["healthy"], true, "{host}");
+    stack.shutdown().await;
+    chat_engine.stop().await;
+}
