@@ -430,7 +430,10 @@ async fn send_granted(
         {
             metrics.model_load(&host.name, model, load);
         }
-        if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
+        if let Some(rate) = outcome.engine_prefill.filter(|_| !outcome.in_band_error) {
+            // A llama-server's own figure, cached tokens left out: the host's rate.
+            lease.set_prefill(Some(rate));
+        } else if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
             && !outcome.in_band_error
             && let Some(duration) = outcome.prompt_eval_duration
             && outcome.tokens.prompt > 0

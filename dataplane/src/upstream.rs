@@ -289,7 +289,7 @@ impl Framing {
 }
 
 /// How a response body ended, reported once to its [`Completion`] hook.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     /// True when the upstream sent the whole body.
     pub complete: bool,
@@ -308,6 +308,9 @@ pub struct Outcome {
     /// The prompt's tokens the engine says came from its cache, when it says (see
     /// [`engine_cached`]); counted in `tokens.prompt` too.
     pub cached_tokens: Option<u64>,
+    /// The engine's prefill time per token (seconds), from llama-server's `timings` (see
+    /// [`engine_prefill`]), when the body ended whole and stated it.
+    pub engine_prefill: Option<f64>,
     /// True when a whole stream ended with an error in place of its answer (see
     /// [`in_band_error`]): a failure though its status was 200.
     pub in_band_error: bool,
@@ -583,6 +586,7 @@ impl ResponseBody {
                     .then(|| engine_cached(&self.tail, self.head_cached))
                     .flatten(),
                 in_band_error: complete && in_band_error(self.framing, &self.tail),
+                engine_prefill: complete.then(|| engine_prefill(&self.tail)).flatten(),
                 elapsed: self.started.elapsed(),
             });
         }
@@ -720,6 +724,34 @@ fn chunk_ends(framing: Framing, before: Option<u8>, data: &[u8]) -> u64 {
     ends
 }
 
+/// The fewest prompt tokens an engine must have evaluated for its prefill time to teach a
+/// rate: a few tokens' time is mostly the request's fixed cost.
+const MIN_PREFILL_TOKENS: u64 = 64;
+
+/// The prefill time per token, in seconds, that a llama-server answer's `timings` state:
+/// `prompt_ms / prompt_n`, where `prompt_n` counts only the tokens it evaluated (not those
+/// it found cached), so an answer with a cache hit teaches the rate too. `None` without
+/// `timings`, or for fewer than [`MIN_PREFILL_TOKENS`] evaluated tokens.
+pub fn engine_prefill(tail: &[u8]) -> Option<f64> {
+    let evaluated = last_number(tail, b"\"prompt_n\":")?;
+    if evaluated < MIN_PREFILL_TOKENS {
+        return None;
+    }
+    let field = b"\"prompt_ms\":";
+    let start = tail
+        .windows(field.len())
+        .rposition(|window| window == field)?
+        + field.len();
+    let text: String = tail[start..]
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'-' | b'+'))
+        .map(|b| char::from(*b))
+        .collect();
+    let millis: f64 = text.parse().ok()?;
+    (millis.is_finite() && millis > 0.0).then(|| millis / 1000.0 / evaluated as f64)
+}
+
 /// Ollama's `total_duration` (nanoseconds) in the final object, if the tail
 /// of the body has one.
 pub fn total_duration(tail: &[u8]) -> Option<Duration> {
@@ -745,6 +777,26 @@ pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_prefill_rate_is_read_from_llama_servers_timings() {
+        let tail = br#"{"usage":{"prompt_tokens":1296,"prompt_tokens_details":{"cached_tokens":908}},"timings":{"cache_n":908,"prompt_n":388,"prompt_ms":1241.6,"prompt_per_token_ms":3.2}}"#;
+        let rate = engine_prefill(tail).expect("a rate");
+        assert!((rate - 0.0032).abs() < 1e-9, "{rate}");
+        // Too few evaluated tokens to say anything; no timings at all.
+        assert_eq!(
+            engine_prefill(br#"{"timings":{"prompt_n":1,"prompt_ms":3.9}}"#),
+            None
+        );
+        assert_eq!(
+            engine_prefill(br#"{"done":true,"prompt_eval_count":300}"#),
+            None
+        );
+        assert_eq!(
+            engine_prefill(br#"{"timings":{"prompt_n":100,"prompt_ms":0}}"#),
+            None
+        );
+    }
 
     #[test]
     fn in_band_errors_are_told_from_answers() {

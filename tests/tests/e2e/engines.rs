@@ -486,3 +486,108 @@ async fn an_engines_errors_reach_the_client_unchanged_and_count_as_the_hosts_err
     stack.shutdown().await;
     chat_engine.stop().await;
 }
+
+/// One turn of a conversation as a real engine saw it.
+#[derive(Debug, Clone)]
+struct Turn {
+    affinity: String,
+    host: String,
+    prompt_tokens: u64,
+    cache_n: u64,
+}
+
+/// Runs a conversation of `turns` turns through oqp at `url`: `start` words of random text,
+/// then `more` words a turn, each answer (a few tokens, never looked at) kept in the history.
+async fn converse(url: &str, seed: u64, turns: usize, start: usize, more: usize) -> Vec<Turn> {
+    let http = HttpClient::new();
+    let mut messages = Vec::new();
+    let mut seen = Vec::new();
+    for turn in 0..turns {
+        let words = if turn == 0 { start } else { more };
+        let text = engine::random_words(seed * 100 + turn as u64, words);
+        messages.push(json!({"role": "user", "content": text}));
+        let body = json!({"model": "oqp-tiny:latest", "messages": messages, "max_tokens": 4});
+        let reply = http.post_json(url, &[], &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let answer = reply.json();
+        messages.push(answer["choices"][0]["message"].clone());
+        seen.push(Turn {
+            affinity: reply.header("x-oqp-affinity").unwrap_or_default(),
+            host: reply.header("x-failover-host").unwrap_or_default(),
+            prompt_tokens: answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+            cache_n: answer["timings"]["cache_n"].as_u64().unwrap_or(0),
+        });
+    }
+    seen
+}
+
+#[tokio::test]
+async fn follow_ups_on_real_llama_servers_are_hits_that_find_their_history_cached() {
+    if !engine::installed() {
+        return;
+    }
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let engine = Engine::builder(Model::Chat)
+            .alias("oqp-tiny:latest")
+            .parallel(2)
+            .context(16384);
+        engines.push(engine.start().await);
+    }
+    let mut yaml = String::from("proxy:\n  max_concurrent: 8\nollama:\n  hosts:\n");
+    for (index, engine) in engines.iter().enumerate() {
+        yaml.push_str(&format!(
+            "    - {{url: \"{}\", name: e{index}, kind: openai, max_concurrent: 2, model_sync_interval: 1}}\n",
+            engine.url()
+        ));
+    }
+    yaml.push_str("routing:\n  strategy: model_aware\n  model_poll_timeout: 2\n");
+    let stack = Stack::start(&yaml).await;
+    for index in 0..2 {
+        wait_host(&stack, &format!("e{index}"), |host| {
+            host["engine_slots"] == 2
+        })
+        .await;
+    }
+    let url = format!("{}/v1/chat/completions", stack.url());
+    let conversations =
+        futures_util::future::join_all((1..=4).map(|seed| converse(&url, seed, 5, 150, 60))).await;
+    let mut report = String::new();
+    for (index, turns) in conversations.iter().enumerate() {
+        report.push_str(&format!("conversation {index}: {turns:?}\n"));
+    }
+    for turns in &conversations {
+        assert_eq!(turns[0].affinity, "new", "{report}");
+        for pair in turns.windows(2) {
+            let (before, turn) = (&pair[0], &pair[1]);
+            assert_eq!(turn.affinity, "hit", "{report}");
+            assert_eq!(turn.host, before.host, "{report}");
+            assert!(turn.cache_n * 10 >= before.prompt_tokens * 9, "{report}");
+        }
+    }
+
+    // Eight more conversations: more than the engines' slots, so conversations are set aside
+    // in each llama-server's RAM prompt cache and restored when they come back. Whatever
+    // the placement, the label says what the engine found: a follow-up is a `hit` exactly
+    // when its history was cached where it went.
+    let conversations =
+        futures_util::future::join_all((5..=12).map(|seed| converse(&url, seed, 4, 150, 60))).await;
+    let mut report = String::new();
+    for (index, turns) in conversations.iter().enumerate() {
+        report.push_str(&format!("conversation {index}: {turns:?}\n"));
+    }
+    let mut hits = 0;
+    for turns in &conversations {
+        for pair in turns.windows(2) {
+            let (before, turn) = (&pair[0], &pair[1]);
+            let cached = turn.cache_n * 10 >= before.prompt_tokens * 9;
+            assert_eq!(turn.affinity == "hit", cached, "{report}");
+            hits += usize::from(cached);
+        }
+    }
+    assert!(hits > 0, "{report}");
+    stack.shutdown().await;
+    for engine in engines {
+        engine.stop().await;
+    }
+}
