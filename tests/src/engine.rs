@@ -5,8 +5,8 @@
 //!
 //! [`Engine::builder`] finds the binary and the models (the folder named by
 //! `OQP_LLAMA_SERVER_DIR`, else setup's cache folder), starts `llama-server`
-//! on a port of its own choosing on loopback (`--port 0`; the port is read
-//! from its log), and waits until `/health` answers 200 (polled: the model
+//! on a port of its own choosing on loopback (`--port 0`, unless given one; the
+//! port is read from its log), and waits until `/health` answers 200 (polled: the model
 //! loads in its own time). The process dies with the [`Engine`]
 //! (`kill_on_drop`). [`installed`] decides whether a test runs: without the
 //! binary a test is skipped with a printed reason, except in CI, where it
@@ -71,6 +71,7 @@ pub struct EngineBuilder {
     dir: PathBuf,
     model: Model,
     alias: Option<String>,
+    port: u16,
     args: Vec<String>,
 }
 
@@ -116,6 +117,7 @@ impl Engine {
             dir: dir(),
             model,
             alias: None,
+            port: 0,
             args: Vec::new(),
         }
     }
@@ -149,6 +151,13 @@ impl EngineBuilder {
         self
     }
 
+    /// Listens on `port` (default 0: a port of its own choosing), e.g. the port another
+    /// server just left, to play a host restarted as another kind of server.
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = port;
+        self
+    }
+
     /// Slots (`-np`).
     pub fn parallel(self, slots: u32) -> Self {
         self.arg("-np").arg(&slots.to_string())
@@ -178,7 +187,7 @@ impl EngineBuilder {
         command
             .arg("-m")
             .arg(&model)
-            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
             // Two shared cores run every test: one thread each keeps several engines fair.
             .args(["-t", "1", "-tb", "1"])
             .arg("--no-webui");

@@ -591,3 +591,41 @@ async fn follow_ups_on_real_llama_servers_are_hits_that_find_their_history_cache
         engine.stop().await;
     }
 }
+
+#[tokio::test]
+async fn an_auto_host_restarted_as_a_llama_server_is_found_and_routed_as_one() {
+    if !engine::installed() {
+        return;
+    }
+    let fake = FakeOllama::builder().model("qwen3").spawn().await;
+    let port = fake.addr().port();
+    let stack = Stack::start(&config(&[("box", &fake.url(), "auto")])).await;
+    let host = wait_host(&stack, "box", |host| host["engine"] == "ollama").await;
+    assert_eq!(host["kind"], "ollama", "{host}");
+
+    // The box restarts as a llama-server on the same address.
+    fake.shutdown().await;
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(2048)
+        .port(port)
+        .start()
+        .await;
+    let host = wait_host(&stack, "box", |host| {
+        host["engine"] == "llama-server" && host["healthy"] == true
+    })
+    .await;
+    assert_eq!(host["kind"], "openai", "{host}");
+    assert_eq!(host["configured_kind"], "auto", "{host}");
+    assert_eq!(host["models"], json!(["oqp-tiny:latest"]), "{host}");
+    let host = wait_host(&stack, "box", |host| host["engine_slots"] == 2).await;
+    assert!(host.get("poll_error").is_none(), "{host}");
+
+    // Routed as what it is now.
+    let http = HttpClient::new();
+    let (status, served) = chat(&http, &stack.url(), "oqp-tiny:latest").await;
+    assert_eq!((status, served.as_deref()), (200, Some("box")));
+    stack.shutdown().await;
+    chat_engine.stop().await;
+}
