@@ -126,8 +126,11 @@ impl Outbound {
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
+        // Idle connections go before an engine's own idle close (a llama-server's 5 s), so a
+        // poll is never written to a connection the host is closing; a poll every few
+        // seconds costs one connect at most.
         let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_idle_timeout(Duration::from_secs(4))
             .pool_max_idle_per_host(2)
             .build(connector);
         Self { client }

@@ -56,7 +56,7 @@ use crate::scheduler::Tier;
 pub use flight::{Dispatch, Flights, Follow, Join, Lead};
 pub use key::{Namespace, Params};
 pub use plan::{
-    Assembled, Fetch, Fetched, Plan, PlanError, Timing, TooManyInputs, plan, plan_within,
+    Assembled, Fetch, Fetched, Plan, PlanError, Timing, TooManyInputs, is_vector, plan, plan_within,
 };
 pub use resolve::{Items, Outcome, ResolveError, Resolved};
 pub use stats::{CacheStats, LabelCounts, Labels};

@@ -84,6 +84,8 @@ pub async fn handle(
         match rewrite::openai_embed_request(&body) {
             Ok((translated, format)) => {
                 outbound.path_and_query = http::uri::PathAndQuery::from_static("/api/embed");
+                // An `openai` host is sent the client's own body (see `rewrite::openai_host`).
+                outbound.openai_embeddings = Some(body.clone());
                 // The translation is oqp's own JSON: read anew, it is always one value.
                 let view = BodyView::read(&translated).unwrap_or_default();
                 (translated, view, Some(OpenAi { format, model }))
@@ -132,6 +134,7 @@ pub async fn handle(
             headers: outbound.headers.clone(),
             body: RequestBody::Buffered(miss_body),
             unstreamed: false,
+            openai_embeddings: outbound.openai_embeddings.clone(),
         };
         let model = Some(model.clone());
         async move {

@@ -135,7 +135,10 @@ pub async fn send(
             }
         };
         // Every attempt that reached the host held its slot there.
-        let reached = !matches!(result, Err(UpstreamError::Connect(_)));
+        let reached = !matches!(
+            result,
+            Err(UpstreamError::Connect(_) | UpstreamError::Stale(_))
+        );
         let down = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),
             Ok(Sent::Refused(error)) => return Err(error),
@@ -151,7 +154,7 @@ pub async fn send(
                 false
             }
             Err(error) => {
-                written |= !matches!(error, UpstreamError::Connect(_));
+                written |= !matches!(error, UpstreamError::Connect(_) | UpstreamError::Stale(_));
                 parts.metrics.host_failure(&host.name);
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
                 failures.push(host.name.clone(), error.cause());
@@ -165,6 +168,9 @@ pub async fn send(
                         false
                     }
                     UpstreamError::Transport(_) => true,
+                    // Pooled connections the host had closed, past the resends: nothing ran
+                    // and the host is not down.
+                    UpstreamError::Stale(_) => false,
                 }
             }
         };
@@ -212,15 +218,40 @@ async fn send_local(
     outbound: Outbound,
     head_timeout: std::time::Duration,
 ) -> Result<Sent, UpstreamError> {
-    let request = proxy::request_for(
-        host,
-        &outbound.method,
-        &outbound.path_and_query,
-        &outbound.headers,
-        body_of(outbound.body),
-    )
-    .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-    let response = parts.upstream.send(request, head_timeout).await?;
+    if host.kind == HostKind::Openai
+        && let Some(origin) = &outbound.openai_embeddings
+        && outbound.path_and_query.path() == "/api/embed"
+    {
+        return send_openai_embeddings(parts, host, origin.clone(), outbound, head_timeout).await;
+    }
+    let response = match outbound.body {
+        // A body in memory can be sent again when a pooled connection turns out closed.
+        RequestBody::Buffered(bytes) => {
+            let request = || {
+                let body = body_of(RequestBody::Buffered(bytes.clone()));
+                let path = &outbound.path_and_query;
+                proxy::request_for(host, &outbound.method, path, &outbound.headers, body).ok()
+            };
+            parts
+                .upstream
+                .send_replayable(host.kind, request, head_timeout)
+                .await?
+        }
+        streamed @ RequestBody::Streamed(_) => {
+            let request = proxy::request_for(
+                host,
+                &outbound.method,
+                &outbound.path_and_query,
+                &outbound.headers,
+                body_of(streamed),
+            )
+            .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+            parts
+                .upstream
+                .send_to(host.kind, request, head_timeout)
+                .await?
+        }
+    };
     let mut answer = Answer::new(host.clone(), response);
     let status = answer.response.status();
     if status == StatusCode::SERVICE_UNAVAILABLE || status == StatusCode::NOT_FOUND {
@@ -232,6 +263,88 @@ async fn send_local(
             return Ok(Sent::ModelMissing(answer));
         }
     }
+    Ok(Sent::Done(Forwarded {
+        answer,
+        guards: Vec::new(),
+        headers: Vec::new(),
+    }))
+}
+
+/// An `/api/embed` request translated from `/v1/embeddings`, on a host of kind `openai`:
+/// sent as `/v1/embeddings` in the client's own shape, its answer read back into
+/// `/api/embed`'s (see [`rewrite::openai_host`]). An answer that is not a list of
+/// vectors is a 502 with the reason; an error is passed on as the engine sent it.
+async fn send_openai_embeddings(
+    parts: Parts<'_>,
+    host: &Arc<Host>,
+    origin: Bytes,
+    outbound: Outbound,
+    timeout: std::time::Duration,
+) -> Result<Sent, UpstreamError> {
+    let RequestBody::Buffered(embed) = &outbound.body else {
+        return Err(UpstreamError::Connect("embedding body not buffered".into()));
+    };
+    let Some(body) = rewrite::openai_host::embed_request(&origin, embed) else {
+        return Ok(Sent::Done(Forwarded {
+            answer: refusal(
+                host,
+                StatusCode::BAD_REQUEST,
+                "the embedding request cannot be sent to an OpenAI-compatible host",
+                None,
+            ),
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
+    };
+    let model = BodyView::read(embed)
+        .ok()
+        .and_then(|view| view.model().map(str::to_owned))
+        .unwrap_or_default();
+    let path = http::uri::PathAndQuery::from_static(rewrite::openai_host::EMBEDDINGS_PATH);
+    let request = || {
+        let body = body::full(body.clone());
+        proxy::request_for(host, &outbound.method, &path, &outbound.headers, body).ok()
+    };
+    let response = parts
+        .upstream
+        .send_replayable(host.kind, request, timeout)
+        .await?;
+    let mut answer = Answer::new(host.clone(), response);
+    let status = answer.response.status();
+    if status != StatusCode::OK {
+        let bytes = peek(&mut answer.response, PEEK_TIMEOUT).await;
+        if is_model_not_found(status, &bytes) {
+            return Ok(Sent::ModelMissing(answer));
+        }
+        return Ok(Sent::Done(Forwarded {
+            answer,
+            guards: Vec::new(),
+            headers: Vec::new(),
+        }));
+    }
+    let (mut head, incoming) = answer.response.into_parts();
+    let read = tokio::time::timeout(timeout, incoming.collect()).await;
+    let Ok(Ok(collected)) = read else {
+        return Err(UpstreamError::Timeout);
+    };
+    let translated = rewrite::openai_host::embed_response(&collected.to_bytes(), &model);
+    let body = match translated {
+        Some(translated) => translated,
+        None => {
+            tracing::warn!(host = %host.name, "an OpenAI-compatible host answered embeddings with no list of vectors");
+            head.status = StatusCode::BAD_GATEWAY;
+            Bytes::from_static(
+                b"{\"error\":\"upstream returned an unexpected embeddings response\"}",
+            )
+        }
+    };
+    head.headers.remove(header::CONTENT_LENGTH);
+    head.headers.remove(header::TRANSFER_ENCODING);
+    head.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    answer.response = Response::from_parts(head, body::full(body));
     Ok(Sent::Done(Forwarded {
         answer,
         guards: Vec::new(),
@@ -564,6 +677,7 @@ pub fn split_for_retry(outbound: Outbound) -> (Outbound, Option<Outbound>) {
                 headers: outbound.headers.clone(),
                 body: RequestBody::Buffered(bytes.clone()),
                 unstreamed: outbound.unstreamed,
+                openai_embeddings: outbound.openai_embeddings.clone(),
             };
             (outbound, Some(replay))
         }

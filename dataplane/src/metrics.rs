@@ -138,6 +138,7 @@ pub struct Metrics {
     host_healthy: IntGaugeVec,
     host_requests: IntCounterVec,
     host_failures: IntCounterVec,
+    host_errors: IntCounterVec,
     host_slots_in_use: IntGaugeVec,
     runner_slots: IntGaugeVec,
     runner_in_flight: IntGaugeVec,
@@ -348,6 +349,11 @@ impl Metrics {
                 "oqp_host_failures_total",
                 "Requests the host failed before answering (connect error or timeout)",
                 &["name"],
+            ),
+            host_errors: counters(
+                "oqp_host_errors_total",
+                "Requests the host answered with an error: an error status (where=status) or an error inside a 200 stream (where=in_band: Ollama's and llama-server's mid-stream errors)",
+                &["name", "where"],
             ),
             host_slots_in_use: int_gauges(
                 "oqp_host_slots_in_use",
@@ -600,6 +606,30 @@ impl Metrics {
         if let Ok(counter) = self.host_failures.get_metric_with_label_values(&[name]) {
             counter.inc();
         }
+    }
+
+    /// Host `name` answered a request with an error: an error status (`status`) or an
+    /// error inside a 200 stream (`in_band`).
+    pub fn host_error(&self, name: &str, place: &str) {
+        if let Ok(counter) = self
+            .host_errors
+            .get_metric_with_label_values(&[name, place])
+        {
+            counter.inc();
+        }
+    }
+
+    /// Requests host `name` answered with an error (either kind) since start.
+    pub fn host_errors(&self, name: &str) -> u64 {
+        ["status", "in_band"]
+            .into_iter()
+            .filter_map(|place| {
+                self.host_errors
+                    .get_metric_with_label_values(&[name, place])
+                    .ok()
+            })
+            .map(|counter| counter.get())
+            .sum()
     }
 
     /// Requests host `name` answered and failed since start.

@@ -221,6 +221,10 @@ pub struct Outbound {
     /// Whether the answer's head comes only with the whole answer (a non-streamed
     /// generation): its head timeout is `non_streamed_timeout`, not `request_timeout`.
     pub unstreamed: bool,
+    /// The client's own `/v1/embeddings` body when this is its `/api/embed`
+    /// translation: a host of kind `openai` is sent that instead
+    /// ([`crate::rewrite::openai_host`]).
+    pub openai_embeddings: Option<Bytes>,
 }
 
 impl Outbound {
@@ -266,6 +270,7 @@ impl Outbound {
             headers,
             body,
             unstreamed: self.unstreamed,
+            openai_embeddings: self.openai_embeddings,
         }
     }
 }
@@ -311,7 +316,7 @@ pub async fn send(
         path_and_query,
         mut headers,
         body,
-        unstreamed: _,
+        ..
     } = outbound;
     let (buffered, mut streamed) = match body {
         RequestBody::Buffered(bytes) => {
@@ -332,7 +337,7 @@ pub async fn send(
             (None, None) => break,
         };
         let request = request_for(host, &method, &path_and_query, &headers, body)?;
-        match upstream.send(request, timeout).await {
+        match upstream.send_to(host.kind, request, timeout).await {
             Ok(response) => {
                 let mut answer = Answer::new(host.clone(), response);
                 answer.failed = failed;

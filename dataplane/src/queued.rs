@@ -410,7 +410,12 @@ async fn send_granted(
     } = forwarded;
     let answered = answer.response.status().is_success();
     parts.metrics.host_request(&answer.host.name);
+    let status = answer.response.status();
+    if status.is_client_error() || status.is_server_error() {
+        parts.metrics.host_error(&answer.host.name, "status");
+    }
     parts.metrics.observe_ttfb(tier, sent.elapsed());
+    let host_name = answer.host.name.clone();
     let metrics = parts.metrics.clone();
     let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
@@ -420,6 +425,12 @@ async fn send_granted(
         let gpu = outcome
             .total_duration
             .map_or_else(|| sent.elapsed(), |total| total.saturating_add(spent));
+        if outcome.in_band_error {
+            // A 200 whose stream ended in an error (a llama-server's context overflow, an
+            // Ollama runner's crash): a failure of the host, relayed to the client as it came.
+            metrics.host_error(&host_name, "in_band");
+            tracing::info!(host = %host_name, "the answer's stream ended with an in-band error");
+        }
         if let Some(usage) = usage {
             usage.record(
                 &client,
@@ -452,7 +463,11 @@ async fn send_granted(
         {
             metrics.model_load(&host.name, model, load);
         }
-        if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
+        if let Some(rate) = outcome.engine_prefill.filter(|_| !outcome.in_band_error) {
+            // A llama-server's own figure, cached tokens left out: the host's rate.
+            lease.set_prefill(Some(rate));
+        } else if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
+            && !outcome.in_band_error
             && let Some(duration) = outcome.prompt_eval_duration
             && outcome.tokens.prompt > 0
         {

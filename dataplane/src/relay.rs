@@ -77,7 +77,7 @@ pub async fn send(
         path_and_query,
         mut headers,
         body,
-        unstreamed: _,
+        ..
     } = outbound;
     let request_id = headers
         .get(headers::REQUEST_ID)

@@ -6,12 +6,15 @@
 //!   spelling (`1.0`, `1e-7`), escapes stay escapes, key order and whitespace
 //!   are kept. (The reference re-serialised the whole body, turning raw UTF-8
 //!   into `\uXXXX` and renormalising floats; we do not.)
-//! - [`openai`] translates `/v1/embeddings` to `/api/embed` and back.
+//! - [`openai`] translates `/v1/embeddings` to `/api/embed` and back;
+//!   [`openai_host`] sends such a request to a host of kind `openai` as
+//!   `/v1/embeddings` again and reads its answer as `/api/embed`'s.
 //!
 //! What a body says is read once, by [`crate::view::BodyView`], with Ollama's
 //! key rules: a body with `"Keep_Alive": 0` already has a keep_alive.
 
 pub mod openai;
+pub mod openai_host;
 
 pub use crate::view::scan;
 

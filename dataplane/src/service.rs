@@ -536,6 +536,7 @@ async fn forward(
         headers: upstream_headers,
         body,
         unstreamed: false,
+        openai_embeddings: None,
     };
 
     if endpoint == Endpoint::Metadata {

@@ -154,6 +154,8 @@ struct HostStatus {
     last_checked: Option<String>,
     requests_handled: u64,
     failures: u64,
+    /// Requests answered with an error status or an in-band stream error.
+    answered_errors: u64,
     slots_in_use: u32,
     max_concurrent: u32,
     /// Cloud hosts: the key pool, redacted (account label or `…` + last 4).
@@ -565,6 +567,7 @@ fn host_status(
             .map(iso8601),
         requests_handled,
         failures,
+        answered_errors: sources.metrics.host_errors(&host.name),
         slots_in_use: stats
             .slots
             .get(&host.name)

@@ -26,6 +26,9 @@ use tokio::time::Sleep;
 
 use crate::body::{Body, BoxError};
 use crate::error::Cause;
+use crate::policy::HostKind;
+
+mod reuse;
 
 /// How a connection attempt failed before any response arrived.
 #[derive(Debug, thiserror::Error)]
@@ -39,6 +42,11 @@ pub enum UpstreamError {
     /// The connection broke before the response headers.
     #[error("transport error: {0}")]
     Transport(String),
+    /// A pooled connection that had served answers was closed before one byte
+    /// of this one: the server closed it as idle and never read the request,
+    /// which may be sent again (see [`reuse`]).
+    #[error("reused connection closed before any answer: {0}")]
+    Stale(String),
 }
 
 impl UpstreamError {
@@ -47,7 +55,7 @@ impl UpstreamError {
     pub fn cause(&self) -> Cause {
         match self {
             Self::Timeout => Cause::Timeout,
-            Self::Transport(_) => Cause::ConnectionClosed,
+            Self::Transport(_) | Self::Stale(_) => Cause::ConnectionClosed,
             Self::Connect(text) => {
                 let text = text.to_ascii_lowercase();
                 if text.contains("refused") {
@@ -70,6 +78,23 @@ const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(90);
 
+/// How long an idle pooled connection to a host of kind `openai` is kept: less
+/// than the 5 s after which a llama-server (cpp-httplib) closes it.
+const ENGINE_POOL_IDLE: Duration = Duration::from_secs(4);
+
+/// Times a request is sent again after its reused connection was found closed.
+const STALE_RETRIES: usize = 3;
+
+/// How long an idle pooled connection to a host of `kind` is kept.
+pub fn pool_idle(kind: HostKind) -> Duration {
+    match kind {
+        HostKind::Openai => ENGINE_POOL_IDLE,
+        HostKind::Ollama | HostKind::Cloud => POOL_IDLE,
+    }
+}
+
+type Connector = hyper_rustls::HttpsConnector<reuse::Counting>;
+
 /// The upstream sent nothing for the stall timeout in the middle of a body.
 #[derive(Debug, thiserror::Error)]
 #[error("no data from the upstream for {0:?} in the middle of the response")]
@@ -78,7 +103,9 @@ pub struct Stalled(Duration);
 /// The shared upstream client.
 #[derive(Clone, Debug)]
 pub struct Upstream {
-    client: Client<hyper_rustls::HttpsConnector<HttpConnector>, Body>,
+    client: Client<Connector, Body>,
+    /// The pool for hosts of kind `openai`, which close idle connections sooner.
+    engine: Client<Connector, Body>,
 }
 
 impl Upstream {
@@ -95,7 +122,7 @@ impl Upstream {
             .with_webpki_roots()
             .https_or_http()
             .enable_http1()
-            .wrap_connector(Self::http(connect_timeout));
+            .wrap_connector(reuse::Counting(Self::http(connect_timeout)));
         Self::pooled(connector, pool_idle)
     }
 
@@ -132,7 +159,7 @@ impl Upstream {
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
-            .wrap_connector(Self::http(connect_timeout));
+            .wrap_connector(reuse::Counting(Self::http(connect_timeout)));
         Ok(Self::pooled(connector, pool_idle))
     }
 
@@ -145,12 +172,17 @@ impl Upstream {
         http
     }
 
-    fn pooled(connector: hyper_rustls::HttpsConnector<HttpConnector>, idle: Duration) -> Self {
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(idle)
-            .pool_max_idle_per_host(64)
-            .build(connector);
-        Self { client }
+    fn pooled(connector: Connector, idle: Duration) -> Self {
+        let pool = |idle: Duration| {
+            Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(idle)
+                .pool_max_idle_per_host(64)
+                .build(connector.clone())
+        };
+        Self {
+            client: pool(idle),
+            engine: pool(idle.min(pool_idle(HostKind::Openai))),
+        }
     }
 
     /// Sends `request` and waits for the response headers, at most `timeout`.
@@ -159,10 +191,62 @@ impl Upstream {
         request: Request<Body>,
         timeout: Duration,
     ) -> Result<Response<Incoming>, UpstreamError> {
-        match tokio::time::timeout(timeout, self.client.request(request)).await {
+        Self::exchange(&self.client, request, timeout).await
+    }
+
+    /// [`send`](Self::send) to a host of `kind`, from the pool kept for that kind.
+    pub async fn send_to(
+        &self,
+        kind: HostKind,
+        request: Request<Body>,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let client = match kind {
+            HostKind::Openai => &self.engine,
+            HostKind::Ollama | HostKind::Cloud => &self.client,
+        };
+        Self::exchange(client, request, timeout).await
+    }
+
+    /// [`send_to`](Self::send_to) a request that `request` can build again: sent
+    /// again (a few times at most) when a reused connection was found closed
+    /// before any byte of the answer ([`UpstreamError::Stale`]: nothing ran).
+    pub async fn send_replayable(
+        &self,
+        kind: HostKind,
+        request: impl Fn() -> Option<Request<Body>>,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        let mut retries = 0;
+        loop {
+            let Some(attempt) = request() else {
+                return Err(UpstreamError::Connect("invalid upstream URL".into()));
+            };
+            match self.send_to(kind, attempt, timeout).await {
+                Err(UpstreamError::Stale(reason)) if retries < STALE_RETRIES => {
+                    retries += 1;
+                    tracing::debug!(%reason, "upstream closed a pooled connection; sending again");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn exchange(
+        client: &Client<Connector, Body>,
+        request: Request<Body>,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(timeout, client.request(request)).await {
             Err(_) => Err(UpstreamError::Timeout),
-            Ok(Ok(response)) => Ok(response),
+            Ok(Ok(response)) => {
+                reuse::mark_served(&response);
+                Ok(response)
+            }
             Ok(Err(error)) if error.is_connect() => Err(UpstreamError::Connect(root_cause(&error))),
+            Ok(Err(error)) if reuse::was_reused(&error) && reuse::closed_before_answer(&error) => {
+                Err(UpstreamError::Stale(root_cause(&error)))
+            }
             Ok(Err(error)) => Err(UpstreamError::Transport(root_cause(&error))),
         }
     }
@@ -205,7 +289,7 @@ impl Framing {
 }
 
 /// How a response body ended, reported once to its [`Completion`] hook.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     /// True when the upstream sent the whole body.
     pub complete: bool,
@@ -228,8 +312,33 @@ pub struct Outcome {
     /// The prompt's tokens the engine says came from its cache, when it says (see
     /// [`engine_cached`]); counted in `tokens.prompt` too.
     pub cached_tokens: Option<u64>,
+    /// The engine's prefill time per token (seconds), from llama-server's `timings` (see
+    /// [`engine_prefill`]), when the body ended whole and stated it.
+    pub engine_prefill: Option<f64>,
+    /// True when a whole stream ended with an error in place of its answer (see
+    /// [`in_band_error`]): a failure though its status was 200.
+    pub in_band_error: bool,
     /// Time from the response headers to the end of the body.
     pub elapsed: Duration,
+}
+
+/// Whether a stream's kept tail ends with an in-band error: the last NDJSON line
+/// `{"error":…}` (Ollama's runner failing mid-generation), or the last SSE event a
+/// JSON object with an `error` member and no `data: [DONE]` after it (llama-server's
+/// `data: {"error":{…}}`, Anthropic's `error` event). A whole JSON answer is never one.
+pub fn in_band_error(framing: Framing, tail: &[u8]) -> bool {
+    let last = tail
+        .split(|byte| *byte == b'\n')
+        .map(<[u8]>::trim_ascii)
+        .filter(|line| !line.is_empty())
+        .filter_map(|line| match framing {
+            Framing::Sse => line.strip_prefix(b"data:").map(<[u8]>::trim_ascii),
+            Framing::Ndjson => Some(line),
+            Framing::Opaque => None,
+        })
+        .next_back();
+    last.and_then(|line| serde_json::from_slice::<serde_json::Value>(line).ok())
+        .is_some_and(|value| value.get("error").is_some_and(|error| !error.is_null()))
 }
 
 /// The token counts of a response's final object: Ollama's `prompt_eval_count` and
@@ -490,6 +599,8 @@ impl ResponseBody {
                 cached_tokens: complete
                     .then(|| engine_cached(&self.tail, self.head_cached))
                     .flatten(),
+                in_band_error: complete && in_band_error(self.framing, &self.tail),
+                engine_prefill: complete.then(|| engine_prefill(&self.tail)).flatten(),
                 elapsed: self.started.elapsed(),
             });
         }
@@ -627,6 +738,34 @@ fn chunk_ends(framing: Framing, before: Option<u8>, data: &[u8]) -> u64 {
     ends
 }
 
+/// The fewest prompt tokens an engine must have evaluated for its prefill time to teach a
+/// rate: a few tokens' time is mostly the request's fixed cost.
+const MIN_PREFILL_TOKENS: u64 = 64;
+
+/// The prefill time per token, in seconds, that a llama-server answer's `timings` state:
+/// `prompt_ms / prompt_n`, where `prompt_n` counts only the tokens it evaluated (not those
+/// it found cached), so an answer with a cache hit teaches the rate too. `None` without
+/// `timings`, or for fewer than [`MIN_PREFILL_TOKENS`] evaluated tokens.
+pub fn engine_prefill(tail: &[u8]) -> Option<f64> {
+    let evaluated = last_number(tail, b"\"prompt_n\":")?;
+    if evaluated < MIN_PREFILL_TOKENS {
+        return None;
+    }
+    let field = b"\"prompt_ms\":";
+    let start = tail
+        .windows(field.len())
+        .rposition(|window| window == field)?
+        + field.len();
+    let text: String = tail[start..]
+        .iter()
+        .skip_while(|b| b.is_ascii_whitespace())
+        .take_while(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'-' | b'+'))
+        .map(|b| char::from(*b))
+        .collect();
+    let millis: f64 = text.parse().ok()?;
+    (millis.is_finite() && millis > 0.0).then(|| millis / 1000.0 / evaluated as f64)
+}
+
 /// Ollama's `total_duration` (nanoseconds) in the final object, if the tail
 /// of the body has one.
 pub fn total_duration(tail: &[u8]) -> Option<Duration> {
@@ -652,6 +791,161 @@ pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_prefill_rate_is_read_from_llama_servers_timings() {
+        let tail = br#"{"usage":{"prompt_tokens":1296,"prompt_tokens_details":{"cached_tokens":908}},"timings":{"cache_n":908,"prompt_n":388,"prompt_ms":1241.6,"prompt_per_token_ms":3.2}}"#;
+        let rate = engine_prefill(tail).expect("a rate");
+        assert!((rate - 0.0032).abs() < 1e-9, "{rate}");
+        // Too few evaluated tokens to say anything; no timings at all.
+        assert_eq!(
+            engine_prefill(br#"{"timings":{"prompt_n":1,"prompt_ms":3.9}}"#),
+            None
+        );
+        assert_eq!(
+            engine_prefill(br#"{"done":true,"prompt_eval_count":300}"#),
+            None
+        );
+        assert_eq!(
+            engine_prefill(br#"{"timings":{"prompt_n":100,"prompt_ms":0}}"#),
+            None
+        );
+    }
+
+    #[test]
+    fn in_band_errors_are_told_from_answers() {
+        // llama-server: an error event in a 200, no [DONE].
+        let llama = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"error\":{\"code\":500,\"message\":\"Context size has been exceeded.\",\"type\":\"server_error\"}}\n\n";
+        assert!(in_band_error(Framing::Sse, llama));
+        // Anthropic's error event.
+        let messages = b"event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\"}}\n\n";
+        assert!(in_band_error(Framing::Sse, messages));
+        // Ollama's runner failing mid-generation.
+        let ollama = b"{\"response\":\"a\",\"done\":false}\n{\"error\":\"an error was encountered while running the model\"}\n";
+        assert!(in_band_error(Framing::Ndjson, ollama));
+
+        let done = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3}}\n\ndata: [DONE]\n\n";
+        assert!(!in_band_error(Framing::Sse, done));
+        let null = b"data: {\"type\":\"response.completed\",\"error\":null}\n\n";
+        assert!(!in_band_error(Framing::Sse, null));
+        let whole = b"{\"done\":true,\"eval_count\":3}\n";
+        assert!(!in_band_error(Framing::Ndjson, whole));
+        // A whole JSON answer is never in-band, whatever it says.
+        assert!(!in_band_error(Framing::Opaque, br#"{"error":"x"}"#));
+        assert!(!in_band_error(Framing::Sse, b""));
+    }
+
+    #[test]
+    fn openai_hosts_idle_out_before_a_llama_server_does() {
+        // llama-server (cpp-httplib) closes a keep-alive connection idle for 5 s.
+        assert!(pool_idle(HostKind::Openai) < Duration::from_secs(5));
+        assert_eq!(pool_idle(HostKind::Ollama), POOL_IDLE);
+        assert_eq!(pool_idle(HostKind::Cloud), POOL_IDLE);
+    }
+
+    /// A keep-alive HTTP/1 server on loopback that answers `200 ok`, except that it closes
+    /// the connection without a byte when `closes(connection, request)` (both counted
+    /// from 0) says so; returns its address and the number of connections it accepted.
+    async fn closing_server(
+        closes: fn(usize, usize) -> bool,
+    ) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let connection = count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut seen = Vec::new();
+                    let mut request = 0;
+                    let mut buffer = [0u8; 1024];
+                    while let Ok(read) = socket.read(&mut buffer).await {
+                        if read == 0 {
+                            return;
+                        }
+                        seen.extend_from_slice(&buffer[..read]);
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            if closes(connection, request) {
+                                return;
+                            }
+                            request += 1;
+                            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            if socket.write_all(answer).await.is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (address, accepted)
+    }
+
+    fn get(address: std::net::SocketAddr) -> Option<Request<Body>> {
+        Request::get(format!("http://{address}/health"))
+            .body(crate::body::empty())
+            .ok()
+    }
+
+    #[tokio::test]
+    async fn a_request_on_a_reused_connection_closed_before_an_answer_is_sent_again() {
+        use http_body_util::BodyExt;
+        use std::sync::atomic::Ordering;
+        // The first connection answers once, then closes as the next request comes (an
+        // engine's idle close racing it); the connections after it answer.
+        let (address, accepted) =
+            closing_server(|connection, request| connection == 0 && request == 1).await;
+        let upstream = Upstream::new(Duration::from_secs(5));
+        let timeout = Duration::from_secs(10);
+        let first = upstream
+            .send_to(HostKind::Openai, get(address).unwrap(), timeout)
+            .await;
+        let body = first
+            .expect("answered")
+            .into_body()
+            .collect()
+            .await
+            .unwrap();
+        assert_eq!(body.to_bytes().as_ref(), b"ok");
+        let again = upstream
+            .send_replayable(HostKind::Openai, || get(address), timeout)
+            .await
+            .expect("sent again on a new connection");
+        assert_eq!(again.status(), http::StatusCode::OK);
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+
+        // Without a way to build it again the same failure is reported, classed as stale.
+        let _ = again.into_body().collect().await;
+        let (address, _) = closing_server(|_, request| request == 1).await;
+        let first = upstream
+            .send_to(HostKind::Openai, get(address).unwrap(), timeout)
+            .await;
+        let _ = first.expect("answered").into_body().collect().await;
+        let stale = upstream
+            .send_to(HostKind::Openai, get(address).unwrap(), timeout)
+            .await;
+        assert!(matches!(stale, Err(UpstreamError::Stale(_))), "{stale:?}");
+    }
+
+    #[tokio::test]
+    async fn a_fresh_connection_closed_before_an_answer_is_not_sent_again() {
+        use std::sync::atomic::Ordering;
+        // The server may have run it: a failure, not a retry.
+        let (address, accepted) = closing_server(|_, _| true).await;
+        let upstream = Upstream::new(Duration::from_secs(5));
+        let failed = upstream
+            .send_replayable(HostKind::Openai, || get(address), Duration::from_secs(10))
+            .await;
+        assert!(
+            matches!(failed, Err(UpstreamError::Transport(_))),
+            "{failed:?}"
+        );
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn failures_are_told_by_class() {

@@ -583,7 +583,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
             if wide {
                 header.push("url");
             }
-            header.extend(["health", "slots", "runners", "resident", "vram", "held", "installed"]);
+            header.extend(["kind", "health", "slots", "runners", "resident", "vram", "held", "installed"]);
             if wide {
                 header.extend(["requests", "failures"]);
             }
@@ -594,6 +594,7 @@ pub fn hosts(response: &api::ListHostsResponse, output: Output, style: Style) ->
                     row.push(host.url.clone());
                 }
                 row.extend([
+                    kind(host.kind).to_owned(),
                     if host.healthy { "up" } else { "DOWN" }.to_owned(),
                     format!("{}/{}", host.slots_in_use, host.max_concurrent),
                     runners(host),
@@ -1147,6 +1148,20 @@ mod tests {
         assert!(row("gpu1").contains(" box1 "), "{text}");
         assert!(row("gpu2").contains(" box2 "), "{text}");
         assert!(row("spare").contains(" every node "), "{text}");
+        let engine = api::ListHostsResponse {
+            hosts: vec![api::HostInfo {
+                kind: wire::HostKind::Openai as i32,
+                ..host("llama", "")
+            }],
+        };
+        let text = hosts(&engine, Output::Table, Style::PLAIN);
+        let header = text.lines().find(|line| line.contains("host")).unwrap();
+        assert!(header.contains(" kind "), "{text}");
+        let row = text.lines().find(|line| line.contains(" llama ")).unwrap();
+        assert!(row.contains(" openai "), "{text}");
+        let text = hosts(&response, Output::Table, Style::PLAIN);
+        let row = text.lines().find(|line| line.contains(" gpu1 ")).unwrap();
+        assert!(row.contains(" ollama "), "{text}");
         let value: Value =
             serde_json::from_str(&hosts(&response, Output::Json, Style::PLAIN)).unwrap();
         assert_eq!(value[0]["owner"], "box1");

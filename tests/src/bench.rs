@@ -68,11 +68,14 @@ pub const SCENARIO_RUNNERS: &str = "runners";
 /// Conversation affinity.
 pub const SCENARIO_AFFINITY: &str = "affinity";
 
+/// Conversation affinity on real engines (llama-server): round robin, off, on.
+pub const SCENARIO_ENGINES: &str = "affinity, real engines";
+
 /// Usage reports with many users (the control plane's ledger, in process).
 pub const SCENARIO_USAGE: &str = "usage reports";
 
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 17] = [
+pub const SCENARIOS: [&str; 18] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -89,6 +92,7 @@ pub const SCENARIOS: [&str; 17] = [
     SCENARIO_SWAP,
     SCENARIO_RUNNERS,
     SCENARIO_AFFINITY,
+    SCENARIO_ENGINES,
     SCENARIO_USAGE,
 ];
 
@@ -220,6 +224,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_SWAP], scenarios::swap::run);
     scenario!(&[SCENARIO_RUNNERS], scenarios::runners::run);
     scenario!(&[SCENARIO_AFFINITY], scenarios::affinity::run);
+    scenario!(&[SCENARIO_ENGINES], scenarios::engines::run);
     scenario!(&[SCENARIO_USAGE], scenarios::usage::run);
 
     report.header = header(&args, &bench, started.elapsed());
@@ -371,6 +376,7 @@ fn notes(report: &Report) -> Vec<String> {
         "- *Fairness*: completions per client in the window; direct, a FIFO shares in proportion to what each client offers.".to_owned(),
         "- *Forwarded*: one control plane (in the benchmark's process; it is not on the request path) and two data planes, each its own `oqp-bench dataplane` process, unpinned; the fake's only host is owned by node b. A request entering at a is forwarded to b over the node hop. The columns are what stands in front of owner b, as each row says: nothing (b alone), the minimal proxy (the floor of any extra hop), or edge a. Added latency as above, each sample paired with the b-alone request taken moments apart; line delays as in *Streaming*. The figure counts only if edge a reports (`/queue/status`) that it forwarded every request it was sent.".to_owned(),
         "- *Model swap*: the fake in its VRAM mode (10 GiB, two 8 GiB models, one slot; a cold request waits in one FIFO, the victim is unloaded once its requests finish, `load_duration` counts from arrival), a fresh fake for each run, one run per setup (not rounds). Client A loops on `alpha`, client B on `beta`, one request in flight each (A: 4 in the share row); direct there is no key, through oqp they are two normal-tier clients. Each oqp run (in the quick run only those with the feature on) first sends one request per model and waits until `/queue/status` shows its 8 GiB resident, so that it measures the steady state. An answer counts when it arrives inside the window; latency is from send to the whole answer; GPU time is the answers' `total_duration` (counted, as Ollama does, from the request's arrival: its load and its wait in Ollama's own queue included); a share is taken over the run's whole turns (a turn: answers for one model in a row; the one the deadline cuts is left out, and an even number is kept, so that neither client gains from where the window ends). Theory: with the feature on each switch serves `max_defer / S` requests and costs an unload and a load; the bound: a request held `max_defer`, then the unload and the load, its own service and the one that was running.".to_owned(),
+        "- *Affinity, real engines*: two llama.cpp `llama-server`s (`tiny.gguf`, random weights, one thread each, 2 slots, 8,192 tokens a slot), fresh for each run, behind oqp (in the benchmark's process) as `kind: openai` hosts; one run per setup. Round robin = `routing.strategy: round_robin` without affinity; off = model-aware routing without affinity; on = affinity. A follow-up counts as cached when the engine's `timings.cache_n` is ≥ 90 % of the previous turn's `prompt_tokens`; *labelled hit* is oqp's `X-OQP-Affinity: hit`. Without llama-server installed the row says so.".to_owned(),
         "- *Usage reports*: in the benchmark's process, no proxy: the control plane's usage store in a temporary state directory, 100,000 users of 10 app keys (10,000 each, the most an app keeps apart in an hour) in the current hour, each with a per-user token budget. The first row applies and saves the batch carrying all of them; the second is the mean of 50 later one-row reports, each applied and appended, with the ack's budgets, today's figures and the budget announcements computed as the policy service does; the third is the process's resident set after the first report minus before, per user.".to_owned(),
     ]
 }

@@ -5,8 +5,8 @@
 //!
 //! [`Engine::builder`] finds the binary and the models (the folder named by
 //! `OQP_LLAMA_SERVER_DIR`, else setup's cache folder), starts `llama-server`
-//! on a port of its own choosing on loopback (`--port 0`; the port is read
-//! from its log), and waits until `/health` answers 200 (polled: the model
+//! on a port of its own choosing on loopback (`--port 0`, unless given one; the
+//! port is read from its log), and waits until `/health` answers 200 (polled: the model
 //! loads in its own time). The process dies with the [`Engine`]
 //! (`kill_on_drop`). [`installed`] decides whether a test runs: without the
 //! binary a test is skipped with a printed reason, except in CI, where it
@@ -71,6 +71,7 @@ pub struct EngineBuilder {
     dir: PathBuf,
     model: Model,
     alias: Option<String>,
+    port: u16,
     args: Vec<String>,
 }
 
@@ -116,6 +117,7 @@ impl Engine {
             dir: dir(),
             model,
             alias: None,
+            port: 0,
             args: Vec::new(),
         }
     }
@@ -149,6 +151,13 @@ impl EngineBuilder {
         self
     }
 
+    /// Listens on `port` (default 0: a port of its own choosing), e.g. the port another
+    /// server just left, to play a host restarted as another kind of server.
+    pub fn port(mut self, port: u16) -> Self {
+        self.port = port;
+        self
+    }
+
     /// Slots (`-np`).
     pub fn parallel(self, slots: u32) -> Self {
         self.arg("-np").arg(&slots.to_string())
@@ -178,7 +187,7 @@ impl EngineBuilder {
         command
             .arg("-m")
             .arg(&model)
-            .args(["--host", "127.0.0.1", "--port", "0"])
+            .args(["--host", "127.0.0.1", "--port", &self.port.to_string()])
             // Two shared cores run every test: one thread each keeps several engines fair.
             .args(["-t", "1", "-tb", "1"])
             .arg("--no-webui");
@@ -282,6 +291,23 @@ fn spawn_reader(
     });
 }
 
+/// `count` made-up words (`w` and up to five digits, about six tokens each for the test
+/// models' vocabulary), the same for the same `seed` and different across seeds: a prompt
+/// of a known rough length that shares no prefix with another seed's.
+pub fn random_words(seed: u64, count: usize) -> String {
+    // xorshift64*: enough to make words, no dependency.
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut words = Vec::with_capacity(count);
+    for _ in 0..count {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        let value = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        words.push(format!("w{}", (value >> 33) % 100_000));
+    }
+    words.join(" ")
+}
+
 /// The port in llama-server's `listening on http://127.0.0.1:<port>` line.
 fn listening_port(line: &str) -> Option<u16> {
     let (_, rest) = line.split_once("listening on http://")?;
@@ -292,6 +318,13 @@ fn listening_port(line: &str) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn random_words_are_repeatable_and_differ_by_seed() {
+        assert_eq!(random_words(7, 50), random_words(7, 50));
+        assert_ne!(random_words(7, 50), random_words(8, 50));
+        assert_eq!(random_words(7, 50).split(' ').count(), 50);
+    }
 
     #[test]
     fn the_port_is_read_from_the_listening_line() {

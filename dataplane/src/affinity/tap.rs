@@ -1,7 +1,8 @@
 //! The answer's text, read as it streams to the client: it is the next turn's prefix.
 //!
 //! [`Tapped`] wraps a response body, passes every frame on untouched, and hands the answer's
-//! text to its hook when the body ends whole (a body cut short, or failed, records nothing:
+//! text to its hook when the body ends whole (a body cut short, failed, or ending in an
+//! in-band `{"error":…}` line or event records nothing:
 //! the runner's cache then holds less than the next turn will send). NDJSON lines and SSE
 //! events are read one at a time; a whole JSON answer at its end. An answer over
 //! [`MAX_ANSWER`] bytes, or a line over it, is not recorded.
@@ -119,6 +120,12 @@ impl Tapped {
             return;
         }
         if let Ok(value) = serde_json::from_slice::<Value>(line) {
+            if self.mode != Mode::Whole && value.get("error").is_some_and(|error| !error.is_null())
+            {
+                // An in-band error: the stream failed, and the runner holds what it held.
+                self.broken = true;
+                return;
+            }
             extract(self.shape, &value, &mut self.answer);
             if self.answer.len() > MAX_ANSWER {
                 self.broken = true;
@@ -282,6 +289,32 @@ mod tests {
         );
         let _ = tapped.collect().await;
         got.lock().unwrap().take()
+    }
+
+    #[tokio::test]
+    async fn a_stream_ending_in_an_in_band_error_records_nothing() {
+        let sse = answer_of(
+            Shape::OpenAiChat,
+            "text/event-stream",
+            &[
+                "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+                "data: {\"error\":{\"code\":500,\"message\":\"Context size has been exceeded.\"}}\n\n",
+            ],
+        );
+        assert_eq!(sse.await, None);
+        let ndjson = answer_of(
+            Shape::OllamaChat,
+            "application/x-ndjson",
+            &["{\"message\":{\"content\":\"Hel\"}}\n{\"error\":\"runner failed\"}\n"],
+        );
+        assert_eq!(ndjson.await, None);
+        // `"error": null` is no error.
+        let fine = answer_of(
+            Shape::OpenAiChat,
+            "text/event-stream",
+            &["data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}],\"error\":null}\n\n"],
+        );
+        assert_eq!(fine.await.as_deref(), Some("Hi"));
     }
 
     #[tokio::test]

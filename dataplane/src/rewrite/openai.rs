@@ -216,12 +216,16 @@ pub fn openai_error(status: StatusCode, message: &str) -> Bytes {
 }
 
 /// Converts an Ollama (or oqp) error body `{"error":"…"}` into the OpenAI
-/// shape. A body without a string `error` contributes its text, or the
-/// status's reason when it is empty.
+/// shape. A body already in that shape (`{"error":{"message":…}}`, from an
+/// engine of kind `openai`) is kept as it is. A body without a string
+/// `error` contributes its text, or the status's reason when it is empty.
 pub fn openai_error_from_ollama(status: StatusCode, body: &[u8]) -> Bytes {
     let message = match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(fields)) => match last_field(&fields, "error") {
             Some(Value::String(message)) => Some(message.clone()),
+            Some(Value::Object(error)) if error.get("message").is_some_and(Value::is_string) => {
+                return Bytes::copy_from_slice(body);
+            }
             _ => None,
         },
         _ => None,
@@ -397,5 +401,11 @@ mod tests {
         ));
         assert_eq!(text["error"]["message"], "oops");
         assert_eq!(text["error"]["type"], "invalid_request_error");
+        // An engine's own OpenAI error is passed on as it came.
+        let engine = br#"{"error":{"code":400,"message":"\"input\" must not be empty","type":"invalid_request_error"}}"#;
+        assert_eq!(
+            openai_error_from_ollama(StatusCode::BAD_REQUEST, engine),
+            engine.as_slice()
+        );
     }
 }

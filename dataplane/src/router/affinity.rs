@@ -345,7 +345,8 @@ impl Router {
             0 => host.max_concurrent.max(1),
             slots => slots,
         };
-        let capacity = slots.saturating_add(self.affinity.settings.ram_cache_per_runner);
+        let configured = self.affinity.settings.ram_cache_per_runner;
+        let capacity = slots.saturating_add(ram_allowance(&host, slots, chain.tokens, configured));
         let slot = self
             .affinity
             .index
@@ -357,5 +358,23 @@ impl Router {
             slot,
         });
         Choice::Run(placement)
+    }
+}
+
+/// Conversations a runner keeps beyond its slots: `routing.affinity.ram_cache_per_runner`,
+/// and on a llama-server at least what its RAM prompt cache holds of conversations of
+/// `tokens` tokens. A llama-server sets aside the prompt of a slot it reuses in that cache
+/// (`--cache-ram`, on by default) and restores it when the conversation comes back, to any
+/// of its slots; the cache's token budget starts at the server's whole context (its slots
+/// times each slot's), so at least that many tokens of set-aside conversations stay.
+fn ram_allowance(host: &crate::policy::Host, slots: u32, tokens: u32, configured: u32) -> u32 {
+    let llama_server = host.engine.detected.as_deref() == Some("llama-server");
+    match (llama_server, host.engine.slot_context) {
+        (true, Some(context)) => {
+            let total = u64::from(slots) * u64::from(context);
+            let held = total / u64::from(tokens.max(1));
+            configured.max(u32::try_from(held).unwrap_or(u32::MAX))
+        }
+        _ => configured,
     }
 }

@@ -5,6 +5,7 @@
 pub mod affinity;
 pub mod cache;
 pub mod cpu;
+pub mod engines;
 pub mod fairness;
 pub mod forwarded;
 pub mod latency;

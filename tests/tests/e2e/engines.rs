@@ -297,3 +297,335 @@ async fn the_embedding_engine_answers_embeddings() {
     assert_eq!(data.len(), 2);
     assert_eq!(data[0]["embedding"].as_array().map(Vec::len), Some(128));
 }
+
+/// The value of the first sample of `/metrics` whose line contains every part of `parts`.
+fn sample(metrics: &str, parts: &[&str]) -> Option<f64> {
+    metrics
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .find(|line| parts.iter().all(|part| line.contains(part)))
+        .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+}
+
+#[tokio::test]
+async fn embeddings_reach_an_openai_host_as_openai_and_are_cached_per_item() {
+    if !engine::installed() {
+        return;
+    }
+    let embed_engine = Engine::builder(Model::Embed)
+        .alias("oqp-embed:latest")
+        .parallel(1)
+        .context(512)
+        .start()
+        .await;
+    let yaml = config(&[("embed", &embed_engine.url(), "openai")])
+        + "embedding_cache:\n  enabled: true\n  backend: memory\n";
+    let stack = Stack::start(&yaml).await;
+    wait_host(&stack, "embed", |host| host["healthy"] == true).await;
+    let http = HttpClient::new();
+    let url = format!("{}/v1/embeddings", stack.url());
+    let embed = |input: Value, format: &'static str| {
+        let http = &http;
+        let url = &url;
+        async move {
+            let body =
+                json!({"model": "oqp-embed:latest", "input": input, "encoding_format": format});
+            let reply = http.post_json(url, &[], &body).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let cache = reply.header("x-cache").unwrap_or_default();
+            (cache, reply.json())
+        }
+    };
+
+    let (cache, first) = embed(json!(["one", "two"]), "float").await;
+    assert_eq!(cache, "MISS");
+    assert_eq!(first["object"], "list", "{first}");
+    assert_eq!(first["model"], "oqp-embed:latest", "{first}");
+    let data = first["data"].as_array().expect("a data array");
+    assert_eq!(data.len(), 2, "{first}");
+    for (index, item) in data.iter().enumerate() {
+        assert_eq!(item["index"], index, "{first}");
+        assert_eq!(item["embedding"].as_array().map(Vec::len), Some(128));
+    }
+    let tokens = first["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    assert!(tokens > 0, "{first}");
+
+    // The same request again: answered from the cache, the same vectors.
+    let (cache, second) = embed(json!(["one", "two"]), "float").await;
+    assert_eq!(cache, "HIT");
+    assert_eq!(second["data"], first["data"]);
+
+    // One cached item and one new, in base64: only the new one goes to the engine.
+    let (cache, third) = embed(json!(["two", "three"]), "base64").await;
+    assert_eq!(cache, "PARTIAL");
+    let data = third["data"].as_array().expect("a data array");
+    assert_eq!(data.len(), 2, "{third}");
+    assert!(
+        data.iter().all(|item| item["embedding"].is_string()),
+        "{third}"
+    );
+
+    let metrics = HttpClient::new()
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    let counted = sample(
+        &metrics,
+        &[
+            "oqp_client_tokens_total{",
+            r#"kind="prompt""#,
+            r#"model="oqp-embed:latest""#,
+        ],
+    );
+    assert!(
+        counted.is_some_and(|counted| counted >= tokens as f64),
+        "{metrics}"
+    );
+
+    // The engine's own error comes back as it sent it: a 501 without `--embedding`.
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(1)
+        .context(512)
+        .start()
+        .await;
+    stack.shutdown().await;
+    let stack = Stack::start(&config(&[("chat", &chat_engine.url(), "openai")])).await;
+    wait_host(&stack, "chat", |host| host["healthy"] == true).await;
+    let reply = http
+        .post_json(
+            &format!("{}/v1/embeddings", stack.url()),
+            &[],
+            &json!({"model": "oqp-tiny:latest", "input": "one"}),
+        )
+        .await;
+    assert_eq!(reply.status, 501, "{}", reply.text());
+    let error = reply.json();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("embeddings"),
+        "{error}"
+    );
+    stack.shutdown().await;
+    embed_engine.stop().await;
+    chat_engine.stop().await;
+}
+
+#[tokio::test]
+async fn an_engines_errors_reach_the_client_unchanged_and_count_as_the_hosts_errors() {
+    if !engine::installed() {
+        return;
+    }
+    // Two slots sharing one pool of 1,024 tokens (`-kvu`): a prompt over it is refused
+    // with a 400; two streams that together outgrow it both fail inside their 200.
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(1024)
+        .arg("-kvu")
+        .start()
+        .await;
+    let stack = Stack::start(&config(&[("chat", &chat_engine.url(), "openai")])).await;
+    wait_host(&stack, "chat", |host| host["engine_slots"] == 2).await;
+    let http = HttpClient::new();
+    let url = format!("{}/v1/chat/completions", stack.url());
+
+    let long = json!({
+        "model": "oqp-tiny:latest",
+        "messages": [{"role": "user", "content": engine::random_words(1, 400)}],
+        "max_tokens": 2,
+    });
+    let refused = http.post_json(&url, &[], &long).await;
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    let error = refused.json();
+    assert_eq!(
+        error["error"]["type"], "exceed_context_size_error",
+        "{error}"
+    );
+    assert_eq!(error["error"]["n_ctx"], 1024, "{error}");
+
+    let stream = |seed: u64| {
+        json!({
+            "model": "oqp-tiny:latest",
+            "messages": [{"role": "user", "content": engine::random_words(seed, 120)}],
+            "max_tokens": 700,
+            "stream": true,
+        })
+    };
+    let (first, second) = (stream(2), stream(3));
+    let (first, second) = tokio::join!(
+        http.post_json(&url, &[], &first),
+        http.post_json(&url, &[], &second)
+    );
+    for reply in [&first, &second] {
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let text = reply.text();
+        let last = text.trim_end().lines().last().unwrap_or_default();
+        assert!(last.starts_with(r#"data: {"error":"#), "{text}");
+        assert!(!text.contains("[DONE]"), "{text}");
+    }
+
+    let metrics = http
+        .get(&format!("{}/metrics", stack.url()), &[])
+        .await
+        .text();
+    let errors = |place: &str| {
+        sample(
+            &metrics,
+            &[&format!(
+                r#"oqp_host_errors_total{{name="chat",where="{place}"}}"#
+            )],
+        )
+    };
+    assert_eq!(errors("status"), Some(1.0), "{metrics}");
+    assert_eq!(errors("in_band"), Some(2.0), "{metrics}");
+    let host = wait_host(&stack, "chat", |host| host["answered_errors"] == 3).await;
+    assert_eq!(host["healthy"], true, "{host}");
+    stack.shutdown().await;
+    chat_engine.stop().await;
+}
+
+/// One turn of a conversation as a real engine saw it.
+#[derive(Debug, Clone)]
+struct Turn {
+    affinity: String,
+    host: String,
+    prompt_tokens: u64,
+    cache_n: u64,
+}
+
+/// Runs a conversation of `turns` turns through oqp at `url`: `start` words of random text,
+/// then `more` words a turn, each answer (a few tokens, never looked at) kept in the history.
+async fn converse(url: &str, seed: u64, turns: usize, start: usize, more: usize) -> Vec<Turn> {
+    let http = HttpClient::new();
+    let mut messages = Vec::new();
+    let mut seen = Vec::new();
+    for turn in 0..turns {
+        let words = if turn == 0 { start } else { more };
+        let text = engine::random_words(seed * 100 + turn as u64, words);
+        messages.push(json!({"role": "user", "content": text}));
+        let body = json!({"model": "oqp-tiny:latest", "messages": messages, "max_tokens": 4});
+        let reply = http.post_json(url, &[], &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let answer = reply.json();
+        messages.push(answer["choices"][0]["message"].clone());
+        seen.push(Turn {
+            affinity: reply.header("x-oqp-affinity").unwrap_or_default(),
+            host: reply.header("x-failover-host").unwrap_or_default(),
+            prompt_tokens: answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+            cache_n: answer["timings"]["cache_n"].as_u64().unwrap_or(0),
+        });
+    }
+    seen
+}
+
+#[tokio::test]
+async fn follow_ups_on_real_llama_servers_are_hits_that_find_their_history_cached() {
+    if !engine::installed() {
+        return;
+    }
+    let mut engines = Vec::new();
+    for _ in 0..2 {
+        let engine = Engine::builder(Model::Chat)
+            .alias("oqp-tiny:latest")
+            .parallel(2)
+            .context(16384);
+        engines.push(engine.start().await);
+    }
+    let mut yaml = String::from("proxy:\n  max_concurrent: 8\nollama:\n  hosts:\n");
+    for (index, engine) in engines.iter().enumerate() {
+        yaml.push_str(&format!(
+            "    - {{url: \"{}\", name: e{index}, kind: openai, max_concurrent: 2, model_sync_interval: 1}}\n",
+            engine.url()
+        ));
+    }
+    yaml.push_str("routing:\n  strategy: model_aware\n  model_poll_timeout: 2\n");
+    let stack = Stack::start(&yaml).await;
+    for index in 0..2 {
+        wait_host(&stack, &format!("e{index}"), |host| {
+            host["engine_slots"] == 2
+        })
+        .await;
+    }
+    let url = format!("{}/v1/chat/completions", stack.url());
+    let conversations =
+        futures_util::future::join_all((1..=4).map(|seed| converse(&url, seed, 5, 150, 60))).await;
+    let mut report = String::new();
+    for (index, turns) in conversations.iter().enumerate() {
+        report.push_str(&format!("conversation {index}: {turns:?}\n"));
+    }
+    for turns in &conversations {
+        assert_eq!(turns[0].affinity, "new", "{report}");
+        for pair in turns.windows(2) {
+            let (before, turn) = (&pair[0], &pair[1]);
+            assert_eq!(turn.affinity, "hit", "{report}");
+            assert_eq!(turn.host, before.host, "{report}");
+            assert!(turn.cache_n * 10 >= before.prompt_tokens * 9, "{report}");
+        }
+    }
+
+    // Eight more conversations: more than the engines' slots, so conversations are set aside
+    // in each llama-server's RAM prompt cache and restored when they come back. Whatever
+    // the placement, the label says what the engine found: a follow-up is a `hit` exactly
+    // when its history was cached where it went.
+    let conversations =
+        futures_util::future::join_all((5..=12).map(|seed| converse(&url, seed, 4, 150, 60))).await;
+    let mut report = String::new();
+    for (index, turns) in conversations.iter().enumerate() {
+        report.push_str(&format!("conversation {index}: {turns:?}\n"));
+    }
+    let mut hits = 0;
+    for turns in &conversations {
+        for pair in turns.windows(2) {
+            let (before, turn) = (&pair[0], &pair[1]);
+            let cached = turn.cache_n * 10 >= before.prompt_tokens * 9;
+            assert_eq!(turn.affinity == "hit", cached, "{report}");
+            hits += usize::from(cached);
+        }
+    }
+    assert!(hits > 0, "{report}");
+    stack.shutdown().await;
+    for engine in engines {
+        engine.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn an_auto_host_restarted_as_a_llama_server_is_found_and_routed_as_one() {
+    if !engine::installed() {
+        return;
+    }
+    let fake = FakeOllama::builder().model("qwen3").spawn().await;
+    let port = fake.addr().port();
+    let stack = Stack::start(&config(&[("box", &fake.url(), "auto")])).await;
+    let host = wait_host(&stack, "box", |host| host["engine"] == "ollama").await;
+    assert_eq!(host["kind"], "ollama", "{host}");
+
+    // The box restarts as a llama-server on the same address.
+    fake.shutdown().await;
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(2048)
+        .port(port)
+        .start()
+        .await;
+    let host = wait_host(&stack, "box", |host| {
+        host["engine"] == "llama-server" && host["healthy"] == true
+    })
+    .await;
+    assert_eq!(host["kind"], "openai", "{host}");
+    assert_eq!(host["configured_kind"], "auto", "{host}");
+    assert_eq!(host["models"], json!(["oqp-tiny:latest"]), "{host}");
+    let host = wait_host(&stack, "box", |host| host["engine_slots"] == 2).await;
+    assert!(host.get("poll_error").is_none(), "{host}");
+
+    // Routed as what it is now.
+    let http = HttpClient::new();
+    let (status, served) = chat(&http, &stack.url(), "oqp-tiny:latest").await;
+    assert_eq!((status, served.as_deref()), (200, Some("box")));
+    stack.shutdown().await;
+    chat_engine.stop().await;
+}
