@@ -101,9 +101,20 @@ pub fn snapshot(
             budget: key.budget.as_ref().map(budget_to_wire),
             models: key.models.clone(),
             users: key.users.as_ref().map(users_to_wire),
+            rate_limit: key.rate_limit.map(minute_limit_to_wire),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
+    // A key that sets no per-minute limits of its own (in the file or the store) has the
+    // default's.
+    if let Some(default) = config.auth.default_rate_limit {
+        for client in clients
+            .iter_mut()
+            .filter(|client| client.rate_limit.is_none())
+        {
+            client.rate_limit = Some(minute_limit_to_wire(default));
+        }
+    }
 
     let hosts = config
         .ollama
@@ -433,6 +444,15 @@ fn users_to_wire(users: &crate::config::UsersConfig) -> wire::Users {
         max_queued: users.max_queued,
         budget: users.budget.as_ref().map(budget_to_wire),
         session_header: users.session_header.clone().unwrap_or_default(),
+        rate_limit: users.rate_limit.map(minute_limit_to_wire),
+    }
+}
+
+/// Per-minute limits on the wire.
+pub fn minute_limit_to_wire(limit: crate::config::MinuteLimit) -> wire::RateLimit {
+    wire::RateLimit {
+        requests_per_minute: limit.requests_per_minute,
+        tokens_per_minute: limit.tokens_per_minute,
     }
 }
 

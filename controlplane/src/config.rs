@@ -46,9 +46,9 @@ pub use types::{
     AffinityConfig, AuditConfig, AuthConfig, Budget, BudgetWindow, CacheBackend,
     ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig, DashboardConfig,
     EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener, KeepAliveConfig,
-    KeyConfig, ListenerTls, LoggingConfig, ModelSwapConfig, NodeOverride, OllamaConfig,
-    ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig, UserSource,
-    UsersConfig, WebhooksConfig,
+    KeyConfig, ListenerTls, LoggingConfig, MinuteLimit, ModelSwapConfig, NodeOverride,
+    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
+    UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

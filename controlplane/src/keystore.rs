@@ -542,6 +542,8 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             budget: record.budget.as_ref().map(crate::compile::budget_to_wire),
             models: record.models.clone(),
             users: None,
+            // A stored key has no limits of its own: `auth.default_rate_limit`'s, if any.
+            rate_limit: None,
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {

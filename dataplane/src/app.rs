@@ -199,6 +199,7 @@ impl App {
             usage: &self.usage,
             accounted: true,
             peers: Some(&self.peers),
+            charge: None,
         }
     }
 }

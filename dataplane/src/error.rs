@@ -146,6 +146,14 @@ pub enum ProxyError {
         /// Seconds until the window resets.
         retry_after: u64,
     },
+    /// The client is over a per-minute limit (`rate_limit`).
+    #[error("rate limit exceeded: {limit}")]
+    RateLimited {
+        /// Which limit, as "60 requests per minute".
+        limit: String,
+        /// Seconds until the bucket holds enough for the request.
+        retry_after: u64,
+    },
     /// An embed request with more inputs than `embedding_cache.max_inputs`.
     #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
     TooManyInputs {
@@ -241,7 +249,8 @@ impl ProxyError {
             Self::PeerFailed(_) => StatusCode::BAD_GATEWAY,
             Self::TooManyAuthFailures { .. }
             | Self::TooManyMetadataReads { .. }
-            | Self::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            | Self::BudgetExceeded { .. }
+            | Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ScopeRequired(_)
             | Self::ModelNotAllowed(_)
             | Self::ModelManagementDisabled
@@ -276,7 +285,8 @@ impl ProxyError {
             | Self::TooManyMetadataReads { retry_after }
             | Self::QueueFull { retry_after, .. }
             | Self::OverCapacity { retry_after, .. }
-            | Self::BudgetExceeded { retry_after, .. } => Some(*retry_after),
+            | Self::BudgetExceeded { retry_after, .. }
+            | Self::RateLimited { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
     }
@@ -409,6 +419,7 @@ impl ProxyError {
     fn code(&self) -> Option<&'static str> {
         match self {
             Self::BudgetExceeded { .. } => Some("budget_exceeded"),
+            Self::RateLimited { .. } => Some("rate_limit_exceeded"),
             Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked => {
                 Some("invalid_api_key")
             }

@@ -155,6 +155,7 @@ pub struct Metrics {
     client_recent_share: GaugeVec,
     client_gpu_seconds: CounterVec,
     client_tokens: IntCounterVec,
+    rate_limited: IntCounterVec,
     cache_hits: IntCounterVec,
     cache_misses: IntCounterVec,
     cache_errors: IntCounterVec,
@@ -418,6 +419,12 @@ impl Metrics {
                 "Tokens of a client's requests, by model and kind (prompt, completion)",
                 &["client", "model", "kind"],
             ),
+            rate_limited: counters(
+                "oqp_rate_limited_total",
+                "Requests refused for a per-minute limit (rate_limit), by client (an app's \
+                 users under the app)",
+                &["client"],
+            ),
             cache_hits: counters(
                 "oqp_embedding_cache_hits_total",
                 "Embedding requests answered from the cache",
@@ -554,6 +561,14 @@ impl Metrics {
     /// A request moved to another host after a failure before the first byte.
     pub fn failover(&self) {
         self.failovers.inc();
+    }
+
+    /// A request of `client` was refused for a per-minute limit.
+    pub fn rate_limited(&self, client: &str) {
+        let client = self.client_label(client);
+        if let Ok(counter) = self.rate_limited.get_metric_with_label_values(&[client]) {
+            counter.inc();
+        }
     }
 
     /// A request was forwarded to `node` (a node the config lists: the label is bounded).

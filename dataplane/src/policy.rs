@@ -241,6 +241,30 @@ pub struct Client {
     pub models: Option<ModelAllowlist>,
     /// Where an app names its end users, if the key speaks for many people.
     pub users: Option<Users>,
+    /// Its per-minute limits (for an app key, the app's as a whole), if it has any.
+    pub rate_limit: Option<MinuteLimit>,
+}
+
+/// Per-minute limits (`rate_limit`): requests and tokens, each a token bucket on this data
+/// plane that refills evenly over a minute. [`crate::usage::minute`] enforces them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MinuteLimit {
+    /// Requests per minute; 0 = no request limit.
+    pub requests_per_minute: u32,
+    /// Tokens (prompt + completion) per minute; 0 = no token limit.
+    pub tokens_per_minute: u64,
+}
+
+impl MinuteLimit {
+    /// From the wire; `None` when it limits nothing.
+    pub fn from_wire(limit: Option<oqp_proto::policy::v1::RateLimit>) -> Option<Self> {
+        let limit = limit?;
+        let limit = Self {
+            requests_per_minute: limit.requests_per_minute,
+            tokens_per_minute: limit.tokens_per_minute,
+        };
+        (limit != Self::default()).then_some(limit)
+    }
 }
 
 /// An app key's end users (`auth.keys[].users`): each is the sub-client `<client_id>/<user>`.
@@ -258,6 +282,8 @@ pub struct Users {
     pub budget: Option<UsageBudget>,
     /// The header that names the conversation, if any.
     pub session_header: Option<http::HeaderName>,
+    /// Each user's per-minute limits, if there are any.
+    pub rate_limit: Option<MinuteLimit>,
 }
 
 /// Where an app puts its end user's id.

@@ -35,7 +35,7 @@ use crate::relay;
 use crate::scheduler::Tier;
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
-use crate::usage::{Totals, Usage};
+use crate::usage::{Totals, Usage, minute};
 
 /// What the queued path reads of the data plane.
 #[derive(Debug, Clone, Copy)]
@@ -60,6 +60,9 @@ pub struct Parts<'a> {
     /// The other data planes; `None` for a request forwarded here, which this node serves
     /// itself.
     pub peers: Option<&'a Arc<Peers>>,
+    /// What the request took of its per-minute limits, corrected when its answer ends
+    /// (set by the queued path itself).
+    pub charge: Option<&'a minute::Charge>,
 }
 
 impl<'a> Parts<'a> {
@@ -129,11 +132,22 @@ async fn send_inner(
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
+    let mut charge = None;
     if parts.accounted {
         parts
             .usage
             .check_caller(policy, &client, std::time::SystemTime::now())?;
+        // Per-minute limits are the box's that took the request from its client: one
+        // forwarded here was counted at its edge.
+        if parts.peers.is_some() {
+            let estimate = estimated_tokens(&outbound, chain.as_deref());
+            charge = parts.usage.admit_minute(policy, &client, estimate)?;
+        }
     }
+    let parts = Parts {
+        charge: charge.as_ref(),
+        ..parts
+    };
     match parts.peers {
         Some(peers) if !policy.remote.is_empty() => {
             Box::pin(placed(
@@ -391,7 +405,15 @@ async fn send_granted(
     let metrics = parts.metrics.clone();
     let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
+    let charge = parts.charge.cloned();
     let completion: Completion = Box::new(move |outcome| {
+        if let Some(charge) = charge {
+            let used = outcome
+                .tokens
+                .prompt
+                .saturating_add(outcome.tokens.completion);
+            charge.settle(used, tokio::time::Instant::now());
+        }
         // GPU time: Ollama's figure, else the time the request held its slot.
         let gpu = outcome.total_duration.unwrap_or_else(|| sent.elapsed());
         if let Some(usage) = usage {
@@ -494,6 +516,21 @@ fn queue_headers(
         headers.push((headers::QUEUE_POSITION, HeaderValue::from(position)));
     }
     headers
+}
+
+/// The tokens a request is charged at admission against a per-minute token limit: its
+/// prompt's estimate where its conversation was read, else its body's size at the same
+/// bytes per token (the answer corrects it).
+fn estimated_tokens(outbound: &Outbound, chain: Option<&Chain>) -> u64 {
+    if let Some(chain) = chain {
+        return u64::from(chain.tokens);
+    }
+    match &outbound.body {
+        RequestBody::Buffered(bytes) => {
+            (bytes.len() as u64).div_ceil(u64::from(crate::affinity::chain::BYTES_PER_TOKEN))
+        }
+        RequestBody::Streamed(_) => 0,
+    }
 }
 
 fn declared_length(headers: &http::HeaderMap) -> u64 {

@@ -41,6 +41,7 @@ use crate::policy::{Client, Host, HostKind, Policy};
 use crate::scheduler::{ClientStat, Tier, TierStat};
 use crate::snapshot::PolicyStore;
 use crate::swap::SwapStat;
+use crate::usage::minute::{Level, MinuteLimits};
 
 /// Most unconfigured clients listed in status and metrics.
 pub const MAX_OTHER_CLIENTS: usize = metrics::MAX_OTHER_LABELS;
@@ -255,6 +256,48 @@ struct ClientStatus {
     /// that may see only its own.
     #[serde(skip_serializing_if = "Option::is_none")]
     usage_today: Option<UsageToday>,
+    /// Its per-minute limits on this data plane and what their buckets hold; left out for a
+    /// client without any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit: Option<RateLimitStatus>,
+}
+
+/// A client's per-minute limits (`rate_limit`) on this node.
+#[derive(Debug, Serialize)]
+struct RateLimitStatus {
+    /// 0 = no request limit.
+    requests_per_minute: u32,
+    /// 0 = no token limit.
+    tokens_per_minute: u64,
+    /// Whole requests its bucket holds now.
+    requests_left: u64,
+    /// Whole tokens its bucket holds now.
+    tokens_left: u64,
+    /// Requests refused for these limits since this node started (an app's: its users' too).
+    refused: u64,
+}
+
+impl RateLimitStatus {
+    /// `id`'s, from the buckets it has on this node, else its configured limit (full).
+    fn of(client: Option<&Client>, id: &str, minute: &MinuteLimits) -> Option<Self> {
+        let refused = minute.refused(id);
+        let level = minute.level(id, tokio::time::Instant::now());
+        let level = level.or_else(|| {
+            let limit = client?.rate_limit?;
+            Some(Level {
+                limit,
+                requests_left: u64::from(limit.requests_per_minute),
+                tokens_left: limit.tokens_per_minute,
+            })
+        })?;
+        Some(Self {
+            requests_per_minute: level.limit.requests_per_minute,
+            tokens_per_minute: level.limit.tokens_per_minute,
+            requests_left: level.requests_left,
+            tokens_left: level.tokens_left,
+            refused,
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -387,6 +430,7 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
                     client.as_deref(),
                     &stat,
                     sources.usage.today(&stat.client, SystemTime::now()),
+                    RateLimitStatus::of(client.as_deref(), &stat.client, sources.usage.minute()),
                 ),
             )
         })
@@ -489,6 +533,7 @@ fn client_status(
     client: Option<&Client>,
     stat: &ClientStat,
     today: crate::usage::Totals,
+    rate_limit: Option<RateLimitStatus>,
 ) -> ClientStatus {
     ClientStatus {
         description: client
@@ -505,6 +550,7 @@ fn client_status(
         max_priority: client.map(|c| c.max_priority.as_str()),
         scope: client.map(|c| c.scope.as_str()),
         usage_today: Some(UsageToday::of(today)),
+        rate_limit,
     }
 }
 

@@ -655,6 +655,11 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                         "processed": client.processed,
                         "rejected": client.rejected,
                         "gpu_seconds_today": (client.gpu_ns_today as f64 / 1e6).round() / 1e3,
+                        "rate_limit": client.rate_limit.map(|limit| json!({
+                            "requests_per_minute": limit.requests_per_minute,
+                            "tokens_per_minute": limit.tokens_per_minute,
+                        })),
+                        "rate_limited": client.rate_limited,
                     })
                 })
                 .collect(),
@@ -701,6 +706,8 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     "share",
                     "processed",
                     "rejected",
+                    "per minute",
+                    "limited",
                     "GPU today",
                 ],
             );
@@ -716,11 +723,32 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     format!("{:.0}%", client.recent_share * 100.0),
                     client.processed.to_string(),
                     client.rejected.to_string(),
+                    per_minute(client.rate_limit.as_ref()),
+                    client.rate_limited.to_string(),
                     crate::usage::hms(client.gpu_ns_today),
                 ]);
             }
             with_caps_note(clients, clients_capped(response), style)
         }
+    }
+}
+
+/// A client's per-minute limits in a cell: "60 req, 10000 tok", "-" when it has none.
+fn per_minute(limit: Option<&wire::RateLimit>) -> String {
+    let Some(limit) = limit else {
+        return "-".to_owned();
+    };
+    let mut parts = Vec::new();
+    if limit.requests_per_minute > 0 {
+        parts.push(format!("{} req", limit.requests_per_minute));
+    }
+    if limit.tokens_per_minute > 0 {
+        parts.push(format!("{} tok", limit.tokens_per_minute));
+    }
+    if parts.is_empty() {
+        "-".to_owned()
+    } else {
+        parts.join(", ")
     }
 }
 

@@ -560,8 +560,12 @@ pub(crate) fn auth(
             ),
         };
         let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default(), problems);
+        let default_rate_limit = raw.default_rate_limit.as_ref().and_then(|limit| {
+            keys::resolve_minute_limit(limit, "auth.default_rate_limit", problems)
+        });
         AuthConfig {
             enabled,
+            default_rate_limit,
             keys,
             trusted_proxies,
             metadata_rate_limit,

@@ -191,6 +191,7 @@ pub(crate) struct RawAuth {
     /// Items are parsed one by one into [`RawConfig::keys`].
     pub keys: Option<Value>,
     pub rate_limit: Option<RawRateLimit>,
+    pub default_rate_limit: Option<RawMinuteLimit>,
     pub trusted_proxies: Option<Vec<Text>>,
     pub metadata_rate_limit: Option<RawMetadataRateLimit>,
 }
@@ -207,6 +208,14 @@ pub(crate) struct RawMetadataRateLimit {
 pub(crate) struct RawRateLimit {
     pub max_failures: Option<Int>,
     pub window_seconds: Option<Int>,
+}
+
+/// `rate_limit` on a key or its `users`, and `auth.default_rate_limit`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawMinuteLimit {
+    pub requests_per_minute: Option<Int>,
+    pub tokens_per_minute: Option<Int>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -243,6 +252,8 @@ pub(crate) struct RawKey {
     pub models: Option<Vec<Text>>,
     #[serde(default)]
     pub users: Option<RawUsers>,
+    #[serde(default)]
+    pub rate_limit: Option<RawMinuteLimit>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -254,6 +265,7 @@ pub(crate) struct RawUsers {
     pub max_queued: Option<Int>,
     pub budget: Option<RawBudget>,
     pub session_header: Option<Text>,
+    pub rate_limit: Option<RawMinuteLimit>,
 }
 
 #[derive(Debug, Default, Deserialize)]

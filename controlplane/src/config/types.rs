@@ -195,6 +195,18 @@ pub struct AuthConfig {
     /// names the client address for the throttle and logs. Empty: the header is ignored.
     pub trusted_proxies: Vec<String>,
     pub metadata_rate_limit: MetadataRateLimitConfig,
+    /// `auth.default_rate_limit`: the per-minute limits of every key that sets none.
+    pub default_rate_limit: Option<MinuteLimit>,
+}
+
+/// `rate_limit` (on a key, its `users`, or `auth.default_rate_limit`): requests and tokens
+/// per minute, each a token bucket per data plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinuteLimit {
+    /// Requests per minute; 0 = no request limit.
+    pub requests_per_minute: u32,
+    /// Prompt + completion tokens per minute; 0 = no token limit.
+    pub tokens_per_minute: u64,
 }
 
 /// `auth.metadata_rate_limit`: metadata reads per client (a token bucket).
@@ -251,6 +263,8 @@ pub struct KeyConfig {
     pub models: Vec<String>,
     /// Where the app this key belongs to names its end users, if it speaks for many people.
     pub users: Option<UsersConfig>,
+    /// Its own per-minute limits (for an app key, the app as a whole), if it sets any.
+    pub rate_limit: Option<MinuteLimit>,
 }
 
 /// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.
@@ -266,6 +280,8 @@ pub struct UsersConfig {
     pub budget: Option<Budget>,
     /// The header naming the conversation, if any.
     pub session_header: Option<String>,
+    /// Each user's per-minute limits.
+    pub rate_limit: Option<MinuteLimit>,
 }
 
 /// Where an app names its end user.

@@ -356,6 +356,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .users
         .map(|users| convert_users(&id, users))
         .transpose()?;
+    let rate_limit = MinuteLimit::from_wire(client.rate_limit);
     Ok(Client {
         id: Arc::from(id),
         key_digest,
@@ -370,6 +371,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         budget,
         models,
         users,
+        rate_limit,
     })
 }
 
@@ -442,6 +444,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         max_queued: users.max_queued,
         budget: convert_budget(id, users.budget)?,
         session_header,
+        rate_limit: MinuteLimit::from_wire(users.rate_limit),
     })
 }
 

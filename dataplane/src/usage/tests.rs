@@ -46,6 +46,7 @@ fn client(budget: Option<UsageBudget>) -> Client {
         budget,
         models: None,
         users: None,
+        rate_limit: None,
     }
 }
 
