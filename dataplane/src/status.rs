@@ -260,6 +260,9 @@ struct ClientStatus {
     /// client without any.
     #[serde(skip_serializing_if = "Option::is_none")]
     rate_limit: Option<RateLimitStatus>,
+    /// Requests refused for a per-minute limit since this node started (an app's: its users'
+    /// too).
+    rate_limited: u64,
 }
 
 /// A client's per-minute limits (`rate_limit`) on this node.
@@ -273,14 +276,11 @@ struct RateLimitStatus {
     requests_left: u64,
     /// Whole tokens its bucket holds now.
     tokens_left: u64,
-    /// Requests refused for these limits since this node started (an app's: its users' too).
-    refused: u64,
 }
 
 impl RateLimitStatus {
     /// `id`'s, from the buckets it has on this node, else its configured limit (full).
     fn of(client: Option<&Client>, id: &str, minute: &MinuteLimits) -> Option<Self> {
-        let refused = minute.refused(id);
         let level = minute.level(id, tokio::time::Instant::now());
         let level = level.or_else(|| {
             let limit = client?.rate_limit?;
@@ -295,7 +295,6 @@ impl RateLimitStatus {
             tokens_per_minute: level.limit.tokens_per_minute,
             requests_left: level.requests_left,
             tokens_left: level.tokens_left,
-            refused,
         })
     }
 }
@@ -431,6 +430,7 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
                     &stat,
                     sources.usage.today(&stat.client, SystemTime::now()),
                     RateLimitStatus::of(client.as_deref(), &stat.client, sources.usage.minute()),
+                    sources.usage.minute().refused(&stat.client),
                 ),
             )
         })
@@ -534,6 +534,7 @@ fn client_status(
     stat: &ClientStat,
     today: crate::usage::Totals,
     rate_limit: Option<RateLimitStatus>,
+    rate_limited: u64,
 ) -> ClientStatus {
     ClientStatus {
         description: client
@@ -551,6 +552,7 @@ fn client_status(
         scope: client.map(|c| c.scope.as_str()),
         usage_today: Some(UsageToday::of(today)),
         rate_limit,
+        rate_limited,
     }
 }
 

@@ -1219,6 +1219,46 @@ mod tests {
     }
 
     #[test]
+    fn clients_show_their_per_minute_limits_when_wide_and_in_json() {
+        let response = api::ListClientsResponse {
+            clients: vec![
+                api::ClientInfo {
+                    client_id: "batch".into(),
+                    rate_limit: Some(wire::RateLimit {
+                        requests_per_minute: 30,
+                        tokens_per_minute: 50_000,
+                    }),
+                    rate_limited: 7,
+                    ..Default::default()
+                },
+                api::ClientInfo {
+                    client_id: "free".into(),
+                    ..Default::default()
+                },
+            ],
+        };
+        let style = Style {
+            color: false,
+            width: Width::Wide,
+        };
+        let text = clients(&response, Output::Table, style);
+        assert!(
+            text.contains("per minute") && text.contains("limited"),
+            "{text}"
+        );
+        let batch = text.lines().find(|line| line.contains(" batch ")).unwrap();
+        assert!(
+            batch.contains("30 req, 50000 tok") && batch.contains(" 7 "),
+            "{batch}"
+        );
+        let value: Value =
+            serde_json::from_str(&clients(&response, Output::Json, Style::PLAIN)).unwrap();
+        assert_eq!(value[0]["rate_limit"]["tokens_per_minute"], 50_000);
+        assert_eq!(value[0]["rate_limited"], 7);
+        assert!(value[1]["rate_limit"].is_null());
+    }
+
+    #[test]
     fn the_width_comes_from_wide_columns_or_the_terminal() {
         assert_eq!(Width::choose(true, Some("80"), true), Width::Wide);
         assert_eq!(Width::choose(false, Some("80"), true), Width::Fit(80));
