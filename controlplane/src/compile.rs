@@ -300,6 +300,14 @@ pub fn snapshot(
         logging: Some(wire::LoggingSettings {
             level: config.logging.level.as_str().to_owned(),
             format: config.logging.format.as_str().to_owned(),
+            requests: config
+                .logging
+                .requests
+                .as_ref()
+                .map(|requests| wire::RequestLog {
+                    file: requests.file.clone(),
+                    retention_days: requests.retention_days,
+                }),
         }),
         created_unix_ms: unix_ms(SystemTime::now()),
         node: String::new(),

@@ -47,8 +47,8 @@ pub use types::{
     ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig, DashboardConfig,
     EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener, KeepAliveConfig,
     KeyConfig, ListenerTls, LoggingConfig, MinuteLimit, ModelSwapConfig, NodeOverride,
-    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
-    UserSource, UsersConfig, WebhooksConfig,
+    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RequestLogConfig, RoutingConfig,
+    TierConfig, TlsConfig, UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

@@ -47,6 +47,8 @@ pub struct App {
     pub throttle: Throttle,
     /// Metadata reads per client.
     pub metadata_limit: crate::metadata_limit::MetadataLimit,
+    /// The request log's channel (`logging.requests`).
+    pub request_log: Arc<crate::request_log::RequestLog>,
     /// The control plane's admin API, for the HTTP queue-control endpoints.
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
@@ -104,6 +106,7 @@ impl App {
             body_budget: crate::budget::BodyBudget::default(),
             throttle: Throttle::default(),
             metadata_limit: Default::default(),
+            request_log: Default::default(),
             admin,
             node: Arc::from(node),
             store,
@@ -200,6 +203,7 @@ impl App {
             accounted: true,
             peers: Some(&self.peers),
             charge: None,
+            request_log: &self.request_log,
         }
     }
 }

@@ -148,6 +148,8 @@ pub struct Metrics {
     host_models_loaded: IntGaugeVec,
     upstream_ttfb: HistogramVec,
     failovers: IntCounter,
+    request_log_dropped: IntCounter,
+    request_log_failures: IntCounter,
     forwarded: IntCounterVec,
     hop_added: prometheus::Histogram,
     client_inflight: IntGaugeVec,
@@ -380,6 +382,15 @@ impl Metrics {
                 "oqp_failovers_total",
                 "Requests retried on another host after a host failed before the first byte",
             ),
+            request_log_dropped: counter(
+                "oqp_request_log_dropped_total",
+                "Request log lines dropped because the writer was behind (logging.requests)",
+            ),
+            request_log_failures: counter(
+                "oqp_request_log_failures_total",
+                "Request log lines that could not be written (a full disk, a path that cannot \
+                 be written)",
+            ),
             forwarded: counters(
                 "oqp_forwarded_total",
                 "Requests forwarded to the data plane that owns the chosen host",
@@ -561,6 +572,24 @@ impl Metrics {
     /// A request moved to another host after a failure before the first byte.
     pub fn failover(&self) {
         self.failovers.inc();
+    }
+
+    /// A request log line was dropped: the writer was behind.
+    pub fn request_log_dropped(&self) {
+        self.request_log_dropped.inc();
+    }
+
+    /// A request log line could not be written.
+    pub fn request_log_failed(&self) {
+        self.request_log_failures.inc();
+    }
+
+    /// Request log lines dropped and lines that failed to be written, since start.
+    pub fn request_log_counts(&self) -> (u64, u64) {
+        (
+            self.request_log_dropped.get(),
+            self.request_log_failures.get(),
+        )
     }
 
     /// A request of `client` was refused for a per-minute limit.

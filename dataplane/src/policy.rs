@@ -59,6 +59,8 @@ pub struct Policy {
     pub injection_listeners: Vec<InjectionListener>,
     /// The log level the config asks for (`logging.level`), if it names one.
     pub log_level: Option<LogLevel>,
+    /// The request log (`logging.requests`), when it is on.
+    pub request_log: Option<Arc<crate::request_log::Settings>>,
     /// The headers app keys name their users and sessions in (`auth.keys[].users`): removed
     /// from every request on its way upstream, from any key.
     pub delegation_headers: Vec<http::HeaderName>,

@@ -281,6 +281,14 @@ pub(crate) struct RawBudget {
 pub(crate) struct RawLogging {
     pub level: Option<Text>,
     pub format: Option<Text>,
+    pub requests: Option<RawRequestLog>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawRequestLog {
+    pub file: Option<Text>,
+    pub retention_days: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -1873,3 +1873,35 @@ fn per_minute_limits_on_keys_users_and_by_default() {
         ]
     );
 }
+
+#[test]
+fn the_request_log_is_off_unless_it_names_a_file() {
+    assert_eq!(load(&with_host("")).config.logging.requests, None);
+    let loaded = load(&with_host(
+        "logging:\n  requests: {file: /var/log/oqp/requests.jsonl, retention_days: 7}\n",
+    ));
+    assert_eq!(
+        loaded.config.logging.requests,
+        Some(RequestLogConfig {
+            file: "/var/log/oqp/requests.jsonl".into(),
+            retention_days: 7
+        })
+    );
+    let defaulted = load(&with_host("logging:\n  requests: {file: requests.jsonl}\n"));
+    assert_eq!(
+        defaulted.config.logging.requests.unwrap().retention_days,
+        RequestLogConfig::DEFAULT_RETENTION_DAYS
+    );
+    assert_eq!(
+        problems_of(&with_host("logging:\n  requests: {retention_days: 7}\n")),
+        [
+            "logging.requests.file is required (the request log's path, e.g. /var/log/oqp/requests.jsonl); remove logging.requests to turn the log off"
+        ]
+    );
+    assert_eq!(
+        problems_of(&with_host(
+            "logging:\n  requests: {file: r.jsonl, retention_days: 0}\n"
+        )),
+        ["logging.requests.retention_days must be between 1 and 3650, got 0"]
+    );
+}

@@ -363,6 +363,22 @@ impl BudgetWindow {
 pub struct LoggingConfig {
     pub level: LogLevel,
     pub format: LogFormat,
+    /// `logging.requests`: the request log, off unless set.
+    pub requests: Option<RequestLogConfig>,
+}
+
+/// `logging.requests`: one JSON line per proxied request, in daily files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLogConfig {
+    /// The path; each UTC day is written beside it, the date before the extension.
+    pub file: String,
+    /// Days of files kept, 1..=3650 (default 30).
+    pub retention_days: u32,
+}
+
+impl RequestLogConfig {
+    /// Days of files kept when the config says nothing.
+    pub const DEFAULT_RETENTION_DAYS: u32 = 30;
 }
 
 /// `client_injection`: ports that inject a fixed identity.
@@ -691,6 +707,7 @@ impl Default for LoggingConfig {
         Self {
             level: LogLevel::Info,
             format: LogFormat::Text,
+            requests: None,
         }
     }
 }

@@ -266,6 +266,17 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             });
         }
 
+        let request_log = snapshot
+            .logging
+            .as_ref()
+            .and_then(|logging| logging.requests.as_ref())
+            .filter(|requests| !requests.file.is_empty())
+            .map(|requests| {
+                Arc::new(crate::request_log::Settings {
+                    file: requests.file.clone().into(),
+                    retention_days: requests.retention_days.max(1),
+                })
+            });
         let log_level = match snapshot.logging.map(|logging| logging.level) {
             None => None,
             Some(level) if level.is_empty() => None,
@@ -275,6 +286,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
         };
 
         Ok(Policy {
+            request_log,
             version: snapshot.version,
             listen,
             proxy,

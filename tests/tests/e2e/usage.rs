@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 mod edges;
 mod forged;
 mod minute;
+mod request_log;
 mod users;
 
 pub const CHAT_KEY: &str = "sk-chat-0123456789";
