@@ -7,6 +7,7 @@
 mod audit;
 mod client;
 mod render;
+mod requests;
 mod usage;
 mod watch;
 
@@ -89,6 +90,8 @@ enum Command {
     Usage(usage::UsageArgs),
     /// The audit trail: who changed keys, queues and the config, and refused calls.
     Audit(audit::AuditArgs),
+    /// The request log (logging.requests), read from its files on this machine.
+    Requests(requests::RequestsArgs),
     /// Prints a shell completion script.
     Completions {
         /// The shell.
@@ -264,6 +267,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             return Ok(());
         }
         Command::Config(ConfigCommand::Check { path }) => return check_config(&path, output),
+        Command::Requests(args) => return Ok(requests::run(&args, output, style)?),
         _ => {}
     }
     let key = client::load_key(cli.key_file.as_ref())?;
@@ -286,7 +290,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
         }
         Command::Audit(args) => audit::run(&mut admin, &args, output).await?,
-        Command::Config(_) | Command::Completions { .. } => {}
+        Command::Config(_) | Command::Completions { .. } | Command::Requests(_) => {}
     }
     Ok(())
 }
