@@ -261,8 +261,13 @@ struct ClientStatus {
     #[serde(skip_serializing_if = "Option::is_none")]
     rate_limit: Option<RateLimitStatus>,
     /// Requests refused for a per-minute limit since this node started (an app's: its users'
-    /// too).
+    /// too); left out while none was.
+    #[serde(skip_serializing_if = "is_zero")]
     rate_limited: u64,
+}
+
+fn is_zero(count: &u64) -> bool {
+    *count == 0
 }
 
 /// A client's per-minute limits (`rate_limit`) on this node.

@@ -145,7 +145,7 @@ async fn a_request_past_a_minute_limit_is_refused_in_its_routes_shape_and_shown(
     assert_eq!(status["clients"]["limited"]["rate_limited"], 3);
     assert_eq!(status["clients"]["webui"]["rate_limited"], 1);
     assert!(status["clients"]["chat"].get("rate_limit").is_none());
-    assert_eq!(status["clients"]["chat"]["rate_limited"], 0);
+    assert!(status["clients"]["chat"].get("rate_limited").is_none());
     // Metrics, under the configured client (an app's users under the app).
     let text = metrics(&base).await;
     assert_eq!(
