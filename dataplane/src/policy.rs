@@ -60,7 +60,7 @@ pub struct Policy {
     /// The log level the config asks for (`logging.level`), if it names one.
     pub log_level: Option<LogLevel>,
     /// The request log (`logging.requests`), when it is on.
-    pub request_log: Option<Arc<crate::request_log::Settings>>,
+    pub request_log: Option<Arc<RequestLogSettings>>,
     /// The headers app keys name their users and sessions in (`auth.keys[].users`): removed
     /// from every request on its way upstream, from any key.
     pub delegation_headers: Vec<http::HeaderName>,
@@ -245,6 +245,15 @@ pub struct Client {
     pub users: Option<Users>,
     /// Its per-minute limits (for an app key, the app's as a whole), if it has any.
     pub rate_limit: Option<MinuteLimit>,
+}
+
+/// `logging.requests`: where the request log ([`crate::request_log`]) is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLogSettings {
+    /// The configured path; each UTC day is written beside it.
+    pub file: std::path::PathBuf,
+    /// Days of files kept (at least 1).
+    pub retention_days: u32,
 }
 
 /// Per-minute limits (`rate_limit`): requests and tokens, each a token bucket on this data

@@ -29,14 +29,7 @@ pub const CAPACITY: usize = 4096;
 /// Where failures are logged at most once.
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// `logging.requests`, as the snapshot gives it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Settings {
-    /// The configured path; each day is written beside it.
-    pub file: PathBuf,
-    /// Days of files kept (at least 1).
-    pub retention_days: u32,
-}
+pub use crate::policy::RequestLogSettings as Settings;
 
 /// One request's line. Field names are the log's format (documented in the README).
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]

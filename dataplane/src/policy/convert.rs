@@ -272,7 +272,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             .and_then(|logging| logging.requests.as_ref())
             .filter(|requests| !requests.file.is_empty())
             .map(|requests| {
-                Arc::new(crate::request_log::Settings {
+                Arc::new(RequestLogSettings {
                     file: requests.file.clone().into(),
                     retention_days: requests.retention_days.max(1),
                 })
