@@ -82,9 +82,20 @@ pub fn snapshot(
             models: key.models.clone(),
             users: key.users.as_ref().map(users_to_wire),
             tls_subject: key.tls_subject.clone().unwrap_or_default(),
+            rate_limit: key.rate_limit.map(minute_limit_to_wire),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
+    // A key that sets no per-minute limits of its own (in the file or the store) has the
+    // default's.
+    if let Some(default) = config.auth.default_rate_limit {
+        for client in clients
+            .iter_mut()
+            .filter(|client| client.rate_limit.is_none())
+        {
+            client.rate_limit = Some(minute_limit_to_wire(default));
+        }
+    }
 
     let hosts = config
         .ollama
@@ -274,6 +285,14 @@ pub fn snapshot(
         logging: Some(wire::LoggingSettings {
             level: config.logging.level.as_str().to_owned(),
             format: config.logging.format.as_str().to_owned(),
+            requests: config
+                .logging
+                .requests
+                .as_ref()
+                .map(|requests| wire::RequestLog {
+                    file: requests.file.clone(),
+                    retention_days: requests.retention_days,
+                }),
         }),
         created_unix_ms: unix_ms(SystemTime::now()),
         node: String::new(),
@@ -427,6 +446,15 @@ fn users_to_wire(users: &crate::config::UsersConfig) -> wire::Users {
         max_queued: users.max_queued,
         budget: users.budget.as_ref().map(budget_to_wire),
         session_header: users.session_header.clone().unwrap_or_default(),
+        rate_limit: users.rate_limit.map(minute_limit_to_wire),
+    }
+}
+
+/// Per-minute limits on the wire.
+pub fn minute_limit_to_wire(limit: crate::config::MinuteLimit) -> wire::RateLimit {
+    wire::RateLimit {
+        requests_per_minute: limit.requests_per_minute,
+        tokens_per_minute: limit.tokens_per_minute,
     }
 }
 

@@ -48,9 +48,9 @@ pub use types::{
     AffinityConfig, AuditConfig, AuthConfig, Budget, BudgetWindow, CacheBackend,
     ClientInjectionConfig, CloudKey, Config, ControlPlaneConfig, DashboardConfig,
     EmbeddingCacheConfig, FairShareConfig, HostConfig, InjectionListener, JwksSource, JwtConfig,
-    KeepAliveConfig, KeyConfig, ListenerTls, LoggingConfig, ModelSwapConfig, NodeOverride,
-    OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig, TlsConfig,
-    UserSource, UsersConfig, WebhooksConfig,
+    KeepAliveConfig, KeyConfig, ListenerTls, LoggingConfig, MinuteLimit, ModelSwapConfig,
+    NodeOverride, OllamaConfig, ProxyConfig, QueueConfig, RateLimitConfig, RequestLogConfig,
+    RoutingConfig, TierConfig, TlsConfig, UserSource, UsersConfig, WebhooksConfig,
 };
 
 use error::Problems;

@@ -543,6 +543,8 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             models: record.models.clone(),
             users: None,
             tls_subject: String::new(),
+            // A stored key has no limits of its own: `auth.default_rate_limit`'s, if any.
+            rate_limit: None,
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {

@@ -49,6 +49,8 @@ pub struct App {
     pub key_refresh: crate::auth::KeyRefresh,
     /// Metadata reads per client.
     pub metadata_limit: crate::metadata_limit::MetadataLimit,
+    /// The request log's channel (`logging.requests`).
+    pub request_log: Arc<crate::request_log::RequestLog>,
     /// The control plane's admin API, for the HTTP queue-control endpoints.
     pub admin: AdminClient,
     /// Prometheus metrics (`/metrics`).
@@ -110,6 +112,7 @@ impl App {
             throttle: Throttle::default(),
             key_refresh: crate::auth::KeyRefresh::default(),
             metadata_limit: Default::default(),
+            request_log: Default::default(),
             admin,
             node: Arc::from(node),
             store,
@@ -205,6 +208,8 @@ impl App {
             usage: &self.usage,
             accounted: true,
             peers: Some(&self.peers),
+            charge: None,
+            request_log: &self.request_log,
         }
     }
 }

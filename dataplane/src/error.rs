@@ -164,6 +164,14 @@ pub enum ProxyError {
         /// The model asked for.
         model: String,
     },
+    /// The client is over a per-minute limit (`rate_limit`).
+    #[error("rate limit exceeded: {limit}")]
+    RateLimited {
+        /// Which limit, as "60 requests per minute".
+        limit: String,
+        /// Seconds until the bucket holds enough for the request.
+        retry_after: u64,
+    },
     /// An embed request with more inputs than `embedding_cache.max_inputs`.
     #[error("too many embedding inputs: at most {limit} per request (embedding_cache.max_inputs)")]
     TooManyInputs {
@@ -260,7 +268,8 @@ impl ProxyError {
             Self::PeerFailed(_) => StatusCode::BAD_GATEWAY,
             Self::TooManyAuthFailures { .. }
             | Self::TooManyMetadataReads { .. }
-            | Self::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            | Self::BudgetExceeded { .. }
+            | Self::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::ScopeRequired(_)
             | Self::ModelNotAllowed(_)
             | Self::ModelManagementDisabled
@@ -297,7 +306,8 @@ impl ProxyError {
             | Self::TooManyMetadataReads { retry_after }
             | Self::QueueFull { retry_after, .. }
             | Self::OverCapacity { retry_after, .. }
-            | Self::BudgetExceeded { retry_after, .. } => Some(*retry_after),
+            | Self::BudgetExceeded { retry_after, .. }
+            | Self::RateLimited { retry_after, .. } => Some(*retry_after),
             _ => None,
         }
     }
@@ -437,6 +447,7 @@ impl ProxyError {
     fn code(&self) -> Option<&'static str> {
         match self {
             Self::BudgetExceeded { .. } => Some("budget_exceeded"),
+            Self::RateLimited { .. } => Some("rate_limit_exceeded"),
             Self::MissingCredentials | Self::UnknownKey | Self::KeyRevoked => {
                 Some("invalid_api_key")
             }

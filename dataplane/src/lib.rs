@@ -57,6 +57,7 @@ pub mod queued;
 pub mod redact;
 pub mod relay;
 pub mod request_id;
+pub mod request_log;
 pub mod rewrite;
 pub mod router;
 pub mod scheduler;

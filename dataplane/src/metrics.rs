@@ -149,6 +149,8 @@ pub struct Metrics {
     host_models_loaded: IntGaugeVec,
     upstream_ttfb: HistogramVec,
     failovers: IntCounter,
+    request_log_dropped: IntCounter,
+    request_log_failures: IntCounter,
     forwarded: IntCounterVec,
     hop_added: prometheus::Histogram,
     client_inflight: IntGaugeVec,
@@ -156,6 +158,7 @@ pub struct Metrics {
     client_recent_share: GaugeVec,
     client_gpu_seconds: CounterVec,
     client_tokens: IntCounterVec,
+    rate_limited: IntCounterVec,
     cache_hits: IntCounterVec,
     cache_misses: IntCounterVec,
     cache_errors: IntCounterVec,
@@ -403,6 +406,15 @@ impl Metrics {
                 "oqp_failovers_total",
                 "Requests retried on another host after a host failed before the first byte",
             ),
+            request_log_dropped: counter(
+                "oqp_request_log_dropped_total",
+                "Request log lines dropped because the writer was behind (logging.requests)",
+            ),
+            request_log_failures: counter(
+                "oqp_request_log_failures_total",
+                "Request log lines that could not be written (a full disk, a path that cannot \
+                 be written)",
+            ),
             forwarded: counters(
                 "oqp_forwarded_total",
                 "Requests forwarded to the data plane that owns the chosen host",
@@ -441,6 +453,12 @@ impl Metrics {
                 "oqp_client_tokens_total",
                 "Tokens of a client's requests, by model and kind (prompt, completion)",
                 &["client", "model", "kind"],
+            ),
+            rate_limited: counters(
+                "oqp_rate_limited_total",
+                "Requests refused for a per-minute limit (rate_limit), by client (an app's \
+                 users under the app)",
+                &["client"],
             ),
             cache_hits: counters(
                 "oqp_embedding_cache_hits_total",
@@ -580,6 +598,32 @@ impl Metrics {
     /// A request moved to another host after a failure before the first byte.
     pub fn failover(&self) {
         self.failovers.inc();
+    }
+
+    /// A request log line was dropped: the writer was behind.
+    pub fn request_log_dropped(&self) {
+        self.request_log_dropped.inc();
+    }
+
+    /// A request log line could not be written.
+    pub fn request_log_failed(&self) {
+        self.request_log_failures.inc();
+    }
+
+    /// Request log lines dropped and lines that failed to be written, since start.
+    pub fn request_log_counts(&self) -> (u64, u64) {
+        (
+            self.request_log_dropped.get(),
+            self.request_log_failures.get(),
+        )
+    }
+
+    /// A request of `client` was refused for a per-minute limit.
+    pub fn rate_limited(&self, client: &str) {
+        let client = self.client_label(client);
+        if let Ok(counter) = self.rate_limited.get_metric_with_label_values(&[client]) {
+            counter.inc();
+        }
     }
 
     /// A request was forwarded to `node` (a node the config lists: the label is bounded).

@@ -64,6 +64,8 @@ pub struct Policy {
     pub injection_listeners: Vec<InjectionListener>,
     /// The log level the config asks for (`logging.level`), if it names one.
     pub log_level: Option<LogLevel>,
+    /// The request log (`logging.requests`), when it is on.
+    pub request_log: Option<Arc<RequestLogSettings>>,
     /// The headers app keys name their users and sessions in (`auth.keys[].users`): removed
     /// from every request on its way upstream, from any key.
     pub delegation_headers: Vec<http::HeaderName>,
@@ -256,6 +258,39 @@ pub struct Client {
     /// The Common Name of the client certificate that is this client, if that is its
     /// credential.
     pub tls_subject: Option<Arc<str>>,
+    /// Its per-minute limits (for an app key, the app's as a whole), if it has any.
+    pub rate_limit: Option<MinuteLimit>,
+}
+
+/// `logging.requests`: where the request log ([`crate::request_log`]) is written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLogSettings {
+    /// The configured path; each UTC day is written beside it.
+    pub file: std::path::PathBuf,
+    /// Days of files kept (at least 1).
+    pub retention_days: u32,
+}
+
+/// Per-minute limits (`rate_limit`): requests and tokens, each a token bucket on this data
+/// plane that refills evenly over a minute. [`crate::usage::minute`] enforces them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MinuteLimit {
+    /// Requests per minute; 0 = no request limit.
+    pub requests_per_minute: u32,
+    /// Tokens (prompt + completion) per minute; 0 = no token limit.
+    pub tokens_per_minute: u64,
+}
+
+impl MinuteLimit {
+    /// From the wire; `None` when it limits nothing.
+    pub fn from_wire(limit: Option<oqp_proto::policy::v1::RateLimit>) -> Option<Self> {
+        let limit = limit?;
+        let limit = Self {
+            requests_per_minute: limit.requests_per_minute,
+            tokens_per_minute: limit.tokens_per_minute,
+        };
+        (limit != Self::default()).then_some(limit)
+    }
 }
 
 /// An app key's end users (`auth.keys[].users`): each is the sub-client `<client_id>/<user>`.
@@ -273,6 +308,8 @@ pub struct Users {
     pub budget: Option<UsageBudget>,
     /// The header that names the conversation, if any.
     pub session_header: Option<http::HeaderName>,
+    /// Each user's per-minute limits, if there are any.
+    pub rate_limit: Option<MinuteLimit>,
 }
 
 /// Where an app puts its end user's id.

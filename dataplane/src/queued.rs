@@ -32,10 +32,11 @@ use crate::placement::Target;
 use crate::policy::Policy;
 use crate::proxy::{self, Active, Outbound, RequestBody};
 use crate::relay;
+use crate::request_log::{Entry, RequestLog};
 use crate::scheduler::Tier;
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
-use crate::usage::{Totals, Usage};
+use crate::usage::{Totals, Usage, minute};
 
 /// What the queued path reads of the data plane.
 #[derive(Debug, Clone, Copy)]
@@ -60,6 +61,11 @@ pub struct Parts<'a> {
     /// The other data planes; `None` for a request forwarded here, which this node serves
     /// itself.
     pub peers: Option<&'a Arc<Peers>>,
+    /// What the request took of its per-minute limits, corrected when its answer ends
+    /// (set by the queued path itself).
+    pub charge: Option<&'a minute::Charge>,
+    /// The request log (`logging.requests`), written when the policy turns it on.
+    pub request_log: &'a Arc<RequestLog>,
 }
 
 impl<'a> Parts<'a> {
@@ -117,6 +123,8 @@ pub async fn send_conversation(
     send_inner(parts, policy, client, tier, model, chain, outbound, || {}).await
 }
 
+/// [`admit_and_send`], with a request log line for a request refused or failed here (an
+/// answered one has its line written by its completion hook, in [`send_granted`]).
 #[allow(clippy::too_many_arguments)]
 async fn send_inner(
     parts: Parts<'_>,
@@ -128,12 +136,64 @@ async fn send_inner(
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
+    let Some(settings) = policy.request_log.clone() else {
+        return admit_and_send(
+            parts, policy, client, tier, model, chain, outbound, on_granted,
+        )
+        .await;
+    };
+    let started = Instant::now();
+    let mut entry = Entry {
+        request_id: request_id_of(&outbound.headers),
+        route: outbound.path_and_query.path().to_owned(),
+        client: client.id.to_string(),
+        user: user_of(&client.id),
+        model: model.clone(),
+        tier: tier.as_str(),
+        ..Entry::default()
+    };
+    let answer = admit_and_send(
+        parts, policy, client, tier, model, chain, outbound, on_granted,
+    )
+    .await;
+    if let Err(error) = &answer {
+        entry.time = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+        entry.status = error.status().as_u16();
+        entry.duration_ms = millis(started.elapsed());
+        entry.error = Some(error.to_string());
+        parts.request_log.record(&settings, entry, parts.metrics);
+    }
+    answer
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn admit_and_send(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    client: Caller,
+    tier: Tier,
+    model: Option<String>,
+    chain: Option<Arc<Chain>>,
+    outbound: Outbound,
+    on_granted: impl FnOnce(),
+) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
+    let mut charge = None;
     if parts.accounted {
         parts
             .usage
             .check_caller(policy, &client, std::time::SystemTime::now())?;
+        // Per-minute limits are the box's that took the request from its client: one
+        // forwarded here was counted at its edge.
+        if parts.peers.is_some() {
+            let estimate = estimated_tokens(&outbound, chain.as_deref());
+            charge = parts.usage.admit_minute(policy, &client, estimate)?;
+        }
     }
+    let parts = Parts {
+        charge: charge.as_ref(),
+        ..parts
+    };
     match parts.peers {
         Some(peers) if !policy.remote.is_empty() => {
             Box::pin(placed(
@@ -359,6 +419,20 @@ async fn send_granted(
         );
     }
     let wait_header = queue_headers(waited, position, immediate);
+    // The request log's line, finished by the completion hook.
+    let logged = policy.request_log.clone().map(|settings| {
+        let entry = Entry {
+            request_id: request_id_of(&outbound.headers),
+            route: outbound.path_and_query.path().to_owned(),
+            client: client.to_string(),
+            user: user_of(client),
+            tier: tier.as_str(),
+            queue_wait_ms: Some(millis(waited)),
+            affinity: verdict.map(|verdict| verdict.outcome.as_str()),
+            ..Entry::default()
+        };
+        (settings, entry, parts.request_log.clone())
+    });
     let sent = Instant::now();
     let active = parts.active.track();
     let model = lease.model().map(|m| m.to_string());
@@ -414,12 +488,38 @@ async fn send_granted(
     if status.is_client_error() || status.is_server_error() {
         parts.metrics.host_error(&answer.host.name, "status");
     }
-    parts.metrics.observe_ttfb(tier, sent.elapsed());
+    let ttfb = sent.elapsed();
+    parts.metrics.observe_ttfb(tier, ttfb);
     let host_name = answer.host.name.clone();
+    let logged = logged.map(|(settings, mut entry, log)| {
+        entry.host = Some(answer.host.name.to_string());
+        entry.status = status.as_u16();
+        entry.ttfb_ms = Some(millis(ttfb));
+        (settings, entry, log)
+    });
     let metrics = parts.metrics.clone();
     let usage = parts.accounted.then(|| parts.usage.clone());
     let client = client.clone();
+    let charge = parts.charge.cloned();
     let completion: Completion = Box::new(move |outcome| {
+        if let Some(charge) = charge {
+            let used = outcome
+                .tokens
+                .prompt
+                .saturating_add(outcome.tokens.completion);
+            charge.settle(used, tokio::time::Instant::now());
+        }
+        if let Some((settings, mut entry, log)) = logged {
+            entry.time = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+            entry.model = model.clone();
+            entry.duration_ms = millis(waited + sent.elapsed());
+            entry.prompt_tokens = Some(outcome.tokens.prompt);
+            entry.completion_tokens = Some(outcome.tokens.completion);
+            entry.cached_tokens = outcome
+                .cached_tokens
+                .or(verdict.map(|verdict| u64::from(verdict.cached_tokens)));
+            log.record(&settings, entry, &metrics);
+        }
         // GPU time: Ollama's figure (and the attempts before the one that answered), else
         // the time the request held its slots.
         let gpu = outcome
@@ -542,6 +642,34 @@ fn queue_headers(
         headers.push((headers::QUEUE_POSITION, HeaderValue::from(position)));
     }
     headers
+}
+
+/// The request's `X-Request-ID`, as the log shows it.
+fn request_id_of(headers: &http::HeaderMap) -> String {
+    headers
+        .get(headers::REQUEST_ID)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The end user of an app's sub-client `<app>/<user>` (a `client_id` holds no `/`).
+fn user_of(client: &str) -> Option<String> {
+    client.split_once('/').map(|(_, user)| user.to_owned())
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// The tokens a request is charged at admission against a per-minute token limit: its
+/// prompt's estimate where its conversation was read, else its body's size at the same
+/// bytes per token (the answer corrects it).
+fn estimated_tokens(outbound: &Outbound, chain: Option<&Chain>) -> u64 {
+    chain.map_or_else(
+        || prompt_estimate(&outbound.body),
+        |chain| u64::from(chain.tokens),
+    )
 }
 
 /// The prompt tokens a request body stands for when its answer does not say: a token for

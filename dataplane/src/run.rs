@@ -399,6 +399,7 @@ fn report(app: &App) -> NodeReport {
             last_used_unix_ms: app
                 .last_used(&client.client)
                 .map_or(0, crate::policy::unix_ms),
+            rate_limited: app.usage.minute().refused(&client.client),
         })
         .collect();
     let mut swaps: std::collections::HashMap<Arc<str>, crate::swap::SwapStat> = app

@@ -41,6 +41,7 @@ use crate::policy::{Client, Host, HostKind, Policy};
 use crate::scheduler::{ClientStat, Tier, TierStat};
 use crate::snapshot::PolicyStore;
 use crate::swap::SwapStat;
+use crate::usage::minute::{Level, MinuteLimits};
 
 /// Most unconfigured clients listed in status and metrics.
 pub const MAX_OTHER_CLIENTS: usize = metrics::MAX_OTHER_LABELS;
@@ -260,6 +261,52 @@ struct ClientStatus {
     /// that may see only its own.
     #[serde(skip_serializing_if = "Option::is_none")]
     usage_today: Option<UsageToday>,
+    /// Its per-minute limits on this data plane and what their buckets hold; left out for a
+    /// client without any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rate_limit: Option<RateLimitStatus>,
+    /// Requests refused for a per-minute limit since this node started (an app's: its users'
+    /// too); left out while none was.
+    #[serde(skip_serializing_if = "is_zero")]
+    rate_limited: u64,
+}
+
+fn is_zero(count: &u64) -> bool {
+    *count == 0
+}
+
+/// A client's per-minute limits (`rate_limit`) on this node.
+#[derive(Debug, Serialize)]
+struct RateLimitStatus {
+    /// 0 = no request limit.
+    requests_per_minute: u32,
+    /// 0 = no token limit.
+    tokens_per_minute: u64,
+    /// Whole requests its bucket holds now.
+    requests_left: u64,
+    /// Whole tokens its bucket holds now.
+    tokens_left: u64,
+}
+
+impl RateLimitStatus {
+    /// `id`'s, from the buckets it has on this node, else its configured limit (full).
+    fn of(client: Option<&Client>, id: &str, minute: &MinuteLimits) -> Option<Self> {
+        let level = minute.level(id, tokio::time::Instant::now());
+        let level = level.or_else(|| {
+            let limit = client?.rate_limit?;
+            Some(Level {
+                limit,
+                requests_left: u64::from(limit.requests_per_minute),
+                tokens_left: limit.tokens_per_minute,
+            })
+        })?;
+        Some(Self {
+            requests_per_minute: level.limit.requests_per_minute,
+            tokens_per_minute: level.limit.tokens_per_minute,
+            requests_left: level.requests_left,
+            tokens_left: level.tokens_left,
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -417,6 +464,8 @@ pub fn status(sources: Sources<'_>, policy: &Policy) -> Status {
                     client.as_deref(),
                     &stat,
                     sources.usage.today(&stat.client, SystemTime::now()),
+                    RateLimitStatus::of(client.as_deref(), &stat.client, sources.usage.minute()),
+                    sources.usage.minute().refused(&stat.client),
                 ),
             )
         })
@@ -519,6 +568,8 @@ fn client_status(
     client: Option<&Client>,
     stat: &ClientStat,
     today: crate::usage::Totals,
+    rate_limit: Option<RateLimitStatus>,
+    rate_limited: u64,
 ) -> ClientStatus {
     ClientStatus {
         description: client
@@ -535,6 +586,8 @@ fn client_status(
         max_priority: client.map(|c| c.max_priority.as_str()),
         scope: client.map(|c| c.scope.as_str()),
         usage_today: Some(UsageToday::of(today)),
+        rate_limit,
+        rate_limited,
     }
 }
 

@@ -33,6 +33,7 @@ use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::policy::{Client, Policy, UsageBudget, Used};
 
+pub mod minute;
 pub mod window;
 
 /// What requests used: the figures accounting sums.
@@ -116,6 +117,7 @@ impl Totals {
 #[derive(Debug)]
 pub struct Usage {
     metrics: Arc<Metrics>,
+    minute: Arc<minute::MinuteLimits>,
     epoch: u64,
     inner: Mutex<Inner>,
 }
@@ -209,9 +211,41 @@ impl Usage {
     pub fn with_epoch(metrics: Arc<Metrics>, started: SystemTime) -> Self {
         Self {
             metrics,
+            minute: Arc::default(),
             epoch: epoch_of(started),
             inner: Mutex::default(),
         }
+    }
+
+    /// The per-minute limits' buckets on this data plane.
+    pub fn minute(&self) -> &Arc<minute::MinuteLimits> {
+        &self.minute
+    }
+
+    /// Admits a request of `caller` estimated at `estimate` tokens against its per-minute
+    /// limits (see [`minute`]), or refuses it (429); refusals are counted in the metrics
+    /// under the configured client.
+    pub fn admit_minute(
+        &self,
+        policy: &Policy,
+        caller: &Caller,
+        estimate: u64,
+    ) -> Result<Option<minute::Charge>, ProxyError> {
+        let limits = minute::limits_of(policy, caller);
+        if limits.is_empty() {
+            return Ok(None);
+        }
+        let counted_as = caller
+            .member
+            .as_ref()
+            .map_or(&caller.id, |member| &member.app);
+        let admitted = self
+            .minute
+            .admit(limits, counted_as, estimate, tokio::time::Instant::now());
+        if admitted.is_err() {
+            self.metrics.rate_limited(counted_as);
+        }
+        admitted
     }
 
     /// The epoch of this ledger's batches (Unix ms of its start), which the watch presents

@@ -10,6 +10,7 @@ mod client;
 mod figures;
 mod health;
 mod render;
+mod requests;
 mod usage;
 mod watch;
 
@@ -103,6 +104,8 @@ enum Command {
         #[arg(default_value = health::DEFAULT_URL)]
         url: String,
     },
+    /// The request log (logging.requests), read from its files on this machine.
+    Requests(requests::RequestsArgs),
     /// Prints a shell completion script.
     Completions {
         /// The shell.
@@ -288,6 +291,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             println!("{healthy}");
             return Ok(());
         }
+        Command::Requests(args) => return Ok(requests::run(&args, output, style)?),
         _ => {}
     }
     let key = client::load_key(cli.key_file.as_ref())?;
@@ -311,7 +315,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             );
         }
         Command::Audit(args) => audit::run(&mut admin, &args, output).await?,
-        Command::Config(_) | Command::Completions { .. } | Command::Health { .. } => {}
+        Command::Config(_)
+        | Command::Completions { .. }
+        | Command::Health { .. }
+        | Command::Requests(_) => {}
     }
     Ok(())
 }

@@ -658,6 +658,11 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                         "processed": client.processed,
                         "rejected": client.rejected,
                         "gpu_seconds_today": (client.gpu_ns_today as f64 / 1e6).round() / 1e3,
+                        "rate_limit": client.rate_limit.map(|limit| json!({
+                            "requests_per_minute": limit.requests_per_minute,
+                            "tokens_per_minute": limit.tokens_per_minute,
+                        })),
+                        "rate_limited": client.rate_limited,
                     })
                 })
                 .collect(),
@@ -704,6 +709,8 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     "share",
                     "processed",
                     "rejected",
+                    "per minute",
+                    "limited",
                     "GPU today",
                 ],
             );
@@ -719,11 +726,32 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                     format!("{:.0}%", client.recent_share * 100.0),
                     client.processed.to_string(),
                     client.rejected.to_string(),
+                    per_minute(client.rate_limit.as_ref()),
+                    client.rate_limited.to_string(),
                     crate::figures::hms(client.gpu_ns_today),
                 ]);
             }
             with_caps_note(clients, clients_capped(response), style)
         }
+    }
+}
+
+/// A client's per-minute limits in a cell: "60 req, 10000 tok", "-" when it has none.
+fn per_minute(limit: Option<&wire::RateLimit>) -> String {
+    let Some(limit) = limit else {
+        return "-".to_owned();
+    };
+    let mut parts = Vec::new();
+    if limit.requests_per_minute > 0 {
+        parts.push(format!("{} req", limit.requests_per_minute));
+    }
+    if limit.tokens_per_minute > 0 {
+        parts.push(format!("{} tok", limit.tokens_per_minute));
+    }
+    if parts.is_empty() {
+        "-".to_owned()
+    } else {
+        parts.join(", ")
     }
 }
 
@@ -1205,6 +1233,46 @@ mod tests {
             text.contains("cap / box") && text.contains("Caps are per GPU box"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn clients_show_their_per_minute_limits_when_wide_and_in_json() {
+        let response = api::ListClientsResponse {
+            clients: vec![
+                api::ClientInfo {
+                    client_id: "batch".into(),
+                    rate_limit: Some(wire::RateLimit {
+                        requests_per_minute: 30,
+                        tokens_per_minute: 50_000,
+                    }),
+                    rate_limited: 7,
+                    ..Default::default()
+                },
+                api::ClientInfo {
+                    client_id: "free".into(),
+                    ..Default::default()
+                },
+            ],
+        };
+        let style = Style {
+            color: false,
+            width: Width::Wide,
+        };
+        let text = clients(&response, Output::Table, style);
+        assert!(
+            text.contains("per minute") && text.contains("limited"),
+            "{text}"
+        );
+        let batch = text.lines().find(|line| line.contains(" batch ")).unwrap();
+        assert!(
+            batch.contains("30 req, 50000 tok") && batch.contains(" 7 "),
+            "{batch}"
+        );
+        let value: Value =
+            serde_json::from_str(&clients(&response, Output::Json, Style::PLAIN)).unwrap();
+        assert_eq!(value[0]["rate_limit"]["tokens_per_minute"], 50_000);
+        assert_eq!(value[0]["rate_limited"], 7);
+        assert!(value[1]["rate_limit"].is_null());
     }
 
     #[test]

@@ -12,10 +12,11 @@ use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
 use super::scalar::{Int, Text};
-use super::schema::{RawBudget, RawCloudKey, RawJwt, RawKey, RawUsers};
+use super::schema::{RawBudget, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers};
 use super::secret::Secret;
 use super::types::{
-    Budget, BudgetWindow, CloudKey, JwksSource, JwtConfig, KeyConfig, UserSource, UsersConfig,
+    Budget, BudgetWindow, CloudKey, JwksSource, JwtConfig, KeyConfig, MinuteLimit, UserSource,
+    UsersConfig,
 };
 
 /// The three ways of giving one credential, with the field names of this entry.
@@ -371,9 +372,14 @@ fn resolve_key(
             max_queued: 0,
             budget: None,
             session_header: None,
+            rate_limit: None,
         }),
         (None, None) => None,
     };
+    let rate_limit = raw
+        .rate_limit
+        .as_ref()
+        .and_then(|limit| resolve_minute_limit(limit, &format!("{at}.rate_limit"), problems));
 
     if problems.error_count() != before {
         return None;
@@ -396,6 +402,7 @@ fn resolve_key(
         budget,
         models,
         users,
+        rate_limit,
     })
 }
 
@@ -542,12 +549,65 @@ fn resolve_user_limits(
     {
         problems.error(format!("{at}.session_header '{name}' is not a header name"));
     }
+    let rate_limit = raw
+        .rate_limit
+        .as_ref()
+        .and_then(|limit| resolve_minute_limit(limit, &format!("{at}.rate_limit"), problems));
     Some(UsersConfig {
         source,
         max_concurrent,
         max_queued,
         budget,
         session_header,
+        rate_limit,
+    })
+}
+
+/// A `rate_limit` block at `at` (named in every message): `requests_per_minute` and/or
+/// `tokens_per_minute`, each a non-negative integer (0 = no limit of that kind, which lets a
+/// key opt out of `auth.default_rate_limit`).
+pub(crate) fn resolve_minute_limit(
+    raw: &RawMinuteLimit,
+    at: &str,
+    problems: &mut Problems,
+) -> Option<MinuteLimit> {
+    if raw.requests_per_minute.is_none() && raw.tokens_per_minute.is_none() {
+        problems.error(format!(
+            "{at} sets neither requests_per_minute nor tokens_per_minute; set one or both \
+             (0 = no limit of that kind), or remove it"
+        ));
+        return None;
+    }
+    let before = problems.error_count();
+    let requests_per_minute = match raw.requests_per_minute.as_ref().map(|value| value.0) {
+        None => 0,
+        Some(value) => u32::try_from(value)
+            .ok()
+            .filter(|value| *value <= 1_000_000)
+            .unwrap_or_else(|| {
+                problems.error(format!(
+                    "{at}.requests_per_minute must be an integer from 0 (no limit) to 1000000, \
+                     got {value}"
+                ));
+                0
+            }),
+    };
+    let tokens_per_minute = match raw.tokens_per_minute.as_ref().map(|value| value.0) {
+        None => 0,
+        Some(value) => u64::try_from(value)
+            .ok()
+            .filter(|value| *value <= 1_000_000_000_000)
+            .unwrap_or_else(|| {
+                problems.error(format!(
+                    "{at}.tokens_per_minute must be an integer from 0 (no limit) to \
+                     1000000000000, got {value}"
+                ));
+                0
+            }),
+    };
+    (problems.error_count() == before).then_some(MinuteLimit {
+        requests_per_minute,
+        tokens_per_minute,
     })
 }
 

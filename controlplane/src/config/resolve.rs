@@ -16,13 +16,13 @@ use super::net::{self, UrlError};
 use super::scalar::{self, Flag, Float, Int, KeepAliveValue, PerTier, Seconds, Text};
 use super::schema::{
     RawAffinity, RawAuth, RawCache, RawDashboard, RawKeepAlive, RawKey, RawListenerTls, RawLogging,
-    RawModelSwap, RawProxy, RawQueue, RawRouting, RawTier, RawWebhooks,
+    RawModelSwap, RawProxy, RawQueue, RawRequestLog, RawRouting, RawTier, RawWebhooks,
 };
 use super::types::{
     AffinityConfig, AuthConfig, CacheBackend, DashboardConfig, EmbeddingCacheConfig,
     FairShareConfig, KeepAliveConfig, ListenerTls, LoggingConfig, MetadataRateLimitConfig,
-    ModelSwapConfig, ProxyConfig, QueueConfig, RateLimitConfig, RoutingConfig, TierConfig,
-    WebhooksConfig,
+    ModelSwapConfig, ProxyConfig, QueueConfig, RateLimitConfig, RequestLogConfig, RoutingConfig,
+    TierConfig, WebhooksConfig,
 };
 
 /// Runs `check` and returns its value only if it recorded no error.
@@ -565,8 +565,12 @@ pub(crate) fn auth(
             ),
         };
         let trusted_proxies = trusted_proxies(raw.trusted_proxies.unwrap_or_default(), problems);
+        let default_rate_limit = raw.default_rate_limit.as_ref().and_then(|limit| {
+            keys::resolve_minute_limit(limit, "auth.default_rate_limit", problems)
+        });
         AuthConfig {
             enabled,
+            default_rate_limit,
             keys,
             trusted_proxies,
             metadata_rate_limit,
@@ -673,6 +677,42 @@ pub(crate) fn logging(raw: RawLogging, problems: &mut Problems) -> Option<Loggin
             "logging.format",
             problems,
         ),
+        requests: raw
+            .requests
+            .as_ref()
+            .and_then(|requests| request_log(requests, problems)),
+    })
+}
+
+/// `logging.requests`: a `file` (required) and `retention_days`.
+fn request_log(raw: &RawRequestLog, problems: &mut Problems) -> Option<RequestLogConfig> {
+    let file = raw
+        .file
+        .as_ref()
+        .map(|file| file.0.trim().to_owned())
+        .unwrap_or_default();
+    if file.is_empty() {
+        problems.error(
+            "logging.requests.file is required (the request log's path, e.g. \
+             /var/log/oqp/requests.jsonl); remove logging.requests to turn the log off",
+        );
+        return None;
+    }
+    let retention_days = match raw.retention_days.as_ref().map(|days| days.0) {
+        None => RequestLogConfig::DEFAULT_RETENTION_DAYS,
+        Some(days) => match u32::try_from(days) {
+            Ok(days @ 1..=3650) => days,
+            _ => {
+                problems.error(format!(
+                    "logging.requests.retention_days must be between 1 and 3650, got {days}"
+                ));
+                return None;
+            }
+        },
+    };
+    Some(RequestLogConfig {
+        file,
+        retention_days,
     })
 }
 

@@ -195,6 +195,7 @@ pub(crate) struct RawAuth {
     /// Items are parsed one by one into [`RawConfig::keys`].
     pub keys: Option<Value>,
     pub rate_limit: Option<RawRateLimit>,
+    pub default_rate_limit: Option<RawMinuteLimit>,
     pub trusted_proxies: Option<Vec<Text>>,
     pub metadata_rate_limit: Option<RawMetadataRateLimit>,
 }
@@ -211,6 +212,14 @@ pub(crate) struct RawMetadataRateLimit {
 pub(crate) struct RawRateLimit {
     pub max_failures: Option<Int>,
     pub window_seconds: Option<Int>,
+}
+
+/// `rate_limit` on a key or its `users`, and `auth.default_rate_limit`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawMinuteLimit {
+    pub requests_per_minute: Option<Int>,
+    pub tokens_per_minute: Option<Int>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -251,6 +260,8 @@ pub(crate) struct RawKey {
     pub jwt: Option<RawJwt>,
     #[serde(default)]
     pub tls_subject: Option<Text>,
+    #[serde(default)]
+    pub rate_limit: Option<RawMinuteLimit>,
 }
 
 /// `auth.keys[].jwt` and `auth.keys[].users.jwt`.
@@ -278,6 +289,7 @@ pub(crate) struct RawUsers {
     pub budget: Option<RawBudget>,
     pub session_header: Option<Text>,
     pub jwt: Option<RawJwt>,
+    pub rate_limit: Option<RawMinuteLimit>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -293,6 +305,14 @@ pub(crate) struct RawBudget {
 pub(crate) struct RawLogging {
     pub level: Option<Text>,
     pub format: Option<Text>,
+    pub requests: Option<RawRequestLog>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawRequestLog {
+    pub file: Option<Text>,
+    pub retention_days: Option<Int>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -1966,3 +1966,113 @@ fn the_dashboard_is_on_by_default_only_where_the_proxy_listens_on_loopback() {
     ));
     assert!(!enabled("dashboard:\n  enabled: false\n"));
 }
+
+#[test]
+fn per_minute_limits_on_keys_users_and_by_default() {
+    let loaded = load(&with_host(
+        "auth:\n  default_rate_limit: {requests_per_minute: 60}\n  keys:\n    \
+         - {key: k1, client_id: a, rate_limit: {requests_per_minute: 10, tokens_per_minute: 20000}}\n    \
+         - {key: k2, client_id: b}\n    \
+         - {key: k3, client_id: c, rate_limit: {requests_per_minute: 0, tokens_per_minute: 0}}\n    \
+         - key: k4\n      client_id: webui\n      users: {header: X-User, rate_limit: {tokens_per_minute: 5000}}\n",
+    ));
+    let auth = &loaded.config.auth;
+    let limit = |requests_per_minute, tokens_per_minute| MinuteLimit {
+        requests_per_minute,
+        tokens_per_minute,
+    };
+    assert_eq!(auth.default_rate_limit, Some(limit(60, 0)));
+    assert_eq!(auth.keys[0].rate_limit, Some(limit(10, 20_000)));
+    assert_eq!(auth.keys[1].rate_limit, None);
+    assert_eq!(auth.keys[2].rate_limit, Some(limit(0, 0)));
+    assert_eq!(auth.keys[3].rate_limit, None);
+    assert_eq!(
+        auth.keys[3].users.as_ref().unwrap().rate_limit,
+        Some(limit(0, 5000))
+    );
+    // The snapshot carries each key's own limit, else the default's (an explicit zero opts
+    // out); a stored key takes the default too.
+    let stored = oqp_proto::policy::v1::Client {
+        client_id: "stored".into(),
+        ..Default::default()
+    };
+    let snapshot = crate::compile::snapshot(
+        &loaded.config,
+        &Default::default(),
+        &Default::default(),
+        &[stored],
+        1,
+    );
+    let of = |id: &str| {
+        let client = snapshot.clients.iter().find(|c| c.client_id == id).unwrap();
+        client
+            .rate_limit
+            .map(|limit| (limit.requests_per_minute, limit.tokens_per_minute))
+    };
+    assert_eq!(of("a"), Some((10, 20_000)));
+    assert_eq!(of("b"), Some((60, 0)));
+    assert_eq!(of("c"), Some((0, 0)));
+    assert_eq!(of("webui"), Some((60, 0)));
+    assert_eq!(of("stored"), Some((60, 0)));
+    let users = snapshot.clients.iter().find(|c| c.client_id == "webui");
+    let users = users.unwrap().users.as_ref().unwrap();
+    assert_eq!(users.rate_limit.unwrap().tokens_per_minute, 5000);
+
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: a, rate_limit: {}}\n    \
+         - {key: k2, client_id: b, rate_limit: {tokens_per_minute: -5}}\n    \
+         - {key: k3, client_id: c, rate_limit: {requests_per_minute: 2000000}}\n    \
+         - {key: k4, client_id: d, users: {header: X-User, rate_limit: {requests_per_minute: -2}}}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=a].rate_limit sets neither requests_per_minute nor tokens_per_minute; set one or both (0 = no limit of that kind), or remove it",
+            "auth.keys[client_id=b].rate_limit.tokens_per_minute must be an integer from 0 (no limit) to 1000000000000, got -5",
+            "auth.keys[client_id=c].rate_limit.requests_per_minute must be an integer from 0 (no limit) to 1000000, got 2000000",
+            "auth.keys[client_id=d].users.rate_limit.requests_per_minute must be an integer from 0 (no limit) to 1000000, got -2",
+        ]
+    );
+    let errors = problems_of(&with_host(
+        "auth:\n  default_rate_limit: {requests_per_minute: -1}\n  keys:\n    - {key: k1, client_id: a}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.default_rate_limit.requests_per_minute must be an integer from 0 (no limit) to 1000000, got -1"
+        ]
+    );
+}
+
+#[test]
+fn the_request_log_is_off_unless_it_names_a_file() {
+    assert_eq!(load(&with_host("")).config.logging.requests, None);
+    let loaded = load(&with_host(
+        "logging:\n  requests: {file: /var/log/oqp/requests.jsonl, retention_days: 7}\n",
+    ));
+    assert_eq!(
+        loaded.config.logging.requests,
+        Some(RequestLogConfig {
+            file: "/var/log/oqp/requests.jsonl".into(),
+            retention_days: 7
+        })
+    );
+    let defaulted = load(&with_host("logging:\n  requests: {file: requests.jsonl}\n"));
+    assert_eq!(
+        defaulted.config.logging.requests.unwrap().retention_days,
+        RequestLogConfig::DEFAULT_RETENTION_DAYS
+    );
+    assert_eq!(
+        problems_of(&with_host("logging:\n  requests: {retention_days: 7}\n")),
+        [
+            "logging.requests.file is required (the request log's path, e.g. /var/log/oqp/requests.jsonl); remove logging.requests to turn the log off"
+        ]
+    );
+    assert_eq!(
+        problems_of(&with_host(
+            "logging:\n  requests: {file: r.jsonl, retention_days: 0}\n"
+        )),
+        ["logging.requests.retention_days must be between 1 and 3650, got 0"]
+    );
+}

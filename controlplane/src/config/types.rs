@@ -201,6 +201,18 @@ pub struct AuthConfig {
     /// names the client address for the throttle and logs. Empty: the header is ignored.
     pub trusted_proxies: Vec<String>,
     pub metadata_rate_limit: MetadataRateLimitConfig,
+    /// `auth.default_rate_limit`: the per-minute limits of every key that sets none.
+    pub default_rate_limit: Option<MinuteLimit>,
+}
+
+/// `rate_limit` (on a key, its `users`, or `auth.default_rate_limit`): requests and tokens
+/// per minute, each a token bucket per data plane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MinuteLimit {
+    /// Requests per minute; 0 = no request limit.
+    pub requests_per_minute: u32,
+    /// Prompt + completion tokens per minute; 0 = no token limit.
+    pub tokens_per_minute: u64,
 }
 
 /// `auth.metadata_rate_limit`: metadata reads per client (a token bucket).
@@ -261,6 +273,8 @@ pub struct KeyConfig {
     /// Instead of a key: the Common Name of the verified client certificate that is this
     /// client (`proxy.tls.client_ca_file`).
     pub tls_subject: Option<String>,
+    /// Its own per-minute limits (for an app key, the app as a whole), if it sets any.
+    pub rate_limit: Option<MinuteLimit>,
 }
 
 /// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.
@@ -276,6 +290,8 @@ pub struct UsersConfig {
     pub budget: Option<Budget>,
     /// The header naming the conversation, if any.
     pub session_header: Option<String>,
+    /// Each user's per-minute limits.
+    pub rate_limit: Option<MinuteLimit>,
 }
 
 /// Where an app names its end user.
@@ -390,6 +406,22 @@ impl BudgetWindow {
 pub struct LoggingConfig {
     pub level: LogLevel,
     pub format: LogFormat,
+    /// `logging.requests`: the request log, off unless set.
+    pub requests: Option<RequestLogConfig>,
+}
+
+/// `logging.requests`: one JSON line per proxied request, in daily files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestLogConfig {
+    /// The path; each UTC day is written beside it, the date before the extension.
+    pub file: String,
+    /// Days of files kept, 1..=3650 (default 30).
+    pub retention_days: u32,
+}
+
+impl RequestLogConfig {
+    /// Days of files kept when the config says nothing.
+    pub const DEFAULT_RETENTION_DAYS: u32 = 30;
 }
 
 /// `client_injection`: ports that inject a fixed identity.
@@ -721,6 +753,7 @@ impl Default for LoggingConfig {
         Self {
             level: LogLevel::Info,
             format: LogFormat::Text,
+            requests: None,
         }
     }
 }

@@ -626,6 +626,7 @@ impl AdminService for AdminApi {
                 scope: client.scope,
                 max_concurrent: client.max_concurrent,
                 weight: client.weight,
+                rate_limit: client.rate_limit,
                 ..api::ClientInfo::default()
             })
             .collect();
@@ -660,6 +661,7 @@ impl AdminService for AdminApi {
                     info.inflight += report.inflight;
                     info.processed += report.processed;
                     info.rejected += report.rejected;
+                    info.rate_limited += report.rate_limited;
                     shares.push(report.recent_share);
                 }
                 if !shares.is_empty() {

@@ -292,6 +292,17 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             });
         }
 
+        let request_log = snapshot
+            .logging
+            .as_ref()
+            .and_then(|logging| logging.requests.as_ref())
+            .filter(|requests| !requests.file.is_empty())
+            .map(|requests| {
+                Arc::new(RequestLogSettings {
+                    file: requests.file.clone().into(),
+                    retention_days: requests.retention_days.max(1),
+                })
+            });
         let log_level = match snapshot.logging.map(|logging| logging.level) {
             None => None,
             Some(level) if level.is_empty() => None,
@@ -301,6 +312,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
         };
 
         Ok(Policy {
+            request_log,
             version: snapshot.version,
             listen,
             proxy,
@@ -395,6 +407,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .users
         .map(|users| convert_users(&id, users))
         .transpose()?;
+    let rate_limit = MinuteLimit::from_wire(client.rate_limit);
     Ok(Client {
         id: Arc::from(id),
         key_digest,
@@ -410,6 +423,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         models,
         users,
         tls_subject,
+        rate_limit,
     })
 }
 
@@ -503,6 +517,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         max_queued: users.max_queued,
         budget: convert_budget(id, users.budget)?,
         session_header,
+        rate_limit: MinuteLimit::from_wire(users.rate_limit),
     })
 }
 

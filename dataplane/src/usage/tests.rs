@@ -47,6 +47,7 @@ fn client(budget: Option<UsageBudget>) -> Client {
         models: None,
         users: None,
         tls_subject: None,
+        rate_limit: None,
     }
 }
 

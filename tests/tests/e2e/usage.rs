@@ -15,6 +15,8 @@ use serde_json::{Value, json};
 
 mod edges;
 mod forged;
+mod minute;
+mod request_log;
 mod timeouts;
 mod transcriptions;
 mod users;
