@@ -11,13 +11,16 @@ use super::chat::{data_url, sampling};
 use super::refused;
 use crate::error::ProxyError;
 
-/// The engine's request for a generate `request`, and whether it is a plain completion
-/// (`/v1/completions`); `None` for a load call (an empty prompt, no images).
+/// The engine's request, and whether it is a plain completion (`/v1/completions`).
+pub(super) type Planned = (Map<String, Value>, bool);
+
+/// The engine's request for a generate `request`; `None` for a load call (an empty prompt,
+/// no images).
 pub(super) fn request(
     request: &Map<String, Value>,
     model: &str,
     stream: bool,
-) -> Result<Option<(Map<String, Value>, bool)>, ProxyError> {
+) -> Result<Option<Planned>, ProxyError> {
     let text = |name: &str| -> Result<&str, ProxyError> {
         match request.get(name) {
             None | Some(Value::Null) => Ok(""),
