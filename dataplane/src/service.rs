@@ -344,6 +344,9 @@ async fn forward(
     // The routes whose body Ollama reads for its model (`/api/show` also by its `name`).
     // (`eq` on the `str`: a borrow of the `&str` local would keep it in this future's state.)
     let shows = path.eq("/api/show");
+    // A model-management call for a model only OpenAI-compatible engines serve is refused
+    // (501): its body is read to see which model it names.
+    let manages = translate::manages_models(path) && translate::any_engine(policy);
     let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) || shows;
     let retrieved = path
         .strip_prefix("/v1/models/")
@@ -498,6 +501,10 @@ async fn forward(
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
         queue.accounted = false;
+        if manages && hopped.is_none() {
+            outbound.body =
+                checked_management(policy, outbound.body, &outbound.path_and_query).await?;
+        }
         // Boxed, as the other sends a queued request does not wait in: the future of a
         // request that waits in the queue is sized for its largest path.
         let sent = Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
@@ -592,6 +599,27 @@ async fn forward(
     }
     outbound.body = RequestBody::Buffered(body);
     queued::send_conversation(queue, policy, client, tier, model, chain, outbound).await
+}
+
+/// A model-management request's streamed `body`, read (it is small and bounded like any
+/// streamed body) to refuse it when it names a model only `openai` hosts serve, then streamed
+/// on as it came.
+async fn checked_management(
+    policy: &Policy,
+    body: RequestBody,
+    path: &http::uri::PathAndQuery,
+) -> Result<RequestBody, ProxyError> {
+    use http_body_util::BodyExt;
+    let RequestBody::Streamed(streamed) = body else {
+        return Ok(body);
+    };
+    let bytes = streamed
+        .collect()
+        .await
+        .map_err(|_| ProxyError::BodyUnreadable)?
+        .to_bytes();
+    translate::check_management(policy, path.path(), &bytes)?;
+    Ok(RequestBody::Streamed(body::full(bytes)))
 }
 
 /// A native request whose model only `openai` hosts serve.

@@ -172,6 +172,44 @@ pub fn management_refused(path: &str, model: &str) -> ProxyError {
     }
 }
 
+/// Whether `path` is a model-management route that names a model in its body (`/api/pull`,
+/// `push`, `create`, `delete`, `copy`).
+pub fn manages_models(path: &str) -> bool {
+    matches!(
+        path,
+        "/api/pull" | "/api/push" | "/api/create" | "/api/delete" | "/api/copy"
+    )
+}
+
+/// Whether any host (this node's or another's) is an `openai` one.
+pub fn any_engine(policy: &Policy) -> bool {
+    policy
+        .hosts
+        .iter()
+        .chain(&policy.remote)
+        .any(|host| host.kind == HostKind::Openai)
+}
+
+/// Refuses a model-management request on `path` whose `body` names a model only `openai`
+/// hosts serve ([`management_refused`]); anything else passes (Ollama hosts answer it).
+pub fn check_management(policy: &Policy, path: &str, body: &[u8]) -> Result<(), ProxyError> {
+    let Ok(Value::Object(request)) = serde_json::from_slice::<Value>(body) else {
+        return Ok(());
+    };
+    let request = lowercase_keys(request);
+    let field = if path == "/api/copy" {
+        "source"
+    } else if request.contains_key("model") {
+        "model"
+    } else {
+        "name"
+    };
+    match request.get(field).and_then(Value::as_str) {
+        Some(model) if serves_only_openai(policy, model) => Err(management_refused(path, model)),
+        _ => Ok(()),
+    }
+}
+
 /// Translates a native request `body` on `route` for `model` (the client's name), whose hosts
 /// are all `openai` ones. `upstream_model` is the name the hosts list it under.
 pub fn plan(

@@ -618,8 +618,55 @@ async fn a_stream_cut_by_the_engine_ends_with_an_error_line_and_no_done() {
 async fn the_engine_receives_openais_request_for_ollamas() {
     let fake = FakeOllama::builder().model("qwen3").spawn().await;
     let dir = tempfile::tempdir().unwrap();
-    let stack = Stack::start(&config(&[("engine", &fake.url(), "openai")], dir.path())).await;
+    let yaml = config(&[("engine", &fake.url(), "openai")], dir.path()).replace(
+        "proxy:\n  max_concurrent: 4\n",
+        "proxy:\n  max_concurrent: 4\n  allow_model_management: true\n",
+    );
+    let stack = Stack::start(&yaml).await;
     wait_models(&stack, &["qwen3:latest"]).await;
+
+    // Model management for a model only engines serve: 501, naming the host kind; nothing
+    // reaches the engine. Another model's call goes on to a host as before.
+    for (path, body) in [
+        ("/api/pull", json!({"model": "qwen3"})),
+        ("/api/delete", json!({"name": "qwen3:latest"})),
+        (
+            "/api/copy",
+            json!({"source": "qwen3", "destination": "mine"}),
+        ),
+    ] {
+        let method = if path == "/api/delete" {
+            Method::DELETE
+        } else {
+            Method::POST
+        };
+        let reply = HttpClient::new()
+            .send(
+                method,
+                &format!("{}{path}", stack.url()),
+                &[("authorization", &bearer(KEY))],
+                body.to_string(),
+            )
+            .await;
+        assert_eq!(reply.status, 501, "{path}: {}", reply.text());
+        let message = reply.json()["error"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("kind openai") && message.contains(path),
+            "{message}"
+        );
+    }
+    for path in ["/api/pull", "/api/delete", "/api/copy"] {
+        assert!(fake.handle().requests_to(path).is_empty(), "{path}");
+    }
+    let other = post(
+        &stack,
+        KEY,
+        "/api/pull",
+        &json!({"model": "llama3", "stream": false}),
+    )
+    .await;
+    assert_ne!(other.status, 501, "{}", other.text());
+    assert_eq!(fake.handle().requests_to("/api/pull").len(), 1);
 
     let png = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==";
     let chat = json!({
@@ -719,5 +766,54 @@ async fn the_engine_receives_openais_request_for_ollamas() {
     let sent: Value =
         serde_json::from_slice(&fake.handle().requests_to("/v1/completions")[0].body).unwrap();
     assert_eq!(sent["prompt"], "abc");
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_translated_stream_arrives_line_by_line_not_buffered() {
+    let fake = FakeOllama::builder()
+        .model("qwen3")
+        .tokens(5)
+        .token_interval(Duration::from_millis(100))
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(&[("engine", &fake.url(), "openai")], dir.path())).await;
+    wait_models(&stack, &["qwen3:latest"]).await;
+    let body = json!({"model": "qwen3", "messages": [{"role": "user", "content": "hi"}]});
+    let response = HttpClient::new()
+        .start(
+            Method::POST,
+            &format!("{}/api/chat", stack.url()),
+            &[
+                ("authorization", &bearer(KEY)),
+                ("content-type", "application/json"),
+            ],
+            body.to_string(),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let mut text = Vec::new();
+    let mut first_line_while_running = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.unwrap();
+        if let Some(data) = frame.data_ref() {
+            text.extend_from_slice(data);
+        }
+        if first_line_while_running.is_none() && text.contains(&b'\n') {
+            // The engine is still answering when the first translated line is here.
+            let received = fake.handle().requests_to("/v1/chat/completions");
+            first_line_while_running = Some(received[0].finished_at.is_none());
+        }
+    }
+    assert_eq!(first_line_while_running, Some(true));
+    let text = String::from_utf8(text).unwrap();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 6, "{text}");
+    assert_eq!(lines[5]["done"], true, "{text}");
     stack.shutdown().await;
 }
