@@ -69,9 +69,11 @@ pub const SCENARIO_AFFINITY: &str = "affinity";
 
 /// Usage reports with many users (the control plane's ledger, in process).
 pub const SCENARIO_USAGE: &str = "usage reports";
+/// Ollama's API translated for an OpenAI-compatible engine.
+pub const SCENARIO_TRANSLATE: &str = "translation";
 
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 17] = [
+pub const SCENARIOS: [&str; 18] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -89,6 +91,7 @@ pub const SCENARIOS: [&str; 17] = [
     SCENARIO_RUNNERS,
     SCENARIO_AFFINITY,
     SCENARIO_USAGE,
+    SCENARIO_TRANSLATE,
 ];
 
 /// The command documented in the README.
@@ -220,6 +223,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_RUNNERS], scenarios::runners::run);
     scenario!(&[SCENARIO_AFFINITY], scenarios::affinity::run);
     scenario!(&[SCENARIO_USAGE], scenarios::usage::run);
+    scenario!(&[SCENARIO_TRANSLATE], scenarios::translate::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);
