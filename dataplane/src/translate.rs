@@ -223,7 +223,10 @@ pub fn plan(
         Ok(Value::Object(map)) => lowercase_keys(map),
         _ => return Err(ProxyError::BodyNotJson),
     };
+    // Only chat and generate stream (the embedding routes have no `stream`).
+    let embeds = matches!(route, Route::Embed | Route::Embeddings);
     let stream = match request.get("stream") {
+        _ if embeds => false,
         None | Some(Value::Null) => true,
         Some(Value::Bool(stream)) => *stream,
         Some(_) => return Err(refused("stream", "must be a boolean")),
@@ -272,9 +275,7 @@ pub fn plan(
             } else {
                 Shape::Embed { dimensions }
             };
-            let mut reply = reply(shape);
-            reply.stream = false;
-            ("/v1/embeddings", upstream, reply)
+            ("/v1/embeddings", upstream, reply(shape))
         }
     };
     let inference = match route {

@@ -277,7 +277,12 @@ fn embeddings_become_v1_embeddings() {
     );
     assert!(!embed.reply.stream);
     assert_eq!(sent(&embed)["input"], json!(["a", "b"]));
-    let legacy = planned(Route::Embeddings, json!({"model": "m", "prompt": "a"}));
+    // The embedding routes have no `stream`: whatever it says, it is not read.
+    let legacy = planned(
+        Route::Embeddings,
+        json!({"model": "m", "prompt": "a", "stream": "yes"}),
+    );
+    assert!(!legacy.reply.stream);
     assert_eq!(legacy.reply.shape, Shape::Embeddings);
     assert_eq!(sent(&legacy)["input"], "a");
 }
