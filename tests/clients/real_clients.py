@@ -9,10 +9,7 @@ anthropic-python. Every check runs; any failure makes the exit status 1.
 Environment: OLLAMA_HOST (http://127.0.0.1:PORT of oqp), OLLAMA_API_KEY (an
 oqp key), OQP_CHAT_MODEL (default llama3.2), OQP_EMBED_MODEL (default
 all-minilm), OQP_SPENT_KEY (an oqp key whose token budget is spent after one
-answer); OQP_ENGINE_CHAT_MODEL and OQP_ENGINE_EMBED_MODEL (models that only
-llama-server hosts of kind openai serve: ollama-python is checked against them too, through
-the same OLLAMA_HOST, with Ollama's API translated; their weights are random, so those checks
-look at shapes and counts, never at the text).
+answer).
 """
 
 import base64
@@ -32,8 +29,6 @@ KEY = os.environ["OLLAMA_API_KEY"]
 CHAT = os.environ.get("OQP_CHAT_MODEL", "llama3.2")
 EMBED = os.environ.get("OQP_EMBED_MODEL", "all-minilm")
 SPENT = os.environ.get("OQP_SPENT_KEY", "")
-ENGINE_CHAT = os.environ.get("OQP_ENGINE_CHAT_MODEL", "")
-ENGINE_EMBED = os.environ.get("OQP_ENGINE_EMBED_MODEL", "")
 TEXTS = ["The sky is blue because of Rayleigh scattering.", "Grass is green."]
 
 CHECKS = []
@@ -140,161 +135,6 @@ def ollama_without_key():
         raise AssertionError("listed models without a key")
     finally:
         os.environ["OLLAMA_API_KEY"] = saved
-
-
-# ---- ollama-python against real engines (Ollama's API translated) ------------
-
-
-def engine_check(name):
-    """A check that runs only when the engines are there (OQP_ENGINE_CHAT_MODEL is set)."""
-
-    def register(function):
-        if ENGINE_CHAT:
-            CHECKS.append((name, function))
-        return function
-
-    return register
-
-
-def wait_for_engines():
-    # oqp polls the engines each second: their models appear in the list within a few polls.
-    import time
-
-    deadline = time.monotonic() + 30
-    while True:
-        names = [m.model for m in ollama_client().list().models]
-        if any(n.startswith(ENGINE_CHAT) for n in names) and any(
-            n.startswith(ENGINE_EMBED) for n in names
-        ):
-            return names
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the engines' models never listed: {names}")
-        time.sleep(0.1)
-
-
-def done_with_counts(answer):
-    expect(answer.done, f"not done: {answer}")
-    expect(answer.done_reason in ("stop", "length"), f"done_reason {answer.done_reason}")
-    expect(answer.prompt_eval_count and answer.prompt_eval_count > 0, f"counts: {answer}")
-    expect(answer.eval_count is not None and answer.eval_count <= 8, f"counts: {answer}")
-    expect(answer.total_duration and answer.total_duration > 0, f"durations: {answer}")
-
-
-@engine_check("ollama on an engine: list (one host, both kinds of models)")
-def engine_list():
-    names = wait_for_engines()
-    expect(any(n.startswith(CHAT) for n in names), f"the fake's {CHAT} not in {names}")
-    listed = {m.model: m for m in ollama_client().list().models}
-    engine = next(m for name, m in listed.items() if name.startswith(ENGINE_CHAT))
-    expect(len(engine.digest) == 64, f"digest {engine.digest}")
-    expect(engine.details is not None, f"details {engine}")
-
-
-@engine_check("ollama on an engine: show and ps")
-def engine_show_ps():
-    shown = ollama_client().show(ENGINE_CHAT)
-    expect(shown.details is not None, f"no details: {shown}")
-    expect(shown.modelinfo is not None, "no model_info")
-    loaded = [m.model for m in ollama_client().ps().models]
-    expect(any(n.startswith(ENGINE_CHAT) for n in loaded), f"{ENGINE_CHAT} not in {loaded}")
-
-
-@engine_check("ollama on an engine: chat")
-def engine_chat():
-    answer = ollama_client().chat(
-        model=ENGINE_CHAT,
-        messages=[{"role": "user", "content": "Hello!"}],
-        options={"num_predict": 8},
-    )
-    expect(answer.model == ENGINE_CHAT, f"model {answer.model}")
-    expect(answer.message.role == "assistant", f"role {answer.message.role}")
-    expect(isinstance(answer.message.content, str), "no content")
-    done_with_counts(answer)
-
-
-@engine_check("ollama on an engine: chat, streamed; the fake's model by the same client")
-def engine_chat_streamed():
-    client = ollama_client()
-    chunks = list(
-        client.chat(
-            model=ENGINE_CHAT,
-            messages=[{"role": "user", "content": "Hello!"}],
-            options={"num_predict": 8},
-            stream=True,
-        )
-    )
-    expect(len(chunks) >= 1, f"{len(chunks)} chunks")
-    expect(not any(c.done for c in chunks[:-1]), "done before the last chunk")
-    done_with_counts(chunks[-1])
-    answer = client.chat(model=CHAT, messages=[{"role": "user", "content": "Hello!"}])
-    expect(answer.message.content, "the fake's model: empty message")
-
-
-@engine_check("ollama on an engine: a tool round trip")
-def engine_tools():
-    def add(a: int, b: int) -> int:
-        """Adds two numbers.
-
-        Args:
-          a: the first number
-          b: the second number
-        """
-        return a + b
-
-    answer = ollama_client().chat(
-        model=ENGINE_CHAT,
-        messages=[
-            {"role": "user", "content": "What is 2 + 3?"},
-            {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}],
-            },
-            {"role": "tool", "content": "5", "tool_name": "add"},
-        ],
-        tools=[add],
-        options={"num_predict": 8},
-    )
-    expect(answer.message.role == "assistant", f"role {answer.message.role}")
-    for call in answer.message.tool_calls or []:
-        expect(isinstance(call.function.arguments, dict), f"arguments {call}")
-    done_with_counts(answer)
-
-
-@engine_check("ollama on an engine: generate, streamed and not")
-def engine_generate():
-    answer = ollama_client().generate(
-        model=ENGINE_CHAT, prompt="Once upon a time", options={"num_predict": 8}
-    )
-    expect(isinstance(answer.response, str), "no response")
-    done_with_counts(answer)
-    chunks = list(
-        ollama_client().generate(
-            model=ENGINE_CHAT, prompt="Once upon a time", options={"num_predict": 8}, stream=True
-        )
-    )
-    done_with_counts(chunks[-1])
-
-
-@engine_check("ollama on an engine: embed")
-def engine_embed():
-    answer = ollama_client().embed(model=ENGINE_EMBED, input=TEXTS)
-    expect(len(answer.embeddings) == len(TEXTS), f"{len(answer.embeddings)} vectors")
-    expect(all(is_vector(v) for v in answer.embeddings), "not float vectors")
-    for vector in answer.embeddings:
-        norm = math.sqrt(sum(x * x for x in vector))
-        expect(abs(norm - 1.0) < 1e-6, f"norm {norm}")
-
-
-@engine_check("ollama on an engine: what cannot be translated is a ResponseError naming it")
-def engine_refused():
-    try:
-        ollama_client().generate(model=ENGINE_CHAT, prompt="def f(", suffix="return 1")
-    except ollama.ResponseError as error:
-        expect(error.status_code == 400, f"status {error.status_code}")
-        expect('"suffix"' in error.error, error.error)
-    else:
-        raise AssertionError("a suffix was accepted")
 
 
 # ---- openai-python ---------------------------------------------------------

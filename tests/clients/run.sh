@@ -57,49 +57,6 @@ pids+=($!)
 wait_for_line "$work/fake.addr"
 fake=$(head -n 1 "$work/fake.addr")
 
-# Real engines, when scripts/setup.sh has built them (required in CI): llama-server serving a
-# chat model and an embedding model, as hosts of kind openai beside the fake. ollama-python then
-# uses the fake's models and the engines' through the same OLLAMA_HOST (Ollama's API translated).
-llama_dir=${OQP_LLAMA_SERVER_DIR:-${OQP_CACHE_DIR:-$HOME/.cache/oqp}/llama-server-11434.0.0}
-engine_hosts=""
-engine_env=()
-if [ -x "$llama_dir/llama-server" ] && [ -s "$llama_dir/tiny.gguf" ] && [ -s "$llama_dir/tiny-embed.gguf" ]; then
-  chat_port=$(free_port)
-  embed_port=$(free_port)
-  echo "-- starting llama-server (chat on $chat_port, embeddings on $embed_port)"
-  "$llama_dir/llama-server" -m "$llama_dir/tiny.gguf" --host 127.0.0.1 --port "$chat_port" \
-    -t 1 -tb 1 --no-webui --alias oqp-tiny:latest -np 2 -c 2048 >"$work/chat-engine.log" 2>&1 &
-  pids+=($!)
-  "$llama_dir/llama-server" -m "$llama_dir/tiny-embed.gguf" --host 127.0.0.1 --port "$embed_port" \
-    -t 1 -tb 1 --no-webui --alias oqp-embed:latest --embedding --pooling mean -np 1 -c 512 \
-    >"$work/embed-engine.log" 2>&1 &
-  pids+=($!)
-  "$python" - "$chat_port" "$embed_port" <<'PY'
-import sys, time, urllib.request
-deadline = time.monotonic() + 60
-for port in sys.argv[1:]:
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"llama-server on {port} was not healthy")
-        time.sleep(0.05)
-PY
-  engine_hosts="    - {url: \"http://127.0.0.1:$chat_port\", name: chat-engine, kind: openai, model_sync_interval: 1}
-    - {url: \"http://127.0.0.1:$embed_port\", name: embed-engine, kind: openai, model_sync_interval: 1}
-"
-  engine_env=(OQP_ENGINE_CHAT_MODEL=oqp-tiny OQP_ENGINE_EMBED_MODEL=oqp-embed)
-elif [ "${CI:-}" = "true" ]; then
-  echo "llama-server is required in CI (scripts/setup.sh builds it); missing in $llama_dir" >&2
-  exit 1
-else
-  echo "-- SKIPPED: the engine checks (llama-server is not installed; run scripts/setup.sh)"
-fi
-
 proxy_port=$(free_port)
 control_port=$(free_port)
 key="sk-real-clients-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
@@ -114,7 +71,6 @@ ollama:
   hosts:
     - url: "http://$fake"
       name: fake
-$engine_hosts
 auth:
   enabled: true
   keys:
@@ -152,8 +108,8 @@ while True:
 PY
 
 echo "-- running the clients"
-env OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" OQP_SPENT_KEY="$spent_key" \
-  OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm "${engine_env[@]}" \
+OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" OQP_SPENT_KEY="$spent_key" \
+  OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
   "$python" tests/clients/real_clients.py
 
 # What the clients used, as the operator sees it (a management key sees every client's
