@@ -178,6 +178,16 @@ pub enum ProxyError {
         /// The limit.
         limit: usize,
     },
+    /// A request in Ollama's own API for a model that only OpenAI-compatible engines serve,
+    /// which oqp cannot translate (a field with no equivalent, a model no host serves, a
+    /// model-management route): Ollama's status and wording (see `crate::translate`).
+    #[error("{message}")]
+    NotTranslatable {
+        /// 400 (a field), 404 (no host serves the model) or 501 (a route the engine lacks).
+        status: StatusCode,
+        /// What cannot be done, naming the field or the host kind.
+        message: String,
+    },
 }
 
 /// Why one upstream host gave no answer, as a class a person can act on: never the
@@ -285,7 +295,9 @@ impl ProxyError {
             | Self::ModelUnreadable
             | Self::PathNotCanonical => StatusCode::BAD_REQUEST,
             Self::BodyTooLarge | Self::TooManyInputs { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::QueueFull { status, .. } | Self::OverCapacity { status, .. } => *status,
+            Self::QueueFull { status, .. }
+            | Self::OverCapacity { status, .. }
+            | Self::NotTranslatable { status, .. } => *status,
             Self::NotFound => StatusCode::NOT_FOUND,
             Self::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Self::TierPaused(_)

@@ -11,6 +11,7 @@
 //!   become HTTP ([`error`]);
 //! - [`endpoint`]: which paths are metadata, inference or management;
 //! - [`queued`]: admission, the wait for a slot, and the send;
+//! - [`translate`]: Ollama's own API in front of OpenAI-compatible engines;
 //! - [`proxy`], [`forward`] and [`upstream`]: sending to a host, failover
 //!   before the first byte, streaming the answer back with its resources
 //!   held to the end;
@@ -68,6 +69,7 @@ pub mod status;
 pub mod supervise;
 pub mod swap;
 pub mod tls;
+pub mod translate;
 pub mod upstream;
 pub mod usage;
 pub mod view;

@@ -36,12 +36,13 @@ use crate::form;
 use crate::headers;
 use crate::hop;
 use crate::metrics;
-use crate::policy::{Host, Policy, Scope};
+use crate::policy::{Host, HostKind, Policy, Scope};
 use crate::proxy::{self, Outbound, RequestBody};
 use crate::queue_control;
 use crate::queued;
 use crate::request_id;
 use crate::rewrite;
+use crate::translate;
 use crate::view::BodyView;
 use crate::{dashboard, status};
 
@@ -404,6 +405,9 @@ async fn forward(
     let copies = path.eq("/api/copy");
     let ollama_reads_body = matches!(endpoint, Endpoint::Inference(_)) && !form || shows || copies;
     let reads_body = endpoint.reads_body() || copies;
+    // A model-management call for a model only OpenAI-compatible engines serve is refused
+    // (501): its body is read to see which model it names.
+    let manages = translate::manages_models(path) && translate::any_engine(policy);
     let retrieved = path
         .strip_prefix("/v1/models/")
         .filter(|_| endpoint == Endpoint::Metadata)
@@ -586,6 +590,10 @@ async fn forward(
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
         queue.accounted = false;
+        if manages && hopped.is_none() {
+            outbound.body =
+                checked_management(policy, outbound.body, &outbound.path_and_query).await?;
+        }
         // Boxed, as the other sends a queued request does not wait in: the future of a
         // request that waits in the queue is sized for its largest path.
         let sent = Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
@@ -618,6 +626,24 @@ async fn forward(
     outbound.unstreamed = inference
         .streams_by_default()
         .is_some_and(|default| !view.stream(&body).unwrap_or(default));
+    // Ollama's own API for a model only OpenAI-compatible engines serve: translated here, and
+    // from here on the engine's route (a hop carries the request its edge translated).
+    if hopped.is_none()
+        && let (Some(model), Some(route)) = (&model, translate::Route::of(inference))
+    {
+        if translate::served_by_none(policy, model) {
+            return Err(translate::not_found(route, model));
+        }
+        if translate::serves_only_openai(policy, model) {
+            let native = Native {
+                route,
+                model: model.clone(),
+                body,
+                session,
+            };
+            return Box::pin(translated(queue, policy, client, tier, native, outbound)).await;
+        }
+    }
     // Its conversation, for a chat-shaped request (the keep_alive inserted below is not part
     // of it).
     let chain = conversation(
@@ -672,6 +698,95 @@ async fn forward(
     }
     outbound.body = RequestBody::Buffered(body);
     queued::send_conversation(queue, policy, client, tier, model, chain, outbound).await
+}
+
+/// A model-management request's streamed `body`, read (it is small and bounded like any
+/// streamed body) to refuse it when it names a model only `openai` hosts serve, then streamed
+/// on as it came.
+async fn checked_management(
+    policy: &Policy,
+    body: RequestBody,
+    path: &http::uri::PathAndQuery,
+) -> Result<RequestBody, ProxyError> {
+    use http_body_util::BodyExt;
+    let streamed = match body {
+        // A copy's body, already read for the allowlist.
+        RequestBody::Buffered(bytes) => {
+            translate::check_management(policy, path.path(), &bytes)?;
+            return Ok(RequestBody::Buffered(bytes));
+        }
+        RequestBody::Streamed(streamed) => streamed,
+    };
+    let bytes = streamed
+        .collect()
+        .await
+        .map_err(|_| ProxyError::BodyUnreadable)?
+        .to_bytes();
+    translate::check_management(policy, path.path(), &bytes)?;
+    Ok(RequestBody::Streamed(body::full(bytes)))
+}
+
+/// A native request whose model only `openai` hosts serve.
+struct Native {
+    route: translate::Route,
+    /// The model as the client named it.
+    model: String,
+    body: Bytes,
+    session: Option<String>,
+}
+
+/// Sends a native request translated for the engines that serve its model
+/// ([`translate`]), queued, budgeted and accounted as the engine's route, and answers in
+/// Ollama's shapes.
+async fn translated(
+    queue: queued::Parts<'_>,
+    policy: &Arc<Policy>,
+    client: auth::Caller,
+    tier: crate::scheduler::Tier,
+    native: Native,
+    mut outbound: Outbound,
+) -> Result<Response<Body>, ProxyError> {
+    let received = std::time::Instant::now();
+    let upstream_model = translate::upstream_name(policy, &native.model);
+    let plan = translate::plan(
+        native.route,
+        &native.body,
+        &native.model,
+        &upstream_model,
+        received,
+    )?;
+    let translated = match plan {
+        translate::Plan::Answer(answer) => return Ok(answer),
+        translate::Plan::Send(translated) => translated,
+    };
+    outbound.path_and_query = translated.path;
+    outbound.headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let view = BodyView::read(&translated.body).map_err(|_| ProxyError::BodyNotJson)?;
+    let chain = conversation(
+        policy,
+        translated.inference,
+        &outbound,
+        (&translated.body, &view),
+        &client,
+        Some(&native.model),
+        native.session.as_deref(),
+    );
+    drop(view);
+    outbound.body = RequestBody::Buffered(translated.body);
+    let answer = queued::send_conversation(
+        queue,
+        policy,
+        client,
+        tier,
+        Some(native.model),
+        chain,
+        outbound,
+    )
+    .await?;
+    Ok(translate::response(translated.reply, answer))
 }
 
 /// The conversation a chat-shaped request continues, for prompt-cache affinity: scoped to
@@ -801,14 +916,42 @@ async fn metadata(
     outbound: Outbound,
     model: Option<&str>,
 ) -> Result<Response<Body>, ProxyError> {
-    let hosts = metadata_hosts(policy, model);
+    let mut hosts = metadata_hosts(policy, model);
     let path = outbound.path_and_query.path().to_owned();
     let listing = outbound.method == Method::GET
         && matches!(path.as_str(), "/api/tags" | "/api/ps" | "/v1/models");
+    // OpenAI-compatible engines do not speak Ollama's metadata routes: oqp answers for them
+    // from what it knows ([`translate`]), and asks an Ollama host first for the rest.
+    let engines = hosts.iter().any(|host| host.kind == HostKind::Openai);
+    if engines && !listing {
+        let only_engines = hosts.iter().all(|host| host.kind == HostKind::Openai);
+        let native = matches!(outbound.method, Method::GET | Method::HEAD | Method::POST);
+        match path.as_str() {
+            "/api/show" => {
+                if let Some(shown) = model.and_then(|model| translate::show(policy, model)) {
+                    return Ok(translate_metadata(shown));
+                }
+            }
+            "/api/version" if only_engines && native => {
+                return Ok(translate_metadata(translate::version()));
+            }
+            "/" if only_engines && native => {
+                let mut response = Response::new(body::full("Ollama is running"));
+                response.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/plain; charset=utf-8"),
+                );
+                return Ok(response);
+            }
+            _ => {}
+        }
+        // Stable: Ollama hosts first, in their order.
+        hosts.sort_by_key(|host| host.kind == HostKind::Openai);
+    }
     // A key limited to some models sees only those: its listings are read whole and
     // filtered, even from one host.
     let filtered = listing && identity.has_allowlist();
-    if filtered || (listing && path != "/v1/models" && hosts.len() > 1) {
+    if filtered || (listing && path != "/v1/models" && (hosts.len() > 1 || engines)) {
         let mut response = union_response(app, policy, &hosts, outbound, &path).await?;
         if filtered {
             response = filter_listing(response, &path, identity).await?;
@@ -836,6 +979,16 @@ async fn metadata(
     ))
 }
 
+/// A metadata answer oqp writes for OpenAI-compatible engines, in Ollama's content type.
+fn translate_metadata(value: serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(body::json(&value));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json; charset=utf-8"),
+    );
+    response
+}
+
 /// Asks every host at once and merges their model lists.
 async fn union_response(
     app: &Arc<App>,
@@ -845,50 +998,61 @@ async fn union_response(
     path: &str,
 ) -> Result<Response<Body>, ProxyError> {
     use http_body_util::BodyExt;
-    let asks = hosts.iter().map(|host| {
-        let request = proxy::request_for(
-            host,
-            &outbound.method,
-            &outbound.path_and_query,
-            &outbound.headers,
-            body::empty(),
-        );
-        async move {
-            // A host that does not answer with a list is left out and named in the 503
-            // if no host does.
-            let failed = |cause: Cause| Err((host.name.clone(), cause));
-            let Ok(request) = request else {
-                return failed(Cause::ConnectionFailed);
-            };
-            let response = match app
-                .upstream
-                .send(request, policy.proxy.request_timeout)
+    // The engines' entries come from what oqp knows of them ([`translate`]); `/v1/models`
+    // they answer themselves.
+    let ollama_listing = matches!(path, "/api/tags" | "/api/ps");
+    let engines: Vec<Arc<Host>> = hosts
+        .iter()
+        .filter(|host| ollama_listing && host.kind == HostKind::Openai)
+        .cloned()
+        .collect();
+    let asks = hosts
+        .iter()
+        .filter(|host| !(ollama_listing && host.kind == HostKind::Openai))
+        .map(|host| {
+            let request = proxy::request_for(
+                host,
+                &outbound.method,
+                &outbound.path_and_query,
+                &outbound.headers,
+                body::empty(),
+            );
+            async move {
+                // A host that does not answer with a list is left out and named in the 503
+                // if no host does.
+                let failed = |cause: Cause| Err((host.name.clone(), cause));
+                let Ok(request) = request else {
+                    return failed(Cause::ConnectionFailed);
+                };
+                let response = match app
+                    .upstream
+                    .send(request, policy.proxy.request_timeout)
+                    .await
+                {
+                    Ok(response) => response,
+                    Err(error) => return failed(error.cause()),
+                };
+                if !response.status().is_success() {
+                    return failed(Cause::Http(response.status()));
+                }
+                // Bounded like any upstream body: a host that sends its head
+                // and then nothing must not hold the union.
+                let bytes = match tokio::time::timeout(
+                    policy.proxy.upstream_stall_timeout,
+                    response.into_body().collect(),
+                )
                 .await
-            {
-                Ok(response) => response,
-                Err(error) => return failed(error.cause()),
-            };
-            if !response.status().is_success() {
-                return failed(Cause::Http(response.status()));
+                {
+                    Ok(Ok(collected)) => collected.to_bytes(),
+                    Ok(Err(_)) => return failed(Cause::ConnectionClosed),
+                    Err(_) => return failed(Cause::Timeout),
+                };
+                match serde_json::from_slice::<serde_json::Value>(&bytes) {
+                    Ok(value) => Ok((host.name.clone(), value)),
+                    Err(_) => failed(Cause::InvalidAnswer),
+                }
             }
-            // Bounded like any upstream body: a host that sends its head
-            // and then nothing must not hold the union.
-            let bytes = match tokio::time::timeout(
-                policy.proxy.upstream_stall_timeout,
-                response.into_body().collect(),
-            )
-            .await
-            {
-                Ok(Ok(collected)) => collected.to_bytes(),
-                Ok(Err(_)) => return failed(Cause::ConnectionClosed),
-                Err(_) => return failed(Cause::Timeout),
-            };
-            match serde_json::from_slice::<serde_json::Value>(&bytes) {
-                Ok(value) => Ok((host.name.clone(), value)),
-                Err(_) => failed(Cause::InvalidAnswer),
-            }
-        }
-    });
+        });
     let mut answers: Vec<(Arc<str>, serde_json::Value)> = Vec::new();
     let mut failures = Failures::none();
     for outcome in futures_util::future::join_all(asks).await {
@@ -896,6 +1060,10 @@ async fn union_response(
             Ok(answer) => answers.push(answer),
             Err((host, cause)) => failures.push(host, cause),
         }
+    }
+    for host in &engines {
+        let listed = translate::listing_entries(std::slice::from_ref(host), path);
+        answers.push((host.name.clone(), listed));
     }
     if answers.is_empty() {
         return Err(ProxyError::AllHostsFailed(failures));

@@ -73,9 +73,11 @@ pub const SCENARIO_ENGINES: &str = "affinity, real engines";
 
 /// Usage reports with many users (the control plane's ledger, in process).
 pub const SCENARIO_USAGE: &str = "usage reports";
+/// Ollama's API translated for an OpenAI-compatible engine.
+pub const SCENARIO_TRANSLATE: &str = "translation";
 
 /// Every scenario, in table order; each has at least one row.
-pub const SCENARIOS: [&str; 18] = [
+pub const SCENARIOS: [&str; 19] = [
     SCENARIO_LATENCY_PINNED,
     SCENARIO_LATENCY_UNPINNED,
     SCENARIO_SATURATION_FAST,
@@ -94,6 +96,7 @@ pub const SCENARIOS: [&str; 18] = [
     SCENARIO_AFFINITY,
     SCENARIO_ENGINES,
     SCENARIO_USAGE,
+    SCENARIO_TRANSLATE,
 ];
 
 /// The command documented in the README.
@@ -226,6 +229,7 @@ pub async fn run(args: Args) -> anyhow::Result<String> {
     scenario!(&[SCENARIO_AFFINITY], scenarios::affinity::run);
     scenario!(&[SCENARIO_ENGINES], scenarios::engines::run);
     scenario!(&[SCENARIO_USAGE], scenarios::usage::run);
+    scenario!(&[SCENARIO_TRANSLATE], scenarios::translate::run);
 
     report.header = header(&args, &bench, started.elapsed());
     report.notes = notes(&report);

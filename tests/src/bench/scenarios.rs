@@ -15,6 +15,7 @@ pub mod scheduling;
 pub mod streaming;
 pub mod swap;
 pub mod throughput;
+pub mod translate;
 pub mod usage;
 
 use std::net::SocketAddr;
@@ -70,6 +71,8 @@ pub struct OqpConfig {
     pub model_swap: Option<ModelSwap>,
     /// The host's `num_parallel` (each runner's slots), when set (else `max_concurrent`).
     pub num_parallel: Option<u32>,
+    /// The host's `kind` (`openai`: the fake's OpenAI-compatible layer as an engine), when set.
+    pub kind: Option<&'static str>,
 }
 
 /// `queue.model_swap` of a scenario.
@@ -149,6 +152,7 @@ impl OqpConfig {
             vram: None,
             model_swap: None,
             num_parallel: None,
+            kind: None,
         }
     }
 
@@ -166,6 +170,10 @@ impl OqpConfig {
         };
         let vram = match self.num_parallel {
             Some(num_parallel) => format!("{vram}      num_parallel: {num_parallel}\n"),
+            None => vram,
+        };
+        let vram = match self.kind {
+            Some(kind) => format!("{vram}      kind: {kind}\n      model_sync_interval: 1\n"),
             None => vram,
         };
         let model_swap = match &self.model_swap {

@@ -36,4 +36,5 @@ mod support;
 mod swap;
 mod tenancy;
 mod tls;
+mod translate;
 pub mod usage;
