@@ -351,7 +351,7 @@ fn observe(
         policy,
         kind,
         peer,
-        &request,
+        request,
     ) {
         Ok(identity) => identity,
         // A browser without a session: the 401 is the login form.
