@@ -3,7 +3,7 @@
 //! `cloud.balance_interval`, and puts what it read in the snapshot
 //! (`Host.cloud_accounts`), where the data planes steer by it.
 //!
-//! The cloud allows 10 reads a minute per account across keys and devices; [`budget`] keeps
+//! The cloud allows 10 reads a minute per account across keys and devices; `budget` keeps
 //! every reader within that (and waits out a 429's `Retry-After`), so that neither more keys
 //! nor more data planes mean more reads: data planes never read balances themselves.
 //!
@@ -132,9 +132,9 @@ pub fn attach(snapshot: &mut wire::PolicySnapshot, config: &Config, reads: &Hash
 }
 
 fn fill(account: &mut wire::CloudAccount, read: &Read) {
-    let ms = |time: Option<SystemTime>| time.map_or(0, crate::compile::unix_ms);
+    let ms = |time: Option<SystemTime>| time.map_or(0, oqp_proto::unix_ms);
     account.plan = read.balance.plan().to_owned();
-    account.read_at_unix_ms = crate::compile::unix_ms(read.at);
+    account.read_at_unix_ms = oqp_proto::unix_ms(read.at);
     match &read.balance {
         Balance::Credits {
             included_usd,

@@ -5,11 +5,12 @@
 //! upstream) are the one secret the snapshot carries.
 
 use std::collections::HashMap;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use oqp_proto::policy::v1 as wire;
 
 pub use crate::inventory::Inventory;
+pub use oqp_proto::unix_ms;
 
 use crate::config::{CacheBackend, Config, HostKind, RoutingStrategy, Scope, Tier};
 
@@ -420,13 +421,6 @@ fn tls_files(tls: &crate::config::ListenerTls) -> wire::TlsFiles {
 
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn unix_ms(time: SystemTime) -> i64 {
-    time.duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
 }
 
 /// An app key's users on the wire.

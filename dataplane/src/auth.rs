@@ -11,7 +11,7 @@
 //! configured with `jwt:` ([`jwt`]): verified against its issuer's public keys, it names the
 //! sub-client `<client_id>/<user>`.
 
-pub mod jwt;
+pub use crate::jwt;
 mod throttle;
 
 use std::collections::BTreeSet;
@@ -204,16 +204,8 @@ impl Identity {
     }
 }
 
-/// Longest end-user id an app may name.
-pub const MAX_USER_BYTES: usize = 128;
-
-/// Whether `user` is an end-user id: 1–128 bytes of printable ASCII, without `/` or spaces.
-fn is_user_id(user: &str) -> bool {
-    (1..=MAX_USER_BYTES).contains(&user.len())
-        && user
-            .bytes()
-            .all(|byte| byte.is_ascii_graphic() && byte != b'/')
-}
+pub use crate::headers::MAX_USER_BYTES;
+use crate::headers::is_user_id;
 
 /// Longest claimed `X-Client-ID` (auth off) kept; longer ones are cut here, so
 /// that every list and label holding client ids stays small.

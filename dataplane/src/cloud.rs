@@ -26,7 +26,7 @@
 //! the logic is tested without sleeping.
 
 mod attempts;
-mod balance;
+
 mod failure;
 mod lease;
 mod status;
@@ -47,8 +47,8 @@ use crate::policy::{Host, HostKind, Policy, normalize_model};
 use crate::redact::redact_key;
 use crate::router::strip_cloud_suffix;
 
+pub use crate::balance::{Account, Balance, WindowLeft};
 pub use attempts::{Attempt, Attempts};
-pub use balance::{Account, Balance, WindowLeft};
 pub use failure::{Cooldowns, Failure, Window};
 pub use lease::Lease;
 pub use status::{AccountStatus, RefusedModel, WindowStatus};

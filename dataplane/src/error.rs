@@ -21,7 +21,7 @@ pub enum ProxyError {
     UnknownKey,
     /// A user's signed token (`jwt:`) that failed a check; the reason names the check.
     #[error("invalid token: {0}")]
-    InvalidToken(crate::auth::jwt::TokenError),
+    InvalidToken(crate::jwt::TokenError),
     /// The request's key was revoked, or expired, while the request waited in the queue.
     #[error("invalid api key (revoked or expired while the request was queued)")]
     KeyRevoked,

@@ -131,6 +131,17 @@ pub fn strip_delegation(headers: &mut HeaderMap, names: &[http::HeaderName]) {
     }
 }
 
+/// Longest end-user id an app may name.
+pub const MAX_USER_BYTES: usize = 128;
+
+/// Whether `user` is an end-user id: 1–128 bytes of printable ASCII, without `/` or spaces.
+pub fn is_user_id(user: &str) -> bool {
+    (1..=MAX_USER_BYTES).contains(&user.len())
+        && user
+            .bytes()
+            .all(|byte| byte.is_ascii_graphic() && byte != b'/')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

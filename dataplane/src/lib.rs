@@ -29,6 +29,7 @@
 pub mod affinity;
 pub mod app;
 pub mod auth;
+pub mod balance;
 pub mod body;
 pub mod budget;
 pub mod cache;
@@ -45,6 +46,7 @@ pub mod forward;
 pub mod headers;
 pub mod hop;
 pub mod inline;
+pub mod jwt;
 pub mod listeners;
 pub mod metadata_limit;
 pub mod metrics;

@@ -321,8 +321,8 @@ pub enum UserSource {
     /// `metadata.user_id`).
     BodyField(Vec<String>),
     /// The subject of a signed token, verified against the issuer's public keys
-    /// (`jwt:`, see [`crate::auth::jwt`]).
-    Jwt(Arc<crate::auth::jwt::Verifier>),
+    /// (`jwt:`, see [`crate::jwt`]).
+    Jwt(Arc<crate::jwt::Verifier>),
 }
 
 /// A glob (`*`, `?`) over model names as Ollama compares them: any case, and a pattern without
@@ -598,7 +598,7 @@ pub struct Host {
     /// Cloud key pool.
     pub cloud_keys: Vec<CloudKey>,
     /// Cloud hosts: each account of the pool, with its balance as last read.
-    pub cloud_accounts: Vec<crate::cloud::Account>,
+    pub cloud_accounts: Vec<crate::balance::Account>,
     /// Cloud fallback models.
     pub fallback_models: Vec<String>,
     /// The node that alone dispatches to it; `None` = every node.
@@ -883,12 +883,7 @@ pub fn tier_to_wire(tier: Tier) -> oqp_proto::policy::v1::Tier {
     }
 }
 
-/// Milliseconds since the Unix epoch (0 before it).
-pub fn unix_ms(time: SystemTime) -> i64 {
-    time.duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
+pub use oqp_proto::unix_ms;
 
 /// Normalises a model name the way Ollama matches them: case-insensitive, and
 /// a missing tag means `:latest`.

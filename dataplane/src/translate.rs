@@ -3,10 +3,10 @@
 //!
 //! A request on an Ollama-native inference route (`/api/chat`, `/api/generate`,
 //! `/api/embed`, `/api/embeddings`) whose model only `openai` hosts serve is rewritten here
-//! into the engine's API ([`request`]: `chat` for `/api/chat`, `generate` for `/api/generate`,
+//! into the engine's API (`chat` for `/api/chat`, `generate` for `/api/generate`,
 //! `embed` for both embedding routes), then queued, routed, budgeted and accounted exactly as
 //! the same request sent to `/v1/*` would be; its answer is rewritten back into Ollama's shapes
-//! by a body wrapper ([`response`], `stream`): SSE in, NDJSON out, line by line. What has no
+//! by a body wrapper (`stream`): SSE in, NDJSON out, line by line. What has no
 //! equivalent is refused with a 400 naming the field. A model no host serves, on a fleet of
 //! engines only, is Ollama's 404.
 //!

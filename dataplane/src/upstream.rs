@@ -44,7 +44,7 @@ pub enum UpstreamError {
     Transport(String),
     /// A pooled connection that had served answers was closed before one byte
     /// of this one: the server closed it as idle and never read the request,
-    /// which may be sent again (see [`reuse`]).
+    /// which may be sent again (see `reuse`).
     #[error("reused connection closed before any answer: {0}")]
     Stale(String),
 }
@@ -745,7 +745,7 @@ const MIN_PREFILL_TOKENS: u64 = 64;
 /// The prefill time per token, in seconds, that a llama-server answer's `timings` state:
 /// `prompt_ms / prompt_n`, where `prompt_n` counts only the tokens it evaluated (not those
 /// it found cached), so an answer with a cache hit teaches the rate too. `None` without
-/// `timings`, or for fewer than [`MIN_PREFILL_TOKENS`] evaluated tokens.
+/// `timings`, or for fewer than `MIN_PREFILL_TOKENS` evaluated tokens.
 pub fn engine_prefill(tail: &[u8]) -> Option<f64> {
     let evaluated = last_number(tail, b"\"prompt_n\":")?;
     if evaluated < MIN_PREFILL_TOKENS {

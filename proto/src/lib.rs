@@ -85,6 +85,13 @@ fn without_userinfo(url: &str) -> String {
     }
 }
 
+/// Milliseconds since the Unix epoch: every `*_unix_ms` field on the wire (0 before it).
+pub fn unix_ms(time: std::time::SystemTime) -> i64 {
+    time.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

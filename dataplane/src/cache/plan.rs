@@ -23,6 +23,8 @@ use serde_json::Value;
 use super::key::{self, Namespace, Params};
 use crate::rewrite::{scan, splice};
 
+pub use scan::is_vector;
+
 /// How the client gave its input, which decides nothing about the answer's
 /// shape for `/api/embed` (always a list) but does for the legacy endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -471,51 +473,6 @@ impl Plan {
     }
 }
 
-/// Whether `raw` is a JSON array of numbers (what a vector must be before it
-/// is cached or relayed from the cache).
-pub fn is_vector(raw: &[u8]) -> bool {
-    scan::array_elements(raw, 0..raw.len())
-        .is_some_and(|elements| elements.into_iter().all(|span| is_number(&raw[span])))
-}
-
-/// Whether `text` is exactly one JSON number.
-fn is_number(text: &[u8]) -> bool {
-    let mut i = 0;
-    let digits = |i: &mut usize| {
-        let start = *i;
-        while text.get(*i).is_some_and(u8::is_ascii_digit) {
-            *i += 1;
-        }
-        *i > start
-    };
-    if text.get(i) == Some(&b'-') {
-        i += 1;
-    }
-    match text.get(i) {
-        Some(b'0') => i += 1,
-        Some(b'1'..=b'9') => {
-            digits(&mut i);
-        }
-        _ => return false,
-    }
-    if text.get(i) == Some(&b'.') {
-        i += 1;
-        if !digits(&mut i) {
-            return false;
-        }
-    }
-    if matches!(text.get(i), Some(b'e' | b'E')) {
-        i += 1;
-        if matches!(text.get(i), Some(b'+' | b'-')) {
-            i += 1;
-        }
-        if !digits(&mut i) {
-            return false;
-        }
-    }
-    i == text.len()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -675,12 +632,12 @@ mod tests {
     #[test]
     fn numbers_follow_the_json_grammar() {
         for good in ["0", "-0", "1.5", "-1e-7", "2E+10", "123", "0.000001"] {
-            assert!(is_number(good.as_bytes()), "{good}");
+            assert!(scan::is_number(good.as_bytes()), "{good}");
         }
         for bad in [
             "", "-", "01", "1.", ".5", "1e", "NaN", "inf", "+1", "1 ", "0x1",
         ] {
-            assert!(!is_number(bad.as_bytes()), "{bad}");
+            assert!(!scan::is_number(bad.as_bytes()), "{bad}");
         }
         assert!(is_vector(b"[ 1 , -2.5e3 ]"));
         assert!(is_vector(b"[]"));

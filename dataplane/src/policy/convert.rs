@@ -473,7 +473,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
     let source = match (users.header.is_empty(), users.body_field.is_empty()) {
         (true, true) if users.jwt.is_some() => {
             let jwt = users.jwt.unwrap_or_default();
-            let settings = crate::auth::jwt::Settings {
+            let settings = crate::jwt::Settings {
                 issuer: &jwt.issuer,
                 audiences: &jwt.audiences,
                 user_claim: &jwt.user_claim,
@@ -482,7 +482,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                 jwks_json: &jwt.jwks_json,
                 jwks_error: &jwt.jwks_error,
             };
-            let verifier = crate::auth::jwt::Verifier::try_new(&settings)
+            let verifier = crate::jwt::Verifier::try_new(&settings)
                 .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?;
             UserSource::Jwt(Arc::new(verifier))
         }
@@ -839,8 +839,8 @@ fn tls_files(files: Option<wire::TlsFiles>, what: &str) -> Result<Option<TlsFile
 
 /// A cloud account and its balance as the control plane read it; a plan oqp does not know
 /// (or none read yet) is an account without a balance.
-fn cloud_account_from_wire(account: wire::CloudAccount) -> crate::cloud::Account {
-    use crate::cloud::{Balance, WindowLeft};
+fn cloud_account_from_wire(account: wire::CloudAccount) -> crate::balance::Account {
+    use crate::balance::{Balance, WindowLeft};
     let time = |ms: i64| {
         u64::try_from(ms)
             .ok()
@@ -867,7 +867,7 @@ fn cloud_account_from_wire(account: wire::CloudAccount) -> crate::cloud::Account
         }),
         _ => None,
     };
-    crate::cloud::Account {
+    crate::balance::Account {
         account: Arc::from(account.account),
         team: Arc::from(account.team),
         read_at: balance.as_ref().and(time(account.read_at_unix_ms)),

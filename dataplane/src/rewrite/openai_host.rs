@@ -70,7 +70,7 @@ pub fn embed_response(answer: &[u8], model: &str) -> Option<Bytes> {
             .ok()
             .filter(|index: &usize| *index < vectors.len())?;
         let vector = &bytes[item.get(bytes, "embedding")?.value.clone()];
-        if !crate::cache::is_vector(vector) || vectors[index].replace(vector).is_some() {
+        if !super::scan::is_vector(vector) || vectors[index].replace(vector).is_some() {
             return None;
         }
     }

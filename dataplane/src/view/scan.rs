@@ -254,6 +254,51 @@ pub fn skip_ws(bytes: &[u8], mut at: usize) -> usize {
     at
 }
 
+/// Whether `raw` is a JSON array of numbers (what a vector must be before it
+/// is cached or relayed from the cache).
+pub fn is_vector(raw: &[u8]) -> bool {
+    array_elements(raw, 0..raw.len())
+        .is_some_and(|elements| elements.into_iter().all(|span| is_number(&raw[span])))
+}
+
+/// Whether `text` is exactly one JSON number.
+pub fn is_number(text: &[u8]) -> bool {
+    let mut i = 0;
+    let digits = |i: &mut usize| {
+        let start = *i;
+        while text.get(*i).is_some_and(u8::is_ascii_digit) {
+            *i += 1;
+        }
+        *i > start
+    };
+    if text.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    match text.get(i) {
+        Some(b'0') => i += 1,
+        Some(b'1'..=b'9') => {
+            digits(&mut i);
+        }
+        _ => return false,
+    }
+    if text.get(i) == Some(&b'.') {
+        i += 1;
+        if !digits(&mut i) {
+            return false;
+        }
+    }
+    if matches!(text.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(text.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        if !digits(&mut i) {
+            return false;
+        }
+    }
+    i == text.len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

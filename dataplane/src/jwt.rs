@@ -322,7 +322,7 @@ impl Verifier {
             Some(serde_json::Value::Number(number)) => number.to_string(),
             _ => return Err(TokenError::User(self.user_claim.clone())),
         };
-        if !super::is_user_id(&user) {
+        if !crate::headers::is_user_id(&user) {
             return Err(TokenError::User(self.user_claim.clone()));
         }
         Ok(user)
