@@ -667,69 +667,39 @@ pub fn clients(response: &api::ListClientsResponse, output: Output, style: Style
                 })
                 .collect(),
         )),
-        Output::Table if !style.wide() => {
-            let mut clients = table(
-                style,
-                &[
-                    "client",
-                    "ceiling",
-                    "scope",
-                    "waiting",
-                    "in flight",
-                    "cap / box",
-                    "share",
-                    "GPU today",
-                ],
-            );
-            for client in &response.clients {
-                clients.add_row(vec![
-                    client.client_id.clone(),
-                    tier_name(client.max_priority).to_owned(),
-                    scope_name(client.scope).to_owned(),
-                    client.waiting.to_string(),
-                    client.inflight.to_string(),
-                    cap(client.max_concurrent),
-                    format!("{:.0}%", client.recent_share * 100.0),
-                    crate::figures::hms(client.gpu_ns_today),
-                ]);
-            }
-            with_caps_note(clients, clients_capped(response), style)
-        }
         Output::Table => {
-            let mut clients = table(
-                style,
-                &[
-                    "client",
-                    "ceiling",
-                    "scope",
-                    "waiting",
-                    "in flight",
-                    "cap / box",
-                    "weight",
-                    "share",
-                    "processed",
-                    "rejected",
-                    "per minute",
-                    "limited",
-                    "GPU today",
-                ],
-            );
+            // Each column: its header, whether only `--wide` shows it, its cell.
+            type Cell = fn(&api::ClientInfo) -> String;
+            let columns: [(&str, bool, Cell); 13] = [
+                ("client", false, |c| c.client_id.clone()),
+                ("ceiling", false, |c| tier_name(c.max_priority).to_owned()),
+                ("scope", false, |c| scope_name(c.scope).to_owned()),
+                ("waiting", false, |c| c.waiting.to_string()),
+                ("in flight", false, |c| c.inflight.to_string()),
+                ("cap / box", false, |c| cap(c.max_concurrent)),
+                ("weight", true, |c| format!("{}", c.weight)),
+                ("share", false, |c| {
+                    format!("{:.0}%", c.recent_share * 100.0)
+                }),
+                ("processed", true, |c| c.processed.to_string()),
+                ("rejected", true, |c| c.rejected.to_string()),
+                ("per minute", true, |c| per_minute(c.rate_limit.as_ref())),
+                ("limited", true, |c| c.rate_limited.to_string()),
+                ("GPU today", false, |c| crate::figures::hms(c.gpu_ns_today)),
+            ];
+            let shown: Vec<&(&str, bool, Cell)> = columns
+                .iter()
+                .filter(|(_, wide_only, _)| style.wide() || !wide_only)
+                .collect();
+            let header: Vec<&str> = shown.iter().map(|(name, _, _)| *name).collect();
+            let mut clients = table(style, &header);
             for client in &response.clients {
-                clients.add_row(vec![
-                    client.client_id.clone(),
-                    tier_name(client.max_priority).to_owned(),
-                    scope_name(client.scope).to_owned(),
-                    client.waiting.to_string(),
-                    client.inflight.to_string(),
-                    cap(client.max_concurrent),
-                    format!("{}", client.weight),
-                    format!("{:.0}%", client.recent_share * 100.0),
-                    client.processed.to_string(),
-                    client.rejected.to_string(),
-                    per_minute(client.rate_limit.as_ref()),
-                    client.rate_limited.to_string(),
-                    crate::figures::hms(client.gpu_ns_today),
-                ]);
+                clients.add_row(
+                    shown
+                        .iter()
+                        .map(|(_, _, cell)| cell(client))
+                        .collect::<Vec<_>>(),
+                );
             }
             with_caps_note(clients, clients_capped(response), style)
         }
