@@ -616,7 +616,7 @@ async fn an_injection_port_believes_an_apps_users_only_when_it_says_trust_users(
     let stack = Stack::start(&yaml).await;
     for port in [untrusting, trusting] {
         assert!(
-            oqp_tests::client::eventually(std::time::Duration::from_secs(5), || {
+            oqp_tests::client::eventually(std::time::Duration::from_secs(30), || {
                 std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
             })
             .await,

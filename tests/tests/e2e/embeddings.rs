@@ -534,7 +534,7 @@ async fn a_high_tier_embed_does_not_wait_behind_a_low_tier_fetch_of_the_same_tex
         let dispatcher = dispatcher.clone();
         async move {
             assert!(
-                oqp_tests::client::eventually(Duration::from_secs(5), || {
+                oqp_tests::client::eventually(Duration::from_secs(30), || {
                     dispatcher.total_depth() == n
                 })
                 .await,
@@ -567,7 +567,7 @@ async fn a_high_tier_embed_does_not_wait_behind_a_low_tier_fetch_of_the_same_tex
     assert_eq!(flood.await.unwrap().status, 200);
     // The freed slot goes to the high embed: the fake sees it first.
     assert!(
-        oqp_tests::client::eventually(Duration::from_secs(5), || {
+        oqp_tests::client::eventually(Duration::from_secs(30), || {
             !handle.requests_to("/api/embed").is_empty()
         })
         .await

@@ -358,7 +358,7 @@ async fn a_revoked_keys_waiting_requests_are_refused_and_never_reach_ollama() {
         .collect();
     let dispatcher = local(&stack).app().dispatcher.clone();
     assert!(
-        oqp_tests::client::eventually(Duration::from_secs(5), || dispatcher.total_depth() == 2)
+        oqp_tests::client::eventually(Duration::from_secs(30), || dispatcher.total_depth() == 2)
             .await
     );
 

@@ -188,7 +188,7 @@ async fn status_and_summary_count_traffic_overflow_and_expiry() {
     let first = send_generate(&http, &base, "chat", "normal");
     handle.wait_in_flight(1).await;
     let second = send_generate(&http, &base, "editor", "normal");
-    assert!(eventually(Duration::from_secs(5), || dispatcher.total_depth() == 1).await);
+    assert!(eventually(Duration::from_secs(30), || dispatcher.total_depth() == 1).await);
     let overflow = send_generate(&http, &base, "editor", "normal")
         .await
         .unwrap();
@@ -868,7 +868,7 @@ async fn the_dashboard_renders_in_headless_chromium() {
         .map(|(client, tier)| send_generate(&http, &base, client, tier))
         .collect();
     handle.wait_in_flight(2).await;
-    assert!(eventually(Duration::from_secs(5), || dispatcher.total_depth() == 1).await);
+    assert!(eventually(Duration::from_secs(30), || dispatcher.total_depth() == 1).await);
     let summary = http.get(&format!("{base}/queue/summary"), &[]).await.json();
 
     let profile = tempfile::tempdir().unwrap();

@@ -486,7 +486,7 @@ async fn interactive_work_never_waits_behind_a_batch_flood() {
             })
         })
         .collect();
-    assert!(eventually(Duration::from_secs(5), || queue.total_depth() >= 50).await);
+    assert!(eventually(Duration::from_secs(30), || queue.total_depth() >= 50).await);
     let mut waits = Vec::new();
     for _ in 0..10 {
         let reply = spawn_request(&http, &stack.url(), "sk-chat-0123456789", "high")

@@ -25,8 +25,9 @@ pub fn dispatcher(stack: &oqp_tests::harness::Stack) -> Arc<oqp_dataplane::dispa
 /// Waits (bounded) until `depth` requests wait in `dispatcher`'s queue, all tiers.
 pub async fn wait_depth(dispatcher: &oqp_dataplane::dispatch::Dispatcher, depth: u32) {
     assert!(
-        oqp_tests::client::eventually(Duration::from_secs(5), || dispatcher.total_depth() == depth)
-            .await,
+        oqp_tests::client::eventually(Duration::from_secs(30), || dispatcher.total_depth()
+            == depth)
+        .await,
         "queue depth never reached {depth} (is {})",
         dispatcher.total_depth()
     );

@@ -372,9 +372,9 @@ async fn a_low_key_asking_for_high_is_served_after_normal_work() {
     handle.wait_in_flight(1).await;
     let dispatcher = stack.control.dataplane().unwrap().app().dispatcher.clone();
     let batch = send("sk-batch-0123456789", "high");
-    assert!(eventually(Duration::from_secs(5), || dispatcher.total_depth() == 1).await);
+    assert!(eventually(Duration::from_secs(30), || dispatcher.total_depth() == 1).await);
     let normal = send("sk-normal-0123456789", "normal");
-    assert!(eventually(Duration::from_secs(5), || dispatcher.total_depth() == 2).await);
+    assert!(eventually(Duration::from_secs(30), || dispatcher.total_depth() == 2).await);
     handle.release_all();
     for task in [first, batch, normal] {
         assert_eq!(task.await.unwrap().status, 200);
@@ -404,7 +404,7 @@ async fn injection_ports_carry_the_named_identity() {
     let http = HttpClient::new();
     let injected = format!("http://127.0.0.1:{port_batch}");
     assert!(
-        eventually(Duration::from_secs(5), || std::net::TcpStream::connect((
+        eventually(Duration::from_secs(30), || std::net::TcpStream::connect((
             "127.0.0.1",
             port_batch
         ))
@@ -445,7 +445,7 @@ async fn injection_ports_carry_the_named_identity() {
     assert_eq!(fake.handle().peak_concurrency_of("batch"), 1);
     // The scope of the named key applies too: a read key cannot proxy.
     assert!(
-        eventually(Duration::from_secs(5), || std::net::TcpStream::connect((
+        eventually(Duration::from_secs(30), || std::net::TcpStream::connect((
             "127.0.0.1",
             port_widget
         ))
@@ -476,7 +476,7 @@ async fn an_injection_port_bound_to_an_expired_key_refuses() {
     );
     let stack = Stack::start(&config(&fake.url(), &extra)).await;
     assert!(
-        eventually(Duration::from_secs(5), || std::net::TcpStream::connect((
+        eventually(Duration::from_secs(30), || std::net::TcpStream::connect((
             "127.0.0.1",
             port
         ))
