@@ -466,11 +466,12 @@ async fn interactive_chats_through_one_data_plane_never_wait_behind_a_flood_thro
         "high-tier chats through b behind a low flood through a: waits {waits:?} ms (service {} ms)",
         service.as_millis()
     );
-    // At most the one embed holding the slot is ahead of a chat; the slack
-    // is the fake's timer and the scheduling of three debug processes on this
-    // shared machine (the benchmark measures the release build: within 5 ms).
+    // At most the one embed holding the slot is ahead of a chat. Behind the flood a chat would
+    // wait for 30 or more embeds (1,200 ms or more); the bound of 10 embeds leaves room for
+    // three debug processes on a loaded 2-core machine (the benchmark measures the release
+    // build: within 5 ms of one embed).
     assert!(
-        worst <= service.as_millis() as u64 + 25,
+        worst < 10 * service.as_millis() as u64,
         "worst wait {worst} ms"
     );
     assert_eq!(fake.handle().peak_concurrency(), 1);

@@ -511,7 +511,9 @@ async fn interactive_work_never_waits_behind_a_batch_flood() {
         "interactive queue wait behind a 100-embed flood: p50 {p50} ms, p99 {p99} ms (service time {} ms)",
         service.as_millis()
     );
-    // At most one embed is ahead of a high request: the one holding the slot.
-    assert!(p99 <= 2 * service.as_millis() as u64 + 50, "p99 {p99} ms");
+    // At most one embed is ahead of a high request: the one holding the slot. Behind the flood
+    // it would wait for 50 or more; the bound of 10 leaves room for a loaded 2-core machine (the
+    // benchmark measures the release build's figure).
+    assert!(p99 < 10 * service.as_millis() as u64, "p99 {p99} ms");
     stack.shutdown().await;
 }

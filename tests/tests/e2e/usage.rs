@@ -554,7 +554,7 @@ const REPORT_INTERVAL: Duration = Duration::from_millis(200);
 async fn two_data_planes_together_overshoot_a_budget_by_at_most_the_stated_bound() {
     let _exclusive = crate::support::exclusive().await;
     const TOKEN: &str = "node-token-0123456789";
-    const BUDGET_SECONDS: u64 = 30;
+    const BUDGET_SECONDS: u64 = 60;
     // Each request reports 1 s of GPU time and takes at least 50 ms: one client per data
     // plane sends at most 20 GPU-seconds a second through it.
     let latency = Duration::from_millis(50);
@@ -627,9 +627,12 @@ auth:
     assert_eq!(used, total, "1 s each");
     // The stated bound: the requests in flight when the budget ran out (one per data
     // plane here) plus what the other data plane ran in about two report intervals
-    // (taken as three, for the scheduling jitter of debug processes on two cores).
+    // (taken as six, for the scheduling jitter of debug processes on two loaded cores). Without
+    // a shared budget each data plane would spend it whole: an overshoot of the budget itself,
+    // well above this bound.
     let rate = 1.0 / latency.as_secs_f64();
-    let bound = 2 + (rate * 3.0 * REPORT_INTERVAL.as_secs_f64()).ceil() as u64;
+    let bound = 2 + (rate * 6.0 * REPORT_INTERVAL.as_secs_f64()).ceil() as u64;
+    assert!(bound < BUDGET_SECONDS / 2);
     println!(
         "budget {BUDGET_SECONDS} GPU-s over two data planes: admitted {admitted:?}, used {used} s, overshoot {} s (bound {bound} s)",
         used.saturating_sub(BUDGET_SECONDS)
