@@ -1146,6 +1146,36 @@ mod tests {
     use super::*;
     use crate::budget::BodyBudget;
 
+    /// The size of `route`'s future (a test build's; a release build's differs).
+    const ROUTE_FUTURE_BYTES: usize = 6184;
+
+    /// The size of the future `call` returns, without making one.
+    fn future_size<A, F: std::future::Future>(_call: impl FnOnce(A) -> F) -> usize {
+        std::mem::size_of::<F>()
+    }
+
+    /// Hyper keeps the route's future (boxed in [`handle`]) for every request in flight, a
+    /// queued one included: what it holds is paid by every waiting request.
+    #[test]
+    fn the_route_future_does_not_grow() {
+        type Args = (
+            &'static Arc<App>,
+            &'static Arc<Policy>,
+            &'static ListenerKind,
+            SocketAddr,
+            Request<Incoming>,
+            &'static mut bool,
+        );
+        let size = future_size(|(app, policy, kind, peer, request, hopped): Args| {
+            route(app, policy, kind, peer, request, hopped)
+        });
+        eprintln!("route future: {size} bytes");
+        assert!(
+            size <= ROUTE_FUTURE_BYTES,
+            "the route future is {size} bytes"
+        );
+    }
+
     #[test]
     fn a_reading_is_charged_to_the_body_budget_while_it_runs() {
         let body = br#"{"model":"m","prompt":"0123456789012345678901234567890123"}"#;
