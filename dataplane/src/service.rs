@@ -572,11 +572,13 @@ async fn forward(
         }
         return Box::pin(metadata(app, policy, &identity, outbound, model.as_deref())).await;
     }
-    let client = identity.caller();
-    let mut queue = app.queue_parts();
-    if hopped.is_some() {
-        queue.peers = None;
-    }
+    // The request the queued path sends, built here once: its model and conversation are
+    // set below, where they are read.
+    let mut request = queued::Request {
+        hopped: hopped.is_some(),
+        ..queued::Request::inference(identity.caller(), tier, None)
+    };
+    let queue = app.queue_parts();
     let Endpoint::Inference(inference) = endpoint else {
         if copies {
             copy_allowed(&identity, &outbound.body, view.as_deref())?;
@@ -589,20 +591,20 @@ async fn forward(
         }
         // Anything else is queued with its body streamed through, neither accounted nor
         // budgeted (a model pull holds a slot, not the GPU).
-        queue.accounted = false;
+        request.accounted = false;
         if manages && hopped.is_none() {
             outbound.body =
                 checked_management(policy, outbound.body, &outbound.path_and_query).await?;
         }
         // Boxed, as the other sends a queued request does not wait in: the future of a
         // request that waits in the queue is sized for its largest path.
-        let sent = Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
+        let sent = Box::pin(queued::send(queue, policy, request, outbound, || {})).await;
         return unless_unbound(verdict.as_ref(), sent);
     };
     let RequestBody::Buffered(body) =
         std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
     else {
-        return Box::pin(queued::send(queue, policy, client, tier, None, outbound)).await;
+        return Box::pin(queued::send(queue, policy, request, outbound, || {})).await;
     };
     // Read with the body: an inference route always reads it. (One view local, borrowed: a
     // second would keep its own place in this future's state.)
@@ -641,7 +643,7 @@ async fn forward(
                 body,
                 session,
             };
-            return Box::pin(translated(queue, policy, client, tier, native, outbound)).await;
+            return Box::pin(translated(queue, policy, request, native, outbound)).await;
         }
     }
     // Its conversation, for a chat-shaped request (the keep_alive inserted below is not part
@@ -651,7 +653,7 @@ async fn forward(
         inference,
         &outbound,
         (&body, view),
-        &client,
+        &request.caller,
         model.as_deref(),
         session.as_deref(),
     );
@@ -662,8 +664,9 @@ async fn forward(
             return Err(ProxyError::HopUnverified);
         }
         outbound.body = RequestBody::Buffered(body);
-        return queued::send_conversation(queue, policy, client, tier, model, chain, outbound)
-            .await;
+        request.model = model;
+        request.chain = chain;
+        return queued::send(queue, policy, request, outbound, || {}).await;
     }
     // A native embed with the cache off is an ordinary inference request:
     // it skips the embedding handler's (large) future.
@@ -672,7 +675,7 @@ async fn forward(
         return Box::pin(embeddings::handle(
             app.embedding_parts(),
             policy,
-            client,
+            request.caller,
             tier,
             inference,
             outbound,
@@ -683,21 +686,26 @@ async fn forward(
     let inputs = view.input_count(&body);
     let body = if inference.takes_keep_alive() {
         // Who may keep its own keep_alive: `KeepAlive::for_caller`.
-        let keep_alive =
-            (policy.keep_alive).for_caller(policy.queue.model_swap.enabled, client.sets_keep_alive);
+        let keep_alive = (policy.keep_alive).for_caller(
+            policy.queue.model_swap.enabled,
+            request.caller.sets_keep_alive,
+        );
         rewrite::insert_keep_alive(&body, view, &keep_alive).unwrap_or(body)
     } else {
         body
     };
     if inference.is_embedding() {
         outbound.body = RequestBody::Buffered(body);
+        request.model = model;
         return Box::pin(embeddings::send_uncached(
-            queue, policy, client, tier, outbound, model, inputs,
+            queue, policy, request, outbound, inputs,
         ))
         .await;
     }
     outbound.body = RequestBody::Buffered(body);
-    queued::send_conversation(queue, policy, client, tier, model, chain, outbound).await
+    request.model = model;
+    request.chain = chain;
+    queued::send(queue, policy, request, outbound, || {}).await
 }
 
 /// A model-management request's streamed `body`, read (it is small and bounded like any
@@ -741,8 +749,7 @@ struct Native {
 async fn translated(
     queue: queued::Parts<'_>,
     policy: &Arc<Policy>,
-    client: auth::Caller,
-    tier: crate::scheduler::Tier,
+    mut request: queued::Request,
     native: Native,
     mut outbound: Outbound,
 ) -> Result<Response<Body>, ProxyError> {
@@ -770,22 +777,15 @@ async fn translated(
         translated.inference,
         &outbound,
         (&translated.body, &view),
-        &client,
+        &request.caller,
         Some(&native.model),
         native.session.as_deref(),
     );
     drop(view);
     outbound.body = RequestBody::Buffered(translated.body);
-    let answer = queued::send_conversation(
-        queue,
-        policy,
-        client,
-        tier,
-        Some(native.model),
-        chain,
-        outbound,
-    )
-    .await?;
+    request.model = Some(native.model);
+    request.chain = chain;
+    let answer = queued::send(queue, policy, request, outbound, || {}).await?;
     Ok(translate::response(translated.reply, answer))
 }
 
@@ -1147,7 +1147,7 @@ mod tests {
     use crate::budget::BodyBudget;
 
     /// The size of `route`'s future (a test build's; a release build's differs).
-    const ROUTE_FUTURE_BYTES: usize = 6184;
+    const ROUTE_FUTURE_BYTES: usize = 5368;
 
     /// The size of the future `call` returns, without making one.
     fn future_size<A, F: std::future::Future>(_call: impl FnOnce(A) -> F) -> usize {
