@@ -206,9 +206,7 @@ impl App {
             upstream: &self.upstream,
             active: &self.active,
             usage: &self.usage,
-            accounted: true,
-            peers: Some(&self.peers),
-            charge: None,
+            peers: &self.peers,
             request_log: &self.request_log,
         }
     }

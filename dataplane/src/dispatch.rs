@@ -29,7 +29,7 @@ use crate::error::ProxyError;
 use crate::policy::{Host, Policy, Strategy};
 use crate::router::{Decisions, HostStat, Placement, Placing, RouteReason, Router};
 use crate::scheduler::{
-    ClientLimits, Expiry, Limits, Member, Rejection, Scheduler, SwapRule, Ticket, TicketId, Tier,
+    Ask, ClientLimits, Expiry, Limits, Rejection, Scheduler, SwapRule, Ticket, TicketId, Tier,
     TierLimits,
 };
 
@@ -141,21 +141,12 @@ pub struct Pending {
     pub immediate: bool,
 }
 
-/// What a request asks of the queue.
+/// What a request asks of the queue, and how it was identified.
 #[derive(Debug)]
 pub struct Request {
-    /// The client's id (or a shared id for anonymous callers).
-    pub client: Arc<str>,
-    /// The app it is a user of, when its key speaks for many people.
-    pub member: Option<Member>,
-    /// Its tier, already capped.
-    pub tier: Tier,
-    /// Body bytes held while waiting.
-    pub bytes: u64,
-    /// Its model, for placement.
-    pub model: Option<Arc<str>>,
-    /// Its conversation, for placement by prompt-cache affinity.
-    pub affinity: Option<Arc<crate::affinity::Chain>>,
+    /// Its client (or a shared id for anonymous callers), tier, bytes, model and
+    /// conversation.
+    pub ask: Ask,
     /// Whether `client` was identified by a key or an injection port (not claimed with auth
     /// off): such a request is refused while waiting once its client leaves the snapshot or
     /// its key expires.
@@ -292,18 +283,13 @@ impl Dispatcher {
     pub fn admit(self: &Arc<Self>, request: Request) -> Result<Pending, ProxyError> {
         let (sender, receiver) = oneshot::channel();
         let now = now();
-        let tier = request.tier;
-        let client = request.client.clone();
+        let tier = request.ask.tier;
+        let client = request.ask.client.clone();
         let mut dropped = Vec::new();
         let result = {
             let mut inner = self.lock();
             let ticket = Ticket {
-                client: request.client,
-                member: request.member,
-                tier,
-                bytes: request.bytes,
-                model: request.model,
-                affinity: request.affinity,
+                ask: request.ask,
                 payload: Waiter {
                     sender,
                     verified: request.verified,
@@ -537,17 +523,16 @@ impl Dispatcher {
     /// includes `load`), or its wall time on the slot. With the swap rule on, only the request
     /// whose dispatch started its model's load is charged the load: the others of its batch
     /// waited for the same load, and it is charged once, to the client that caused it.
-    #[allow(clippy::too_many_arguments)]
-    fn complete(
-        self: &Arc<Self>,
-        id: TicketId,
-        cost: Duration,
-        ran: Option<(Arc<str>, bool)>,
-        model: Option<&str>,
-        load: Option<Duration>,
-        started: Instant,
-        prefill: Option<f64>,
-    ) {
+    fn complete(self: &Arc<Self>, ended: Ended<'_>) {
+        let Ended {
+            id,
+            cost,
+            ran,
+            model,
+            load,
+            started,
+            prefill,
+        } = ended;
         let dropped = {
             let mut inner = self.lock();
             let now = now();
@@ -942,16 +927,31 @@ impl Drop for Lease {
         let cost = self.cost.unwrap_or_else(|| self.started.elapsed());
         let dispatcher = self.dispatcher.clone();
         let model = self.model.clone();
-        dispatcher.complete(
-            self.id,
+        dispatcher.complete(Ended {
+            id: self.id,
             cost,
             ran,
-            model.as_deref(),
-            self.load,
-            self.started,
-            self.prefill,
-        );
+            model: model.as_deref(),
+            load: self.load,
+            started: self.started,
+            prefill: self.prefill,
+        });
     }
+}
+
+/// What a lease reports of its request when it ends ([`Dispatcher::complete`]).
+struct Ended<'a> {
+    id: TicketId,
+    /// The request's GPU time as Ollama reported it, else its wall time on the slot.
+    cost: Duration,
+    /// The host it ran on last, and whether its dispatch started its model's load.
+    ran: Option<(Arc<str>, bool)>,
+    model: Option<&'a str>,
+    /// The model's load time, as Ollama reported it.
+    load: Option<Duration>,
+    started: Instant,
+    /// Its prompt's prefill time per token, when nothing of it was cached.
+    prefill: Option<f64>,
 }
 
 #[cfg(test)]

@@ -73,12 +73,10 @@ pub async fn handle(
     // A client over its budget is refused here, before the cache: an answer the cache could
     // give whole is refused as one that would be queued (a budget bounds what a client may
     // ask for, not only what reaches a GPU).
-    if parts.queue.accounted {
-        parts
-            .queue
-            .usage
-            .check_caller(policy, &client, std::time::SystemTime::now())?;
-    }
+    parts
+        .queue
+        .usage
+        .check_caller(policy, &client, std::time::SystemTime::now())?;
     let (body, view, openai) = if inference == Inference::OpenAiEmbeddings {
         let model = view.model().unwrap_or_default().to_owned();
         match rewrite::openai_embed_request(&body) {
@@ -113,7 +111,8 @@ pub async fn handle(
     let (Some(cache), Some(plan)) = (cache, plan) else {
         // Not cacheable: the ordinary queued path, then the OpenAI wrap.
         outbound.body = RequestBody::Buffered(body);
-        let response = send_uncached(queue, policy, client, tier, outbound, model, inputs).await?;
+        let request = queued::Request::inference(client, tier, model);
+        let response = send_uncached(queue, policy, request, outbound, inputs).await?;
         return match openai {
             Some(openai) => wrap_openai(response, &openai).await,
             None => Ok(response),
@@ -126,7 +125,6 @@ pub async fn handle(
     let fetched_headers: Arc<Mutex<Option<HeaderMap>>> = Arc::default();
     let fetch = |miss_body: Bytes, dispatch: cache::Dispatch| {
         let policy = policy.clone();
-        let client = client.clone();
         let fetched_headers = fetched_headers.clone();
         let outbound = Outbound {
             method: outbound.method.clone(),
@@ -136,13 +134,12 @@ pub async fn handle(
             unstreamed: false,
             openai_embeddings: outbound.openai_embeddings.clone(),
         };
-        let model = Some(model.clone());
+        let request = queued::Request::inference(client.clone(), tier, Some(model.clone()));
         async move {
             let granted = move || dispatch.dispatched();
-            let response =
-                queued::send_then(queue, &policy, client, tier, model, outbound, granted)
-                    .await
-                    .map_err(Fetch::Refused)?;
+            let response = queued::send(queue, &policy, request, outbound, granted)
+                .await
+                .map_err(Fetch::Refused)?;
             let (parts, body) = response.into_parts();
             if parts.status != StatusCode::OK {
                 return Err(Fetch::Upstream(Response::from_parts(parts, body)));
@@ -222,16 +219,14 @@ pub async fn handle(
 pub async fn send_uncached(
     queue: queued::Parts<'_>,
     policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
+    request: queued::Request,
     outbound: Outbound,
-    model: Option<String>,
     inputs: u64,
 ) -> Result<Response<Body>, ProxyError> {
     let usage = queue.usage.clone();
-    let client_id = client.id.clone();
-    let model_name = model.clone().unwrap_or_default();
-    let response = queued::send(queue, policy, client, tier, model, outbound).await?;
+    let client_id = request.caller.id.clone();
+    let model_name = request.model.clone().unwrap_or_default();
+    let response = queued::send(queue, policy, request, outbound, || {}).await?;
     if response.status().is_success() {
         let totals = Totals {
             embedding_inputs: inputs,

@@ -33,7 +33,7 @@ use crate::policy::Policy;
 use crate::proxy::{self, Active, Outbound, RequestBody};
 use crate::relay;
 use crate::request_log::{Entry, RequestLog};
-use crate::scheduler::Tier;
+use crate::scheduler::{Ask, Tier};
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
 use crate::usage::{Totals, Usage, minute};
@@ -55,15 +55,8 @@ pub struct Parts<'a> {
     pub active: &'a Active,
     /// Usage accounting and budgets.
     pub usage: &'a Arc<Usage>,
-    /// Whether the request is accounted and budgeted: inference only (a model pull is
-    /// neither GPU time nor refused for a budget).
-    pub accounted: bool,
-    /// The other data planes; `None` for a request forwarded here, which this node serves
-    /// itself.
-    pub peers: Option<&'a Arc<Peers>>,
-    /// What the request took of its per-minute limits, corrected when its answer ends
-    /// (set by the queued path itself).
-    pub charge: Option<&'a minute::Charge>,
+    /// The other data planes, which may own the host a request goes to.
+    pub peers: &'a Arc<Peers>,
     /// The request log (`logging.requests`), written when the policy turns it on.
     pub request_log: &'a Arc<RequestLog>,
 }
@@ -80,82 +73,77 @@ impl<'a> Parts<'a> {
     }
 }
 
-/// Admits a request to the queue, waits for its grant and sends it.
+/// A request on the queued path, built once by its caller ([`crate::service`], or
+/// [`crate::embeddings`] for a cache miss): who asks, for what, and how it is counted.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Who it is for.
+    pub caller: Caller,
+    /// Its tier, already capped.
+    pub tier: Tier,
+    /// Its model as the client named it, if it names one.
+    pub model: Option<String>,
+    /// Its conversation, for a chat-shaped request: its host is chosen by where its prompt
+    /// is cached ([`crate::affinity`]), its answer recorded as the next turn's prefix.
+    pub chain: Option<Arc<Chain>>,
+    /// Whether it is accounted and budgeted: inference only (a model pull is neither GPU
+    /// time nor refused for a budget).
+    pub accounted: bool,
+    /// Forwarded here by another node's data plane: served by this node's hosts only, its
+    /// per-minute limits counted at its edge.
+    pub hopped: bool,
+}
+
+impl Request {
+    /// An inference request of `caller` for `model`: accounted, budgeted, and sent to any
+    /// box.
+    pub fn inference(caller: Caller, tier: Tier, model: Option<String>) -> Self {
+        Self {
+            caller,
+            tier,
+            model,
+            chain: None,
+            accounted: true,
+            hopped: false,
+        }
+    }
+}
+
+/// One request on its way through the queued path: what each step reads.
+#[derive(Clone, Copy)]
+struct Sending<'a> {
+    parts: Parts<'a>,
+    policy: &'a Arc<Policy>,
+    request: &'a Request,
+    /// What the request took of its per-minute limits, settled when its answer ends.
+    charge: Option<&'a minute::Charge>,
+}
+
+/// Admits `request` to the queue, waits for its grant and sends `outbound`, calling
+/// `on_granted` as soon as the request has its slot (before it is sent) or, forwarded, its
+/// owner's answer. A request refused or failed here has its request log line written here (an
+/// answered one's is written by its completion hook, see [`granted`]).
 pub async fn send(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    outbound: Outbound,
-) -> Result<Response<Body>, ProxyError> {
-    send_then(parts, policy, client, tier, model, outbound, || {}).await
-}
-
-/// [`send`], calling `on_granted` as soon as the request has its slot
-/// (before it is sent) or, forwarded, its owner's answer.
-pub async fn send_then(
-    parts: Parts<'_>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    outbound: Outbound,
-    on_granted: impl FnOnce(),
-) -> Result<Response<Body>, ProxyError> {
-    send_inner(
-        parts, policy, client, tier, model, None, outbound, on_granted,
-    )
-    .await
-}
-
-/// [`send`] for a request whose conversation is `chain`: its host is chosen by where its
-/// prompt is cached ([`crate::affinity`]), its answer recorded as the next turn's prefix.
-pub async fn send_conversation(
-    parts: Parts<'_>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    chain: Option<Arc<Chain>>,
-    outbound: Outbound,
-) -> Result<Response<Body>, ProxyError> {
-    send_inner(parts, policy, client, tier, model, chain, outbound, || {}).await
-}
-
-/// [`admit_and_send`], with a request log line for a request refused or failed here (an
-/// answered one has its line written by its completion hook, in [`send_granted`]).
-#[allow(clippy::too_many_arguments)]
-async fn send_inner(
-    parts: Parts<'_>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    chain: Option<Arc<Chain>>,
+    request: Request,
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     let Some(settings) = policy.request_log.clone() else {
-        return admit_and_send(
-            parts, policy, client, tier, model, chain, outbound, on_granted,
-        )
-        .await;
+        return admit(parts, policy, &request, outbound, on_granted).await;
     };
     let started = Instant::now();
     let mut entry = Entry {
         request_id: request_id_of(&outbound.headers),
         route: outbound.path_and_query.path().to_owned(),
-        client: client.id.to_string(),
-        user: user_of(&client.id),
-        model: model.clone(),
-        tier: tier.as_str(),
+        client: request.caller.id.to_string(),
+        user: user_of(&request.caller.id),
+        model: request.model.clone(),
+        tier: request.tier.as_str(),
         ..Entry::default()
     };
-    let answer = admit_and_send(
-        parts, policy, client, tier, model, chain, outbound, on_granted,
-    )
-    .await;
+    let answer = admit(parts, policy, &request, outbound, on_granted).await;
     if let Err(error) = &answer {
         entry.time = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
         entry.status = error.status().as_u16();
@@ -166,80 +154,71 @@ async fn send_inner(
     answer
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn admit_and_send(
+/// Checks the caller's budget and per-minute limits, then sends the request to the box
+/// [`crate::placement`] chooses, or to this node's queue.
+async fn admit(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    chain: Option<Arc<Chain>>,
+    request: &Request,
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
     // A spent budget refuses before the request is queued anywhere.
     let mut charge = None;
-    if parts.accounted {
-        parts
-            .usage
-            .check_caller(policy, &client, std::time::SystemTime::now())?;
+    if request.accounted {
+        let now = std::time::SystemTime::now();
+        parts.usage.check_caller(policy, &request.caller, now)?;
         // Per-minute limits are the box's that took the request from its client: one
         // forwarded here was counted at its edge.
-        if parts.peers.is_some() {
-            let estimate = estimated_tokens(&outbound, chain.as_deref());
-            charge = parts.usage.admit_minute(policy, &client, estimate)?;
+        if !request.hopped {
+            let estimate = estimated_tokens(&outbound, request.chain.as_deref());
+            charge = parts
+                .usage
+                .admit_minute(policy, &request.caller, estimate)?;
         }
     }
-    let parts = Parts {
+    let sending = Sending {
+        parts,
+        policy,
+        request,
         charge: charge.as_ref(),
-        ..parts
     };
-    match parts.peers {
-        Some(peers) if !policy.remote.is_empty() => {
-            Box::pin(placed(
-                parts, peers, policy, client, tier, model, chain, outbound, on_granted,
-            ))
-            .await
-        }
-        _ => {
-            local(
-                parts, policy, client, tier, model, chain, outbound, on_granted,
-            )
-            .await
-        }
+    if request.hopped || policy.remote.is_empty() {
+        local(sending, outbound, on_granted).await
+    } else {
+        Box::pin(placed(sending, outbound, on_granted)).await
     }
 }
 
 /// Tries the boxes in the order [`crate::placement`] gives, moving on when one refuses
 /// (queue full, its hosts failed, shutting down) or cannot be reached.
-#[allow(clippy::too_many_arguments)]
 async fn placed(
-    parts: Parts<'_>,
-    peers: &Arc<Peers>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    chain: Option<Arc<Chain>>,
+    sending: Sending<'_>,
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
-    let order = peers.order(
+    let Sending {
+        parts,
+        policy,
+        request,
+        ..
+    } = sending;
+    let order = parts.peers.order(
         policy,
         parts.dispatcher.load(),
-        model.as_deref(),
-        chain.as_ref().map(|chain| chain.root),
+        request.model.as_deref(),
+        request.chain.as_ref().map(|chain| chain.root),
     );
     let assertion = Assertion {
         node: policy.node.clone(),
-        client: client.id.clone(),
-        verified: client.verified,
-        tier,
+        client: request.caller.id.clone(),
+        verified: request.caller.verified,
+        tier: request.tier,
         // Set by the relay, from the body it sends.
         body: crate::hop::Body::Trailer(None),
     };
     let relay = relay::Parts {
-        peers,
+        peers: parts.peers,
         metrics: parts.metrics,
     };
     // Called once, by whichever box takes the request.
@@ -262,23 +241,10 @@ async fn placed(
         let (this, replay) = forward::split_for_retry(attempt);
         outbound = replay;
         match target {
-            Target::Local => {
-                let answer = local(
-                    parts,
-                    policy,
-                    client.clone(),
-                    tier,
-                    model.clone(),
-                    chain.clone(),
-                    this,
-                    granted,
-                )
-                .await;
-                match answer {
-                    Err(error) if error.worth_another_box() => last = Some(Err(error)),
-                    answer => return answer,
-                }
-            }
+            Target::Local => match local(sending, this, granted).await {
+                Err(error) if error.worth_another_box() => last = Some(Err(error)),
+                answer => return answer,
+            },
             Target::Peer(node) => {
                 match relay::send(relay, policy, &node, &assertion, this).await? {
                     relay::Relayed::Answer(response) => {
@@ -298,34 +264,43 @@ async fn placed(
     last.unwrap_or(Err(ProxyError::hosts_failed()))
 }
 
+/// Where a request stood at admission, for its answer's queue headers.
+#[derive(Clone, Copy)]
+struct Admission {
+    /// 1-based position in its tier.
+    position: u32,
+    /// Dispatched during admission (no wait at all).
+    immediate: bool,
+}
+
 /// Admits a request to this node's queue, waits for its grant and sends it.
-#[allow(clippy::too_many_arguments)]
 async fn local(
-    parts: Parts<'_>,
-    policy: &Arc<Policy>,
-    client: Caller,
-    tier: Tier,
-    model: Option<String>,
-    chain: Option<Arc<Chain>>,
+    sending: Sending<'_>,
     outbound: Outbound,
     on_granted: impl FnOnce(),
 ) -> Result<Response<Body>, ProxyError> {
+    let Sending { parts, request, .. } = sending;
+    let client = &request.caller;
     let bytes = match &outbound.body {
         RequestBody::Buffered(bytes) => bytes.len() as u64,
         RequestBody::Streamed(_) => declared_length(&outbound.headers),
     };
     let pending = parts.dispatcher.admit(dispatch::Request {
-        client: client.id.clone(),
-        member: client.member.clone(),
-        tier,
-        bytes,
-        model: model.map(Arc::from),
-        affinity: chain.clone(),
+        ask: Ask {
+            client: client.id.clone(),
+            member: client.member.clone(),
+            tier: request.tier,
+            bytes,
+            model: request.model.as_deref().map(Arc::from),
+            affinity: request.chain.clone(),
+        },
         verified: client.verified,
     })?;
-    let position = pending.position;
-    let immediate = pending.immediate;
-    let outbound = if immediate {
+    let admission = Admission {
+        position: pending.position,
+        immediate: pending.immediate,
+    };
+    let outbound = if admission.immediate {
         outbound
     } else {
         outbound.detached()
@@ -341,18 +316,15 @@ async fn local(
     }
     // The budget may have been spent while the request waited (by the requests ahead of
     // it): refused as at admission, the slot going to the next request.
-    if parts.accounted
-        && let Err(refusal) = parts.usage.check_caller(&current, &client, now)
+    if request.accounted
+        && let Err(refusal) = parts.usage.check_caller(&current, client, now)
     {
         drop(grant);
         return Err(refusal);
     }
     drop(current);
     on_granted();
-    Box::pin(send_granted(
-        parts, policy, &client.id, grant, outbound, position, immediate, chain,
-    ))
-    .await
+    Box::pin(granted(sending, grant, outbound, admission)).await
 }
 
 /// A sent request whose client may leave before the answer's head: dropped armed (the
@@ -385,40 +357,27 @@ impl Drop for Abandoned {
 
 /// Sends a dispatched request, failing over to another free host before the
 /// first byte, and returns the response with the slot held by its body.
-#[allow(clippy::too_many_arguments)]
-async fn send_granted(
-    parts: Parts<'_>,
-    policy: &Arc<Policy>,
-    client: &Arc<str>,
+async fn granted(
+    sending: Sending<'_>,
     grant: Grant,
     outbound: Outbound,
-    position: u32,
-    immediate: bool,
-    chain: Option<Arc<Chain>>,
+    admission: Admission,
 ) -> Result<Response<Body>, ProxyError> {
+    let Sending {
+        parts,
+        policy,
+        request,
+        charge,
+    } = sending;
     let Grant {
         mut lease,
         waited,
         tier,
         held,
     } = grant;
-    parts.metrics.observe_wait(tier, waited);
-    if let Some(held) = held {
-        parts.metrics.observe_swap_deferral(held);
-    }
-    if let Some(reason) = lease.reason() {
-        parts.metrics.routing_decision(reason.metric_label());
-    }
-    let verdict = lease.affinity();
-    if let Some(verdict) = &verdict {
-        parts.metrics.affinity(verdict.outcome);
-        tracing::debug!(
-            affinity = verdict.outcome.as_str(),
-            cached_tokens = verdict.cached_tokens,
-            "conversation placed"
-        );
-    }
-    let wait_header = queue_headers(waited, position, immediate);
+    let verdict = observe_grant(parts.metrics, &lease, tier, waited, held);
+    let wait_header = queue_headers(waited, admission.position, admission.immediate);
+    let client = &request.caller.id;
     // The request log's line, finished by the completion hook.
     let logged = policy.request_log.clone().map(|settings| {
         let entry = Entry {
@@ -436,53 +395,15 @@ async fn send_granted(
     let sent = Instant::now();
     let active = parts.active.track();
     let model = lease.model().map(|m| m.to_string());
-    let abandoned = Abandoned(parts.accounted.then(|| {
-        (
-            parts.usage.clone(),
-            client.clone(),
-            model.clone().unwrap_or_default(),
-            sent,
-        )
-    }));
-    // The slot time of attempts that reached a host and were not answered (a head timeout, a
-    // broken connection): the host may have computed for them, so they are charged too.
-    let mut spent = Duration::ZERO;
     let prompt_estimate = prompt_estimate(&outbound.body);
-    let forwarded = forward::send(
-        parts.forward(),
-        policy.clone(),
-        &mut lease,
-        model.as_deref(),
-        outbound,
-        &mut spent,
-    )
-    .await;
-    // Answered (the body's completion hook charges it from here) or failed: not abandoned.
-    abandoned.disarm();
-    let forwarded = match forwarded {
-        Ok(forwarded) => forwarded,
-        Err(error) => {
-            if parts.accounted && !spent.is_zero() {
-                parts.usage.record(
-                    client,
-                    model.as_deref().unwrap_or_default(),
-                    Totals {
-                        gpu_ns: u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX),
-                        requests: 1,
-                        ..Totals::default()
-                    },
-                    std::time::SystemTime::now(),
-                );
-            }
-            return Err(error);
-        }
-    };
+    let mut spent = Duration::ZERO;
+    let forwarded =
+        forward_charged(sending, &mut lease, model.as_deref(), outbound, &mut spent).await?;
     let forward::Forwarded {
         answer,
         guards,
         headers: extra_headers,
     } = forwarded;
-    let answered = answer.response.status().is_success();
     parts.metrics.host_request(&answer.host.name);
     let status = answer.response.status();
     if status.is_client_error() || status.is_server_error() {
@@ -490,18 +411,174 @@ async fn send_granted(
     }
     let ttfb = sent.elapsed();
     parts.metrics.observe_ttfb(tier, ttfb);
-    let host_name = answer.host.name.clone();
     let logged = logged.map(|(settings, mut entry, log)| {
         entry.host = Some(answer.host.name.to_string());
         entry.status = status.as_u16();
         entry.ttfb_ms = Some(millis(ttfb));
         (settings, entry, log)
     });
-    let metrics = parts.metrics.clone();
-    let usage = parts.accounted.then(|| parts.usage.clone());
-    let client = client.clone();
-    let charge = parts.charge.cloned();
-    let completion: Completion = Box::new(move |outcome| {
+    let completion = completion(Answered {
+        metrics: parts.metrics.clone(),
+        usage: request.accounted.then(|| parts.usage.clone()),
+        client: client.clone(),
+        charge: charge.cloned(),
+        logged,
+        model,
+        host: answer.host.name.clone(),
+        answered: status.is_success(),
+        waited,
+        sent,
+        spent,
+        prompt_estimate,
+        verdict,
+        lease,
+    });
+    let guard: Box<dyn Send + Sync> = Box::new((active, guards));
+    let mut response = proxy::respond(
+        answer,
+        Some(guard),
+        Some(completion),
+        policy.proxy.upstream_stall_timeout,
+    );
+    for (name, value) in wait_header.into_iter().chain(extra_headers) {
+        response.headers_mut().insert(name, value);
+    }
+    if let Some(verdict) = verdict {
+        response.headers_mut().insert(
+            headers::AFFINITY,
+            HeaderValue::from_static(verdict.outcome.as_str()),
+        );
+        if let (Some(slot), Some(chain)) = (verdict.slot, request.chain.clone())
+            && response.status().is_success()
+        {
+            response = tap_answer(response, parts.dispatcher.clone(), chain, slot);
+        }
+    }
+    Ok(response)
+}
+
+/// The grant's metrics (queue wait, swap deferral, routing decision, affinity), and the
+/// affinity verdict of its placement.
+fn observe_grant(
+    metrics: &Metrics,
+    lease: &dispatch::Lease,
+    tier: Tier,
+    waited: Duration,
+    held: Option<Duration>,
+) -> Option<crate::affinity::Verdict> {
+    metrics.observe_wait(tier, waited);
+    if let Some(held) = held {
+        metrics.observe_swap_deferral(held);
+    }
+    if let Some(reason) = lease.reason() {
+        metrics.routing_decision(reason.metric_label());
+    }
+    let verdict = lease.affinity();
+    if let Some(verdict) = &verdict {
+        metrics.affinity(verdict.outcome);
+        tracing::debug!(
+            affinity = verdict.outcome.as_str(),
+            cached_tokens = verdict.cached_tokens,
+            "conversation placed"
+        );
+    }
+    verdict
+}
+
+/// Sends a dispatched request upstream ([`forward::send`]). Its slot time is charged if
+/// its client leaves before the answer's head, and that of attempts that reached a host
+/// unanswered if it fails (a head timeout, a broken connection: the host may have computed
+/// for them); `spent` holds the latter for the completion hook of an answer.
+async fn forward_charged(
+    sending: Sending<'_>,
+    lease: &mut dispatch::Lease,
+    model: Option<&str>,
+    outbound: Outbound,
+    spent: &mut Duration,
+) -> Result<forward::Forwarded, ProxyError> {
+    let Sending {
+        parts,
+        policy,
+        request,
+        ..
+    } = sending;
+    let client = &request.caller.id;
+    let abandoned = Abandoned(request.accounted.then(|| {
+        (
+            parts.usage.clone(),
+            client.clone(),
+            model.unwrap_or_default().to_owned(),
+            Instant::now(),
+        )
+    }));
+    let forwarded = forward::send(
+        parts.forward(),
+        policy.clone(),
+        lease,
+        model,
+        outbound,
+        spent,
+    )
+    .await;
+    // Answered (the body's completion hook charges it from here) or failed: not abandoned.
+    abandoned.disarm();
+    if forwarded.is_err() && request.accounted && !spent.is_zero() {
+        parts.usage.record(
+            client,
+            model.unwrap_or_default(),
+            Totals {
+                gpu_ns: u64::try_from(spent.as_nanos()).unwrap_or(u64::MAX),
+                requests: 1,
+                ..Totals::default()
+            },
+            std::time::SystemTime::now(),
+        );
+    }
+    forwarded
+}
+
+/// What the completion hook of an answered request reads.
+struct Answered {
+    metrics: Arc<Metrics>,
+    /// Set for an accounted request.
+    usage: Option<Arc<Usage>>,
+    client: Arc<str>,
+    charge: Option<minute::Charge>,
+    /// The request log's line, when the log is on.
+    logged: Option<(Arc<crate::request_log::Settings>, Entry, Arc<RequestLog>)>,
+    model: Option<String>,
+    host: Arc<str>,
+    /// The answer's head was a success.
+    answered: bool,
+    waited: Duration,
+    sent: Instant,
+    /// The slot time of attempts before the one that answered.
+    spent: Duration,
+    prompt_estimate: u64,
+    verdict: Option<crate::affinity::Verdict>,
+    lease: dispatch::Lease,
+}
+
+/// The completion hook of an answered request: settles its per-minute charge, writes its
+/// request log line, records its usage, and tells the dispatcher what the slot cost.
+fn completion(answered: Answered) -> Completion {
+    Box::new(move |outcome| {
+        let Answered {
+            metrics,
+            usage,
+            client,
+            charge,
+            logged,
+            model,
+            host,
+            answered,
+            waited,
+            sent,
+            spent,
+            prompt_estimate,
+            verdict,
+            lease,
+        } = answered;
         if let Some(charge) = charge {
             let used = outcome
                 .tokens
@@ -509,15 +586,16 @@ async fn send_granted(
                 .saturating_add(outcome.tokens.completion);
             charge.settle(used, tokio::time::Instant::now());
         }
+        let cached_tokens = outcome
+            .cached_tokens
+            .or(verdict.map(|verdict| u64::from(verdict.cached_tokens)));
         if let Some((settings, mut entry, log)) = logged {
             entry.time = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
             entry.model = model.clone();
             entry.duration_ms = millis(waited + sent.elapsed());
             entry.prompt_tokens = Some(outcome.tokens.prompt);
             entry.completion_tokens = Some(outcome.tokens.completion);
-            entry.cached_tokens = outcome
-                .cached_tokens
-                .or(verdict.map(|verdict| u64::from(verdict.cached_tokens)));
+            entry.cached_tokens = cached_tokens;
             log.record(&settings, entry, &metrics);
         }
         // GPU time: Ollama's figure (and the attempts before the one that answered), else
@@ -528,8 +606,8 @@ async fn send_granted(
         if outcome.in_band_error {
             // A 200 whose stream ended in an error (a llama-server's context overflow, an
             // Ollama runner's crash): a failure of the host, relayed to the client as it came.
-            metrics.host_error(&host_name, "in_band");
-            tracing::info!(host = %host_name, "the answer's stream ended with an in-band error");
+            metrics.host_error(&host, "in_band");
+            tracing::info!(host = %host, "the answer's stream ended with an in-band error");
         }
         if let Some(usage) = usage {
             usage.record(
@@ -548,57 +626,43 @@ async fn send_granted(
                     completion_tokens: outcome.tokens.completion,
                     requests: 1,
                     // The engine's own figure, where it states one, wins over the estimate.
-                    cached_tokens: outcome
-                        .cached_tokens
-                        .or(verdict.map(|verdict| u64::from(verdict.cached_tokens))),
+                    cached_tokens,
                     ..Totals::default()
                 },
                 std::time::SystemTime::now(),
             );
         }
-        let mut lease = lease;
-        if lease.loads()
-            && let (Some(host), Some(model), Some(load)) =
-                (lease.host(), lease.model(), outcome.load_duration)
-        {
-            metrics.model_load(&host.name, model, load);
-        }
-        if let Some(rate) = outcome.engine_prefill.filter(|_| !outcome.in_band_error) {
-            // A llama-server's own figure, cached tokens left out: the host's rate.
-            lease.set_prefill(Some(rate));
-        } else if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
-            && !outcome.in_band_error
-            && let Some(duration) = outcome.prompt_eval_duration
-            && outcome.tokens.prompt > 0
-        {
-            // Nothing of the prompt was cached: its prefill time is the host's rate.
-            lease.set_prefill(Some(duration.as_secs_f64() / outcome.tokens.prompt as f64));
-        }
-        lease.set_cost(outcome.total_duration, outcome.load_duration);
-        drop(lease);
-    });
-    let guard: Box<dyn Send + Sync> = Box::new((active, guards));
-    let mut response = proxy::respond(
-        answer,
-        Some(guard),
-        Some(completion),
-        policy.proxy.upstream_stall_timeout,
-    );
-    for (name, value) in wait_header.into_iter().chain(extra_headers) {
-        response.headers_mut().insert(name, value);
+        release(lease, &metrics, &outcome, verdict);
+    })
+}
+
+/// Hands the slot back with what the answer taught: the model's load time, the host's
+/// prefill rate, the request's cost.
+fn release(
+    mut lease: dispatch::Lease,
+    metrics: &Metrics,
+    outcome: &crate::upstream::Outcome,
+    verdict: Option<crate::affinity::Verdict>,
+) {
+    if lease.loads()
+        && let (Some(host), Some(model), Some(load)) =
+            (lease.host(), lease.model(), outcome.load_duration)
+    {
+        metrics.model_load(&host.name, model, load);
     }
-    if let Some(verdict) = verdict {
-        response.headers_mut().insert(
-            headers::AFFINITY,
-            HeaderValue::from_static(verdict.outcome.as_str()),
-        );
-        if let (Some(slot), Some(chain)) = (verdict.slot, chain)
-            && response.status().is_success()
-        {
-            response = tap_answer(response, parts.dispatcher.clone(), chain, slot);
-        }
+    if let Some(rate) = outcome.engine_prefill.filter(|_| !outcome.in_band_error) {
+        // A llama-server's own figure, cached tokens left out: the host's rate.
+        lease.set_prefill(Some(rate));
+    } else if verdict.is_some_and(|verdict| verdict.cached_tokens == 0)
+        && !outcome.in_band_error
+        && let Some(duration) = outcome.prompt_eval_duration
+        && outcome.tokens.prompt > 0
+    {
+        // Nothing of the prompt was cached: its prefill time is the host's rate.
+        lease.set_prefill(Some(duration.as_secs_f64() / outcome.tokens.prompt as f64));
     }
-    Ok(response)
+    lease.set_cost(outcome.total_duration, outcome.load_duration);
+    drop(lease);
 }
 
 /// Records the answer's text, when the body ends whole, as what the runner now holds.

@@ -191,6 +191,16 @@ impl Default for Limits {
 /// A request asking to be scheduled.
 #[derive(Debug)]
 pub struct Ticket<T> {
+    /// What it asks of the queue.
+    pub ask: Ask,
+    /// What the dispatcher hands back on dispatch, expiry, cancellation or flush.
+    pub payload: T,
+}
+
+/// What a request asks of the queue: who, at which tier, for which model, holding how many
+/// bytes while it waits.
+#[derive(Debug, Clone)]
+pub struct Ask {
     /// The client's identity (its `client_id`); fairness, caps and counters are per client.
     pub client: Arc<str>,
     /// The app the client belongs to, when it is a user of an app key (see "Apps and their
@@ -205,8 +215,6 @@ pub struct Ticket<T> {
     /// Its conversation, for placement by prompt-cache affinity (the host only: never who
     /// goes next).
     pub affinity: Option<Arc<crate::affinity::Chain>>,
-    /// What the dispatcher hands back on dispatch, expiry, cancellation or flush.
-    pub payload: T,
 }
 
 /// The app a ticket's client is a member of, and the limits of one member.
@@ -463,28 +471,29 @@ impl<T> Scheduler<T> {
     /// Admits a ticket or refuses it (handing the payload back). See "Admission".
     pub fn enqueue(&mut self, now: Instant, ticket: Ticket<T>) -> Result<Admitted, (Rejection, T)> {
         self.observe(now);
-        let index = ticket.tier.index();
+        let Ticket { ask, payload } = ticket;
+        let index = ask.tier.index();
         let limits = self.limits.tiers[index];
         if self.tiers[index].paused {
-            return Err((Rejection::Paused, ticket.payload));
+            return Err((Rejection::Paused, payload));
         }
         let depth = self.tiers[index].depth();
-        if !self.clients.contains_key(&ticket.client) && self.clients.len() >= MAX_CLIENTS {
+        if !self.clients.contains_key(&ask.client) && self.clients.len() >= MAX_CLIENTS {
             self.forget_idle_clients();
         }
-        let client = self.client_mut(&ticket.client, now);
-        if let Some(member) = &ticket.member
+        let client = self.client_mut(&ask.client, now);
+        if let Some(member) = &ask.member
             && !client.configured
         {
             client.limits = member.limits.sanitised();
         }
-        let client_queue_full = client.queue_full() || self.group_full(ticket.member.as_ref());
+        let client_queue_full = client.queue_full() || self.group_full(ask.member.as_ref());
         let rejection = if depth >= limits.max_depth as usize {
             Some(Rejection::QueueFull)
         } else if client_queue_full {
             Some(Rejection::ClientQueueFull)
         } else if self.total_depth() > 0
-            && self.queued_bytes.saturating_add(ticket.bytes) > self.limits.max_queued_bytes
+            && self.queued_bytes.saturating_add(ask.bytes) > self.limits.max_queued_bytes
         {
             Some(Rejection::OverCapacity)
         } else {
@@ -492,8 +501,8 @@ impl<T> Scheduler<T> {
         };
         if let Some(rejection) = rejection {
             self.tiers[index].stat.rejected += 1;
-            self.client_mut(&ticket.client, now).rejected += 1;
-            return Err((rejection, ticket.payload));
+            self.client_mut(&ask.client, now).rejected += 1;
+            return Err((rejection, payload));
         }
 
         let id = TicketId(self.next_id);
@@ -501,16 +510,16 @@ impl<T> Scheduler<T> {
         self.insert(
             id,
             Waiting {
-                client: ticket.client,
-                group: ticket.member.map(|member| member.app),
+                client: ask.client,
+                group: ask.member.map(|member| member.app),
                 avoid: Vec::new(),
-                tier: ticket.tier,
-                bytes: ticket.bytes,
-                model: ticket.model,
-                affinity: ticket.affinity,
+                tier: ask.tier,
+                bytes: ask.bytes,
+                model: ask.model,
+                affinity: ask.affinity,
                 enqueued: now,
                 entered: now,
-                payload: ticket.payload,
+                payload,
             },
             now,
         );

@@ -128,11 +128,10 @@ pub async fn serve(
                     let connection = Connection {
                         peer,
                         certificate: None,
+                        kind,
                     };
-                    serve_connection(
-                        io, connection, app, kind, &builder, limits, activity, shutdown,
-                    )
-                    .await;
+                    serve_connection(io, connection, app, &builder, limits, activity, shutdown)
+                        .await;
                 }
                 Some(acceptor) => {
                     // The handshake counts against the first request's deadline.
@@ -147,11 +146,13 @@ pub async fn serve(
                     if let Some(stream) = stream {
                         let certificate = crate::tls::peer_common_name(&stream);
                         let io = StallGuarded::new(stream, stall);
-                        let connection = Connection { peer, certificate };
-                        serve_connection(
-                            io, connection, app, kind, &builder, limits, activity, shutdown,
-                        )
-                        .await;
+                        let connection = Connection {
+                            peer,
+                            certificate,
+                            kind,
+                        };
+                        serve_connection(io, connection, app, &builder, limits, activity, shutdown)
+                            .await;
                     } else {
                         tracing::debug!(%peer, "closing a TLS connection with no handshake in time");
                     }
@@ -183,21 +184,20 @@ fn builder(limits: &ConnectionLimits) -> auto::Builder<TokioExecutor> {
     builder
 }
 
-/// Who is at the other end of a connection.
+/// Who is at the other end of a connection, and the listener it came to.
 struct Connection {
     peer: SocketAddr,
     /// The Common Name of its verified client certificate, if it presented one.
     certificate: Option<Arc<str>>,
+    kind: ListenerKind,
 }
 
 /// Serves one connection until it ends, its deadline passes with no
 /// request in flight, or shutdown (then gracefully).
-#[allow(clippy::too_many_arguments)]
 async fn serve_connection<S>(
     io: StallGuarded<S>,
     connection: Connection,
     app: Arc<App>,
-    kind: ListenerKind,
     builder: &auto::Builder<TokioExecutor>,
     limits: ConnectionLimits,
     activity: Arc<Activity>,
@@ -205,7 +205,11 @@ async fn serve_connection<S>(
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let Connection { peer, certificate } = connection;
+    let Connection {
+        peer,
+        certificate,
+        kind,
+    } = connection;
     let tracker = activity.clone();
     let service = service_fn(move |mut request: http::Request<hyper::body::Incoming>| {
         if let Some(name) = &certificate {

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Dispatcher, Grant, Pending, Request};
 use crate::error::ProxyError;
 use crate::policy::Policy;
-use crate::scheduler::Tier;
+use crate::scheduler::{Ask, Tier};
 
 const MAX_WAIT: Duration = Duration::from_secs(5);
 
@@ -70,12 +70,14 @@ fn policy(version: u64, hosts: &[&str], clients: &[&str]) -> Policy {
 
 fn request(client: &str) -> Request {
     Request {
-        client: Arc::from(client),
-        member: None,
-        tier: Tier::Normal,
-        bytes: 0,
-        model: Some(Arc::from("m")),
-        affinity: None,
+        ask: Ask {
+            client: Arc::from(client),
+            member: None,
+            tier: Tier::Normal,
+            bytes: 0,
+            model: Some(Arc::from("m")),
+            affinity: None,
+        },
         verified: true,
     }
 }

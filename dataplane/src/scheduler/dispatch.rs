@@ -155,7 +155,6 @@ impl<T> Scheduler<T> {
                 if avoiding || refused.contains(&model) {
                     if let Some(dispatch) = self.behind(
                         head,
-                        tier,
                         (start, member_start),
                         &mut refused,
                         &cold,
@@ -211,7 +210,6 @@ impl<T> Scheduler<T> {
                         refused.push(model);
                         if let Some(dispatch) = self.behind(
                             head,
-                            tier,
                             (start, member_start),
                             &mut refused,
                             &cold,
@@ -237,23 +235,23 @@ impl<T> Scheduler<T> {
     }
 
     /// The client's head `head` cannot be placed now (no free slot for its model): its next
-    /// tickets in `tier` for other models, in order, are offered instead, so that a client's
+    /// tickets in its tier for other models, in order, are offered instead, so that a client's
     /// queue for a busy runner never holds back its request for an idle one. Only a ticket
     /// that can run now is taken (one that would need a model switch waits for its turn as a
     /// head); at most [`MAX_BEHIND`] tickets are looked at. Within one model, FIFO holds.
-    #[allow(clippy::too_many_arguments)]
     fn behind<P>(
         &mut self,
         head: TicketId,
-        tier: Tier,
         tags: (f64, f64),
         refused: &mut Vec<Option<Arc<str>>>,
         cold: &[(Arc<str>, Arc<str>)],
         placer: &mut impl Placer<P>,
         now: Instant,
     ) -> Option<Dispatch<T, P>> {
-        let index = tier.index();
-        let client = self.waiting.get(&head)?.client.clone();
+        // The head's tier is the queue it heads (a promotion moves it).
+        let head_entry = self.waiting.get(&head)?;
+        let index = head_entry.tier.index();
+        let client = head_entry.client.clone();
         let queue = &self.clients.get(&client)?.queues[index];
         let behind: Vec<TicketId> = queue
             .range((std::ops::Bound::Excluded(head), std::ops::Bound::Unbounded))

@@ -136,12 +136,14 @@ fn run(ops: Vec<Op>, aging: bool) {
                 let payload = next_payload;
                 next_payload += 1;
                 let ticket = Ticket {
-                    client: Arc::from(CLIENTS[client]),
-                    member: None,
-                    tier: Tier::ALL[tier],
-                    bytes,
-                    model: Some(Arc::from(MODELS[m])),
-                    affinity: None,
+                    ask: Ask {
+                        client: Arc::from(CLIENTS[client]),
+                        member: None,
+                        tier: Tier::ALL[tier],
+                        bytes,
+                        model: Some(Arc::from(MODELS[m])),
+                        affinity: None,
+                    },
                     payload,
                 };
                 match scheduler.enqueue(now, ticket) {
@@ -265,12 +267,14 @@ proptest! {
         for (seq, (client, tier, dispatch_after)) in arrivals.into_iter().enumerate() {
             let seq = seq as u32;
             let ticket = Ticket {
-                client: Arc::from(CLIENTS[client]),
-                member: None,
-                tier: Tier::ALL[tier],
-                bytes: 1,
-                model: None,
-                affinity: None,
+                ask: Ask {
+                    client: Arc::from(CLIENTS[client]),
+                    member: None,
+                    tier: Tier::ALL[tier],
+                    bytes: 1,
+                    model: None,
+                    affinity: None,
+                },
                 payload: (client, tier, seq),
             };
             prop_assert!(scheduler.enqueue(now, ticket).is_ok());

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{ClientLimits, Limits, Scheduler, Ticket, TicketId, Tier};
+use super::{Ask, ClientLimits, Limits, Scheduler, Ticket, TicketId, Tier};
 
 /// SplitMix64: small, seeded, good enough for test workloads.
 #[derive(Debug, Clone)]
@@ -146,12 +146,14 @@ impl Sim {
 
     fn submit(&mut self, client: &SimClient) {
         let ticket = Ticket {
-            client: client.name.clone(),
-            member: None,
-            tier: Tier::Normal,
-            bytes: 100,
-            model: None,
-            affinity: None,
+            ask: Ask {
+                client: client.name.clone(),
+                member: None,
+                tier: Tier::Normal,
+                bytes: 100,
+                model: None,
+                affinity: None,
+            },
             payload: 0,
         };
         let _ = self.scheduler.enqueue(self.now, ticket);

@@ -13,18 +13,20 @@ fn secs(s: u64) -> Duration {
 
 fn ticket(client: &str, tier: Tier, bytes: u64, payload: u32) -> Ticket<u32> {
     Ticket {
-        client: Arc::from(client),
-        member: None,
-        tier,
-        bytes,
-        model: None,
-        affinity: None,
+        ask: Ask {
+            client: Arc::from(client),
+            member: None,
+            tier,
+            bytes,
+            model: None,
+            affinity: None,
+        },
         payload,
     }
 }
 
 fn with_model(mut ticket: Ticket<u32>, model: &str) -> Ticket<u32> {
-    ticket.model = Some(Arc::from(model));
+    ticket.ask.model = Some(Arc::from(model));
     ticket
 }
 
@@ -741,7 +743,7 @@ fn the_client_map_is_bounded_by_forgetting_idle_unconfigured_clients() {
 
 fn member(client: &str, app: &str, max_concurrent: u32, payload: u32) -> Ticket<u32> {
     let mut ticket = ticket(client, Tier::Normal, 0, payload);
-    ticket.member = Some(Member {
+    ticket.ask.member = Some(Member {
         app: Arc::from(app),
         limits: ClientLimits {
             max_concurrent,
@@ -881,12 +883,12 @@ fn an_apps_max_queued_counts_all_its_users_and_a_users_its_own() {
         },
     );
     let mut queued_one = member("webui/a", "webui", 0, 1);
-    if let Some(member) = &mut queued_one.member {
+    if let Some(member) = &mut queued_one.ask.member {
         member.limits.max_queued = 1;
     }
     admit(&mut scheduler, now, queued_one);
     let mut second = member("webui/a", "webui", 0, 2);
-    if let Some(member) = &mut second.member {
+    if let Some(member) = &mut second.ask.member {
         member.limits.max_queued = 1;
     }
     assert_eq!(

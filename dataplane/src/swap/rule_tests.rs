@@ -7,7 +7,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::{Fit, HostVram};
 use crate::scheduler::{
-    Limits, Offer, Placer, Requester, Scheduler, SwapRule, SwitchReason, Ticket, TicketId, Tier,
+    Ask, Limits, Offer, Placer, Requester, Scheduler, SwapRule, SwitchReason, Ticket, TicketId,
+    Tier,
 };
 
 const GIB: u64 = 1 << 30;
@@ -174,12 +175,14 @@ impl Sim {
     fn enqueue(&mut self, index: usize) -> TicketId {
         let client = self.clients[index];
         let ticket = Ticket {
-            client: Arc::from(client.name),
-            member: None,
-            tier: client.tier,
-            bytes: 0,
-            model: Some(Arc::from(client.model)),
-            affinity: None,
+            ask: Ask {
+                client: Arc::from(client.name),
+                member: None,
+                tier: client.tier,
+                bytes: 0,
+                model: Some(Arc::from(client.model)),
+                affinity: None,
+            },
             payload: (index, self.now),
         };
         match self.scheduler.enqueue(self.now, ticket) {

@@ -1,0 +1,145 @@
+//! The owner side of a node hop: the identity and tier another node's data plane asserts
+//! for a request it forwarded here, verified, and the check of a streamed body it signed
+//! ([`crate::hop`]; the edge side is [`crate::relay`]).
+
+use std::net::IpAddr;
+
+use http::{HeaderValue, Request, Response};
+use hyper::body::Incoming;
+
+use crate::app::App;
+use crate::auth::Identity;
+use crate::body::Body;
+use crate::error::ProxyError;
+use crate::headers;
+use crate::hop;
+use crate::policy::Policy;
+
+/// The identity and tier another node's data plane asserts for a request it forwarded here
+/// (see [`hop`]). A claim that does not verify is refused and counted as a failed
+/// authentication: whoever sends it gains nothing.
+pub(super) fn hopped_identity(
+    app: &App,
+    policy: &Policy,
+    peer: IpAddr,
+    claim: &HeaderValue,
+    request: &Request<Incoming>,
+) -> Result<(Identity, Hop), ProxyError> {
+    let id = request
+        .headers()
+        .get(headers::REQUEST_ID)
+        .and_then(|value| value.to_str().ok())
+        .unwrap_or_default();
+    let path = request
+        .uri()
+        .path_and_query()
+        .map_or("/", http::uri::PathAndQuery::as_str);
+    let signed = hop::Request {
+        to: &policy.node,
+        id,
+        method: request.method(),
+        path,
+    };
+    // A hop that verifies is a peer's, whatever else its address did: only failures meet
+    // the throttle (which answers 429 once they are too many).
+    let now = std::time::SystemTime::now();
+    let verified = hop::verify(app.peers.key(), app.peers.replays(), claim, signed, now).and_then(
+        |assertion| {
+            // Not from itself (a peer URL that leads back here), and never an unverified
+            // caller where this node's own snapshot requires keys.
+            if assertion.node == policy.node || (!assertion.verified && policy.auth.enabled) {
+                Err(hop::HopError::BadSignature)
+            } else {
+                Ok(assertion)
+            }
+        },
+    );
+    let assertion = match verified {
+        Ok(assertion) => assertion,
+        Err(error) => {
+            let window = policy.auth.window;
+            app.throttle.check(peer, policy.auth.max_failures, window)?;
+            app.throttle.fail(peer, window);
+            tracing::warn!(%peer, %error, "node hop refused");
+            return Err(ProxyError::HopUnverified);
+        }
+    };
+    tracing::debug!(edge = %assertion.node, "forwarded by a peer data plane");
+    let identity = if assertion.verified {
+        // The owner's own snapshot decides the client's ceiling, weight and caps; a client
+        // it does not know (not in its snapshot yet, or already gone) is a refusal of this
+        // box: another may know it.
+        match policy.app_of(&assertion.client) {
+            // A user of an app key: the edge read it from the request, as it was configured.
+            Some((app, _)) if !app.is_expired(now) => Identity::User {
+                app: app.clone(),
+                id: assertion.client.clone(),
+            },
+            Some(_) => return Err(ProxyError::ClientUnknownHere),
+            None => {
+                let client = policy
+                    .clients_by_id
+                    .get(&assertion.client)
+                    .filter(|client| !client.is_expired(now))
+                    .cloned()
+                    .ok_or(ProxyError::ClientUnknownHere)?;
+                Identity::Client(client)
+            }
+        }
+    } else {
+        Identity::Anonymous(Some(assertion.client.clone()))
+    };
+    let hop = Hop {
+        tier: identity.tier(Some(assertion.tier)),
+        body: assertion.body,
+        claim: claim.clone(),
+    };
+    Ok((identity, hop))
+}
+
+/// What a verified hop settled for the request it carries.
+#[derive(Debug)]
+pub(super) struct Hop {
+    /// The tier, after the client's ceiling here.
+    pub(super) tier: crate::scheduler::Tier,
+    /// How the edge bound the body: a buffered body must match the digest, a streamed one
+    /// its trailer.
+    pub(super) body: hop::Body,
+    /// The header, which a streamed body's trailer is bound to.
+    pub(super) claim: HeaderValue,
+}
+
+impl Hop {
+    /// The streamed `body`, passed on only if it is the one the edge signed
+    /// ([`hop::streamed::check`]).
+    pub(super) fn check(
+        &self,
+        key: Option<&hop::HopKey>,
+        body: Body,
+    ) -> Result<(Body, hop::streamed::Verdict), ProxyError> {
+        match (&self.body, key) {
+            (hop::Body::Trailer(length), Some(key)) => Ok(hop::streamed::check(
+                body,
+                key.clone(),
+                self.claim.clone(),
+                *length,
+            )),
+            _ => Err(ProxyError::HopUnverified),
+        }
+    }
+}
+
+/// `sent`, unless the streamed body of a hop failed its check on the way (Ollama then
+/// never received it whole).
+pub(super) fn unless_unbound(
+    verdict: Option<&hop::streamed::Verdict>,
+    sent: Result<Response<Body>, ProxyError>,
+) -> Result<Response<Body>, ProxyError> {
+    match verdict.and_then(hop::streamed::Verdict::refused) {
+        Some(error) => {
+            tracing::warn!(%error, "node hop refused: its streamed body");
+            Err(ProxyError::HopUnverified)
+        }
+        None => sent,
+    }
+}
