@@ -547,6 +547,7 @@ impl Dispatcher {
         load: Option<Duration>,
         started: Instant,
         prefill: Option<f64>,
+        engine_slot: Option<u32>,
     ) {
         let dropped = {
             let mut inner = self.lock();
@@ -559,7 +560,9 @@ impl Dispatcher {
             }
             if let (Some((host, _)), Some(model)) = (ran, model) {
                 inner.router.completed(&host, model, load, now);
-                inner.router.ended(&host, model, started, prefill, now);
+                inner
+                    .router
+                    .ended(&host, model, started, prefill, engine_slot, now);
             }
             inner.scheduler.complete(id, cost, now);
             let dropped = self.pump(&mut inner, now);
@@ -593,9 +596,14 @@ impl Dispatcher {
                 Some(next) => {
                     if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
                         inner.router.released(&old, model, now);
-                        inner
-                            .router
-                            .moved(&old, Some(&next.host.name), model, lease.started);
+                        let engine_slot = lease.engine_slot();
+                        inner.router.moved(
+                            &old,
+                            Some(&next.host.name),
+                            model,
+                            lease.started,
+                            engine_slot,
+                        );
                     }
                     lease.ran = Some((next.host.name.clone(), next.loads));
                     lease.placement.replace(next)
@@ -643,11 +651,14 @@ impl Dispatcher {
         }
         let this = lease.dispatcher.clone();
         // The failed host's slot is free for others at once.
+        let engine_slot = lease.engine_slot();
         if lease.placement.take().is_some() {
             if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
                 let mut inner = self.lock();
                 inner.router.released(&old, model, now());
-                inner.router.moved(&old, None, model, lease.started);
+                inner
+                    .router
+                    .moved(&old, None, model, lease.started, engine_slot);
             }
             this.dispatch_freed();
         }
@@ -919,6 +930,24 @@ impl Lease {
             .and_then(|placement| placement.affinity)
     }
 
+    /// The engine slot it took on its host, where oqp names slots (a llama-server's
+    /// `id_slot`).
+    pub fn engine_slot(&self) -> Option<u32> {
+        self.placement
+            .as_ref()
+            .and_then(|placement| placement.engine_slot)
+            .map(|choice| choice.slot)
+    }
+
+    /// The engine slot to name in the request sent to its host, if any.
+    pub fn named_slot(&self) -> Option<u32> {
+        self.placement
+            .as_ref()
+            .and_then(|placement| placement.engine_slot)
+            .filter(|choice| choice.named)
+            .map(|choice| choice.slot)
+    }
+
     /// Records its prompt's prefill time per token (Ollama's `prompt_eval_duration` over
     /// `prompt_eval_count`) when nothing of it was cached: the host's rate is learned from it.
     pub fn set_prefill(&mut self, per_token: Option<f64>) {
@@ -933,6 +962,7 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        let engine_slot = self.engine_slot();
         // The slot frees first, so that the dispatch below can use it.
         drop(self.placement.take());
         if self.settled {
@@ -950,6 +980,7 @@ impl Drop for Lease {
             self.load,
             self.started,
             self.prefill,
+            engine_slot,
         );
     }
 }

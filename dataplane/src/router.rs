@@ -110,6 +110,9 @@ pub struct Placement {
     pub loads: bool,
     /// How its conversation's prompt cache decided the host, when it has one.
     pub affinity: Option<crate::affinity::Verdict>,
+    /// The engine slot it takes, on a host whose slots oqp names (a llama-server's
+    /// `id_slot`).
+    pub engine_slot: Option<crate::affinity::EngineChoice>,
 }
 
 /// Routing decisions taken so far, by reason (for `oqp_routing_decisions_total{reason}`).
@@ -512,6 +515,7 @@ impl Router {
             },
             loads: false,
             affinity: None,
+            engine_slot: None,
         }
     }
 }

@@ -92,14 +92,15 @@ impl Router {
         self.affinity.index.answered(slot, point);
     }
 
-    /// A request placed at `started` on `model` at `host` ended; `prefill` is its prompt's
-    /// time per token when nothing of it was cached.
+    /// A request placed at `started` on `model` at `host` (on engine slot `engine_slot`)
+    /// ended; `prefill` is its prompt's time per token when nothing of it was cached.
     pub fn ended(
         &mut self,
         host: &str,
         model: &str,
         started: Instant,
         prefill: Option<f64>,
+        engine_slot: Option<u32>,
         now: Instant,
     ) {
         if self.affinity.settings.enabled {
@@ -107,16 +108,25 @@ impl Router {
             let held = now.saturating_duration_since(started);
             self.affinity
                 .index
-                .ended(host, &local, started, held, prefill);
+                .ended(host, &local, started, held, prefill, engine_slot);
         }
     }
 
     /// A request placed at `started` on `model` at `from` failed over to `to` (or went back
     /// to the queue).
-    pub fn moved(&mut self, from: &str, to: Option<&Arc<str>>, model: &str, started: Instant) {
+    pub fn moved(
+        &mut self,
+        from: &str,
+        to: Option<&Arc<str>>,
+        model: &str,
+        started: Instant,
+        engine_slot: Option<u32>,
+    ) {
         if self.affinity.settings.enabled {
             let local = ModelKey::new(model).local;
-            self.affinity.index.moved(from, to, &local, started);
+            self.affinity
+                .index
+                .moved(from, to, &local, started, engine_slot);
         }
     }
 
@@ -187,11 +197,11 @@ impl Router {
         };
         let key = ModelKey::new(name);
         let Some(chain) = chain else {
-            let choice = self.plain_choice(model, strategy, vram);
-            if let Choice::Run(placement) = &choice {
-                self.affinity
-                    .index
-                    .started(&placement.host.name, &key.local, now);
+            let mut choice = self.plain_choice(model, strategy, vram);
+            if let Choice::Run(placement) = &mut choice {
+                let host = placement.host.clone();
+                self.affinity.index.started(&host.name, &key.local, now);
+                placement.engine_slot = self.name_engine_slot(&host, &key, None, now);
             }
             return choice;
         };
@@ -316,6 +326,22 @@ impl Router {
         Choice::Later(now + recheck)
     }
 
+    /// The engine slot a request placed on `host` at `now` takes, when `host` is a
+    /// llama-server, whose slots oqp names so that a conversation returns to the slot that
+    /// holds it (see [`Index::engine_slot`]); `slot` is where its conversation was recorded.
+    fn name_engine_slot(
+        &mut self,
+        host: &crate::policy::Host,
+        key: &ModelKey,
+        slot: Option<Slot>,
+        now: Instant,
+    ) -> Option<crate::affinity::EngineChoice> {
+        let slots = names_slots(host)?;
+        self.affinity
+            .index
+            .engine_slot(&host.name, &key.local, slots, slot, now)
+    }
+
     fn plain_choice(&mut self, model: Option<&str>, strategy: Strategy, vram: bool) -> Choice {
         match self.choose(model, strategy, &[], vram) {
             Some(placement) => Choice::Run(placement),
@@ -352,6 +378,7 @@ impl Router {
             .index
             .place(&host.name, &key.local, capacity, chain);
         self.affinity.index.started(&host.name, &key.local, now);
+        placement.engine_slot = self.name_engine_slot(&host, &key, slot, now);
         placement.affinity = Some(Verdict {
             outcome,
             cached_tokens,
@@ -359,6 +386,15 @@ impl Router {
         });
         Choice::Run(placement)
     }
+}
+
+/// The slots of `host` when oqp names them: a llama-server (found by its `/props`) that
+/// stated its slot count.
+fn names_slots(host: &crate::policy::Host) -> Option<u32> {
+    (host.engine.detected.as_deref() == Some("llama-server"))
+        .then_some(host.engine.learned_slots)
+        .flatten()
+        .filter(|slots| *slots > 0)
 }
 
 /// Conversations a runner keeps beyond its slots: `routing.affinity.ram_cache_per_runner`,
