@@ -79,6 +79,7 @@ pub fn model_rank(host: &Host, model: &str) -> u8 {
         0
     }
 }
+pub use affinity::MIN_CACHED_TOKENS;
 pub use slot::{ReleaseHook, SlotGuard};
 pub use union::{union_openai_models, union_ps, union_tags};
 

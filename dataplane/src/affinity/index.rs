@@ -38,6 +38,9 @@ struct Entry {
     /// Another request took its engine slot: the engine set its prompt aside in its RAM
     /// prompt cache.
     set_aside: bool,
+    /// When its last answer ended, until its next turn is placed: its next turn is likely
+    /// on the way.
+    answered_at: Option<Instant>,
 }
 
 /// One slot of a runner whose slots oqp names (a llama-server's `id_slot`).
@@ -70,6 +73,8 @@ struct Runner {
     prefill: Option<f64>,
     /// Its slots, where oqp names them; empty otherwise.
     engine_slots: Vec<EngineSlot>,
+    /// A named slot did not hold what oqp expected: slots are tracked, not named.
+    unnamed: bool,
 }
 
 impl Runner {
@@ -213,6 +218,7 @@ impl Index {
             service: None,
             prefill: None,
             engine_slots: Vec::new(),
+            unnamed: false,
         });
         u32::try_from(self.runners.len() - 1).unwrap_or(u32::MAX)
     }
@@ -330,6 +336,7 @@ impl Index {
                             live: false,
                             engine_slot: None,
                             set_aside: false,
+                            answered_at: None,
                         });
                         u32::try_from(self.entries.len() - 1).ok()?
                     }
@@ -343,6 +350,7 @@ impl Index {
         entry.runner = runner;
         entry.prompt = chain.last();
         entry.answer = None;
+        entry.answered_at = None;
         entry.session = chain.session;
         entry.used = tick;
         entry.generation = entry.generation.wrapping_add(1);
@@ -358,14 +366,16 @@ impl Index {
         Some(slot)
     }
 
-    /// Records the answer of the request placed at `slot`: the runner now holds `point`.
-    pub fn answered(&mut self, slot: Slot, point: Point) {
+    /// Records the answer of the request placed at `slot`, ended at `at`: the runner now
+    /// holds `point`.
+    pub fn answered(&mut self, slot: Slot, point: Point, at: Instant) {
         let Some(entry) = self.entries.get_mut(slot.entry as usize) else {
             return;
         };
         if !entry.live || entry.generation != slot.generation {
             return;
         }
+        entry.answered_at = Some(at);
         if let Some(old) = entry.answer.replace(point)
             && self.by_hash.get(&old.hash) == Some(&slot.entry)
         {
@@ -576,7 +586,7 @@ impl Index {
                 })
                 .and_then(|(index, _)| u32::try_from(index).ok())
         })?;
-        let named = !(set_aside && !state.engine_slots[chosen as usize].filled);
+        let named = !state.unnamed && !(set_aside && !state.engine_slots[chosen as usize].filled);
         // Whoever the slot held is set aside; the conversation's old slot holds it no more.
         let previous = self.runners[runner as usize].engine_slots[chosen as usize].holder;
         if let Some(previous) = previous
@@ -613,6 +623,76 @@ impl Index {
             slot: chosen,
             named,
         })
+    }
+
+    /// Conversations of `model`'s runner at `host` answered (or seen [waiting](Index::waiting)
+    /// for it) within `grace` before `now` whose next turn has not been placed yet: a slot
+    /// freed there is likely wanted again at once by one of them, whose history is cached
+    /// there.
+    pub fn returning(&self, host: &str, model: &str, now: Instant, grace: Duration) -> u32 {
+        let Some(runner) = self.runner_id(host, model) else {
+            return 0;
+        };
+        let count = self.runners[runner as usize]
+            .entries
+            .iter()
+            .filter_map(|&id| self.entries.get(id as usize))
+            .filter(|entry| {
+                entry
+                    .answered_at
+                    .is_some_and(|at| now.saturating_duration_since(at) < grace)
+            })
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    }
+
+    /// `chain`'s conversation waits at `now` for `model`'s runner at `host`, which holds it:
+    /// it counts as [`returning`](Index::returning) there while it waits.
+    pub fn waiting(&mut self, host: &str, model: &str, chain: &Chain, now: Instant) {
+        let Some(runner) = self.runner_id(host, model) else {
+            return;
+        };
+        let held = chain
+            .session
+            .and_then(|session| self.by_session.get(&session).copied())
+            .into_iter()
+            .chain(
+                chain
+                    .points
+                    .iter()
+                    .rev()
+                    .filter_map(|point| self.by_hash.get(&point.hash).copied()),
+            )
+            .find(|&id| {
+                self.entries
+                    .get(id as usize)
+                    .is_some_and(|entry| entry.live && entry.runner == runner)
+            });
+        if let Some(entry) = held.and_then(|id| self.entries.get_mut(id as usize)) {
+            entry.answered_at = Some(now);
+        }
+    }
+
+    /// The request of the conversation recorded at `slot` ended at `at`: it counts as
+    /// [`returning`](Index::returning) from then.
+    pub fn expect_back(&mut self, slot: Slot, at: Instant) {
+        if let Some(entry) = self
+            .entries
+            .get_mut(slot.entry as usize)
+            .filter(|entry| entry.live && entry.generation == slot.generation)
+        {
+            entry.answered_at = Some(at);
+        }
+    }
+
+    /// Stops naming the slots of `model`'s runner at `host` (its engine does not keep a
+    /// prompt in a named slot as oqp takes it to); true the first time.
+    pub fn stop_naming(&mut self, host: &str, model: &str) -> bool {
+        let Some(runner) = self.runner_id(host, model) else {
+            return false;
+        };
+        let state = &mut self.runners[runner as usize];
+        !std::mem::replace(&mut state.unnamed, true)
     }
 
     /// The engine slot that holds the conversation recorded at `slot`, if oqp named one.

@@ -23,7 +23,7 @@ fn a_follow_up_finds_the_runner_that_answered_its_history() {
     let a: Arc<str> = Arc::from("a");
     let first = turn("t", &["hi"]);
     let slot = index.place(&a, "m:latest", 2, &first).unwrap();
-    index.answered(slot, first.answered("hello").unwrap());
+    index.answered(slot, first.answered("hello").unwrap(), Instant::now());
     let next = turn("t", &["hi", "hello", "more"]);
     let warm = index.lookup(&next);
     assert_eq!(warm.len(), 1);
@@ -78,7 +78,7 @@ fn a_late_answer_does_not_land_on_the_conversation_that_took_its_place() {
     index
         .place(&a, "m:latest", 1, &turn("t", &["two"]))
         .unwrap();
-    index.answered(slot, first.answered("late").unwrap());
+    index.answered(slot, first.answered("late").unwrap(), Instant::now());
     assert!(index.lookup(&turn("t", &["one", "late", "x"])).is_empty());
 }
 
@@ -262,4 +262,48 @@ fn a_set_aside_conversation_is_not_named_into_an_empty_slot() {
     // slot is only for set-aside conversations.
     let fresh = index.engine_slot(&a, "m:latest", 4, Some(one), at).unwrap();
     assert!(fresh.named);
+}
+
+#[test]
+fn a_conversation_just_answered_is_expected_back_until_its_next_turn_or_the_grace_ends() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let grace = Duration::from_secs(1);
+    let first = turn("t", &["hi"]);
+    let slot = index.place(&a, "m:latest", 4, &first).unwrap();
+    assert_eq!(index.returning("a", "m:latest", t0, grace), 0);
+    index.answered(slot, first.answered("hello").unwrap(), t0);
+    assert_eq!(index.returning("a", "m:latest", t0, grace), 1);
+    assert_eq!(index.returning("a", "m:latest", t0 + grace, grace), 0);
+    index.place(&a, "m:latest", 4, &turn("t", &["hi", "hello", "more"]));
+    assert_eq!(
+        index.returning("a", "m:latest", t0, grace),
+        0,
+        "it came back"
+    );
+}
+
+#[test]
+fn a_conversation_waiting_for_its_host_counts_as_returning_there() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let grace = Duration::from_secs(1);
+    let first = turn("t", &["hi"]);
+    let slot = index.place(&a, "m:latest", 4, &first).unwrap();
+    index.answered(slot, first.answered("hello").unwrap(), t0);
+    let later = t0 + 2 * grace;
+    assert_eq!(index.returning("a", "m:latest", later, grace), 0);
+    let next = turn("t", &["hi", "hello", "more"]);
+    index.waiting("a", "m:latest", &next, later);
+    assert_eq!(index.returning("a", "m:latest", later, grace), 1);
+    // Another tenant's identical turn is not it.
+    index.waiting(
+        "a",
+        "m:latest",
+        &turn("u", &["hi", "hello", "more"]),
+        later + grace,
+    );
+    assert_eq!(index.returning("a", "m:latest", later + grace, grace), 0);
 }

@@ -29,7 +29,12 @@ const DEFAULT_SERVICE: f64 = 1.0;
 /// The fewest cached tokens that make a host a conversation's home: below, re-reading costs
 /// milliseconds and spreading the work matters more (identical short prompts, sent again and
 /// again, are spread as before).
-const MIN_CACHED_TOKENS: u32 = 128;
+pub const MIN_CACHED_TOKENS: u32 = 128;
+
+/// How long after its answer (or after it was last seen waiting for its host) a
+/// conversation's next turn is expected there, keeping a slot of that host from being spilled
+/// onto by another host's conversation.
+const RETURN_GRACE: Duration = Duration::from_secs(1);
 
 /// The longest a ticket waiting for its conversation's host goes without being offered
 /// again.
@@ -88,8 +93,8 @@ impl Router {
     }
 
     /// Records the answer of a conversation placed at `slot`: the runner now holds `point`.
-    pub fn answered(&mut self, slot: Slot, point: crate::affinity::Point) {
-        self.affinity.index.answered(slot, point);
+    pub fn answered(&mut self, slot: Slot, point: crate::affinity::Point, now: Instant) {
+        self.affinity.index.answered(slot, point, now);
     }
 
     /// A request placed at `started` on `model` at `host` (on engine slot `engine_slot`)
@@ -109,6 +114,28 @@ impl Router {
             self.affinity
                 .index
                 .ended(host, &local, started, held, prefill, engine_slot);
+        }
+    }
+
+    /// The request of the conversation recorded at `slot` ended at `now`: its next turn is
+    /// likely on its way (see [`Index::returning`]).
+    pub fn expect_back(&mut self, slot: Slot, now: Instant) {
+        self.affinity.index.expect_back(slot, now);
+    }
+
+    /// A request that named a slot of `model`'s runner at `host` found little of what oqp
+    /// expected cached there: slots are no longer named there (see
+    /// [`Index::stop_naming`]).
+    pub fn named_slot_missed(&mut self, host: &str, model: &str) {
+        let local = ModelKey::new(model).local;
+        if self.affinity.index.stop_naming(host, &local) {
+            tracing::warn!(
+                host,
+                model,
+                "a request sent to the slot holding its conversation found it not cached: \
+                 the engine empties idle slots (llama-server -kvu or -np auto?); \
+                 slots are no longer named on this host"
+            );
         }
     }
 
@@ -280,7 +307,11 @@ impl Router {
             slots => slots,
         };
 
-        // The best other host with a free slot, by its expected time to first token.
+        // The best other host with a free slot, by its expected time to first token. A slot
+        // that a conversation of that host's was just answered on is not free to spill onto:
+        // that conversation's next turn is likely on its way, and re-reading a whole history
+        // there would delay both.
+        let ahead_of = |host: &str| self.affinity.ahead.get(host).copied().unwrap_or(0);
         let alternative = self
             .hosts
             .iter()
@@ -290,6 +321,17 @@ impl Router {
                     && candidate(state)
                     && state.has_free_slot_for(Some(&key.local))
                     && !state.unfit
+                    && state
+                        .host
+                        .max_concurrent
+                        .saturating_sub(state.in_use())
+                        .saturating_sub(ahead_of(&state.host.name))
+                        > self.affinity.index.returning(
+                            &state.host.name,
+                            &key.local,
+                            now,
+                            RETURN_GRACE,
+                        )
             })
             .map(|(_, state)| prefill(self, &state.host.name, cached_on(&state.host.name)))
             .fold(None, |best: Option<f64>, secs| {
@@ -301,6 +343,9 @@ impl Router {
             return self.placed(Choice::Run(placement), chain, &key, Outcome::Hit, now);
         }
         let Some(elsewhere) = alternative else {
+            self.affinity
+                .index
+                .waiting(&home_name, &key.local, chain, now);
             return Choice::Wait;
         };
         let wait = self.affinity.index.wait(
@@ -320,6 +365,9 @@ impl Router {
             };
             return self.placed(choice, chain, &key, Outcome::Spill, now);
         }
+        self.affinity
+            .index
+            .waiting(&home_name, &key.local, chain, now);
         *self.affinity.ahead.entry(home_name).or_insert(0) += 1;
         let recheck =
             Duration::from_secs_f64((elsewhere - at_home).clamp(0.01, RECHECK.as_secs_f64()));

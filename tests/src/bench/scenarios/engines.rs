@@ -43,6 +43,8 @@ struct Run {
     times_ms: Vec<f64>,
     cached: usize,
     labelled: usize,
+    /// Follow-ups oqp labelled `spill`.
+    spilled: usize,
     failed: usize,
 }
 
@@ -61,10 +63,11 @@ impl Run {
             percentile(&self.times_ms, 99.0),
         ) {
             (Some(p50), Some(p99)) => format!(
-                "{name}: p50 {p50:.0} / mean {:.0} / p99 {p99:.0} ms, cached {:.0} %, labelled hit {:.0} %{}",
+                "{name}: p50 {p50:.0} / mean {:.0} / p99 {p99:.0} ms, cached {:.0} %, labelled hit {:.0} %, spill {:.0} %{}",
                 self.mean(),
                 100.0 * self.rate(self.cached),
                 100.0 * self.rate(self.labelled),
+                100.0 * self.rate(self.spilled),
                 if self.failed > 0 {
                     format!(", {} failed", self.failed)
                 } else {
@@ -248,8 +251,10 @@ async fn load(
                         if cache_n * 10 >= previous_prompt * 9 {
                             run.cached += 1;
                         }
-                        if reply.header("x-oqp-affinity").as_deref() == Some("hit") {
-                            run.labelled += 1;
+                        match reply.header("x-oqp-affinity").as_deref() {
+                            Some("hit") => run.labelled += 1,
+                            Some("spill") => run.spilled += 1,
+                            _ => {}
                         }
                     }
                     previous_prompt = prompt;
@@ -264,6 +269,7 @@ async fn load(
         all.times_ms.extend(run.times_ms);
         all.cached += run.cached;
         all.labelled += run.labelled;
+        all.spilled += run.spilled;
         all.failed += run.failed;
     }
     Ok(all)
