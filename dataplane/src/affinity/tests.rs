@@ -307,3 +307,28 @@ fn a_conversation_waiting_for_its_host_counts_as_returning_there() {
     );
     assert_eq!(index.returning("a", "m:latest", later + grace, grace), 0);
 }
+
+#[test]
+fn a_runner_whose_named_slot_missed_is_tracked_but_no_longer_named() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    assert!(!index.stop_naming("a", "m:latest"), "an unknown runner");
+    let one = index
+        .place(&a, "m:latest", 8, &turn("t", &["one"]))
+        .unwrap();
+    assert!(
+        index
+            .engine_slot(&a, "m:latest", 2, Some(one), t0)
+            .unwrap()
+            .named
+    );
+    assert!(index.stop_naming("a", "m:latest"));
+    assert!(!index.stop_naming("a", "m:latest"), "said once");
+    let two = index
+        .place(&a, "m:latest", 8, &turn("t", &["two"]))
+        .unwrap();
+    let choice = index.engine_slot(&a, "m:latest", 2, Some(two), t0).unwrap();
+    assert!(!choice.named);
+    assert_eq!(index.held_in(two), Some(choice.slot), "still tracked");
+}
