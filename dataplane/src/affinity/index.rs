@@ -586,7 +586,7 @@ impl Index {
                 })
                 .and_then(|(index, _)| u32::try_from(index).ok())
         })?;
-        let named = !state.unnamed && !(set_aside && !state.engine_slots[chosen as usize].filled);
+        let named = !state.unnamed && (!set_aside || state.engine_slots[chosen as usize].filled);
         // Whoever the slot held is set aside; the conversation's old slot holds it no more.
         let previous = self.runners[runner as usize].engine_slots[chosen as usize].holder;
         if let Some(previous) = previous

@@ -426,7 +426,7 @@ impl Router {
             .index
             .place(&host.name, &key.local, capacity, chain);
         self.affinity.index.started(&host.name, &key.local, now);
-        placement.engine_slot = self.name_engine_slot(&host, &key, slot, now);
+        placement.engine_slot = self.name_engine_slot(&host, key, slot, now);
         placement.affinity = Some(Verdict {
             outcome,
             cached_tokens,
