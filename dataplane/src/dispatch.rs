@@ -110,6 +110,8 @@ pub struct Lease {
     load: Option<Duration>,
     /// Its prompt's prefill time per token, when nothing of it was cached.
     prefill: Option<f64>,
+    /// The prompt tokens its engine found cached, as the engine stated them.
+    engine_cached: Option<u64>,
     /// Whether its client was identified, for a ticket that waits again.
     verified: bool,
     /// Its ticket went back to the queue: dropping it completes nothing.
@@ -399,6 +401,7 @@ impl Dispatcher {
                     cost: None,
                     load: None,
                     prefill: None,
+                    engine_cached: None,
                     verified: dispatch.payload.verified,
                     settled: false,
                 },
@@ -532,10 +535,25 @@ impl Dispatcher {
             load,
             started,
             prefill,
+            engine_slot,
+            named_missed,
+            placement,
         } = ended;
         let dropped = {
             let mut inner = self.lock();
             let now = now();
+            // Its conversation's next turn is likely on its way: counted as coming back to its
+            // host before anything sees the slot free.
+            if let Some(slot) = placement
+                .as_ref()
+                .and_then(|placement| placement.affinity)
+                .and_then(|verdict| verdict.slot)
+            {
+                inner.router.expect_back(slot, now);
+            }
+            // The slot frees first, so that the dispatch below can use it (its release hook
+            // only wakes the dispatcher).
+            drop(placement);
             let mut cost = cost;
             let loader = ran.as_ref().is_some_and(|(_, loads)| *loads);
             // `ran` is where the view counted it (its last host, if it failed over).
@@ -544,7 +562,12 @@ impl Dispatcher {
             }
             if let (Some((host, _)), Some(model)) = (ran, model) {
                 inner.router.completed(&host, model, load, now);
-                inner.router.ended(&host, model, started, prefill, now);
+                inner
+                    .router
+                    .ended(&host, model, started, prefill, engine_slot, now);
+                if named_missed {
+                    inner.router.named_slot_missed(&host, model);
+                }
             }
             inner.scheduler.complete(id, cost, now);
             let dropped = self.pump(&mut inner, now);
@@ -578,9 +601,14 @@ impl Dispatcher {
                 Some(next) => {
                     if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
                         inner.router.released(&old, model, now);
-                        inner
-                            .router
-                            .moved(&old, Some(&next.host.name), model, lease.started);
+                        let engine_slot = lease.engine_slot();
+                        inner.router.moved(
+                            &old,
+                            Some(&next.host.name),
+                            model,
+                            lease.started,
+                            engine_slot,
+                        );
                     }
                     lease.ran = Some((next.host.name.clone(), next.loads));
                     lease.placement.replace(next)
@@ -597,7 +625,7 @@ impl Dispatcher {
     /// Records the answer of a conversation placed at `slot`: its runner now holds `point`,
     /// the next turn's prefix.
     pub fn answered(&self, slot: crate::affinity::Slot, point: crate::affinity::Point) {
-        self.lock().router.answered(slot, point);
+        self.lock().router.answered(slot, point, now());
     }
 
     /// Gives a slot freed outside the usual paths (a lease moving to
@@ -628,11 +656,14 @@ impl Dispatcher {
         }
         let this = lease.dispatcher.clone();
         // The failed host's slot is free for others at once.
+        let engine_slot = lease.engine_slot();
         if lease.placement.take().is_some() {
             if let (Some((old, _)), Some(model)) = (lease.ran.take(), &lease.model) {
                 let mut inner = self.lock();
                 inner.router.released(&old, model, now());
-                inner.router.moved(&old, None, model, lease.started);
+                inner
+                    .router
+                    .moved(&old, None, model, lease.started, engine_slot);
             }
             this.dispatch_freed();
         }
@@ -904,6 +935,48 @@ impl Lease {
             .and_then(|placement| placement.affinity)
     }
 
+    /// The engine slot it took on its host, where oqp names slots (a llama-server's
+    /// `id_slot`).
+    pub fn engine_slot(&self) -> Option<u32> {
+        self.placement
+            .as_ref()
+            .and_then(|placement| placement.engine_slot)
+            .map(|choice| choice.slot)
+    }
+
+    /// The engine slot to name in the request sent to its host, if any.
+    pub fn named_slot(&self) -> Option<u32> {
+        self.placement
+            .as_ref()
+            .and_then(|placement| placement.engine_slot)
+            .filter(|choice| choice.named)
+            .map(|choice| choice.slot)
+    }
+
+    /// Records the prompt tokens its engine found cached, as the engine stated them.
+    pub fn set_engine_cached(&mut self, cached: Option<u64>) {
+        self.engine_cached = cached;
+    }
+
+    /// Whether it named a slot for a conversation oqp expected cached there and the engine
+    /// found almost none of it cached: the engine does not keep prompts in named slots as
+    /// oqp takes it to (a llama-server with `-kvu` empties idle slots into its RAM cache,
+    /// and restores nothing into a named empty slot).
+    fn named_missed(&self) -> bool {
+        let Some(placement) = &self.placement else {
+            return false;
+        };
+        let named = placement.engine_slot.is_some_and(|choice| choice.named);
+        let expected = placement
+            .affinity
+            .map_or(0, |verdict| u64::from(verdict.cached_tokens));
+        named
+            && expected >= u64::from(crate::router::MIN_CACHED_TOKENS)
+            && self
+                .engine_cached
+                .is_some_and(|cached| cached.saturating_mul(4) < expected)
+    }
+
     /// Records its prompt's prefill time per token (Ollama's `prompt_eval_duration` over
     /// `prompt_eval_count`) when nothing of it was cached: the host's rate is learned from it.
     pub fn set_prefill(&mut self, per_token: Option<f64>) {
@@ -918,8 +991,9 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
-        // The slot frees first, so that the dispatch below can use it.
-        drop(self.placement.take());
+        let engine_slot = self.engine_slot();
+        let named_missed = self.named_missed();
+        let placement = self.placement.take();
         if self.settled {
             return;
         }
@@ -935,6 +1009,9 @@ impl Drop for Lease {
             load: self.load,
             started: self.started,
             prefill: self.prefill,
+            engine_slot,
+            named_missed,
+            placement,
         });
     }
 }
@@ -952,6 +1029,11 @@ struct Ended<'a> {
     started: Instant,
     /// Its prompt's prefill time per token, when nothing of it was cached.
     prefill: Option<f64>,
+    /// The engine slot it ran in, on a llama-server whose slots oqp names.
+    engine_slot: Option<u32>,
+    /// Whether the named slot held far less than expected.
+    named_missed: bool,
+    placement: Option<Placement>,
 }
 
 #[cfg(test)]

@@ -131,6 +131,7 @@ pub async fn send(
                 send_cloud(parts, policy, &host, model, this_attempt, head_timeout).await
             }
             HostKind::Ollama | HostKind::Openai => {
+                let this_attempt = name_slot(&host, lease.named_slot(), this_attempt);
                 send_local(parts, &host, this_attempt, head_timeout).await
             }
         };
@@ -197,6 +198,24 @@ pub async fn send(
         None if written => Err(ProxyError::HostsFailedAfterWrite(failures)),
         None => Err(ProxyError::AllHostsFailed(failures)),
     }
+}
+
+/// The request with the engine slot the router chose for it named (`id_slot`), on a host of
+/// kind `openai` (a llama-server: the router names slots only there), when its body is one
+/// JSON object in memory; else as it is.
+fn name_slot(host: &Host, slot: Option<u32>, mut outbound: Outbound) -> Outbound {
+    if host.kind != HostKind::Openai || outbound.openai_embeddings.is_some() {
+        return outbound;
+    }
+    if let (Some(slot), RequestBody::Buffered(body)) = (slot, &outbound.body)
+        && let Some(named) = rewrite::set_slot(body, slot)
+    {
+        outbound
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(named.len()));
+        outbound.body = RequestBody::Buffered(named);
+    }
+    outbound
 }
 
 /// What one host did with the request.

@@ -662,6 +662,7 @@ fn release(
         lease.set_prefill(Some(duration.as_secs_f64() / outcome.tokens.prompt as f64));
     }
     lease.set_cost(outcome.total_duration, outcome.load_duration);
+    lease.set_engine_cached(outcome.cached_tokens);
     drop(lease);
 }
 

@@ -84,6 +84,36 @@ pub fn replace_model(body: &[u8], view: &BodyView, model: &str) -> Option<Bytes>
     Some(splice(body, &edits))
 }
 
+/// The field a llama-server reads as the slot to run a request on.
+pub const ID_SLOT: &str = "id_slot";
+
+/// The body with its `id_slot` set to `slot`: the value of every top-level member of that
+/// exact name (as llama-server reads it) replaced, or one inserted as the last member, every
+/// other byte kept. `None` when the body is not one JSON object.
+pub fn set_slot(body: &[u8], slot: u32) -> Option<Bytes> {
+    let object = scan::top_object(body)?;
+    let value = slot.to_string();
+    let existing: Vec<_> = object
+        .members
+        .iter()
+        .filter(|member| scan::key(body, member).is_some_and(|key| key == ID_SLOT))
+        .map(|member| member.value.clone())
+        .collect();
+    if existing.is_empty() {
+        let (at, comma) = match object.members.last() {
+            Some(last) => (last.value.end, ","),
+            None => (object.open + 1, ""),
+        };
+        let insert = format!("{comma}\"{ID_SLOT}\":{value}");
+        return Some(splice(body, &[(at..at, insert.as_bytes())]));
+    }
+    let edits: Vec<_> = existing
+        .iter()
+        .map(|span| (span.clone(), value.as_bytes()))
+        .collect();
+    Some(splice(body, &edits))
+}
+
 /// `body` with each range replaced by its bytes. Ranges must be sorted and
 /// disjoint.
 pub(crate) fn splice(body: &[u8], edits: &[(std::ops::Range<usize>, &[u8])]) -> Bytes {

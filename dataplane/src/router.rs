@@ -79,6 +79,7 @@ pub fn model_rank(host: &Host, model: &str) -> u8 {
         0
     }
 }
+pub use affinity::MIN_CACHED_TOKENS;
 pub use slot::{ReleaseHook, SlotGuard};
 pub use union::{union_openai_models, union_ps, union_tags};
 
@@ -110,6 +111,9 @@ pub struct Placement {
     pub loads: bool,
     /// How its conversation's prompt cache decided the host, when it has one.
     pub affinity: Option<crate::affinity::Verdict>,
+    /// The engine slot it takes, on a host whose slots oqp names (a llama-server's
+    /// `id_slot`).
+    pub engine_slot: Option<crate::affinity::EngineChoice>,
 }
 
 /// Routing decisions taken so far, by reason (for `oqp_routing_decisions_total{reason}`).
@@ -512,6 +516,7 @@ impl Router {
             },
             loads: false,
             affinity: None,
+            engine_slot: None,
         }
     }
 }

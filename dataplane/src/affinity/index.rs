@@ -32,6 +32,29 @@ struct Entry {
     /// Bumped on reuse, so that an answer recorded late cannot land on another conversation.
     generation: u32,
     live: bool,
+    /// The engine slot that holds it, where oqp names slots (llama-server's `id_slot`);
+    /// `None` when it is set aside in the engine's RAM prompt cache, or slots are not named.
+    engine_slot: Option<u32>,
+    /// Another request took its engine slot: the engine set its prompt aside in its RAM
+    /// prompt cache.
+    set_aside: bool,
+    /// When its last answer ended, until its next turn is placed: its next turn is likely
+    /// on the way.
+    answered_at: Option<Instant>,
+}
+
+/// One slot of a runner whose slots oqp names (a llama-server's `id_slot`).
+#[derive(Clone, Copy, Debug, Default)]
+struct EngineSlot {
+    /// The conversation whose prompt it holds.
+    holder: Option<u32>,
+    /// When the request running on it started.
+    busy: Option<Instant>,
+    /// Whether it has held a prompt at all (a llama-server restores a conversation from its
+    /// RAM prompt cache only into a slot that holds one).
+    filled: bool,
+    /// The tick of its last use.
+    used: u64,
 }
 
 /// One runner: a model on a host.
@@ -48,6 +71,25 @@ struct Runner {
     service: Option<f64>,
     /// Learned prefill time per token (seconds, EWMA), from answers that found nothing cached.
     prefill: Option<f64>,
+    /// Its slots, where oqp names them; empty otherwise.
+    engine_slots: Vec<EngineSlot>,
+    /// A named slot did not hold what oqp expected: slots are tracked, not named.
+    unnamed: bool,
+}
+
+impl Runner {
+    /// The request that started at `at` on engine slot `slot` left it.
+    fn free_engine_slot(&mut self, at: Instant, slot: Option<u32>, tick: u64) {
+        let index = slot.map(|slot| slot as usize).filter(|&slot| {
+            self.engine_slots
+                .get(slot)
+                .is_some_and(|e| e.busy == Some(at))
+        });
+        if let Some(engine) = index.and_then(|slot| self.engine_slots.get_mut(slot)) {
+            engine.busy = None;
+            engine.used = tick;
+        }
+    }
 }
 
 /// Where a placed request's conversation was recorded, for its answer.
@@ -55,6 +97,15 @@ struct Runner {
 pub struct Slot {
     entry: u32,
     generation: u32,
+}
+
+/// The engine slot a request was given (see [`Index::engine_slot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineChoice {
+    /// The slot's id, as the engine numbers them.
+    pub slot: u32,
+    /// Whether to name it in the request (`id_slot`), or let the engine take it itself.
+    pub named: bool,
 }
 
 /// A runner that holds part of a request's prefix.
@@ -166,6 +217,8 @@ impl Index {
             running: Vec::new(),
             service: None,
             prefill: None,
+            engine_slots: Vec::new(),
+            unnamed: false,
         });
         u32::try_from(self.runners.len() - 1).unwrap_or(u32::MAX)
     }
@@ -281,6 +334,9 @@ impl Index {
                             used: 0,
                             generation: 0,
                             live: false,
+                            engine_slot: None,
+                            set_aside: false,
+                            answered_at: None,
                         });
                         u32::try_from(self.entries.len() - 1).ok()?
                     }
@@ -294,6 +350,7 @@ impl Index {
         entry.runner = runner;
         entry.prompt = chain.last();
         entry.answer = None;
+        entry.answered_at = None;
         entry.session = chain.session;
         entry.used = tick;
         entry.generation = entry.generation.wrapping_add(1);
@@ -309,14 +366,16 @@ impl Index {
         Some(slot)
     }
 
-    /// Records the answer of the request placed at `slot`: the runner now holds `point`.
-    pub fn answered(&mut self, slot: Slot, point: Point) {
+    /// Records the answer of the request placed at `slot`, ended at `at`: the runner now
+    /// holds `point`.
+    pub fn answered(&mut self, slot: Slot, point: Point, at: Instant) {
         let Some(entry) = self.entries.get_mut(slot.entry as usize) else {
             return;
         };
         if !entry.live || entry.generation != slot.generation {
             return;
         }
+        entry.answered_at = Some(at);
         if let Some(old) = entry.answer.replace(point)
             && self.by_hash.get(&old.hash) == Some(&slot.entry)
         {
@@ -334,7 +393,8 @@ impl Index {
     }
 
     /// A request that started at `at` on `model`'s runner at `host` ended after `held` on
-    /// its slot; `prefill` is its prompt's time per token when nothing of it was cached.
+    /// its slot (engine slot `engine_slot`, where oqp named one); `prefill` is its prompt's
+    /// time per token when nothing of it was cached.
     pub fn ended(
         &mut self,
         host: &str,
@@ -342,6 +402,7 @@ impl Index {
         at: Instant,
         held: Duration,
         prefill: Option<f64>,
+        engine_slot: Option<u32>,
     ) {
         if let Some(running) = self.hosts.get_mut(host)
             && let Some(index) = running.iter().position(|start| *start == at)
@@ -351,10 +412,13 @@ impl Index {
         let Some(runner) = self.runner_id(host, model) else {
             return;
         };
+        self.tick += 1;
+        let tick = self.tick;
         let state = &mut self.runners[runner as usize];
         if let Some(index) = state.running.iter().position(|start| *start == at) {
             state.running.swap_remove(index);
         }
+        state.free_engine_slot(at, engine_slot, tick);
         let secs = held.as_secs_f64();
         state.service = Some(
             state
@@ -372,17 +436,26 @@ impl Index {
 
     /// A request that started at `at` on `model` at `from` failed over to `to` before its
     /// first byte (or went back to the queue).
-    pub fn moved(&mut self, from: &str, to: Option<&Arc<str>>, model: &str, at: Instant) {
+    pub fn moved(
+        &mut self,
+        from: &str,
+        to: Option<&Arc<str>>,
+        model: &str,
+        at: Instant,
+        engine_slot: Option<u32>,
+    ) {
         if let Some(running) = self.hosts.get_mut(from)
             && let Some(index) = running.iter().position(|start| *start == at)
         {
             running.swap_remove(index);
         }
         if let Some(id) = self.runner_id(from, model) {
-            let running = &mut self.runners[id as usize].running;
-            if let Some(index) = running.iter().position(|start| *start == at) {
-                running.swap_remove(index);
+            let tick = self.tick;
+            let state = &mut self.runners[id as usize];
+            if let Some(index) = state.running.iter().position(|start| *start == at) {
+                state.running.swap_remove(index);
             }
+            state.free_engine_slot(at, engine_slot, tick);
         }
         if let Some(to) = to {
             self.started(to, model, at);
@@ -434,6 +507,202 @@ impl Index {
             .fold(f64::INFINITY, f64::min)
     }
 
+    /// The engine slot for a request starting at `at` on `model`'s runner at `host`, an
+    /// engine of `slots` slots that lets oqp name them (a llama-server's `id_slot`), with its
+    /// conversation recorded at `slot` (none: a request that continues no conversation).
+    ///
+    /// The slot that holds the conversation when it is idle, so that the conversation
+    /// returns to its own prompt. Else an idle slot: an empty one for a new conversation or
+    /// a request of none, else the one whose conversation was used least recently (the
+    /// engine sets that one aside in its RAM prompt cache). `None` (the engine chooses)
+    /// when every slot is busy. Not to be named when the conversation was set aside in the
+    /// RAM cache and the slot chosen has never held a prompt: a llama-server restores a
+    /// set-aside prompt into a slot it chose itself, or into a named slot that holds another
+    /// prompt, but not into a named empty one. The slot is recorded as taken either way, as
+    /// the engine takes its least recently used idle slot, and an empty one never used is
+    /// that.
+    pub fn engine_slot(
+        &mut self,
+        host: &Arc<str>,
+        model: &str,
+        slots: u32,
+        slot: Option<Slot>,
+        at: Instant,
+    ) -> Option<EngineChoice> {
+        let slots = usize::try_from(slots).ok().filter(|slots| *slots > 0)?;
+        self.tick += 1;
+        let tick = self.tick;
+        let runner = self.runner_mut(host, model);
+        if self.runners[runner as usize].engine_slots.len() != slots {
+            // First use, or the engine was restarted with another slot count: nothing is
+            // known to be in any slot.
+            let entries = self.runners[runner as usize].entries.clone();
+            for id in entries {
+                if let Some(entry) = self.entries.get_mut(id as usize) {
+                    entry.engine_slot = None;
+                    entry.set_aside = false;
+                }
+            }
+            self.runners[runner as usize].engine_slots = vec![EngineSlot::default(); slots];
+        }
+        let entry = slot.and_then(|slot| {
+            self.entries
+                .get(slot.entry as usize)
+                .filter(|entry| entry.live && entry.generation == slot.generation)
+                .map(|entry| (slot.entry, entry.engine_slot))
+        });
+        let state = &self.runners[runner as usize];
+        let own = entry.and_then(|(_, held)| held).filter(|&held| {
+            state
+                .engine_slots
+                .get(held as usize)
+                .is_some_and(|engine| engine.busy.is_none())
+        });
+        // A conversation whose slot another request took waits in the RAM cache.
+        let set_aside = entry.is_some_and(|(id, held)| {
+            held.is_none() && self.entries.get(id as usize).is_some_and(|e| e.set_aside)
+        });
+        let holder_used = |engine: &EngineSlot| {
+            engine
+                .holder
+                .and_then(|id| self.entries.get(id as usize))
+                .map_or(0, |entry| entry.used)
+        };
+        let chosen = own.or_else(|| {
+            state
+                .engine_slots
+                .iter()
+                .enumerate()
+                .filter(|(_, engine)| engine.busy.is_none())
+                .min_by_key(|(_, engine)| {
+                    // A set-aside conversation needs a slot that holds a prompt.
+                    let unfit = set_aside && !engine.filled;
+                    (
+                        unfit,
+                        engine.holder.is_some(),
+                        holder_used(engine),
+                        engine.used,
+                    )
+                })
+                .and_then(|(index, _)| u32::try_from(index).ok())
+        })?;
+        let named = !state.unnamed && (!set_aside || state.engine_slots[chosen as usize].filled);
+        // Whoever the slot held is set aside; the conversation's old slot holds it no more.
+        let previous = self.runners[runner as usize].engine_slots[chosen as usize].holder;
+        if let Some(previous) = previous
+            && Some(previous) != entry.map(|(id, _)| id)
+            && let Some(other) = self.entries.get_mut(previous as usize)
+        {
+            other.engine_slot = None;
+            other.set_aside = true;
+        }
+        if let Some((id, Some(old))) = entry
+            && old != chosen
+            && let Some(engine) = self.runners[runner as usize]
+                .engine_slots
+                .get_mut(old as usize)
+            && engine.holder == Some(id)
+        {
+            engine.holder = None;
+        }
+        let holder = entry.map(|(id, _)| id);
+        if let Some(id) = holder
+            && let Some(entry) = self.entries.get_mut(id as usize)
+        {
+            entry.engine_slot = Some(chosen);
+            entry.set_aside = false;
+        }
+        let engine = &mut self.runners[runner as usize].engine_slots[chosen as usize];
+        *engine = EngineSlot {
+            holder,
+            busy: Some(at),
+            filled: true,
+            used: tick,
+        };
+        Some(EngineChoice {
+            slot: chosen,
+            named,
+        })
+    }
+
+    /// Conversations of `model`'s runner at `host` answered (or seen [waiting](Index::waiting)
+    /// for it) within `grace` before `now` whose next turn has not been placed yet: a slot
+    /// freed there is likely wanted again at once by one of them, whose history is cached
+    /// there.
+    pub fn returning(&self, host: &str, model: &str, now: Instant, grace: Duration) -> u32 {
+        let Some(runner) = self.runner_id(host, model) else {
+            return 0;
+        };
+        let count = self.runners[runner as usize]
+            .entries
+            .iter()
+            .filter_map(|&id| self.entries.get(id as usize))
+            .filter(|entry| {
+                entry
+                    .answered_at
+                    .is_some_and(|at| now.saturating_duration_since(at) < grace)
+            })
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    }
+
+    /// `chain`'s conversation waits at `now` for `model`'s runner at `host`, which holds it:
+    /// it counts as [`returning`](Index::returning) there while it waits.
+    pub fn waiting(&mut self, host: &str, model: &str, chain: &Chain, now: Instant) {
+        let Some(runner) = self.runner_id(host, model) else {
+            return;
+        };
+        let held = chain
+            .session
+            .and_then(|session| self.by_session.get(&session).copied())
+            .into_iter()
+            .chain(
+                chain
+                    .points
+                    .iter()
+                    .rev()
+                    .filter_map(|point| self.by_hash.get(&point.hash).copied()),
+            )
+            .find(|&id| {
+                self.entries
+                    .get(id as usize)
+                    .is_some_and(|entry| entry.live && entry.runner == runner)
+            });
+        if let Some(entry) = held.and_then(|id| self.entries.get_mut(id as usize)) {
+            entry.answered_at = Some(now);
+        }
+    }
+
+    /// The request of the conversation recorded at `slot` ended at `at`: it counts as
+    /// [`returning`](Index::returning) from then.
+    pub fn expect_back(&mut self, slot: Slot, at: Instant) {
+        if let Some(entry) = self
+            .entries
+            .get_mut(slot.entry as usize)
+            .filter(|entry| entry.live && entry.generation == slot.generation)
+        {
+            entry.answered_at = Some(at);
+        }
+    }
+
+    /// Stops naming the slots of `model`'s runner at `host` (its engine does not keep a
+    /// prompt in a named slot as oqp takes it to); true the first time.
+    pub fn stop_naming(&mut self, host: &str, model: &str) -> bool {
+        let Some(runner) = self.runner_id(host, model) else {
+            return false;
+        };
+        let state = &mut self.runners[runner as usize];
+        !std::mem::replace(&mut state.unnamed, true)
+    }
+
+    /// The engine slot that holds the conversation recorded at `slot`, if oqp named one.
+    pub fn held_in(&self, slot: Slot) -> Option<u32> {
+        self.entries
+            .get(slot.entry as usize)
+            .filter(|entry| entry.live && entry.generation == slot.generation)
+            .and_then(|entry| entry.engine_slot)
+    }
+
     /// Forgets what `model`'s runner at `host` holds (unloaded, evicted).
     pub fn forget_runner(&mut self, host: &str, model: &str) {
         if let Some(id) = self.runner_id(host, model) {
@@ -441,6 +710,8 @@ impl Index {
             for entry in gone {
                 self.remove(entry);
             }
+            // A runner loaded again starts with empty slots.
+            self.runners[id as usize].engine_slots.clear();
         }
     }
 
@@ -500,9 +771,16 @@ impl Index {
         }
         entry.live = false;
         entry.generation = entry.generation.wrapping_add(1);
+        let held = entry.engine_slot.take();
+        entry.set_aside = false;
         let runner = entry.runner as usize;
         if let Some(state) = self.runners.get_mut(runner) {
             state.entries.retain(|other| *other != id);
+            if let Some(slot) = held.and_then(|slot| state.engine_slots.get_mut(slot as usize))
+                && slot.holder == Some(id)
+            {
+                slot.holder = None;
+            }
         }
         self.live -= 1;
         self.free.push(id);

@@ -23,7 +23,7 @@ fn a_follow_up_finds_the_runner_that_answered_its_history() {
     let a: Arc<str> = Arc::from("a");
     let first = turn("t", &["hi"]);
     let slot = index.place(&a, "m:latest", 2, &first).unwrap();
-    index.answered(slot, first.answered("hello").unwrap());
+    index.answered(slot, first.answered("hello").unwrap(), Instant::now());
     let next = turn("t", &["hi", "hello", "more"]);
     let warm = index.lookup(&next);
     assert_eq!(warm.len(), 1);
@@ -78,7 +78,7 @@ fn a_late_answer_does_not_land_on_the_conversation_that_took_its_place() {
     index
         .place(&a, "m:latest", 1, &turn("t", &["two"]))
         .unwrap();
-    index.answered(slot, first.answered("late").unwrap());
+    index.answered(slot, first.answered("late").unwrap(), Instant::now());
     assert!(index.lookup(&turn("t", &["one", "late", "x"])).is_empty());
 }
 
@@ -93,7 +93,14 @@ fn the_wait_grows_with_what_runs_past_its_expected_time() {
     assert!((index.wait("a", "m:latest", 2, 8, start, 1.0) - 1.0).abs() < 1e-9);
     let later = start + Duration::from_secs(3);
     assert!((index.wait("a", "m:latest", 2, 8, later, 1.0) - 3.0).abs() < 1e-9);
-    index.ended("a", "m:latest", start, Duration::from_secs(3), Some(0.001));
+    index.ended(
+        "a",
+        "m:latest",
+        start,
+        Duration::from_secs(3),
+        Some(0.001),
+        None,
+    );
     assert_eq!(index.wait("a", "m:latest", 2, 8, later, 1.0), 0.0);
     assert_eq!(index.prefill_rate("a", "m:latest"), Some(0.001));
 }
@@ -120,4 +127,208 @@ fn a_hundred_thousand_conversations_fit_in_a_few_tens_of_megabytes() {
         "{per_entry} bytes per conversation"
     );
     assert!(bytes < 40 << 20, "{bytes} bytes");
+}
+
+#[test]
+fn a_conversation_returns_to_the_engine_slot_that_holds_it() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let one = index
+        .place(&a, "m:latest", 8, &turn("t", &["one"]))
+        .unwrap();
+    let first = index.engine_slot(&a, "m:latest", 2, Some(one), t0).unwrap();
+    assert!(
+        first.named,
+        "a new conversation takes an empty slot by name"
+    );
+    let two = index
+        .place(&a, "m:latest", 8, &turn("t", &["two"]))
+        .unwrap();
+    let second = index.engine_slot(&a, "m:latest", 2, Some(two), t0).unwrap();
+    assert_ne!(first.slot, second.slot, "the other slot is free");
+    index.ended(
+        "a",
+        "m:latest",
+        t0,
+        Duration::from_secs(1),
+        None,
+        Some(first.slot),
+    );
+    index.ended(
+        "a",
+        "m:latest",
+        t0,
+        Duration::from_secs(1),
+        None,
+        Some(second.slot),
+    );
+    // The first conversation's next turn names the slot it was in, whichever is older.
+    let again = index
+        .place(&a, "m:latest", 8, &turn("t", &["one", "x", "y"]))
+        .map(|slot| {
+            index
+                .engine_slot(&a, "m:latest", 2, Some(slot), t0)
+                .unwrap()
+        });
+    assert_eq!(again.map(|c| c.slot), Some(first.slot));
+    assert_eq!(
+        index.held_in(one),
+        None,
+        "the entry moved on to its next turn"
+    );
+}
+
+#[test]
+fn a_new_conversation_sets_aside_the_least_recently_used_and_it_comes_back_by_the_ram_cache() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let mut slots = Vec::new();
+    for (i, text) in ["one", "two"].iter().enumerate() {
+        let at = t0 + Duration::from_secs(i as u64);
+        let slot = index.place(&a, "m:latest", 8, &turn("t", &[text])).unwrap();
+        let choice = index
+            .engine_slot(&a, "m:latest", 2, Some(slot), at)
+            .unwrap();
+        index.ended("a", "m:latest", at, Duration::ZERO, None, Some(choice.slot));
+        slots.push((slot, choice.slot));
+    }
+    // A third conversation takes the slot of the least recently used one ("one").
+    let at = t0 + Duration::from_secs(5);
+    let three = index
+        .place(&a, "m:latest", 8, &turn("t", &["three"]))
+        .unwrap();
+    let choice = index
+        .engine_slot(&a, "m:latest", 2, Some(three), at)
+        .unwrap();
+    assert_eq!(choice.slot, slots[0].1);
+    assert_eq!(
+        index.held_in(slots[0].0),
+        None,
+        "set aside in the RAM cache"
+    );
+    assert_eq!(index.held_in(slots[1].0), Some(slots[1].1));
+    // While it runs, "one" comes back: the only idle slot holds "two", named so that the
+    // engine restores "one" from its RAM cache into it.
+    let one = index
+        .place(&a, "m:latest", 8, &turn("t", &["one", "a", "b"]))
+        .unwrap();
+    let back = index.engine_slot(&a, "m:latest", 2, Some(one), at).unwrap();
+    assert_eq!((back.slot, back.named), (slots[1].1, true));
+    // Every slot busy: the engine chooses.
+    let four = index
+        .place(&a, "m:latest", 8, &turn("t", &["four"]))
+        .unwrap();
+    assert_eq!(index.engine_slot(&a, "m:latest", 2, Some(four), at), None);
+}
+
+#[test]
+fn a_set_aside_conversation_is_not_named_into_an_empty_slot() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let one = index
+        .place(&a, "m:latest", 8, &turn("t", &["one"]))
+        .unwrap();
+    let first = index.engine_slot(&a, "m:latest", 3, Some(one), t0).unwrap();
+    index.ended("a", "m:latest", t0, Duration::ZERO, None, Some(first.slot));
+    // A request of no conversation takes a slot; "one"'s slot stays (empty ones first).
+    let other = index.engine_slot(&a, "m:latest", 3, None, t0).unwrap();
+    assert_ne!(other.slot, first.slot);
+    let at = t0 + Duration::from_secs(1);
+    let two = index
+        .place(&a, "m:latest", 8, &turn("t", &["two"]))
+        .unwrap();
+    let second = index.engine_slot(&a, "m:latest", 3, Some(two), at).unwrap();
+    assert_ne!(second.slot, first.slot, "the empty slot is taken first");
+    // Both others busy, a third conversation takes "one"'s slot.
+    let three = index
+        .place(&a, "m:latest", 8, &turn("t", &["three"]))
+        .unwrap();
+    let third = index
+        .engine_slot(&a, "m:latest", 3, Some(three), at)
+        .unwrap();
+    assert_eq!(third.slot, first.slot);
+    index.ended("a", "m:latest", t0, Duration::ZERO, None, Some(other.slot));
+    // "one" comes back while the only idle slot is one oqp never saw hold a conversation...
+    let one = index
+        .place(&a, "m:latest", 8, &turn("t", &["one", "a", "b"]))
+        .unwrap();
+    let back = index.engine_slot(&a, "m:latest", 3, Some(one), at).unwrap();
+    // ...but it did hold the request of no conversation: named.
+    assert_eq!((back.slot, back.named), (other.slot, true));
+    // A runner seen anew (another slot count) knows nothing: never named into an empty
+    // slot is only for set-aside conversations.
+    let fresh = index.engine_slot(&a, "m:latest", 4, Some(one), at).unwrap();
+    assert!(fresh.named);
+}
+
+#[test]
+fn a_conversation_just_answered_is_expected_back_until_its_next_turn_or_the_grace_ends() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let grace = Duration::from_secs(1);
+    let first = turn("t", &["hi"]);
+    let slot = index.place(&a, "m:latest", 4, &first).unwrap();
+    assert_eq!(index.returning("a", "m:latest", t0, grace), 0);
+    index.answered(slot, first.answered("hello").unwrap(), t0);
+    assert_eq!(index.returning("a", "m:latest", t0, grace), 1);
+    assert_eq!(index.returning("a", "m:latest", t0 + grace, grace), 0);
+    index.place(&a, "m:latest", 4, &turn("t", &["hi", "hello", "more"]));
+    assert_eq!(
+        index.returning("a", "m:latest", t0, grace),
+        0,
+        "it came back"
+    );
+}
+
+#[test]
+fn a_conversation_waiting_for_its_host_counts_as_returning_there() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let grace = Duration::from_secs(1);
+    let first = turn("t", &["hi"]);
+    let slot = index.place(&a, "m:latest", 4, &first).unwrap();
+    index.answered(slot, first.answered("hello").unwrap(), t0);
+    let later = t0 + 2 * grace;
+    assert_eq!(index.returning("a", "m:latest", later, grace), 0);
+    let next = turn("t", &["hi", "hello", "more"]);
+    index.waiting("a", "m:latest", &next, later);
+    assert_eq!(index.returning("a", "m:latest", later, grace), 1);
+    // Another tenant's identical turn is not it.
+    index.waiting(
+        "a",
+        "m:latest",
+        &turn("u", &["hi", "hello", "more"]),
+        later + grace,
+    );
+    assert_eq!(index.returning("a", "m:latest", later + grace, grace), 0);
+}
+
+#[test]
+fn a_runner_whose_named_slot_missed_is_tracked_but_no_longer_named() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    assert!(!index.stop_naming("a", "m:latest"), "an unknown runner");
+    let one = index
+        .place(&a, "m:latest", 8, &turn("t", &["one"]))
+        .unwrap();
+    assert!(
+        index
+            .engine_slot(&a, "m:latest", 2, Some(one), t0)
+            .unwrap()
+            .named
+    );
+    assert!(index.stop_naming("a", "m:latest"));
+    assert!(!index.stop_naming("a", "m:latest"), "said once");
+    let two = index
+        .place(&a, "m:latest", 8, &turn("t", &["two"]))
+        .unwrap();
+    let choice = index.engine_slot(&a, "m:latest", 2, Some(two), t0).unwrap();
+    assert!(!choice.named);
+    assert_eq!(index.held_in(two), Some(choice.slot), "still tracked");
 }

@@ -269,3 +269,22 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn names_the_slot_keeping_every_other_byte() {
+    let set =
+        |body: &str| set_slot(body.as_bytes(), 3).map(|b| String::from_utf8(b.to_vec()).unwrap());
+    assert_eq!(
+        set(r#"{"model":"m", "x":1.0e0}"#).as_deref(),
+        Some(r#"{"model":"m", "x":1.0e0,"id_slot":3}"#)
+    );
+    assert_eq!(set(" {} ").as_deref(), Some(r#" {"id_slot":3} "#));
+    // The client's own id_slot is replaced (every member of that exact name); another
+    // spelling is not llama-server's field.
+    assert_eq!(
+        set(r#"{"id_slot":0,"ID_SLOT":1,"id_slot":-1}"#).as_deref(),
+        Some(r#"{"id_slot":3,"ID_SLOT":1,"id_slot":3}"#)
+    );
+    assert_eq!(set("[1]"), None);
+    assert_eq!(set(""), None);
+}

@@ -29,7 +29,12 @@ const DEFAULT_SERVICE: f64 = 1.0;
 /// The fewest cached tokens that make a host a conversation's home: below, re-reading costs
 /// milliseconds and spreading the work matters more (identical short prompts, sent again and
 /// again, are spread as before).
-const MIN_CACHED_TOKENS: u32 = 128;
+pub const MIN_CACHED_TOKENS: u32 = 128;
+
+/// How long after its answer (or after it was last seen waiting for its host) a
+/// conversation's next turn is expected there, keeping a slot of that host from being spilled
+/// onto by another host's conversation.
+const RETURN_GRACE: Duration = Duration::from_secs(1);
 
 /// The longest a ticket waiting for its conversation's host goes without being offered
 /// again.
@@ -88,18 +93,19 @@ impl Router {
     }
 
     /// Records the answer of a conversation placed at `slot`: the runner now holds `point`.
-    pub fn answered(&mut self, slot: Slot, point: crate::affinity::Point) {
-        self.affinity.index.answered(slot, point);
+    pub fn answered(&mut self, slot: Slot, point: crate::affinity::Point, now: Instant) {
+        self.affinity.index.answered(slot, point, now);
     }
 
-    /// A request placed at `started` on `model` at `host` ended; `prefill` is its prompt's
-    /// time per token when nothing of it was cached.
+    /// A request placed at `started` on `model` at `host` (on engine slot `engine_slot`)
+    /// ended; `prefill` is its prompt's time per token when nothing of it was cached.
     pub fn ended(
         &mut self,
         host: &str,
         model: &str,
         started: Instant,
         prefill: Option<f64>,
+        engine_slot: Option<u32>,
         now: Instant,
     ) {
         if self.affinity.settings.enabled {
@@ -107,16 +113,47 @@ impl Router {
             let held = now.saturating_duration_since(started);
             self.affinity
                 .index
-                .ended(host, &local, started, held, prefill);
+                .ended(host, &local, started, held, prefill, engine_slot);
+        }
+    }
+
+    /// The request of the conversation recorded at `slot` ended at `now`: its next turn is
+    /// likely on its way (see [`Index::returning`]).
+    pub fn expect_back(&mut self, slot: Slot, now: Instant) {
+        self.affinity.index.expect_back(slot, now);
+    }
+
+    /// A request that named a slot of `model`'s runner at `host` found little of what oqp
+    /// expected cached there: slots are no longer named there (see
+    /// [`Index::stop_naming`]).
+    pub fn named_slot_missed(&mut self, host: &str, model: &str) {
+        let local = ModelKey::new(model).local;
+        if self.affinity.index.stop_naming(host, &local) {
+            tracing::warn!(
+                host,
+                model,
+                "a request sent to the slot holding its conversation found it not cached: \
+                 the engine empties idle slots (llama-server -kvu or -np auto?); \
+                 slots are no longer named on this host"
+            );
         }
     }
 
     /// A request placed at `started` on `model` at `from` failed over to `to` (or went back
     /// to the queue).
-    pub fn moved(&mut self, from: &str, to: Option<&Arc<str>>, model: &str, started: Instant) {
+    pub fn moved(
+        &mut self,
+        from: &str,
+        to: Option<&Arc<str>>,
+        model: &str,
+        started: Instant,
+        engine_slot: Option<u32>,
+    ) {
         if self.affinity.settings.enabled {
             let local = ModelKey::new(model).local;
-            self.affinity.index.moved(from, to, &local, started);
+            self.affinity
+                .index
+                .moved(from, to, &local, started, engine_slot);
         }
     }
 
@@ -187,11 +224,11 @@ impl Router {
         };
         let key = ModelKey::new(name);
         let Some(chain) = chain else {
-            let choice = self.plain_choice(model, strategy, vram);
-            if let Choice::Run(placement) = &choice {
-                self.affinity
-                    .index
-                    .started(&placement.host.name, &key.local, now);
+            let mut choice = self.plain_choice(model, strategy, vram);
+            if let Choice::Run(placement) = &mut choice {
+                let host = placement.host.clone();
+                self.affinity.index.started(&host.name, &key.local, now);
+                placement.engine_slot = self.name_engine_slot(&host, &key, None, now);
             }
             return choice;
         };
@@ -270,7 +307,11 @@ impl Router {
             slots => slots,
         };
 
-        // The best other host with a free slot, by its expected time to first token.
+        // The best other host with a free slot, by its expected time to first token. A slot
+        // that a conversation of that host's was just answered on is not free to spill onto:
+        // that conversation's next turn is likely on its way, and re-reading a whole history
+        // there would delay both.
+        let ahead_of = |host: &str| self.affinity.ahead.get(host).copied().unwrap_or(0);
         let alternative = self
             .hosts
             .iter()
@@ -280,6 +321,17 @@ impl Router {
                     && candidate(state)
                     && state.has_free_slot_for(Some(&key.local))
                     && !state.unfit
+                    && state
+                        .host
+                        .max_concurrent
+                        .saturating_sub(state.in_use())
+                        .saturating_sub(ahead_of(&state.host.name))
+                        > self.affinity.index.returning(
+                            &state.host.name,
+                            &key.local,
+                            now,
+                            RETURN_GRACE,
+                        )
             })
             .map(|(_, state)| prefill(self, &state.host.name, cached_on(&state.host.name)))
             .fold(None, |best: Option<f64>, secs| {
@@ -291,6 +343,9 @@ impl Router {
             return self.placed(Choice::Run(placement), chain, &key, Outcome::Hit, now);
         }
         let Some(elsewhere) = alternative else {
+            self.affinity
+                .index
+                .waiting(&home_name, &key.local, chain, now);
             return Choice::Wait;
         };
         let wait = self.affinity.index.wait(
@@ -310,10 +365,29 @@ impl Router {
             };
             return self.placed(choice, chain, &key, Outcome::Spill, now);
         }
+        self.affinity
+            .index
+            .waiting(&home_name, &key.local, chain, now);
         *self.affinity.ahead.entry(home_name).or_insert(0) += 1;
         let recheck =
             Duration::from_secs_f64((elsewhere - at_home).clamp(0.01, RECHECK.as_secs_f64()));
         Choice::Later(now + recheck)
+    }
+
+    /// The engine slot a request placed on `host` at `now` takes, when `host` is a
+    /// llama-server, whose slots oqp names so that a conversation returns to the slot that
+    /// holds it (see [`Index::engine_slot`]); `slot` is where its conversation was recorded.
+    fn name_engine_slot(
+        &mut self,
+        host: &crate::policy::Host,
+        key: &ModelKey,
+        slot: Option<Slot>,
+        now: Instant,
+    ) -> Option<crate::affinity::EngineChoice> {
+        let slots = names_slots(host)?;
+        self.affinity
+            .index
+            .engine_slot(&host.name, &key.local, slots, slot, now)
     }
 
     fn plain_choice(&mut self, model: Option<&str>, strategy: Strategy, vram: bool) -> Choice {
@@ -352,6 +426,7 @@ impl Router {
             .index
             .place(&host.name, &key.local, capacity, chain);
         self.affinity.index.started(&host.name, &key.local, now);
+        placement.engine_slot = self.name_engine_slot(&host, key, slot, now);
         placement.affinity = Some(Verdict {
             outcome,
             cached_tokens,
@@ -359,6 +434,15 @@ impl Router {
         });
         Choice::Run(placement)
     }
+}
+
+/// The slots of `host` when oqp names them: a llama-server (found by its `/props`) that
+/// stated its slot count.
+fn names_slots(host: &crate::policy::Host) -> Option<u32> {
+    (host.engine.detected.as_deref() == Some("llama-server"))
+        .then_some(host.engine.learned_slots)
+        .flatten()
+        .filter(|slots| *slots > 0)
 }
 
 /// Conversations a runner keeps beyond its slots: `routing.affinity.ram_cache_per_runner`,

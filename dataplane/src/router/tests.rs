@@ -432,3 +432,87 @@ fn only_models_a_host_lists_are_forgotten_so_the_set_is_bounded() {
     router.forget_model("A", "llama3");
     assert_eq!(router.stats()[0].forgotten_models, 1);
 }
+
+/// A conversation's turn as the router reads it: `history` alternating user and assistant.
+fn conversation(history: &[String]) -> crate::affinity::Chain {
+    let messages: Vec<serde_json::Value> = history
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            json!({ "role": role, "content": text })
+        })
+        .collect();
+    let body = json!({ "model": "m", "messages": messages }).to_string();
+    crate::affinity::Chain::of(
+        crate::affinity::Shape::OllamaChat,
+        body.as_bytes(),
+        "t",
+        "m:latest",
+        None,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_spill_does_not_take_the_slot_a_conversation_just_answered_there_comes_back_to() {
+    use crate::scheduler::Offer;
+    let mut router = fleet(vec![
+        spec("A").slots(1).loaded(&["m"]),
+        spec("B").slots(1).loaded(&["m"]),
+    ]);
+    let words = |seed: usize| {
+        (0..800)
+            .map(|i| format!("w{}", seed * 1000 + i))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let t0 = Instant::now();
+    let run = |offer: Offer<Placement>| match offer {
+        Offer::Run(placement) => placement,
+        _ => panic!("expected to run"),
+    };
+    // X's first turn on A, answered and ended; Y's first turn on B, answered, still running.
+    let x = vec![words(1)];
+    let placed =
+        run(router.offer_for(Some("m"), Some(&conversation(&x)), Strategy::ModelAware, t0));
+    assert_eq!(&*placed.host.name, "A");
+    let slot = placed.affinity.unwrap().slot.unwrap();
+    router.answered(slot, conversation(&x).answered("ok").unwrap(), t0);
+    drop(placed);
+    let y = vec![words(2)];
+    let running =
+        run(router.offer_for(Some("m"), Some(&conversation(&y)), Strategy::ModelAware, t0));
+    assert_eq!(&*running.host.name, "B");
+    let slot = running.affinity.unwrap().slot.unwrap();
+    router.answered(slot, conversation(&y).answered("ok").unwrap(), t0);
+    // Y's next turn: its home B is busy, A is free but X is expected back there.
+    let next = vec![words(2), "ok".to_owned(), words(3)];
+    let soon = t0 + Duration::from_millis(10);
+    router.begin_pass();
+    assert!(matches!(
+        router.offer_for(
+            Some("m"),
+            Some(&conversation(&next)),
+            Strategy::ModelAware,
+            soon
+        ),
+        Offer::Wait
+    ));
+    // X did not come back within the grace: Y spills to A, re-reading there rather than
+    // waiting for B.
+    let late = t0 + Duration::from_secs(3);
+    router.begin_pass();
+    let spilled = run(router.offer_for(
+        Some("m"),
+        Some(&conversation(&next)),
+        Strategy::ModelAware,
+        late,
+    ));
+    assert_eq!(&*spilled.host.name, "A");
+    assert_eq!(
+        spilled.affinity.map(|verdict| verdict.outcome),
+        Some(crate::affinity::Outcome::Spill)
+    );
+    drop(running);
+}

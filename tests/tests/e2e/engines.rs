@@ -592,6 +592,70 @@ async fn follow_ups_on_real_llama_servers_are_hits_that_find_their_history_cache
     }
 }
 
+/// One engine of two slots, three conversations taking turns one at a time: each new turn
+/// finds both slots holding the other two, so oqp names the slot of the one used least
+/// recently and the engine restores the returning conversation from its RAM prompt cache
+/// into it. Every follow-up is a `hit` that finds its history cached, and after each turn
+/// one of the engine's slots holds that turn's whole prompt (`/slots`).
+#[tokio::test]
+async fn three_conversations_on_two_named_slots_come_back_cached_one_at_a_time() {
+    if !engine::installed() {
+        return;
+    }
+    let engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(2)
+        .context(8192)
+        .start()
+        .await;
+    let yaml = format!(
+        "proxy:\n  max_concurrent: 4\nollama:\n  hosts:\n    - {{url: \"{}\", name: e0, kind: openai, max_concurrent: 2, model_sync_interval: 1}}\nrouting:\n  strategy: model_aware\n  model_poll_timeout: 2\n",
+        engine.url()
+    );
+    let stack = Stack::start(&yaml).await;
+    wait_host(&stack, "e0", |host| host["engine_slots"] == 2).await;
+    let http = HttpClient::new();
+    let url = format!("{}/v1/chat/completions", stack.url());
+    let mut histories = vec![Vec::new(); 3];
+    let mut previous = [0u64; 3];
+    let mut report = String::new();
+    for turn in 0..3 {
+        for (conversation, messages) in histories.iter_mut().enumerate() {
+            let words = if turn == 0 { 120 } else { 40 };
+            let seed = 9000 + (conversation * 10 + turn) as u64;
+            messages.push(json!({"role": "user", "content": engine::random_words(seed, words)}));
+            let body = json!({"model": "oqp-tiny:latest", "messages": messages, "max_tokens": 3});
+            let reply = http.post_json(&url, &[], &body).await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            let answer = reply.json();
+            messages.push(answer["choices"][0]["message"].clone());
+            let prompt = answer["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+            let cache_n = answer["timings"]["cache_n"].as_u64().unwrap_or(0);
+            let label = reply.header("x-oqp-affinity").unwrap_or_default();
+            report.push_str(&format!(
+                "turn {turn} conversation {conversation}: {label}, prompt {prompt}, cache_n {cache_n}\n"
+            ));
+            if turn > 0 {
+                assert_eq!(label, "hit", "{report}");
+                assert!(cache_n * 10 >= previous[conversation] * 9, "{report}");
+            }
+            previous[conversation] = prompt;
+            let slots = http
+                .get(&format!("{}/slots", engine.url()), &[])
+                .await
+                .json();
+            let holds = slots.as_array().is_some_and(|slots| {
+                slots
+                    .iter()
+                    .any(|slot| slot["n_prompt_tokens"].as_u64().unwrap_or(0) >= prompt)
+            });
+            assert!(holds, "{report}{slots}");
+        }
+    }
+    stack.shutdown().await;
+    engine.stop().await;
+}
+
 #[tokio::test]
 async fn an_auto_host_restarted_as_a_llama_server_is_found_and_routed_as_one() {
     if !engine::installed() {

@@ -43,6 +43,11 @@ struct Run {
     times_ms: Vec<f64>,
     cached: usize,
     labelled: usize,
+    /// Follow-ups oqp labelled `spill`.
+    spilled: usize,
+    /// Each follow-up's prompt time as the engine states it (`timings.prompt_ms`: its
+    /// prefill, a restore from the RAM prompt cache included, its wait for a slot not).
+    prompt_ms: Vec<f64>,
     failed: usize,
 }
 
@@ -61,10 +66,12 @@ impl Run {
             percentile(&self.times_ms, 99.0),
         ) {
             (Some(p50), Some(p99)) => format!(
-                "{name}: p50 {p50:.0} / mean {:.0} / p99 {p99:.0} ms, cached {:.0} %, labelled hit {:.0} %{}",
+                "{name}: p50 {p50:.0} / mean {:.0} / p99 {p99:.0} ms (engine prompt time mean {:.0} ms), cached {:.0} %, labelled hit {:.0} %, spill {:.0} %{}",
                 self.mean(),
+                self.prompt_ms.iter().sum::<f64>() / self.prompt_ms.len().max(1) as f64,
                 100.0 * self.rate(self.cached),
                 100.0 * self.rate(self.labelled),
+                100.0 * self.rate(self.spilled),
                 if self.failed > 0 {
                     format!(", {} failed", self.failed)
                 } else {
@@ -245,11 +252,15 @@ async fn load(
                     let cache_n = answer["timings"]["cache_n"].as_u64().unwrap_or(0);
                     if turn > 0 {
                         run.times_ms.push(took.as_secs_f64() * 1e3);
+                        run.prompt_ms
+                            .push(answer["timings"]["prompt_ms"].as_f64().unwrap_or(0.0));
                         if cache_n * 10 >= previous_prompt * 9 {
                             run.cached += 1;
                         }
-                        if reply.header("x-oqp-affinity").as_deref() == Some("hit") {
-                            run.labelled += 1;
+                        match reply.header("x-oqp-affinity").as_deref() {
+                            Some("hit") => run.labelled += 1,
+                            Some("spill") => run.spilled += 1,
+                            _ => {}
                         }
                     }
                     previous_prompt = prompt;
@@ -264,6 +275,8 @@ async fn load(
         all.times_ms.extend(run.times_ms);
         all.cached += run.cached;
         all.labelled += run.labelled;
+        all.spilled += run.spilled;
+        all.prompt_ms.extend(run.prompt_ms);
         all.failed += run.failed;
     }
     Ok(all)
