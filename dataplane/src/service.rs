@@ -640,6 +640,7 @@ async fn forward(
                 model: model.clone(),
                 body,
                 session,
+                cache: app.cache().filter(|_| policy.embedding_cache.enabled),
             };
             return Box::pin(translated(queue, policy, client, tier, native, outbound)).await;
         }
@@ -733,6 +734,8 @@ struct Native {
     model: String,
     body: Bytes,
     session: Option<String>,
+    /// The embedding cache, when it is on: a translated embedding request goes through it.
+    cache: Option<Arc<crate::cache::Cache>>,
 }
 
 /// Sends a native request translated for the engines that serve its model
@@ -765,6 +768,28 @@ async fn translated(
         HeaderValue::from_static("application/json"),
     );
     let view = BodyView::read(&translated.body).map_err(|_| ProxyError::BodyNotJson)?;
+    // An embedding request is now the engine's `/v1/embeddings` (vectors as floats): the
+    // embedding cache answers it per item, as for a client that sent it so, and its answer
+    // becomes Ollama's as any translated answer does.
+    if translated.inference == Inference::OpenAiEmbeddings
+        && let Some(cache) = native.cache
+    {
+        let parts = embeddings::Parts {
+            queue,
+            cache: Some(cache),
+        };
+        let answer = Box::pin(embeddings::handle(
+            parts,
+            policy,
+            client,
+            tier,
+            translated.inference,
+            outbound,
+            (translated.body, view),
+        ))
+        .await?;
+        return Ok(translate::response(translated.reply, answer));
+    }
     let chain = conversation(
         policy,
         translated.inference,
