@@ -22,6 +22,10 @@
 //!    a local Ollama answers an uninstalled model with 404, so a request waits for a busy host
 //!    that has the model rather than being sent where it would fail. Names compare as Ollama
 //!    compares them ([`normalize_model`]); on cloud hosts the `:cloud`/`-cloud` suffix is ignored.
+//!    `round_robin` ignores the model among Ollama hosts, but not for engines (`openai` hosts,
+//!    which answer any name with their one model): when a candidate lists the model, an engine
+//!    that does not is never chosen, and an Ollama host is not chosen for a model that only
+//!    engines list.
 //! 4. **Ties** go by smooth weighted round-robin (nginx's): deterministic and interleaved, so
 //!    weights 2:1 give A, B, A, A, B, A… — exactly 2:1 over every three picks of a stable
 //!    candidate set, never a burst. Each host keeps its own position and a pick only moves the
@@ -84,6 +88,30 @@ pub use slot::{ReleaseHook, SlotGuard};
 pub use union::{union_openai_models, union_ps, union_tags};
 
 use model::ModelKey;
+
+/// Under `round_robin` in a fleet with engines (`openai` hosts), who lists the requested model.
+/// `round_robin` ignores models among Ollama hosts (they are meant to be alike), but an engine
+/// answers any model name with the one model it serves: so a request goes to an engine only
+/// when the engine lists its model, and to an Ollama host only when the model is not one that
+/// engines alone list (it would be Ollama's 404).
+#[derive(Clone, Copy, Debug, Default)]
+struct EngineSplit {
+    /// An `openai` candidate lists the model.
+    engine_lists_it: bool,
+    /// A candidate of another kind lists it.
+    other_lists_it: bool,
+}
+
+impl EngineSplit {
+    /// Whether `state` (its `rank` set for this model) may take the request.
+    fn takes(self, state: &HostState) -> bool {
+        if state.host.kind == HostKind::Openai {
+            state.rank > Rank::Missing
+        } else {
+            self.other_lists_it || !self.engine_lists_it
+        }
+    }
+}
 
 /// Why a host was chosen.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -437,8 +465,13 @@ impl Router {
         // The runner counts whatever the strategy: round-robin hosts run models too.
         let runner = model.map(|name| ModelKey::new(name).local);
         let runner = runner.as_deref();
+        let named = model.map(ModelKey::new);
+        let engines = named
+            .as_ref()
+            .filter(|_| strategy == Strategy::RoundRobin)
+            .and_then(|key| self.engine_split(key, vram, &candidate));
         let model = match strategy {
-            Strategy::ModelAware => model.map(ModelKey::new),
+            Strategy::ModelAware => named,
             Strategy::RoundRobin => None,
         };
 
@@ -480,6 +513,9 @@ impl Router {
             if wanted.is_some_and(|wanted| state.rank != wanted) {
                 continue;
             }
+            if engines.is_some_and(|split| !split.takes(state)) {
+                continue;
+            }
             let weight = i64::from(state.host.weight.max(1));
             state.current += weight;
             total += weight;
@@ -491,6 +527,33 @@ impl Router {
         self.hosts.get_mut(index)?.current -= total;
         let runner = runner.map(str::to_owned);
         Some(self.reserve_runner(index, reason, runner.as_deref()))
+    }
+
+    /// Under `round_robin`, which kinds of candidate host may take a request naming `model`
+    /// ([`EngineSplit`]); `None` when the fleet has no `openai` candidate or no candidate lists
+    /// the model (every host stays a candidate, as before). Sets each candidate's `rank`.
+    fn engine_split(
+        &mut self,
+        model: &ModelKey,
+        vram: bool,
+        candidate: &impl Fn(&HostState) -> bool,
+    ) -> Option<EngineSplit> {
+        let mut split = EngineSplit::default();
+        let mut any_engine = false;
+        for state in self.hosts.iter_mut().filter(|state| candidate(state)) {
+            let rank = state.rank(model, vram);
+            state.rank = rank;
+            let engine = state.host.kind == HostKind::Openai;
+            any_engine |= engine;
+            if rank > Rank::Missing {
+                if engine {
+                    split.engine_lists_it = true;
+                } else {
+                    split.other_lists_it = true;
+                }
+            }
+        }
+        (any_engine && (split.engine_lists_it || split.other_lists_it)).then_some(split)
     }
 
     /// Reserves a slot on host `index` (and on the model's runner there) for a request

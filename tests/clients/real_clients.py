@@ -6,10 +6,17 @@ OLLAMA_HOST and OLLAMA_API_KEY for ollama-python, base_url and api_key for
 openai-python, base_url with api_key (x-api-key) or auth_token (Bearer) for
 anthropic-python. Every check runs; any failure makes the exit status 1.
 
+The fleet is mixed: OQP_CHAT_MODEL and OQP_EMBED_MODEL are served by the fake
+Ollama, OQP_ENGINE_CHAT_MODEL and OQP_ENGINE_EMBED_MODEL by llama-servers
+(random weights: checks look at shapes, never at text; generations are bounded
+with num_predict/max_tokens). LangChain's ChatOllama (langchain-ollama) runs
+against both kinds of model.
+
 Environment: OLLAMA_HOST (http://127.0.0.1:PORT of oqp), OLLAMA_API_KEY (an
 oqp key), OQP_CHAT_MODEL (default llama3.2), OQP_EMBED_MODEL (default
-all-minilm), OQP_SPENT_KEY (an oqp key whose token budget is spent after one
-answer).
+all-minilm), OQP_ENGINE_CHAT_MODEL (default tiny-chat), OQP_ENGINE_EMBED_MODEL
+(default tiny-embed), OQP_SPENT_KEY (an oqp key whose token budget is spent
+after one answer).
 """
 
 import base64
@@ -20,7 +27,10 @@ import struct
 import sys
 import traceback
 
+import json
+
 import anthropic
+from langchain_ollama import ChatOllama
 import ollama
 import openai
 
@@ -28,6 +38,10 @@ HOST = os.environ["OLLAMA_HOST"]
 KEY = os.environ["OLLAMA_API_KEY"]
 CHAT = os.environ.get("OQP_CHAT_MODEL", "llama3.2")
 EMBED = os.environ.get("OQP_EMBED_MODEL", "all-minilm")
+ENGINE_CHAT = os.environ.get("OQP_ENGINE_CHAT_MODEL", "tiny-chat")
+ENGINE_EMBED = os.environ.get("OQP_ENGINE_EMBED_MODEL", "tiny-embed")
+# An engine's random-weight model writes until its context is full unless told to stop.
+SHORT = {"num_predict": 8}
 SPENT = os.environ.get("OQP_SPENT_KEY", "")
 TEXTS = ["The sky is blue because of Rayleigh scattering.", "Grass is green."]
 
@@ -137,7 +151,158 @@ def ollama_without_key():
         os.environ["OLLAMA_API_KEY"] = saved
 
 
+# ---- ollama-python against llama-server (translated by oqp) -----------------
+
+
+@check("ollama: list, show and ps name the engines' models too")
+def ollama_engine_inventory():
+    client = ollama_client()
+    names = [m.model for m in client.list().models]
+    for model in (CHAT, EMBED, ENGINE_CHAT, ENGINE_EMBED):
+        expect(any(n.split(":")[0] == model for n in names), f"{model} not in {names}")
+    shown = client.show(ENGINE_CHAT)
+    expect(shown.details is not None, f"no details: {shown}")
+    expect(shown.capabilities and "completion" in shown.capabilities, f"{shown.capabilities}")
+    loaded = [m.model for m in client.ps().models]
+    expect(any(n.split(":")[0] == ENGINE_CHAT for n in loaded), f"{ENGINE_CHAT} not in {loaded}")
+
+
+@check("ollama: chat with an engine, streamed and not")
+def ollama_engine_chat():
+    messages = [{"role": "user", "content": "Hello!"}]
+    answer = ollama_client().chat(model=ENGINE_CHAT, messages=messages, options=SHORT)
+    expect(answer.done and answer.message.role == "assistant", f"{answer}")
+    expect(answer.done_reason in ("stop", "length"), f"done_reason {answer.done_reason}")
+    expect(answer.eval_count and answer.eval_count <= 8, f"eval_count {answer.eval_count}")
+    expect(answer.total_duration and answer.total_duration > 0, f"{answer.total_duration}")
+    chunks = list(
+        ollama_client().chat(model=ENGINE_CHAT, messages=messages, options=SHORT, stream=True)
+    )
+    expect(len(chunks) >= 2, f"{len(chunks)} chunks")
+    expect(chunks[-1].done and not any(c.done for c in chunks[:-1]), "done only on the last chunk")
+    expect(all(c.model == ENGINE_CHAT for c in chunks), f"models {[c.model for c in chunks]}")
+
+
+@check("ollama: generate with an engine, streamed and not")
+def ollama_engine_generate():
+    answer = ollama_client().generate(model=ENGINE_CHAT, prompt="Why?", options=SHORT)
+    expect(answer.done and isinstance(answer.response, str), f"{answer}")
+    expect(answer.prompt_eval_count and answer.prompt_eval_count > 0, f"{answer}")
+    chunks = list(
+        ollama_client().generate(model=ENGINE_CHAT, prompt="Why?", options=SHORT, stream=True)
+    )
+    expect(chunks[-1].done and not any(c.done for c in chunks[:-1]), "done only on the last chunk")
+
+
+@check("ollama: embed with an engine")
+def ollama_engine_embed():
+    answer = ollama_client().embed(model=ENGINE_EMBED, input=TEXTS)
+    expect(len(answer.embeddings) == len(TEXTS), f"{len(answer.embeddings)} vectors")
+    expect(all(is_vector(v) for v in answer.embeddings), "not float vectors")
+    again = ollama_client().embed(model=ENGINE_EMBED, input=TEXTS[1])
+    expect(len(again.embeddings[0]) == len(answer.embeddings[1]), "another dimension")
+    expect(
+        all(abs(a - b) < 1e-4 for a, b in zip(again.embeddings[0], answer.embeddings[1])),
+        "the same text, a different vector",
+    )
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+VERDICT = {
+    "type": "object",
+    "properties": {"verdict": {"type": "string", "enum": ["sunny", "rainy"]}},
+    "required": ["verdict"],
+}
+# The turn a model would have made, and its tool's answer: the next turn is asked for.
+ROUND_TRIP = [
+    {"role": "user", "content": "Is it sunny in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": '{"sky": "clear"}', "tool_name": "get_weather"},
+]
+
+
+@check("ollama: a tool call round trip with a JSON schema format, on an engine")
+def ollama_engine_tools():
+    client = ollama_client()
+    answer = client.chat(model=ENGINE_CHAT, messages=ROUND_TRIP, tools=TOOLS, options=SHORT)
+    expect(answer.done and answer.message.role == "assistant", f"{answer}")
+    expect(answer.prompt_eval_count and answer.prompt_eval_count > 0, f"{answer}")
+    # The schema reaches the engine as its response_format. The test model's vocabulary
+    # cannot run a grammar (llama-server answers any response_format with "Failed to
+    # initialize samplers"): then its 400 must come back in Ollama's shape, not oqp's refusal.
+    try:
+        shaped = client.chat(
+            model=ENGINE_CHAT,
+            messages=ROUND_TRIP,
+            tools=TOOLS,
+            format=VERDICT,
+            options={"num_predict": 48, "temperature": 0},
+        )
+    except ollama.ResponseError as error:
+        expect(error.status_code == 400, f"status {error.status_code}: {error.error}")
+        expect("sampler" in error.error and "field" not in error.error, error.error)
+    else:
+        expect(shaped.done and shaped.message.role == "assistant", f"{shaped}")
+        if shaped.done_reason == "stop":
+            parsed = json.loads(shaped.message.content)
+            expect(parsed.get("verdict") in ("sunny", "rainy"), f"not the schema's shape: {parsed}")
+
+
+@check("ollama: one client, an Ollama model and an engine's (mixed fleet)")
+def ollama_mixed_fleet():
+    client = ollama_client()
+    for model in (CHAT, ENGINE_CHAT):
+        answer = client.chat(model=model, messages=[{"role": "user", "content": "Hi"}], options=SHORT)
+        expect(answer.model.split(":")[0] == model, f"{model} answered as {answer.model}")
+        expect(answer.done, f"{model}: not done")
+    for model in (EMBED, ENGINE_EMBED):
+        vectors = client.embed(model=model, input=TEXTS).embeddings
+        expect(len(vectors) == 2 and all(is_vector(v) for v in vectors), f"{model}: not vectors")
+
+
+@check("langchain: ChatOllama, an Ollama model and an engine's, invoked and streamed")
+def langchain_chat_ollama():
+    for model in (CHAT, ENGINE_CHAT):
+        chat = ChatOllama(model=model, base_url=HOST, num_predict=8)
+        message = chat.invoke("Hello!")
+        expect(isinstance(message.content, str), f"{model}: {message}")
+        expect(message.usage_metadata and message.usage_metadata["output_tokens"] > 0, f"{model}")
+        chunks = list(chat.stream("Hello!"))
+        expect(len(chunks) >= 2, f"{model}: {len(chunks)} chunks")
+
+
 # ---- openai-python ---------------------------------------------------------
+
+
+@check("openai: chat and embeddings, an Ollama model and an engine's (mixed fleet)")
+def openai_mixed_fleet():
+    client = openai_client()
+    for model in (CHAT, ENGINE_CHAT):
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+        )
+        expect(answer.choices[0].message is not None, f"{model}: {answer}")
+        expect(answer.usage.completion_tokens <= 8, f"{model}: {answer.usage}")
+    for model in (EMBED, ENGINE_EMBED):
+        data = client.embeddings.create(model=model, input=TEXTS, encoding_format="float").data
+        expect(len(data) == 2 and all(is_vector(d.embedding) for d in data), f"{model}")
 
 
 def float_vectors():
@@ -283,10 +448,12 @@ def spent_budget():
 
 
 def main():
-    versions = {name: metadata.version(name) for name in ("ollama", "openai", "anthropic")}
+    names = ("ollama", "openai", "anthropic", "langchain-ollama")
+    versions = {name: metadata.version(name) for name in names}
     print(
         f"ollama-python {versions['ollama']}, openai-python {versions['openai']}, "
-        f"anthropic-python {versions['anthropic']}, through {HOST}"
+        f"anthropic-python {versions['anthropic']}, "
+        f"langchain-ollama {versions['langchain-ollama']}, through {HOST}"
     )
     failed = []
     for name, function in CHECKS:

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The real-client step: the official Python clients (ollama, openai, anthropic; pinned in
-# requirements.txt) run tests/clients/real_clients.py through oqp in
-# single-box mode, auth on, in front of the fake Ollama. Everything runs on
-# free loopback ports and is stopped on exit, whatever happens.
+# The real-client step: the official Python clients (ollama, openai, anthropic,
+# langchain-ollama; pinned in requirements.txt) run tests/clients/real_clients.py, and
+# ollama-js (pinned in js/package.json) runs tests/clients/js/real_clients.mjs, through oqp in
+# single-box mode, auth on, in front of a mixed fleet: the fake Ollama (models llama3.2 and
+# all-minilm) and two llama-servers (scripts/setup.sh builds them; models tiny-chat and
+# tiny-embed), so that the same clients reach both kinds of host through one OLLAMA_HOST.
+# Everything runs on free loopback ports and is stopped on exit, whatever happens.
 #
-#   tests/clients/run.sh            # from anywhere; builds the two binaries
+#   tests/clients/run.sh            # from anywhere; builds the binaries
 #   OQP_VENV=/path/to/venv tests/clients/run.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,6 +24,14 @@ echo "-- python environment ($venv)"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -r tests/clients/requirements.txt
 python="$venv/bin/python"
 
+echo "-- ollama-js (tests/clients/js)"
+(cd tests/clients/js && npm ci --silent --no-audit --no-fund)
+
+llama_dir=${OQP_LLAMA_SERVER_DIR:-${OQP_CACHE_DIR:-$HOME/.cache/oqp}/llama-server-11434.0.0}
+for file in llama-server tiny.gguf tiny-embed.gguf; do
+  [ -s "$llama_dir/$file" ] || { echo "$llama_dir/$file is missing: run scripts/setup.sh" >&2; exit 1; }
+done
+
 work=$(mktemp -d)
 pids=()
 cleanup() {
@@ -30,6 +41,8 @@ cleanup() {
   if [ "$status" -ne 0 ]; then
     echo "-- oqp log (tail)"; tail -n 40 "$work/oqp.log" 2>/dev/null || true
     echo "-- fake log (tail)"; tail -n 20 "$work/fake.log" 2>/dev/null || true
+    echo "-- llama-server logs (tail)"
+    tail -n 20 "$work/llama-chat.log" "$work/llama-embed.log" 2>/dev/null || true
   fi
   rm -rf "$work"
   exit "$status"
@@ -57,6 +70,17 @@ pids+=($!)
 wait_for_line "$work/fake.addr"
 fake=$(head -n 1 "$work/fake.addr")
 
+# The engines, one thread each (two shared cores run CI). They load while oqp starts.
+echo "-- starting two llama-servers (tiny-chat, tiny-embed)"
+chat_port=$(free_port)
+"$llama_dir/llama-server" -m "$llama_dir/tiny.gguf" --alias tiny-chat -t 1 -tb 1 --no-webui \
+  --host 127.0.0.1 --port "$chat_port" >"$work/llama-chat.log" 2>&1 &
+pids+=($!)
+embed_port=$(free_port)
+"$llama_dir/llama-server" -m "$llama_dir/tiny-embed.gguf" --alias tiny-embed -t 1 -tb 1 --no-webui \
+  --embedding --pooling mean --host 127.0.0.1 --port "$embed_port" >"$work/llama-embed.log" 2>&1 &
+pids+=($!)
+
 proxy_port=$(free_port)
 control_port=$(free_port)
 key="sk-real-clients-$("$python" -c 'import secrets; print(secrets.token_hex(12))')"
@@ -71,6 +95,8 @@ ollama:
   hosts:
     - url: "http://$fake"
       name: fake
+    - {url: "http://127.0.0.1:$chat_port", name: llama-chat, kind: openai, model_sync_interval: 1}
+    - {url: "http://127.0.0.1:$embed_port", name: llama-embed, kind: openai, model_sync_interval: 1}
 auth:
   enabled: true
   keys:
@@ -91,26 +117,36 @@ echo "-- starting oqp (single box) on 127.0.0.1:$proxy_port"
 OQP_LOG=${OQP_LOG:-warn} "$target/oqp-controlplane" --config "$work/config.yml" --with-dataplane \
   >"$work/oqp.log" 2>&1 &
 pids+=($!)
-"$python" - "$proxy_port" <<'PY'
-import sys, time, urllib.request
-url = f"http://127.0.0.1:{sys.argv[1]}/health"
-deadline = time.monotonic() + 30
+# Ready when oqp answers and lists every model of the fleet (the engines loaded and polled).
+"$python" - "$proxy_port" "$key" <<'PY'
+import json, sys, time, urllib.request
+base, key = f"http://127.0.0.1:{sys.argv[1]}", sys.argv[2]
+wanted = {"llama3.2", "all-minilm", "tiny-chat", "tiny-embed"}
+deadline = time.monotonic() + 90
+names = set()
 while True:
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            if response.status == 200:
+        request = urllib.request.Request(f"{base}/api/tags", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=1) as response:
+            names = {m["name"].split(":")[0] for m in json.load(response)["models"]}
+            if wanted <= names:
                 break
-    except OSError:
+    except (OSError, ValueError, KeyError):
         pass
     if time.monotonic() > deadline:
-        sys.exit(f"oqp did not answer {url}")
-    time.sleep(0.05)
+        sys.exit(f"oqp did not list {sorted(wanted)} at {base}/api/tags (listed {sorted(names)})")
+    time.sleep(0.1)
 PY
 
 echo "-- running the clients"
 OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" OQP_SPENT_KEY="$spent_key" \
   OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
+  OQP_ENGINE_CHAT_MODEL=tiny-chat OQP_ENGINE_EMBED_MODEL=tiny-embed \
   "$python" tests/clients/real_clients.py
+OLLAMA_HOST="http://127.0.0.1:$proxy_port" OLLAMA_API_KEY="$key" \
+  OQP_CHAT_MODEL=llama3.2 OQP_EMBED_MODEL=all-minilm \
+  OQP_ENGINE_CHAT_MODEL=tiny-chat OQP_ENGINE_EMBED_MODEL=tiny-embed \
+  node tests/clients/js/real_clients.mjs
 
 # What the clients used, as the operator sees it (a management key sees every client's
 # usage; the clients' own keys see only theirs): the data plane reports about once a

@@ -58,6 +58,10 @@ impl Spec {
         self.kind = HostKind::Cloud;
         self
     }
+    fn engine(mut self) -> Self {
+        self.kind = HostKind::Openai;
+        self
+    }
     fn build(self) -> Arc<Host> {
         let url = format!("http://{}:11434", self.name);
         let uri: http::Uri = url.parse().unwrap();
@@ -515,4 +519,56 @@ fn a_spill_does_not_take_the_slot_a_conversation_just_answered_there_comes_back_
         Some(crate::affinity::Outcome::Spill)
     );
     drop(running);
+}
+
+/// Places under `round_robin` and releases at once; returns the host names, one letter each.
+fn round_robin_names(router: &mut Router, model: Option<&str>, count: usize) -> String {
+    (0..count)
+        .map(|_| {
+            let placement = router.place(model, Strategy::RoundRobin).expect("a host");
+            placement.host.name.to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn round_robin_sends_a_model_to_the_engines_that_list_it_only() {
+    // A mixed fleet: Ollama hosts a and b (alike, as round_robin assumes), engines c and d, each
+    // with its one model.
+    let mut router = fleet(vec![
+        spec("a").loaded(&["llama3"]),
+        spec("b").installed(&["llama3"]),
+        spec("c").engine().installed(&["tiny"]),
+        spec("d").engine().installed(&["embed"]),
+    ]);
+    // An Ollama model never reaches an engine (which would answer with its own model).
+    assert_eq!(round_robin_names(&mut router, Some("llama3"), 4), "abab");
+    // An engine's model never reaches an Ollama host (which would answer 404).
+    assert_eq!(round_robin_names(&mut router, Some("tiny"), 3), "ccc");
+    assert_eq!(round_robin_names(&mut router, Some("embed"), 2), "dd");
+    // A model only one Ollama host lists still goes round among the Ollama hosts.
+    let mut router = fleet(vec![
+        spec("a").installed(&["llama3"]),
+        spec("b"),
+        spec("c").engine().installed(&["tiny"]),
+    ]);
+    assert_eq!(round_robin_names(&mut router, Some("llama3"), 4), "abab");
+}
+
+#[test]
+fn round_robin_without_a_listing_host_keeps_every_candidate() {
+    // No host lists the model (or none is named): every host takes its turn, as before.
+    let mut router = fleet(vec![spec("a"), spec("b").engine().installed(&["tiny"])]);
+    assert_eq!(round_robin_names(&mut router, Some("unknown"), 4), "abab");
+    assert_eq!(round_robin_names(&mut router, None, 2), "ab");
+    // An engine that lists the model but is busy: the request waits for it.
+    let mut router = fleet(vec![
+        spec("a"),
+        spec("b").engine().slots(1).installed(&["tiny"]),
+    ]);
+    let held = router.place(Some("tiny"), Strategy::RoundRobin).expect("b");
+    assert_eq!(&*held.host.name, "b");
+    assert!(router.place(Some("tiny"), Strategy::RoundRobin).is_none());
+    drop(held);
+    assert!(router.place(Some("tiny"), Strategy::RoundRobin).is_some());
 }

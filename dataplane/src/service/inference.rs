@@ -25,6 +25,8 @@ pub(super) struct Native {
     pub(super) model: String,
     pub(super) body: Bytes,
     pub(super) session: Option<String>,
+    /// The embedding cache, when it is on: a translated embedding request goes through it.
+    pub(super) cache: Option<Arc<crate::cache::Cache>>,
 }
 
 /// Sends a native request translated for the engines that serve its model
@@ -56,6 +58,28 @@ pub(super) async fn translated(
         HeaderValue::from_static("application/json"),
     );
     let view = BodyView::read(&translated.body).map_err(|_| ProxyError::BodyNotJson)?;
+    // An embedding request is now the engine's `/v1/embeddings` (vectors as floats): the
+    // embedding cache answers it per item, as for a client that sent it so, and its answer
+    // becomes Ollama's as any translated answer does.
+    if translated.inference == Inference::OpenAiEmbeddings
+        && let Some(cache) = native.cache
+    {
+        let parts = crate::embeddings::Parts {
+            queue,
+            cache: Some(cache),
+        };
+        let answer = Box::pin(crate::embeddings::handle(
+            parts,
+            policy,
+            request.caller,
+            request.tier,
+            translated.inference,
+            outbound,
+            (translated.body, view),
+        ))
+        .await?;
+        return Ok(translate::response(translated.reply, answer));
+    }
     let chain = conversation(
         policy,
         translated.inference,

@@ -297,6 +297,7 @@ pub(super) async fn forward(
                 model: model.clone(),
                 body,
                 session,
+                cache: app.cache().filter(|_| policy.embedding_cache.enabled),
             };
             return Box::pin(translated(queue, policy, request, native, outbound)).await;
         }

@@ -817,3 +817,133 @@ async fn a_translated_stream_arrives_line_by_line_not_buffered() {
     assert_eq!(lines[5]["done"], true, "{text}");
     stack.shutdown().await;
 }
+
+/// The value of the series `series` (name and labels, as printed) in oqp's `/metrics`.
+async fn metric(stack: &Stack, series: &str) -> f64 {
+    let text = HttpClient::new()
+        .get(
+            &format!("{}/metrics", stack.url()),
+            &[("authorization", &bearer(KEY))],
+        )
+        .await
+        .text();
+    text.lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn translated_embeddings_go_through_the_embedding_cache_per_item() {
+    if !engine::installed() {
+        return;
+    }
+    let embed_engine = Engine::builder(Model::Embed)
+        .alias("oqp-embed:latest")
+        .parallel(1)
+        .start()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut yaml = config(&[("embed", &embed_engine.url(), "openai")], dir.path());
+    yaml.push_str("embedding_cache:\n  enabled: true\n");
+    let stack = Stack::start(&yaml).await;
+    wait_models(&stack, &["oqp-embed:latest"]).await;
+    let engine_requests = r#"oqp_host_requests_total{name="embed"}"#;
+
+    let texts = ["The sky is blue.", "Grass is green."];
+    let first = post(
+        &stack,
+        KEY,
+        "/api/embed",
+        &json!({"model": "oqp-embed", "input": texts}),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.header("x-cache").as_deref(), Some("MISS"));
+    let first = first.json();
+    assert_eq!(first["model"], "oqp-embed");
+    let vectors = first["embeddings"].as_array().unwrap().clone();
+    assert_eq!(vectors.len(), 2, "{first}");
+    vectors.iter().for_each(assert_norm_one);
+    let sent = metric(&stack, engine_requests).await;
+    assert_eq!(sent, 1.0, "the misses went to the engine as one request");
+
+    // The same call again: every item from the cache, nothing reaches the engine, and the
+    // answer is the one Ollama's shape gave the first time.
+    let again = post(
+        &stack,
+        KEY,
+        "/api/embed",
+        &json!({"model": "oqp-embed", "input": texts}),
+    )
+    .await;
+    assert_eq!(again.status, 200, "{}", again.text());
+    assert_eq!(again.header("x-cache").as_deref(), Some("HIT"));
+    assert_eq!(again.json()["embeddings"], Value::Array(vectors.clone()));
+    assert_eq!(metric(&stack, engine_requests).await, sent);
+
+    // One known item and one new: only the new one is sent; the known one keeps its vector.
+    let partial = post(
+        &stack,
+        KEY,
+        "/api/embed",
+        &json!({"model": "oqp-embed", "input": [texts[1], "Snow is white."]}),
+    )
+    .await;
+    assert_eq!(partial.status, 200, "{}", partial.text());
+    assert_eq!(partial.header("x-cache").as_deref(), Some("PARTIAL"));
+    let partial = partial.json();
+    assert_eq!(partial["embeddings"][0], vectors[1]);
+    assert_norm_one(&partial["embeddings"][1]);
+    assert_eq!(metric(&stack, engine_requests).await, sent + 1.0);
+
+    // The legacy route shares the entries: its one vector comes from the cache, as the
+    // engine gave it (not normalised by Ollama's legacy route either), and `dimensions` cuts
+    // a cached vector and normalises it again.
+    let legacy = post(
+        &stack,
+        KEY,
+        "/api/embeddings",
+        &json!({"model": "oqp-embed", "prompt": texts[0]}),
+    )
+    .await;
+    assert_eq!(legacy.status, 200, "{}", legacy.text());
+    assert_eq!(legacy.header("x-cache").as_deref(), Some("HIT"));
+    let legacy = legacy.json();
+    assert_eq!(
+        legacy["embedding"].as_array().unwrap().len(),
+        vectors[0].as_array().unwrap().len()
+    );
+    let cut = post(
+        &stack,
+        KEY,
+        "/api/embed",
+        &json!({"model": "oqp-embed", "input": texts[0], "dimensions": 8}),
+    )
+    .await;
+    assert_eq!(cut.status, 200, "{}", cut.text());
+    assert_eq!(cut.header("x-cache").as_deref(), Some("HIT"));
+    let cut = cut.json();
+    assert_eq!(cut["embeddings"][0].as_array().unwrap().len(), 8, "{cut}");
+    assert_norm_one(&cut["embeddings"][0]);
+    assert_eq!(metric(&stack, engine_requests).await, sent + 1.0);
+
+    // A translation error is still Ollama's 400, before the cache.
+    let wrong = post(
+        &stack,
+        KEY,
+        "/api/embed",
+        &json!({"model": "oqp-embed", "input": [1, 2]}),
+    )
+    .await;
+    assert_eq!(wrong.status, 400, "{}", wrong.text());
+    assert!(
+        wrong.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("\"input\"")
+    );
+
+    stack.shutdown().await;
+    embed_engine.stop().await;
+}
