@@ -537,3 +537,66 @@ fn a_directory_with_past_days_per_hour_is_kept_per_day_at_start() {
         .count();
     assert_eq!(logs, 0, "the rewritten day file holds its logs");
 }
+
+#[test]
+fn acks_and_announcements_carry_at_most_the_users_an_app_keeps_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let app = wire::Client {
+        client_id: "webui".to_owned(),
+        users: Some(wire::Users {
+            budget: Some(wire::Budget {
+                tokens: 50,
+                window_seconds: 86_400,
+                window: "1d".to_owned(),
+                ..wire::Budget::default()
+            }),
+            ..wire::Users::default()
+        }),
+        ..wire::Client::default()
+    };
+    // Every user over its budget, in two hours of the same daily window: more users over
+    // it than an hour keeps apart, each kept (each hour under the cap).
+    let cap = ledger::MAX_USERS_PER_APP_HOUR;
+    let over = |users: std::ops::Range<usize>, seq: u64| wire::UsageBatch {
+        epoch: 1,
+        seq,
+        rows: users
+            .map(|user| wire::UsageRow {
+                client_id: format!("webui/user-{user}"),
+                model: "llama3".to_owned(),
+                completion_tokens: 60,
+                requests: 1,
+                ..wire::UsageRow::default()
+            })
+            .collect(),
+    };
+    let first_hour = NOW - NOW % 3600;
+    assert_eq!(
+        store.apply(
+            "box",
+            Some(&over(0..cap, 1)),
+            1 << 20,
+            at(first_hour - 3600)
+        ),
+        1
+    );
+    assert_eq!(
+        store.apply("box", Some(&over(cap..cap + 5, 2)), 1 << 20, at(NOW)),
+        2
+    );
+    let budgets = store.budgets(std::slice::from_ref(&app), at(NOW));
+    assert_eq!(
+        budgets.len(),
+        cap,
+        "an ack's users over their budget are bounded"
+    );
+    let notices = store.exceeded(std::slice::from_ref(&app), at(NOW));
+    assert_eq!(
+        notices.len(),
+        cap,
+        "announcements per app and window are bounded"
+    );
+    assert_eq!(store.lock().ledger.announced.len(), cap);
+    assert!(store.exceeded(&[app], at(NOW)).is_empty());
+}
