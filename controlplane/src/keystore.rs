@@ -356,6 +356,16 @@ impl KeyStore {
     /// The scope and client of the stored key (current or in grace) with this digest, if it
     /// works at `now` (Unix ms).
     pub fn holder_of(&self, digest: &[u8; 32], now: i64) -> Option<(Scope, String)> {
+        self.holder_with_models(digest, now)
+            .map(|(scope, client, _)| (scope, client))
+    }
+
+    /// [`KeyStore::holder_of`], with the models the key may use (empty = every model).
+    pub fn holder_with_models(
+        &self,
+        digest: &[u8; 32],
+        now: i64,
+    ) -> Option<(Scope, String, Vec<String>)> {
         self.records()
             .iter()
             .filter(|record| record.is_live(now))
@@ -364,7 +374,13 @@ impl KeyStore {
                     .chain(record.live_previous(now).map(|old| &old.key_sha256))
                     .any(|candidate| digests_match(candidate, digest))
             })
-            .map(|record| (record.scope, record.client_id.clone()))
+            .map(|record| {
+                (
+                    record.scope,
+                    record.client_id.clone(),
+                    record.models.clone(),
+                )
+            })
     }
 
     /// Things an operator should know about the store under `config`:

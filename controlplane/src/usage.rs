@@ -63,6 +63,9 @@ struct Inner {
     refusals: Refusals,
     /// The day's append log.
     log: log::Log,
+    /// The first day (Unix days) whose users are still kept per hour: the days before it
+    /// keep them per day ([`Ledger::collapse_day`]).
+    hourly_from: i64,
 }
 
 /// A data plane that sends a batch, as the policy service knows it.
@@ -126,6 +129,7 @@ impl UsageStore {
                 unsaved: false,
                 refusals: Refusals::default(),
                 log,
+                hourly_from: unix_s(now).div_euclid(86_400) - 1,
             }),
             warned: AtomicBool::new(false),
         }))
@@ -237,7 +241,9 @@ impl UsageStore {
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
+            let collapsed = self.collapse(&mut inner, now);
             let saved = self.save(&mut inner, now, &dropped, line.as_ref());
+            self.save_collapsed(&inner, &collapsed);
             inner.unsaved = !saved;
         }
         if inner.unsaved {
@@ -246,6 +252,51 @@ impl UsageStore {
         Receipt {
             seq: batch.seq,
             refused: None,
+        }
+    }
+
+    /// Keeps the users of each day before yesterday at `now` per day (once per day:
+    /// [`Ledger::collapse_day`]); the days changed.
+    fn collapse(&self, inner: &mut Inner, now: i64) -> Vec<i64> {
+        let yesterday = now.div_euclid(86_400) - 1;
+        let days = inner.ledger.days_between(inner.hourly_from, yesterday);
+        inner.hourly_from = inner.hourly_from.max(yesterday);
+        let mut changed = Vec::new();
+        for day in days {
+            let (moved, folded) = inner.ledger.collapse_day(day);
+            for app in folded {
+                tracing::warn!(
+                    app,
+                    day = %log::day_name(day),
+                    cap = ledger::MAX_USERS_PER_APP_DAY,
+                    "an app had more distinct users that day than a past day keeps apart; the \
+                     least busy are summed under '{app}/{}'",
+                    ledger::OTHER
+                );
+            }
+            if moved {
+                changed.push(day);
+            }
+        }
+        changed
+    }
+
+    /// Writes the files of the past `days` whose users are now kept per day; one that
+    /// cannot be written keeps its hourly rows on disk (the same figures; a restart keeps
+    /// them per day again).
+    fn save_collapsed(&self, inner: &Inner, days: &[i64]) {
+        if days.is_empty() || !self.dir_exists() {
+            return;
+        }
+        for day in days {
+            if let Err(error) = file::write_collapsed(&self.dir, &inner.ledger, *day) {
+                tracing::warn!(
+                    dir = %self.dir.display(),
+                    day = %log::day_name(*day),
+                    %error,
+                    "a past day's usage file could not be rewritten with its users kept per day"
+                );
+            }
         }
     }
 

@@ -1080,13 +1080,69 @@ impl Metrics {
     }
 }
 
-/// The `/metrics` response.
-pub fn response(metrics: &Metrics, sources: &Sources<'_>) -> Response<Body> {
-    let mut response = Response::new(body::full(metrics.scrape(sources)));
+/// The `/metrics` response. With `visible` (a key with a model allowlist), only the series
+/// whose `model` label is a model it may use, and those with no `model` label
+/// ([`scope_models`]).
+pub fn response(
+    metrics: &Metrics,
+    sources: &Sources<'_>,
+    visible: Option<&dyn Fn(&str) -> bool>,
+) -> Response<Body> {
+    let mut text = metrics.scrape(sources);
+    if let Some(visible) = visible {
+        text = scope_models(&text, visible);
+    }
+    let mut response = Response::new(body::full(text));
     response
         .headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
     response
+}
+
+/// `text` (the exposition format) without the samples whose `model` label `visible`
+/// refuses (`(other)` included: it sums models the caller may not use). Comments and
+/// samples without a `model` label are kept.
+pub fn scope_models(text: &str, visible: &dyn Fn(&str) -> bool) -> String {
+    let mut scoped = String::with_capacity(text.len());
+    for line in text.split_inclusive('\n') {
+        let hidden =
+            !line.starts_with('#') && model_label(line).is_some_and(|model| !visible(&model));
+        if !hidden {
+            scoped.push_str(line);
+        }
+    }
+    scoped
+}
+
+/// The value of a sample line's `model` label, unescaped; `None` without one.
+fn model_label(line: &str) -> Option<String> {
+    let open = line.find('{')?;
+    let mut rest = &line[open + 1..];
+    loop {
+        let rest_trimmed = rest.trim_start_matches([',', ' ']);
+        let (name, after) = rest_trimmed.split_once("=\"")?;
+        // The value up to its closing quote, escapes read (`\\`, `\"`, `\n`).
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let end = loop {
+            let (at, c) = chars.next()?;
+            match c {
+                '\\' => match chars.next()?.1 {
+                    'n' => value.push('\n'),
+                    other => value.push(other),
+                },
+                '"' => break at,
+                c => value.push(c),
+            }
+        };
+        if name == "model" {
+            return Some(value);
+        }
+        rest = &after[end + 1..];
+        if rest.starts_with('}') {
+            return None;
+        }
+    }
 }
 
 /// The clients status and metrics show: every configured client (with its
@@ -1227,5 +1283,32 @@ mod tests {
         catch_up(&counter, 3);
         catch_up(&counter, 8);
         assert_eq!(counter.get(), 8);
+    }
+
+    #[test]
+    fn a_scoped_scrape_keeps_only_the_visible_models_series() {
+        let text = "# HELP oqp_runner_slots Slots\n\
+                    # TYPE oqp_runner_slots gauge\n\
+                    oqp_runner_slots{host=\"gpu\",model=\"llama3:8b\"} 1\n\
+                    oqp_runner_slots{host=\"gpu\",model=\"qwen:latest\"} 4\n\
+                    oqp_client_tokens_total{client=\"a\\\"b\",model=\"qwen\",kind=\"prompt\"} 3\n\
+                    oqp_client_tokens_total{client=\"x\",model=\"(other)\",kind=\"prompt\"} 3\n\
+                    oqp_client_tokens_total{client=\"model=\\\"llama3\\\"\",model=\"q\\\\x\",kind=\"p\"} 1\n\
+                    oqp_concurrency_active 2\n\
+                    oqp_host_healthy{name=\"gpu\"} 1\n";
+        let scoped = scope_models(text, &|model| model.starts_with("llama3"));
+        assert_eq!(
+            scoped,
+            "# HELP oqp_runner_slots Slots\n\
+             # TYPE oqp_runner_slots gauge\n\
+             oqp_runner_slots{host=\"gpu\",model=\"llama3:8b\"} 1\n\
+             oqp_concurrency_active 2\n\
+             oqp_host_healthy{name=\"gpu\"} 1\n"
+        );
+        assert_eq!(
+            model_label("m{client=\"model=\\\"llama3\\\"\",model=\"q\\\\x\"} 1"),
+            Some("q\\x".to_owned()),
+            "a label value that looks like the model label is not it"
+        );
     }
 }

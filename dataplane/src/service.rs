@@ -234,7 +234,12 @@ fn observe(
             &|model| identity.may_use(model),
         ),
         "/queue/summary" => status::summary_response(app.status_sources(), policy),
-        "/metrics" => metrics::response(&app.metrics, &app.metric_sources()),
+        "/metrics" => {
+            let visible = |model: &str| identity.may_use(model);
+            let visible: &dyn Fn(&str) -> bool = &visible;
+            let scoped = identity.has_allowlist().then_some(visible);
+            metrics::response(&app.metrics, &app.metric_sources(), scoped)
+        }
         "/dashboard/usage" => {
             dashboard::usage::response(&app.usage, policy, identity.usage_scope())
         }

@@ -255,3 +255,84 @@ async fn hosts_show_each_runners_slots_and_the_ones_ollama_forces_to_one() {
         .await
         .expect("control plane stopped");
 }
+
+/// A key with a model allowlist (`auth.keys[].models`) sees only its models in `oqpctl hosts`:
+/// installed, loaded and resident, as `/queue/status` shows it; a key without one sees all.
+#[tokio::test]
+async fn hosts_show_a_key_with_a_models_list_only_its_models() {
+    const ADMIN: &str = "sk-admin-0123456789";
+    const LIMITED: &str = "sk-limited-0123456789";
+    let fake = FakeOllama::builder()
+        .model("llama3:8b")
+        .model("qwen3:8b")
+        .loaded("llama3:8b")
+        .loaded("qwen3:8b")
+        .vram(24 * GIB)
+        .model_size("llama3:8b", 5 * GIB)
+        .model_size("qwen3:8b", 5 * GIB)
+        .spawn()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yml");
+    std::fs::write(
+        &config,
+        format!(
+            "ollama:\n  hosts:\n\
+             \x20   - {{url: '{}', name: gpu, vram: 24GiB}}\n\
+             auth:\n  enabled: true\n  keys:\n\
+             \x20   - {{key: {ADMIN}, client_id: admin, scope: management}}\n\
+             \x20   - {{key: {LIMITED}, client_id: widget, scope: read, models: ['llama3*']}}\n\
+             control_plane:\n  state_dir: '{}'\n",
+            fake.url(),
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let control = single_box(config).await;
+    let hosts = |key: &'static str| {
+        let address = format!("http://{}", control.local_addr());
+        async move {
+            let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
+                .args(["--control-plane", &address, "--no-color"])
+                .args(["hosts", "--output", "json"])
+                .env_remove("OQP_CONTROL_PLANE")
+                .env("OQPCTL_KEY", key)
+                .output()
+                .await
+                .unwrap();
+            assert!(
+                output.status.success(),
+                "{}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let json: Value = serde_json::from_slice(&output.stdout).unwrap();
+            json[0].clone()
+        }
+    };
+    let names = |host: &Value, list: &str| -> Vec<String> {
+        host[list]
+            .as_array()
+            .unwrap_or_else(|| panic!("{list}: {host}"))
+            .iter()
+            .map(|entry| {
+                entry
+                    .as_str()
+                    .or_else(|| entry["model"].as_str())
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    };
+    // The start-up probe ran before the control plane served anything.
+    let everything = hosts(ADMIN).await;
+    for list in ["installed_models", "loaded_models", "resident"] {
+        assert_eq!(names(&everything, list).len(), 2, "{list}: {everything}");
+    }
+    let limited = hosts(LIMITED).await;
+    for list in ["installed_models", "loaded_models", "resident"] {
+        assert_eq!(names(&limited, list), ["llama3:8b"], "{list}: {limited}");
+    }
+    tokio::time::timeout(Duration::from_secs(10), control.shutdown())
+        .await
+        .expect("control plane stopped");
+}

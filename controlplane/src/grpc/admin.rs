@@ -28,6 +28,7 @@ use std::time::{Duration, SystemTime};
 
 use futures_util::Stream;
 use oqp_dataplane::node_keys;
+use oqp_dataplane::policy::ModelAllowlist;
 use oqp_proto::admin::v1::{self as api, admin_service_server::AdminService};
 use oqp_proto::policy::v1 as wire;
 use sha2::{Digest, Sha256};
@@ -200,20 +201,8 @@ impl AdminApi {
                      key (oqpctl: --key-file PATH or env OQPCTL_KEY)",
                 ))
             })?;
-        let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
-        let now = SystemTime::now();
-        let (scope, client) = config
-            .auth
-            .keys
-            .iter()
-            .find(|key| {
-                key.key
-                    .as_ref()
-                    .is_some_and(|secret| keystore::digests_match(&secret.sha256(), &digest))
-                    && key.expires.is_none_or(|at| at > now)
-            })
-            .map(|key| (key.scope, key.client_id.clone()))
-            .or_else(|| self.keys.holder_of(&digest, unix_ms(now)))
+        let (scope, client, _) = self
+            .key_of(&config, presented)
             .ok_or_else(|| unknown(Status::unauthenticated("invalid api key")))?;
         if scope >= needed {
             Ok(if scope >= Scope::Management {
@@ -227,6 +216,49 @@ impl AdminApi {
                 client,
             ))
         }
+    }
+
+    /// The scope, client and models (empty = every model) of the key `presented`: a
+    /// config key, or a stored key that is current or in its grace period, not expired.
+    fn key_of(
+        &self,
+        config: &crate::config::Config,
+        presented: &str,
+    ) -> Option<(Scope, String, Vec<String>)> {
+        let digest: [u8; 32] = Sha256::digest(presented.as_bytes()).into();
+        let now = SystemTime::now();
+        config
+            .auth
+            .keys
+            .iter()
+            .find(|key| {
+                key.key
+                    .as_ref()
+                    .is_some_and(|secret| keystore::digests_match(&secret.sha256(), &digest))
+                    && key.expires.is_none_or(|at| at > now)
+            })
+            .map(|key| (key.scope, key.client_id.clone(), key.models.clone()))
+            .or_else(|| self.keys.holder_with_models(&digest, unix_ms(now)))
+    }
+
+    /// The models the caller's key may use, when it has a model allowlist
+    /// (`auth.keys[].models`): what it is shown of the hosts is limited to them, as
+    /// `/queue/status` limits it. `None` (every model) with auth off or no allowlist.
+    fn caller_models<T>(&self, request: &Request<T>) -> Option<ModelAllowlist> {
+        let config = self.hub.config();
+        if !config.auth.enabled {
+            return None;
+        }
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| {
+                let (scheme, key) = value.split_once(' ')?;
+                scheme.eq_ignore_ascii_case("bearer").then(|| key.trim())
+            })?;
+        let (_, _, models) = self.key_of(&config, presented)?;
+        (!models.is_empty()).then(|| ModelAllowlist::new(&models))
     }
 
     /// Refuses to mint a key while auth is off.
@@ -550,6 +582,7 @@ impl AdminService for AdminApi {
         request: Request<api::ListHostsRequest>,
     ) -> Result<Response<api::ListHostsResponse>, Status> {
         self.authorize(&request, Scope::Read, "hosts.list")?;
+        let models = self.caller_models(&request);
         let snapshot = self.hub.current();
         let config = self.hub.config();
         let nodes = self.hub.nodes();
@@ -594,6 +627,9 @@ impl AdminService for AdminApi {
                 swap::fill(&mut info, host, &owner, &nodes);
                 info.runners = runners_of(&host.name, &nodes);
                 info.node = owner;
+                if let Some(models) = &models {
+                    scope_models(&mut info, &|model| models.allows(model));
+                }
                 info
             })
             .collect();
@@ -792,6 +828,24 @@ impl Seen {
             Seen::Own(own) => Some(own),
         }
     }
+}
+
+/// Leaves out of `host` every model `visible` refuses: installed, loaded, resident,
+/// switched to, bound to a cloud key, and the runners' (a key with a model allowlist sees
+/// only the models it may use).
+fn scope_models(host: &mut api::HostInfo, visible: &dyn Fn(&str) -> bool) {
+    host.installed_models.retain(|model| visible(model));
+    host.loaded_models.retain(|model| visible(model));
+    host.resident.retain(|resident| visible(&resident.name));
+    if !host.switching_to.is_empty() && !visible(&host.switching_to) {
+        host.switching_to.clear();
+    }
+    for key in &mut host.cloud_keys {
+        if !key.bound_model.is_empty() && !visible(&key.bound_model) {
+            key.bound_model.clear();
+        }
+    }
+    host.runners.retain(|runner| visible(&runner.model));
 }
 
 /// How a refused call is recorded: the caller's mistake (credential, scope, a bad

@@ -329,7 +329,50 @@ pub fn load_with_log(dir: &Path, now: i64) -> Result<(Ledger, Log), String> {
         }
     }
     ledger.applied = applied;
+    collapse_past_days(dir, &mut ledger, today);
     Ok((ledger, log))
+}
+
+/// Writes `day`, whose users `ledger` keeps per day now ([`Ledger::collapse_day`]), whole,
+/// with a generation above its logs', and removes them (the file holds them).
+pub fn write_collapsed(dir: &Path, ledger: &Ledger, day: i64) -> io::Result<()> {
+    let name = day_name(day);
+    let logs: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter_map(|entry| {
+            let file = entry.file_name().to_string_lossy().into_owned();
+            let (of, generation) = super::log::parse_name(&file)?;
+            (of == name).then(|| (generation, entry.path()))
+        })
+        .collect();
+    let generation = logs
+        .iter()
+        .map(|(generation, _)| generation.saturating_add(1))
+        .max()
+        .unwrap_or(1);
+    write_day_at(dir, ledger, day, generation)?;
+    for (_, path) in logs {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
+}
+
+/// Keeps the users of every day before yesterday at `today` per day in `ledger`, and
+/// rewrites the files of those that changed (a directory written before days were kept
+/// per day, or a control plane stopped across midnight); a file that cannot be written is
+/// logged and left as it was (its figures are the same).
+fn collapse_past_days(dir: &Path, ledger: &mut Ledger, today: i64) {
+    for day in ledger.days_between(today - KEEP_DAYS, today - 1) {
+        let (moved, _) = ledger.collapse_day(day);
+        if moved && let Err(error) = write_collapsed(dir, ledger, day) {
+            tracing::warn!(
+                dir = %dir.display(),
+                day = %day_name(day),
+                %error,
+                "a past day's usage file could not be rewritten with its users kept per day"
+            );
+        }
+    }
 }
 
 /// Removes the logs of `day` below `generation` (compacted into its day file).

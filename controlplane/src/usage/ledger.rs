@@ -1,6 +1,11 @@
 //! The usage totals: per UTC hour, client and model, the last [`KEEP_DAYS`] days. Pure: the
 //! time is passed in. Days are groups of hours; budget windows and `--since` periods are
 //! sums of whole hours.
+//!
+//! An app's users (`<app>/<user>`) are kept per hour today and yesterday only: an earlier
+//! day's users are kept per day ([`Ledger::collapse_day`]), under the day's last hour, at
+//! most [`MAX_USERS_PER_APP_DAY`] per app (the busiest), the rest summed under
+//! `<app>/(other)`. The apps' own hourly totals, and every other client's rows, stay hourly.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -89,6 +94,10 @@ impl Totals {
 /// app's totals, and so the app's budget, still count it; its own per-user budget is then
 /// held only by the data planes' own figures.
 pub const MAX_USERS_PER_APP_HOUR: usize = 10_000;
+
+/// Most distinct users of one app a day before yesterday keeps ([`Ledger::collapse_day`]):
+/// the busiest (GPU time, then tokens); the others are summed under `<app>/(other)`.
+pub const MAX_USERS_PER_APP_DAY: usize = MAX_USERS_PER_APP_HOUR;
 
 /// One hour's totals.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -304,6 +313,115 @@ impl Ledger {
         let mut days: Vec<i64> = dropped.keys().map(|hour| hour.div_euclid(24)).collect();
         days.dedup();
         days
+    }
+
+    /// The days (Unix days) from `from` up to (not including) `before` that have hours.
+    pub fn days_between(&self, from: i64, before: i64) -> Vec<i64> {
+        if from >= before {
+            return Vec::new();
+        }
+        let mut days: Vec<i64> = self
+            .hours
+            .range(from.saturating_mul(24)..before.saturating_mul(24))
+            .map(|(hour, _)| hour.div_euclid(24))
+            .collect();
+        days.dedup();
+        days
+    }
+
+    /// Keeps the users of `day` (Unix days) per day: every user row of its hours moves to
+    /// its last hour (23:00), summed, and each app keeps at most [`MAX_USERS_PER_APP_DAY`]
+    /// users apart (the busiest by GPU time, then tokens; the others are summed under
+    /// `<app>/(other)`). The apps' hourly totals and the other clients' rows are left as
+    /// they are, so an app's budget stays exact by the hour; a user's figures of that day
+    /// then count whole in a window that starts within it. Whether anything moved or was
+    /// folded (a day already kept per day is left unchanged); the apps folded.
+    pub fn collapse_day(&mut self, day: i64) -> (bool, Vec<String>) {
+        let last = day * 24 + 23;
+        // (app → user → model → totals), taken out of the day's hours.
+        let mut users: HashMap<String, HashMap<String, HashMap<String, Totals>>> = HashMap::new();
+        let mut moved = false;
+        for (hour_number, hour) in self.hours.range_mut(day * 24..=last) {
+            let keys: Vec<(String, String)> = hour
+                .rows
+                .keys()
+                .filter(|(client, _)| client.contains('/'))
+                .cloned()
+                .collect();
+            if keys.is_empty() {
+                continue;
+            }
+            moved |= *hour_number != last;
+            for key in keys {
+                let Some(totals) = hour.rows.remove(&key) else {
+                    continue;
+                };
+                let (client, model) = key;
+                let app = client.split_once('/').map_or("", |(app, _)| app).to_owned();
+                users
+                    .entry(app)
+                    .or_default()
+                    .entry(client)
+                    .or_default()
+                    .entry(model)
+                    .or_default()
+                    .add(&totals);
+            }
+            hour.clients.retain(|client, _| !client.contains('/'));
+            for app in hour.apps.values_mut() {
+                app.users.clear();
+            }
+        }
+        if users.is_empty() {
+            return (false, Vec::new());
+        }
+        let mut folded_apps = Vec::new();
+        let hour = self.hours.entry(last).or_default();
+        for (app_id, mut of_app) in users {
+            let other = format!("{app_id}/{OTHER}");
+            let mut folded = of_app.remove(&other).unwrap_or_default();
+            if of_app.len() > MAX_USERS_PER_APP_DAY {
+                let mut ranked: Vec<(String, Totals)> = of_app
+                    .iter()
+                    .map(|(user, models)| {
+                        let mut sum = Totals::default();
+                        models.values().for_each(|totals| sum.add(totals));
+                        (user.clone(), sum)
+                    })
+                    .collect();
+                let busiest_first = |a: &(String, Totals), b: &(String, Totals)| {
+                    b.1.gpu_ns
+                        .cmp(&a.1.gpu_ns)
+                        .then_with(|| b.1.tokens().cmp(&a.1.tokens()))
+                        .then_with(|| a.0.cmp(&b.0))
+                };
+                ranked.select_nth_unstable_by(MAX_USERS_PER_APP_DAY, busiest_first);
+                for (user, _) in ranked.drain(MAX_USERS_PER_APP_DAY..) {
+                    if let Some(models) = of_app.remove(&user) {
+                        for (model, totals) in models {
+                            folded.entry(model).or_default().add(&totals);
+                        }
+                    }
+                }
+                folded_apps.push(app_id.clone());
+                moved = true;
+            }
+            if !folded.is_empty() {
+                of_app.insert(other, folded);
+            }
+            let app = hour.apps.entry(app_id).or_default();
+            for (user, models) in of_app {
+                for (model, totals) in models {
+                    hour.clients.entry(user.clone()).or_default().add(&totals);
+                    hour.rows
+                        .entry((user.clone(), model))
+                        .or_default()
+                        .add(&totals);
+                }
+                app.users.insert(user);
+            }
+        }
+        (moved, folded_apps)
     }
 
     /// What `client` used from `start` (Unix seconds, a whole hour) on: with its users
@@ -698,6 +816,113 @@ mod tests {
         assert!(ledger.add("a", &again("webui/user-7"), NOW).is_empty());
         assert!(ledger.add("a", &again("webui/late"), NOW + 3600).is_empty());
         assert_eq!(ledger.users_since("webui", 0)["webui/late"].gpu_ns, SECOND);
+    }
+
+    #[test]
+    fn a_past_days_users_are_kept_per_day_and_bounded() {
+        let mut ledger = Ledger::default();
+        let day = NOW.div_euclid(86_400) - 3;
+        let at = |hour: i64| day * 86_400 + hour * 3600 + 60;
+        let users = |range: std::ops::Range<usize>, seconds: u64| -> Vec<wire::UsageRow> {
+            range
+                .map(|user| wire::UsageRow {
+                    client_id: format!("webui/user-{user:05}"),
+                    model: "m".to_owned(),
+                    gpu_ns: seconds * SECOND,
+                    requests: 1,
+                    ..wire::UsageRow::default()
+                })
+                .collect()
+        };
+        // Hour 1: users 0..6000 (1 s each), the app itself and another client; hour 2:
+        // users 3000..10005 (2 s each): 10,005 distinct users that day, each hour under the
+        // hourly cap.
+        let mut first = users(0..6_000, 1);
+        first.push(wire::UsageRow {
+            client_id: "webui".to_owned(),
+            model: "m".to_owned(),
+            gpu_ns: SECOND,
+            ..wire::UsageRow::default()
+        });
+        first.push(wire::UsageRow {
+            client_id: "chat".to_owned(),
+            model: "m".to_owned(),
+            gpu_ns: SECOND,
+            ..wire::UsageRow::default()
+        });
+        let second = users(3_000..MAX_USERS_PER_APP_DAY + 5, 2);
+        ledger.add(
+            "a",
+            &wire::UsageBatch {
+                epoch: 1,
+                seq: 1,
+                rows: first,
+            },
+            at(1),
+        );
+        ledger.add(
+            "a",
+            &wire::UsageBatch {
+                epoch: 1,
+                seq: 2,
+                rows: second,
+            },
+            at(2),
+        );
+        let all = By {
+            client: false,
+            model: false,
+        };
+        let total = ledger.query(0, all)[0].totals;
+        let app_hours: Vec<Totals> = [1, 2]
+            .iter()
+            .map(|hour| ledger.hours[&(day * 24 + hour)].apps["webui"].total)
+            .collect();
+
+        let (moved, folded) = ledger.collapse_day(day);
+        assert!(moved);
+        assert_eq!(folded, ["webui"], "more users than a past day keeps apart");
+        // The hours keep no user rows; the apps' hourly totals and the other clients' rows
+        // stay as they were.
+        for (index, hour) in [1, 2].iter().enumerate() {
+            let hour = &ledger.hours[&(day * 24 + hour)];
+            assert!(hour.rows.keys().all(|(client, _)| !client.contains('/')));
+            assert!(hour.clients.keys().all(|client| !client.contains('/')));
+            assert!(hour.apps["webui"].users.is_empty());
+            assert_eq!(hour.apps["webui"].total, app_hours[index]);
+        }
+        assert_eq!(ledger.hours[&(day * 24 + 1)].clients["chat"].gpu_ns, SECOND);
+        // The day's users under its last hour, each once, at most the cap and (other).
+        let last = &ledger.hours[&(day * 24 + 23)];
+        assert_eq!(last.apps["webui"].users.len(), MAX_USERS_PER_APP_DAY + 1);
+        assert_eq!(last.rows.len(), MAX_USERS_PER_APP_DAY + 1);
+        let users = ledger.users_since("webui", day * 86_400);
+        assert_eq!(
+            users["webui/user-03000"].gpu_ns,
+            3 * SECOND,
+            "summed over hours"
+        );
+        assert_eq!(users["webui/user-10004"].gpu_ns, 2 * SECOND);
+        // The least busy (1 s, the last ids) are summed under (other).
+        assert_eq!(users[format!("webui/{OTHER}").as_str()].gpu_ns, 5 * SECOND);
+        assert!(!users.contains_key("webui/user-02999"));
+        assert_eq!(users["webui/user-02994"].gpu_ns, SECOND);
+        // Nothing is lost, and a window from within the day counts a user's whole day.
+        assert_eq!(ledger.query(0, all)[0].totals, total);
+        assert_eq!(
+            ledger.client_since("webui", 0).gpu_ns,
+            (6_001 + 2 * 7_005) * SECOND
+        );
+        assert_eq!(
+            ledger.client_since("webui/user-03000", at(2) - 60).gpu_ns,
+            3 * SECOND
+        );
+        // A day kept per day already is left as it is.
+        let before = ledger.clone();
+        assert_eq!(ledger.collapse_day(day), (false, Vec::new()));
+        assert_eq!(ledger, before);
+        assert_eq!(ledger.days_between(day - 5, day), Vec::<i64>::new());
+        assert_eq!(ledger.days_between(day - 5, day + 1), [day]);
     }
 
     #[test]

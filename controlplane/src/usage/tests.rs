@@ -384,3 +384,219 @@ fn batches_are_appended_to_the_days_log_not_rewritten_and_survive_a_cut_line() {
     assert_eq!(total.gpu_ns, 5 * SECOND);
     assert_eq!(total.requests, 5);
 }
+
+#[test]
+fn a_past_days_users_are_kept_per_day_in_memory_and_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let day = NOW / 86_400 - 3;
+    let start = day * 86_400;
+    let store = UsageStore::load(dir.path(), at(start + 3600)).unwrap();
+    let users = |seq: u64, rows: &[(&str, u64)]| wire::UsageBatch {
+        epoch: 1,
+        seq,
+        rows: rows
+            .iter()
+            .map(|(client, seconds)| wire::UsageRow {
+                client_id: (*client).to_owned(),
+                model: "llama3".to_owned(),
+                gpu_ns: seconds * SECOND,
+                requests: 1,
+                ..wire::UsageRow::default()
+            })
+            .collect(),
+    };
+    let batches = [
+        (
+            start + 3600,
+            users(1, &[("webui/alice", 1), ("webui/bob", 2), ("webui", 1)]),
+        ),
+        (start + 7200, users(2, &[("webui/alice", 4)])),
+        // The next day: the day before is still kept per hour (yesterday).
+        (start + 86_400 + 60, users(3, &[("webui/carol", 1)])),
+    ];
+    for (when, batch) in &batches {
+        assert_eq!(store.apply("box", Some(batch), SLOTS, at(*when)), batch.seq);
+    }
+    let name = log::day_name(i64::try_from(day).unwrap());
+    let path = dir.path().join("usage").join(format!("{name}.json"));
+    let hour_of = |client: &str| -> Vec<u64> {
+        let file: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        file["hours"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|row| row["client"] == client)
+            .map(|row| row["hour"].as_u64().unwrap())
+            .collect()
+    };
+    let logs = || {
+        std::fs::read_dir(dir.path().join("usage"))
+            .unwrap()
+            .flatten()
+            .filter(|entry| {
+                let name_of = entry.file_name().to_string_lossy().into_owned();
+                name_of.starts_with(&name) && name_of.ends_with(".jsonl")
+            })
+            .count()
+    };
+    let alice = |store: &UsageStore| {
+        store
+            .lock()
+            .ledger
+            .users_since("webui", i64::try_from(start).unwrap())
+            .get("webui/alice")
+            .map(|totals| totals.gpu_ns)
+    };
+    assert_eq!(alice(&store), Some(5 * SECOND));
+    {
+        let inner = store.lock();
+        let hours = inner.ledger.hours.range(day_hours(day)).count();
+        assert_eq!(hours, 2, "per hour while it is today or yesterday");
+    }
+    // Two days later: that day's users are kept per day, under its last hour, in memory
+    // and in its file, which holds its logs (removed); the app's own hours stay.
+    let later = start + 2 * 86_400 + 60;
+    assert_eq!(
+        store.apply(
+            "box",
+            Some(&users(4, &[("webui/dave", 1)])),
+            SLOTS,
+            at(later)
+        ),
+        4
+    );
+    assert_eq!(alice(&store), Some(5 * SECOND));
+    assert_eq!(hour_of("webui/alice"), [23]);
+    assert_eq!(hour_of("webui/bob"), [23]);
+    assert_eq!(hour_of("webui"), [1]);
+    assert_eq!(logs(), 0);
+    {
+        let inner = store.lock();
+        let hour = &inner.ledger.hours[&(i64::try_from(day).unwrap() * 24 + 1)];
+        assert!(hour.clients.keys().all(|client| !client.contains('/')));
+        assert_eq!(hour.apps["webui"].total.gpu_ns, 4 * SECOND);
+    }
+    let query = api::GetUsageRequest {
+        since_seconds: 7 * 86_400,
+        by_client: true,
+        ..api::GetUsageRequest::default()
+    };
+    let before = store.query(&query, at(later));
+    // A restart loads the same figures (nothing counted twice from the removed logs).
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(later + 1)).unwrap();
+    assert_eq!(store.query(&query, at(later)), before);
+    assert_eq!(alice(&store), Some(5 * SECOND));
+}
+
+/// The hours of `day` (Unix days), for a range of the ledger.
+fn day_hours(day: u64) -> std::ops::RangeInclusive<i64> {
+    let day = i64::try_from(day).unwrap();
+    day * 24..=day * 24 + 23
+}
+
+#[test]
+fn a_directory_with_past_days_per_hour_is_kept_per_day_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let day = NOW / 86_400 - 5;
+    let start = day * 86_400;
+    // Written as before days were kept per day: a control plane stopped that day.
+    let store = UsageStore::load(dir.path(), at(start)).unwrap();
+    for (seq, hour) in [(1, 3), (2, 4)] {
+        let batch = batch(seq, "webui/alice", 1);
+        assert_eq!(
+            store.apply("box", Some(&batch), SLOTS, at(start + hour * 3600)),
+            seq
+        );
+    }
+    drop(store);
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let inner = store.lock();
+    let user_hours: Vec<i64> = inner
+        .ledger
+        .hours
+        .range(day_hours(day))
+        .filter(|(_, hour)| hour.clients.contains_key("webui/alice"))
+        .map(|(hour, _)| *hour)
+        .collect();
+    assert_eq!(user_hours, [i64::try_from(day).unwrap() * 24 + 23]);
+    assert_eq!(
+        inner.ledger.client_since("webui/alice", 0).gpu_ns,
+        2 * SECOND
+    );
+    drop(inner);
+    let name = log::day_name(i64::try_from(day).unwrap());
+    let logs = std::fs::read_dir(dir.path().join("usage"))
+        .unwrap()
+        .flatten()
+        .filter(|entry| {
+            let file = entry.file_name().to_string_lossy().into_owned();
+            file.starts_with(&name) && file.ends_with(".jsonl")
+        })
+        .count();
+    assert_eq!(logs, 0, "the rewritten day file holds its logs");
+}
+
+#[test]
+fn acks_and_announcements_carry_at_most_the_users_an_app_keeps_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = UsageStore::load(dir.path(), at(NOW)).unwrap();
+    let app = wire::Client {
+        client_id: "webui".to_owned(),
+        users: Some(wire::Users {
+            budget: Some(wire::Budget {
+                tokens: 50,
+                window_seconds: 86_400,
+                window: "1d".to_owned(),
+                ..wire::Budget::default()
+            }),
+            ..wire::Users::default()
+        }),
+        ..wire::Client::default()
+    };
+    // Every user over its budget, in two hours of the same daily window: more users over
+    // it than an hour keeps apart, each kept (each hour under the cap).
+    let cap = ledger::MAX_USERS_PER_APP_HOUR;
+    let over = |users: std::ops::Range<usize>, seq: u64| wire::UsageBatch {
+        epoch: 1,
+        seq,
+        rows: users
+            .map(|user| wire::UsageRow {
+                client_id: format!("webui/user-{user}"),
+                model: "llama3".to_owned(),
+                completion_tokens: 60,
+                requests: 1,
+                ..wire::UsageRow::default()
+            })
+            .collect(),
+    };
+    let first_hour = NOW - NOW % 3600;
+    assert_eq!(
+        store.apply(
+            "box",
+            Some(&over(0..cap, 1)),
+            1 << 20,
+            at(first_hour - 3600)
+        ),
+        1
+    );
+    assert_eq!(
+        store.apply("box", Some(&over(cap..cap + 5, 2)), 1 << 20, at(NOW)),
+        2
+    );
+    let budgets = store.budgets(std::slice::from_ref(&app), at(NOW));
+    assert_eq!(
+        budgets.len(),
+        cap,
+        "an ack's users over their budget are bounded"
+    );
+    let notices = store.exceeded(std::slice::from_ref(&app), at(NOW));
+    assert_eq!(
+        notices.len(),
+        cap,
+        "announcements per app and window are bounded"
+    );
+    assert_eq!(store.lock().ledger.announced.len(), cap);
+    assert!(store.exceeded(&[app], at(NOW)).is_empty());
+}

@@ -705,3 +705,59 @@ async fn a_key_with_a_models_list_sees_only_its_models_in_the_queue_status() {
     }
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_key_with_a_models_list_sees_only_its_models_in_the_metrics() {
+    const WATCHER: &str = "sk-watcher-0123456789";
+    const OPERATOR: &str = "sk-operator-0123456789";
+    let fake = FakeOllama::builder()
+        .model("llama3.2:3b")
+        .model("qwen")
+        .spawn()
+        .await;
+    // Two more keys, both of scope read: one limited to the students' models.
+    let readers = format!(
+        "    - key: \"{WATCHER}\"\n      client_id: watcher\n      scope: read\n      \
+         models: [\"llama3.2*\"]\n    - key: \"{OPERATOR}\"\n      client_id: operator\n      \
+         scope: read\n"
+    );
+    let stack = Stack::start(&config(&fake.url(), 2, &readers)).await;
+    let base = stack.url();
+    for (key, model) in [(STUDENTS, "llama3.2:3b"), (OPEN, "qwen")] {
+        let reply = post(&base, "/api/chat", key, &[], &chat(model)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let series = |text: &str, model: &str| {
+        text.lines()
+            .filter(|line| !line.starts_with('#') && line.contains(&format!("model=\"{model}")))
+            .count()
+    };
+    // Every model's series, for a key without a list (waited for, bounded: the counters are
+    // written as each answer ends).
+    let mut everything = String::new();
+    for _ in 0..100 {
+        let reply = get(&base, "/metrics", OPERATOR).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        everything = reply.text();
+        if series(&everything, "qwen") > 0 && series(&everything, "llama3.2") > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(series(&everything, "qwen") > 0, "{everything}");
+    // The limited key: its model's series and those with no model label, no other model's.
+    let limited = get(&base, "/metrics", WATCHER).await;
+    assert_eq!(limited.status, 200, "{}", limited.text());
+    let limited = limited.text();
+    assert!(series(&limited, "llama3.2") > 0, "{limited}");
+    assert_eq!(series(&limited, "qwen"), 0, "{limited}");
+    assert!(
+        limited.contains("oqp_concurrency_active "),
+        "series without a model label stay: {limited}"
+    );
+    assert!(
+        limited.contains("# TYPE oqp_client_gpu_seconds_total counter"),
+        "{limited}"
+    );
+    stack.shutdown().await;
+}

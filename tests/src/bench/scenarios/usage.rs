@@ -3,7 +3,11 @@
 //! an hour) in the current hour, each with a per-user token budget. Measured: applying the
 //! report whose batch carries all 100,000 rows; then the cost of every later report of one
 //! row (applying and appending it, and the ack's budgets and today's figures); and the
-//! memory the hour takes per user (the process's resident set before and after).
+//! memory the hour takes per user (the process's resident set before and after). Then 30
+//! past days of 2,000 users an hour (the same users each hour), written through the store
+//! as the reports came: the usage files on disk, the start that loads them, and a later
+//! report whose ack carries a per-user budget over all those days (past days keep each
+//! user once a day).
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -49,7 +53,115 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
                 .map_or_else(crate::bench::report::na, |bytes| format!("{bytes:.0}")),
         ),
     );
+    let per_hour: usize = size(bench, 2_000, 100);
+    let days: i64 = size(bench, 30, 3);
+    let past = tokio::task::spawn_blocking(move || past_days(per_hour, days)).await??;
+    let what = format!("{days} past days of {per_hour} users an hour");
+    report.push(
+        Row::new(SCENARIO_USAGE, format!("{what}: MB of usage files"))
+            .oqp(format!("{:.1}", past.file_bytes as f64 / 1e6)),
+    );
+    report.push(
+        Row::new(SCENARIO_USAGE, format!("{what}: ms to load them at start"))
+            .oqp(format!("{:.0}", past.load.as_secs_f64() * 1e3)),
+    );
+    report.push(
+        Row::new(
+            SCENARIO_USAGE,
+            format!(
+                "{what}: each later report (1 row, user budgets over all those days): ms to apply, save and ack"
+            ),
+        )
+        .oqp(format!("{:.2}", past.later.as_secs_f64() * 1e3)),
+    );
     Ok(())
+}
+
+struct Past {
+    file_bytes: u64,
+    load: Duration,
+    later: Duration,
+}
+
+/// `days` past days of `per_hour` users an hour, reported hour by hour as a data plane
+/// would, then loaded by a fresh start and reported to once more.
+fn past_days(per_hour: usize, days: i64) -> anyhow::Result<Past> {
+    let dir = tempfile::tempdir()?;
+    let now = SystemTime::now();
+    let today = oqp_controlplane::usage::unix_s(now).div_euclid(86_400);
+    let first = (today - days) * 86_400;
+    let at = |seconds: i64| std::time::UNIX_EPOCH + Duration::from_secs(seconds.unsigned_abs());
+    let epoch = u64::try_from(first).unwrap_or(0) * 1000;
+    let store =
+        UsageStore::load(dir.path(), at(first)).map_err(|error| anyhow::anyhow!("{error}"))?;
+    let rows: Vec<wire::UsageRow> = (0..per_hour)
+        .map(|user| wire::UsageRow {
+            client_id: format!("app-{}/user-{user:06}", user % APPS),
+            model: "llama3".to_owned(),
+            gpu_ns: 1_000_000,
+            prompt_tokens: 10,
+            completion_tokens: 20,
+            requests: 1,
+            ..wire::UsageRow::default()
+        })
+        .collect();
+    let mut seq = 0;
+    for hour in 0..days * 24 {
+        seq += 1;
+        let batch = wire::UsageBatch {
+            epoch,
+            seq,
+            rows: rows.clone(),
+        };
+        let kept = store.apply("bench", Some(&batch), 1 << 20, at(first + hour * 3600 + 60));
+        anyhow::ensure!(kept == seq, "batch {seq} was not applied");
+    }
+    drop(store);
+    let file_bytes = std::fs::read_dir(dir.path().join("usage"))?
+        .flatten()
+        .filter_map(|entry| entry.metadata().ok())
+        .map(|meta| meta.len())
+        .sum();
+    let started = Instant::now();
+    let store = UsageStore::load(dir.path(), now).map_err(|error| anyhow::anyhow!("{error}"))?;
+    let load = started.elapsed();
+    let clients: Vec<wire::Client> = (0..APPS)
+        .map(|app| wire::Client {
+            client_id: format!("app-{app}"),
+            users: Some(wire::Users {
+                budget: Some(wire::Budget {
+                    tokens: 1_000_000,
+                    // From the first past day on: a window one day longer, anchored there.
+                    window_seconds: u64::try_from(days + 1).unwrap_or(1) * 86_400,
+                    window: format!("{}d", days + 1),
+                    window_anchor_unix_s: first,
+                    ..wire::Budget::default()
+                }),
+                ..wire::Users::default()
+            }),
+            ..wire::Client::default()
+        })
+        .collect();
+    let rounds = 5;
+    let started = Instant::now();
+    for _ in 0..rounds {
+        seq += 1;
+        let batch = wire::UsageBatch {
+            epoch,
+            seq,
+            rows: rows[..1].to_vec(),
+        };
+        let at = SystemTime::now();
+        store.apply("bench", Some(&batch), 1 << 20, at);
+        let _ = store.exceeded(&clients, at);
+        let budgets = store.budgets(&clients, at);
+        anyhow::ensure!(!budgets.is_empty(), "no ack figures");
+    }
+    Ok(Past {
+        file_bytes,
+        load,
+        later: started.elapsed() / rounds,
+    })
 }
 
 struct Measured {
