@@ -27,6 +27,7 @@ use crate::config::WebhookEvent;
 use crate::webhooks::Notice;
 
 pub mod bound;
+pub mod cloud;
 pub mod file;
 pub mod ledger;
 pub mod log;
@@ -63,6 +64,8 @@ struct Inner {
     refusals: Refusals,
     /// The day's append log.
     log: log::Log,
+    /// Tokens cloud accounts served each client, and the accounts' observed prices.
+    cloud: cloud::CloudTokens,
 }
 
 /// A data plane that sends a batch, as the policy service knows it.
@@ -117,6 +120,7 @@ impl UsageStore {
     pub fn load(state_dir: &Path, now: SystemTime) -> Result<Arc<Self>, String> {
         let dir = file::dir(state_dir);
         let (ledger, log) = file::load_with_log(&dir, unix_s(now))?;
+        let cloud = cloud::CloudTokens::load(state_dir)?;
         Ok(Arc::new(Self {
             state_dir: state_dir.to_path_buf(),
             dir,
@@ -126,6 +130,7 @@ impl UsageStore {
                 unsaved: false,
                 refusals: Refusals::default(),
                 log,
+                cloud,
             }),
             warned: AtomicBool::new(false),
         }))
@@ -168,6 +173,18 @@ impl UsageStore {
         &self,
         reporter: &Reporter,
         batch: Option<&wire::UsageBatch>,
+        at: SystemTime,
+    ) -> Receipt {
+        self.apply_report(reporter, batch, &[], at)
+    }
+
+    /// [`UsageStore::apply_from`] with the tokens cloud accounts served in the batch (the
+    /// report's `usage_cloud`), added with it, once ([`cloud`]).
+    pub fn apply_report(
+        &self,
+        reporter: &Reporter,
+        batch: Option<&wire::UsageBatch>,
+        cloud_rows: &[wire::CloudTokens],
         at: SystemTime,
     ) -> Receipt {
         let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
@@ -234,11 +251,40 @@ impl UsageStore {
                 );
             }
             line = Some(log::Line::of(node, &bounded, now));
+            // No client's cloud tokens beyond the tokens its bounded rows kept.
+            let mut left: HashMap<&str, u64> = HashMap::new();
+            for row in &bounded.rows {
+                let tokens = left.entry(row.client_id.as_str()).or_default();
+                *tokens = tokens
+                    .saturating_add(row.prompt_tokens)
+                    .saturating_add(row.completion_tokens);
+            }
+            let kept: Vec<wire::CloudTokens> = cloud_rows
+                .iter()
+                .map(|row| {
+                    let left = left.entry(row.client_id.as_str()).or_default();
+                    let tokens = row.tokens.min(*left);
+                    *left -= tokens;
+                    wire::CloudTokens {
+                        tokens,
+                        ..row.clone()
+                    }
+                })
+                .collect();
+            inner.cloud.add(&kept, now);
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
             let saved = self.save(&mut inner, now, &dropped, line.as_ref());
             inner.unsaved = !saved;
+            // After the day file: a crash between the two loses this batch's cloud tokens
+            // (its spend is under-attributed), never counts them twice.
+            if saved
+                && self.dir_exists()
+                && let Err(error) = inner.cloud.save(&self.state_dir)
+            {
+                tracing::warn!(%error, "cloud tokens not saved; they are kept in memory");
+            }
         }
         if inner.unsaved {
             return Receipt::default();
@@ -310,6 +356,26 @@ impl UsageStore {
             );
         }
         false
+    }
+
+    /// Sets the observed price of the cloud `accounts` of one reading unit from its
+    /// `/api/usage` read at `now`: `usd` over the last 30 days, and the cloud's own token
+    /// count when it stated one ([`cloud`]).
+    pub fn observe_cloud(
+        &self,
+        accounts: &[String],
+        usd: f64,
+        cloud_tokens: Option<u64>,
+        now: SystemTime,
+    ) {
+        self.lock()
+            .cloud
+            .observe(accounts, usd, cloud_tokens, unix_s(now));
+    }
+
+    /// Forgets the observed prices of cloud accounts not in `keep`.
+    pub fn retain_cloud_prices(&self, keep: &[String]) {
+        self.lock().cloud.retain_prices(keep);
     }
 
     /// What `client` has used of `budget` in its window at `now`.
@@ -429,17 +495,44 @@ impl UsageStore {
             client: request.by_client,
             model: request.by_model,
         };
-        let rows = self.lock().ledger.query_for(start, by, only);
+        let inner = self.lock();
+        let rows = inner.ledger.query_for(start, by, only);
         let mut total = Totals::default();
         for group in &rows {
             total.add(&group.totals);
         }
+        let spend: HashMap<String, f64> = inner
+            .cloud
+            .spend_since(start)
+            .into_iter()
+            .filter(|(client, _)| {
+                only.is_none_or(|only| {
+                    client == only
+                        || client
+                            .strip_prefix(only)
+                            .is_some_and(|rest| rest.starts_with('/'))
+                })
+            })
+            .collect();
+        drop(inner);
+        let cloud_of = |client: &str| {
+            (by.client && !by.model)
+                .then(|| spend.get(client).copied())
+                .flatten()
+        };
+        let total_cloud = (!spend.is_empty()).then(|| spend.values().sum::<f64>());
         api::GetUsageResponse {
             rows: rows
                 .iter()
-                .map(|group| totals(&group.client, &group.model, &group.totals))
+                .map(|group| api::UsageTotals {
+                    cloud_usd: cloud_of(&group.client),
+                    ..totals(&group.client, &group.model, &group.totals)
+                })
                 .collect(),
-            total: Some(totals("", "", &total)),
+            total: Some(api::UsageTotals {
+                cloud_usd: total_cloud,
+                ..totals("", "", &total)
+            }),
             since_unix_s: start,
         }
     }
@@ -601,6 +694,7 @@ fn totals(client: &str, model: &str, totals: &Totals) -> api::UsageTotals {
         embedding_inputs: totals.embedding_inputs,
         cached_inputs: totals.cached_inputs,
         cached_tokens: totals.cached_tokens,
+        cloud_usd: None,
     }
 }
 

@@ -491,6 +491,11 @@ async fn send_granted(
     let ttfb = sent.elapsed();
     parts.metrics.observe_ttfb(tier, ttfb);
     let host_name = answer.host.name.clone();
+    let served = answer
+        .response
+        .extensions()
+        .get::<crate::cloud::Served>()
+        .map(|served| served.0.clone());
     let logged = logged.map(|(settings, mut entry, log)| {
         entry.host = Some(answer.host.name.to_string());
         entry.status = status.as_u16();
@@ -532,9 +537,10 @@ async fn send_granted(
             tracing::info!(host = %host_name, "the answer's stream ended with an in-band error");
         }
         if let Some(usage) = usage {
-            usage.record(
+            usage.record_on(
                 &client,
                 model.as_deref().unwrap_or_default(),
+                served.as_deref(),
                 Totals {
                     gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
                     // A stream that stated no prompt count is charged an estimate, so that

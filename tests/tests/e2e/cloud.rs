@@ -3,6 +3,7 @@
 //! account alone; balances are read per account within the cloud's read limit.
 
 mod dashboard;
+mod spend;
 
 use std::time::Duration;
 
