@@ -381,8 +381,12 @@ impl UsageStore {
     /// What `client` has used of `budget` in its window at `now`.
     pub fn used(&self, client: &str, budget: &wire::Budget, now: SystemTime) -> wire::BudgetUsed {
         let start = budget.window_start(unix_s(now));
-        let totals = self.lock().ledger.client_since(client, start);
-        used(client, start, &totals, now)
+        let inner = self.lock();
+        let totals = inner.ledger.client_since(client, start);
+        wire::BudgetUsed {
+            usd: inner.cloud.client_spend_since(client, true, start),
+            ..used(client, start, &totals, now)
+        }
     }
 
     /// What each client of `clients` that has a budget used in its window at `now`, and
@@ -396,7 +400,12 @@ impl UsageStore {
                 let budget = client.budget.as_ref()?;
                 let start = budget.window_start(seconds);
                 let totals = inner.ledger.client_since(&client.client_id, start);
-                Some(used(&client.client_id, start, &totals, now))
+                Some(wire::BudgetUsed {
+                    usd: inner
+                        .cloud
+                        .client_spend_since(&client.client_id, true, start),
+                    ..used(&client.client_id, start, &totals, now)
+                })
             })
             .collect();
         for client in clients {
@@ -427,11 +436,10 @@ impl UsageStore {
                 ranked.truncate(kept);
             }
             ranked.sort_by(nearest_first);
-            budgets.extend(
-                ranked
-                    .iter()
-                    .map(|(_, user, totals)| used(user, start, totals, now)),
-            );
+            budgets.extend(ranked.iter().map(|(_, user, totals)| wire::BudgetUsed {
+                usd: inner.cloud.client_spend_since(user, false, start),
+                ..used(user, start, totals, now)
+            }));
         }
         budgets
     }
@@ -445,7 +453,10 @@ impl UsageStore {
             if let Some(budget) = client.budget.as_mut() {
                 let start = budget.window_start(seconds);
                 let totals = inner.ledger.client_since(&id, start);
-                budget.used = Some(used(&id, start, &totals, now));
+                budget.used = Some(wire::BudgetUsed {
+                    usd: inner.cloud.client_spend_since(&id, true, start),
+                    ..used(&id, start, &totals, now)
+                });
             }
         }
     }
@@ -663,6 +674,7 @@ fn used(client: &str, start: i64, totals: &Totals, now: SystemTime) -> wire::Bud
         window_start_unix_s: start,
         gpu_ns: totals.gpu_ns,
         tokens: totals.tokens(),
+        usd: 0.0,
         as_of_unix_ms: now.duration_since(UNIX_EPOCH).map_or(0, |since| {
             i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
         }),

@@ -490,13 +490,17 @@ impl Usage {
         let now = unix_s(now);
         let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
         let inner = self.lock();
-        let (gpu_ns, tokens) =
+        let (gpu_ns, tokens, usd_micros) =
             used_in(budget, inner.used.get(client), &inner, client, whose, start);
         drop(inner);
         let over = if budget.gpu_ns > 0 && gpu_ns >= budget.gpu_ns {
             Some(format!("gpu_seconds {}", seconds(budget.gpu_ns)))
         } else if budget.tokens > 0 && tokens >= budget.tokens {
             Some(format!("tokens {}", budget.tokens))
+        } else if budget.usd_micros > 0 && usd_micros >= budget.usd_micros {
+            #[allow(clippy::cast_precision_loss)]
+            let usd = budget.usd_micros as f64 / 1e6;
+            Some(format!("usd {usd}"))
         } else {
             None
         };
@@ -573,7 +577,9 @@ impl Usage {
         let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
         let whose = if app { Whose::App } else { Whose::Own };
         let inner = self.lock();
-        used_in(budget, inner.used.get(client), &inner, client, whose, start)
+        let (gpu_ns, tokens, _) =
+            used_in(budget, inner.used.get(client), &inner, client, whose, start);
+        (gpu_ns, tokens)
     }
 }
 
@@ -608,7 +614,7 @@ fn used_in(
     client: &str,
     whose: Whose,
     start: i64,
-) -> (u64, u64) {
+) -> (u64, u64, u64) {
     let base = [Some(&budget.used), acked]
         .into_iter()
         .flatten()
@@ -624,9 +630,11 @@ fn used_in(
     if let Some((_, sent)) = &inner.sent {
         local.add(&of(sent));
     }
+    // Cloud spend only as the control plane attributed it: the price is its to observe.
     (
         base.gpu_ns.saturating_add(local.gpu_ns),
         base.tokens.saturating_add(local.tokens()),
+        base.usd_micros,
     )
 }
 

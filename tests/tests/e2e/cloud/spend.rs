@@ -118,3 +118,46 @@ async fn each_accounts_spend_is_attributed_to_its_clients_by_their_tokens() {
     }
     stack.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_usd_budget_is_charged_from_the_attributed_spend() {
+    let cloud = cloud().await;
+    let handle = cloud.handle();
+    handle.set_cloud_price(0.5);
+    let config = config(&cloud.url()).replace(
+        "      client_id: batch\n",
+        "      client_id: batch\n      budget: {usd: 2, window: 30d}\n",
+    );
+    let stack = Stack::start(&config).await;
+    let http = HttpClient::new();
+    let base = stack.url();
+    let bearer = format!("Bearer {BATCH}");
+    let url = format!("{base}/api/chat");
+    let body = json!({"model": INCLUDED, "messages": [{"role": "user", "content": "hi"}], "stream": false});
+    let headers = [("authorization", bearer.as_str())];
+    let ask = || http.post_json(&url, &headers, &body);
+    // Under its budget (nothing attributed yet), batch is served: $2.50 of cloud spend.
+    let first = ask().await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    // Once the control plane attributes that spend, the budget is spent: 429 like any other.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let refused = loop {
+        let reply = ask().await;
+        if reply.status != 200 || Instant::now() >= deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    let body = refused.json();
+    let message = body["error"].as_str().unwrap_or_default();
+    assert!(message.contains("usd 2 per 30d"), "{body}");
+    assert!(
+        refused.header("retry-after").is_some(),
+        "{}",
+        refused.text()
+    );
+    // The agent, without a budget, is still served.
+    assert_eq!(chat(&http, &base, INCLUDED).await.status, 200);
+    stack.shutdown().await;
+}
