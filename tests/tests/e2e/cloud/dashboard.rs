@@ -9,7 +9,7 @@ use oqp_tests::fake::CloudPlan;
 use oqp_tests::harness::Stack;
 use serde_json::json;
 
-use super::{CLOUD_SECTION, EXTRA, account, chat, cloud, fast_config, until_accounts};
+use super::{EXTRA, account, chat, cloud, fast_config, until_accounts};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_the_cloud_accounts() {
@@ -38,8 +38,10 @@ async fn the_dashboard_shows_the_cloud_accounts() {
             weekly_percent: 40.0,
         },
     );
-    let section = format!("{CLOUD_SECTION}  accounts:\n    alice:\n      reserve_usd: 2\n");
-    let stack = Stack::start(&fast_config(&cloud.url(), &section)).await;
+    // Read every 3 s: the balance and usage reads of the first 15 s keep within the read
+    // budget, so one missed read is followed by another soon.
+    let section = "cloud:\n  balance_interval: 3\n  accounts:\n    alice:\n      reserve_usd: 2\n";
+    let stack = Stack::start(&fast_config(&cloud.url(), section)).await;
     let http = HttpClient::new();
     let base = stack.url();
     // Both read, then the extra-usage-only model is refused by both (no extra usage).
