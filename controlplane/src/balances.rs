@@ -13,6 +13,7 @@
 
 mod budget;
 mod parse;
+mod spend;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -31,12 +32,14 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, HostConfig, HostKind, Secret, WebhookEvent};
 use crate::hub::Hub;
 use crate::outbound::Outbound;
+use crate::usage::UsageStore;
 use crate::webhooks::Notice;
 
 pub use budget::{MINUTE, READS_PER_MINUTE, ReadBudget};
 pub use parse::{Balance, WindowLeft};
+pub use spend::Spend;
 
-/// Largest `/api/balance` body read.
+/// Largest `/api/balance` or `/api/usage` body read.
 const BODY_LIMIT: usize = 64 * 1024;
 /// Longest wait for one read.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -198,7 +201,12 @@ fn targets(config: &Config) -> Vec<Target> {
 
 /// The supervisor: one reader per unit of the config in force, following reloads, until
 /// `shutdown`.
-pub async fn run(hub: Arc<Hub>, client: Outbound, shutdown: CancellationToken) {
+pub async fn run(
+    hub: Arc<Hub>,
+    usage: Arc<UsageStore>,
+    client: Outbound,
+    shutdown: CancellationToken,
+) {
     let mut configs = hub.watch_config();
     let mut running: HashMap<String, (Target, CancellationToken)> = HashMap::new();
     let budgets: Arc<Mutex<HashMap<String, Arc<Mutex<ReadBudget>>>>> = Arc::default();
@@ -206,6 +214,11 @@ pub async fn run(hub: Arc<Hub>, client: Outbound, shutdown: CancellationToken) {
     loop {
         let config = configs.borrow_and_update().clone();
         let targets = targets(&config);
+        let accounts: Vec<String> = targets
+            .iter()
+            .flat_map(|target| target.accounts.iter().map(|account| account.0.clone()))
+            .collect();
+        usage.retain_cloud_prices(&accounts);
         running.retain(|unit, (current, stop)| {
             let keep = targets.iter().any(|target| target == current);
             if !keep {
@@ -229,6 +242,7 @@ pub async fn run(hub: Arc<Hub>, client: Outbound, shutdown: CancellationToken) {
             let stop = shutdown.child_token();
             tasks.spawn(read_unit(
                 hub.clone(),
+                usage.clone(),
                 client.clone(),
                 target.clone(),
                 budget,
@@ -248,9 +262,18 @@ pub async fn run(hub: Arc<Hub>, client: Outbound, shutdown: CancellationToken) {
     while tasks.join_next().await.is_some() {}
 }
 
-/// Reads one unit's balance every interval, within its budget, until `stop`.
+/// What a unit's reader reads next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    Balance,
+    Usage,
+}
+
+/// Reads one unit's balance, then its usage (`/api/usage?range=30d`), every interval,
+/// within its budget (both count), until `stop`.
 async fn read_unit(
     hub: Arc<Hub>,
+    usage: Arc<UsageStore>,
     client: Outbound,
     target: Target,
     budget: Arc<Mutex<ReadBudget>>,
@@ -260,6 +283,13 @@ async fn read_unit(
     let mut due = Instant::now();
     let mut key = 0usize;
     let mut unknown_logged = false;
+    let mut unknown_spend_logged = false;
+    let mut turn = Turn::Balance;
+    let names: Vec<String> = target
+        .accounts
+        .iter()
+        .map(|account| account.0.clone())
+        .collect();
     // Accounts seen at or under their reserve, so that the webhook fires on the way down only.
     let mut under: Vec<String> = Vec::new();
     loop {
@@ -275,14 +305,74 @@ async fn read_unit(
             continue;
         }
         lock(&budget).record(now);
-        due = now + target.interval;
         let Some(secret) = target.keys.get(key % target.keys.len().max(1)) else {
             return;
         };
+        let path = match turn {
+            Turn::Balance => "/api/balance".to_owned(),
+            Turn::Usage => format!(
+                "/api/usage?range=30d&scope={}&group_by=model",
+                if unit.starts_with("team:") {
+                    "team"
+                } else {
+                    "self"
+                }
+            ),
+        };
         let reply = tokio::select! {
             () = stop.cancelled() => return,
-            reply = read(&client, &target.url, secret) => reply,
+            reply = read(&client, &target.url, &path, secret) => reply,
         };
+        // The usage read follows the balance's at once (the budget permitting); the next
+        // pair comes an interval later. A 429 keeps the turn: it is read again after it.
+        let limited = matches!(&reply, Ok(reply) if reply.status == StatusCode::TOO_MANY_REQUESTS);
+        let this = turn;
+        if !limited {
+            (turn, due) = match turn {
+                Turn::Balance => (Turn::Usage, now),
+                Turn::Usage => (Turn::Balance, now + target.interval),
+            };
+        }
+        if this == Turn::Usage {
+            match reply {
+                Ok(reply) if reply.status.is_success() => match Spend::parse(&reply.body) {
+                    Some(spend) => {
+                        usage.observe_cloud(&names, spend.usd, spend.tokens, SystemTime::now());
+                    }
+                    None if !unknown_spend_logged => {
+                        unknown_spend_logged = true;
+                        tracing::warn!(
+                            unit,
+                            "Ollama Cloud answered /api/usage in a shape oqp does not know; ignored"
+                        );
+                    }
+                    None => {}
+                },
+                Ok(reply) if limited => {
+                    let after = reply
+                        .retry_after
+                        .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs);
+                    tracing::info!(
+                        unit,
+                        retry_after = after.as_secs(),
+                        "Ollama Cloud limits usage reads; backing off"
+                    );
+                    lock(&budget).back_off(now, after);
+                }
+                Ok(reply)
+                    if matches!(
+                        reply.status,
+                        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+                    ) =>
+                {
+                    key += 1;
+                    tracing::info!(unit, status = %reply.status, "a key may not read the usage; trying the next");
+                }
+                Ok(reply) => tracing::debug!(unit, status = %reply.status, "usage read failed"),
+                Err(error) => tracing::debug!(unit, %error, "usage read failed"),
+            }
+            continue;
+        }
         match reply {
             Ok(reply) if reply.status.is_success() => match Balance::parse(&reply.body) {
                 Some(balance) => {
@@ -396,13 +486,14 @@ pub fn new_refusals(
 async fn read(
     client: &Outbound,
     url: &str,
+    path: &str,
     key: &Secret,
 ) -> Result<crate::outbound::Reply, String> {
-    let mut request = Request::get(format!("{url}/api/balance"))
+    let mut request = Request::get(format!("{url}{path}"))
         .header(ACCEPT, "application/json")
         .header(USER_AGENT, concat!("oqp/", env!("CARGO_PKG_VERSION")))
         .body(Full::new(Bytes::new()))
-        .map_err(|_| "invalid balance URL".to_owned())?;
+        .map_err(|_| "invalid cloud URL".to_owned())?;
     let mut value = HeaderValue::from_str(&format!("Bearer {}", key.expose()))
         .map_err(|_| "the cloud key is not a valid header value".to_owned())?;
     value.set_sensitive(true);

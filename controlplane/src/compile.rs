@@ -476,5 +476,7 @@ pub fn budget_to_wire(budget: &crate::config::Budget) -> wire::Budget {
         window_anchor_unix_s: budget.window.anchor_unix_s(),
         window: budget.window.as_str().to_owned(),
         used: None,
+        #[allow(clippy::cast_precision_loss)]
+        usd: budget.usd_micros as f64 / 1e6,
     }
 }

@@ -259,6 +259,7 @@ impl ControlPlane {
         }
         tasks.spawn(crate::balances::run(
             hub.clone(),
+            usage.clone(),
             outbound.clone(),
             shutdown.clone(),
         ));

@@ -27,6 +27,7 @@ use crate::config::WebhookEvent;
 use crate::webhooks::Notice;
 
 pub mod bound;
+pub mod cloud;
 pub mod file;
 pub mod ledger;
 pub mod log;
@@ -66,6 +67,8 @@ struct Inner {
     /// The first day (Unix days) whose users are still kept per hour: the days before it
     /// keep them per day ([`Ledger::collapse_day`]).
     hourly_from: i64,
+    /// Tokens cloud accounts served each client, and the accounts' observed prices.
+    cloud: cloud::CloudTokens,
 }
 
 /// A data plane that sends a batch, as the policy service knows it.
@@ -120,6 +123,7 @@ impl UsageStore {
     pub fn load(state_dir: &Path, now: SystemTime) -> Result<Arc<Self>, String> {
         let dir = file::dir(state_dir);
         let (ledger, log) = file::load_with_log(&dir, unix_s(now))?;
+        let cloud = cloud::CloudTokens::load(state_dir)?;
         Ok(Arc::new(Self {
             state_dir: state_dir.to_path_buf(),
             dir,
@@ -130,6 +134,7 @@ impl UsageStore {
                 refusals: Refusals::default(),
                 log,
                 hourly_from: unix_s(now).div_euclid(86_400) - 1,
+                cloud,
             }),
             warned: AtomicBool::new(false),
         }))
@@ -172,6 +177,18 @@ impl UsageStore {
         &self,
         reporter: &Reporter,
         batch: Option<&wire::UsageBatch>,
+        at: SystemTime,
+    ) -> Receipt {
+        self.apply_report(reporter, batch, &[], at)
+    }
+
+    /// [`UsageStore::apply_from`] with the tokens cloud accounts served in the batch (the
+    /// report's `usage_cloud`), added with it, once ([`cloud`]).
+    pub fn apply_report(
+        &self,
+        reporter: &Reporter,
+        batch: Option<&wire::UsageBatch>,
+        cloud_rows: &[wire::CloudTokens],
         at: SystemTime,
     ) -> Receipt {
         let Some(batch) = batch.filter(|batch| batch.seq != 0) else {
@@ -238,6 +255,27 @@ impl UsageStore {
                 );
             }
             line = Some(log::Line::of(node, &bounded, now));
+            // No client's cloud tokens beyond the tokens its bounded rows kept.
+            let mut left: HashMap<&str, u64> = HashMap::new();
+            for row in &bounded.rows {
+                let tokens = left.entry(row.client_id.as_str()).or_default();
+                *tokens = tokens
+                    .saturating_add(row.prompt_tokens)
+                    .saturating_add(row.completion_tokens);
+            }
+            let kept: Vec<wire::CloudTokens> = cloud_rows
+                .iter()
+                .map(|row| {
+                    let left = left.entry(row.client_id.as_str()).or_default();
+                    let tokens = row.tokens.min(*left);
+                    *left -= tokens;
+                    wire::CloudTokens {
+                        tokens,
+                        ..row.clone()
+                    }
+                })
+                .collect();
+            inner.cloud.add(&kept, now);
         }
         if applied == Applied::Now || inner.unsaved {
             let dropped = inner.ledger.prune(now);
@@ -245,6 +283,14 @@ impl UsageStore {
             let saved = self.save(&mut inner, now, &dropped, line.as_ref());
             self.save_collapsed(&inner, &collapsed);
             inner.unsaved = !saved;
+            // After the day file: a crash between the two loses this batch's cloud tokens
+            // (its spend is under-attributed), never counts them twice.
+            if saved
+                && self.dir_exists()
+                && let Err(error) = inner.cloud.save(&self.state_dir)
+            {
+                tracing::warn!(%error, "cloud tokens not saved; they are kept in memory");
+            }
         }
         if inner.unsaved {
             return Receipt::default();
@@ -363,11 +409,35 @@ impl UsageStore {
         false
     }
 
+    /// Sets the observed price of the cloud `accounts` of one reading unit from its
+    /// `/api/usage` read at `now`: `usd` over the last 30 days, and the cloud's own token
+    /// count when it stated one ([`cloud`]).
+    pub fn observe_cloud(
+        &self,
+        accounts: &[String],
+        usd: f64,
+        cloud_tokens: Option<u64>,
+        now: SystemTime,
+    ) {
+        self.lock()
+            .cloud
+            .observe(accounts, usd, cloud_tokens, unix_s(now));
+    }
+
+    /// Forgets the observed prices of cloud accounts not in `keep`.
+    pub fn retain_cloud_prices(&self, keep: &[String]) {
+        self.lock().cloud.retain_prices(keep);
+    }
+
     /// What `client` has used of `budget` in its window at `now`.
     pub fn used(&self, client: &str, budget: &wire::Budget, now: SystemTime) -> wire::BudgetUsed {
         let start = budget.window_start(unix_s(now));
-        let totals = self.lock().ledger.client_since(client, start);
-        used(client, start, &totals, now)
+        let inner = self.lock();
+        let totals = inner.ledger.client_since(client, start);
+        wire::BudgetUsed {
+            usd: inner.cloud.client_spend_since(client, true, start),
+            ..used(client, start, &totals, now)
+        }
     }
 
     /// What each client of `clients` that has a budget used in its window at `now`, and
@@ -381,7 +451,12 @@ impl UsageStore {
                 let budget = client.budget.as_ref()?;
                 let start = budget.window_start(seconds);
                 let totals = inner.ledger.client_since(&client.client_id, start);
-                Some(used(&client.client_id, start, &totals, now))
+                Some(wire::BudgetUsed {
+                    usd: inner
+                        .cloud
+                        .client_spend_since(&client.client_id, true, start),
+                    ..used(&client.client_id, start, &totals, now)
+                })
             })
             .collect();
         for client in clients {
@@ -412,11 +487,10 @@ impl UsageStore {
                 ranked.truncate(kept);
             }
             ranked.sort_by(nearest_first);
-            budgets.extend(
-                ranked
-                    .iter()
-                    .map(|(_, user, totals)| used(user, start, totals, now)),
-            );
+            budgets.extend(ranked.iter().map(|(_, user, totals)| wire::BudgetUsed {
+                usd: inner.cloud.client_spend_since(user, false, start),
+                ..used(user, start, totals, now)
+            }));
         }
         budgets
     }
@@ -430,7 +504,10 @@ impl UsageStore {
             if let Some(budget) = client.budget.as_mut() {
                 let start = budget.window_start(seconds);
                 let totals = inner.ledger.client_since(&id, start);
-                budget.used = Some(used(&id, start, &totals, now));
+                budget.used = Some(wire::BudgetUsed {
+                    usd: inner.cloud.client_spend_since(&id, true, start),
+                    ..used(&id, start, &totals, now)
+                });
             }
         }
     }
@@ -480,17 +557,44 @@ impl UsageStore {
             client: request.by_client,
             model: request.by_model,
         };
-        let rows = self.lock().ledger.query_for(start, by, only);
+        let inner = self.lock();
+        let rows = inner.ledger.query_for(start, by, only);
         let mut total = Totals::default();
         for group in &rows {
             total.add(&group.totals);
         }
+        let spend: HashMap<String, f64> = inner
+            .cloud
+            .spend_since(start)
+            .into_iter()
+            .filter(|(client, _)| {
+                only.is_none_or(|only| {
+                    client == only
+                        || client
+                            .strip_prefix(only)
+                            .is_some_and(|rest| rest.starts_with('/'))
+                })
+            })
+            .collect();
+        drop(inner);
+        let cloud_of = |client: &str| {
+            (by.client && !by.model)
+                .then(|| spend.get(client).copied())
+                .flatten()
+        };
+        let total_cloud = (!spend.is_empty()).then(|| spend.values().sum::<f64>());
         api::GetUsageResponse {
             rows: rows
                 .iter()
-                .map(|group| totals(&group.client, &group.model, &group.totals))
+                .map(|group| api::UsageTotals {
+                    cloud_usd: cloud_of(&group.client),
+                    ..totals(&group.client, &group.model, &group.totals)
+                })
                 .collect(),
-            total: Some(totals("", "", &total)),
+            total: Some(api::UsageTotals {
+                cloud_usd: total_cloud,
+                ..totals("", "", &total)
+            }),
             since_unix_s: start,
         }
     }
@@ -621,6 +725,7 @@ fn used(client: &str, start: i64, totals: &Totals, now: SystemTime) -> wire::Bud
         window_start_unix_s: start,
         gpu_ns: totals.gpu_ns,
         tokens: totals.tokens(),
+        usd: 0.0,
         as_of_unix_ms: now.duration_since(UNIX_EPOCH).map_or(0, |since| {
             i64::try_from(since.as_millis()).unwrap_or(i64::MAX)
         }),
@@ -652,6 +757,7 @@ fn totals(client: &str, model: &str, totals: &Totals) -> api::UsageTotals {
         embedding_inputs: totals.embedding_inputs,
         cached_inputs: totals.cached_inputs,
         cached_tokens: totals.cached_tokens,
+        cloud_usd: None,
     }
 }
 

@@ -524,6 +524,12 @@ fn pool_account(account: &str) -> Arc<str> {
     }
 }
 
+/// The Ollama Cloud account that answered, as the snapshot names it: an extension of the
+/// answer's response (never sent to the client), so that accounting charges its tokens to
+/// that account as well.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Served(pub Arc<str>);
+
 /// The models to try, in order, for a request for `model` on a cloud host: the model itself,
 /// then the host's `fallback_models` (each once; names compare as Ollama compares them).
 pub fn candidates(host: &Host, model: &str) -> Vec<String> {

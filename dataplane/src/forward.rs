@@ -499,7 +499,12 @@ async fn send_cloud(
                     continue;
                 }
             }
-            attempts.succeed(&attempt);
+            if let Some(account) = attempts.succeed(&attempt) {
+                answer
+                    .response
+                    .extensions_mut()
+                    .insert(cloud::Served(account));
+            }
             let mut extra = Vec::new();
             if candidate != requested
                 && let Ok(value) = HeaderValue::from_str(&candidate)

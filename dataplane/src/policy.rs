@@ -386,6 +386,8 @@ pub struct UsageBudget {
     pub gpu_ns: u64,
     /// Tokens (prompt + completion) per window; 0 = none.
     pub tokens: u64,
+    /// Ollama Cloud spend per window, millionths of a USD; 0 = none.
+    pub usd_micros: u64,
     /// The window's length, seconds (at least 1).
     pub window_seconds: u64,
     /// Windows start at this Unix time plus whole multiples of the length.
@@ -406,6 +408,8 @@ pub struct Used {
     pub gpu_ns: u64,
     /// Tokens.
     pub tokens: u64,
+    /// Ollama Cloud spend the control plane attributed, millionths of a USD.
+    pub usd_micros: u64,
     /// When the control plane computed it, Unix milliseconds: the newest copy wins.
     pub as_of_unix_ms: i64,
 }
@@ -417,8 +421,20 @@ impl Used {
             window_start_unix_s: used.window_start_unix_s,
             gpu_ns: used.gpu_ns,
             tokens: used.tokens,
+            usd_micros: usd_micros(used.usd),
             as_of_unix_ms: used.as_of_unix_ms,
         }
+    }
+}
+
+/// A USD figure of the wire in millionths of a USD (0 for anything not a positive number).
+pub fn usd_micros(usd: f64) -> u64 {
+    if usd.is_finite() && usd > 0.0 {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let micros = (usd * 1e6).round().min(u64::MAX as f64) as u64;
+        micros
+    } else {
+        0
     }
 }
 

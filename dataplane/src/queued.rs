@@ -411,6 +411,11 @@ async fn granted(
     }
     let ttfb = sent.elapsed();
     parts.metrics.observe_ttfb(tier, ttfb);
+    let served = answer
+        .response
+        .extensions()
+        .get::<crate::cloud::Served>()
+        .map(|served| served.0.clone());
     let logged = logged.map(|(settings, mut entry, log)| {
         entry.host = Some(answer.host.name.to_string());
         entry.status = status.as_u16();
@@ -425,6 +430,7 @@ async fn granted(
         logged,
         model,
         host: answer.host.name.clone(),
+        served,
         answered: status.is_success(),
         waited,
         sent,
@@ -548,6 +554,8 @@ struct Answered {
     logged: Option<(Arc<crate::request_log::Settings>, Entry, Arc<RequestLog>)>,
     model: Option<String>,
     host: Arc<str>,
+    /// The Ollama Cloud account that answered, on a cloud host.
+    served: Option<Arc<str>>,
     /// The answer's head was a success.
     answered: bool,
     waited: Duration,
@@ -571,6 +579,7 @@ fn completion(answered: Answered) -> Completion {
             logged,
             model,
             host,
+            served,
             answered,
             waited,
             sent,
@@ -610,9 +619,10 @@ fn completion(answered: Answered) -> Completion {
             tracing::info!(host = %host, "the answer's stream ended with an in-band error");
         }
         if let Some(usage) = usage {
-            usage.record(
+            usage.record_on(
                 &client,
                 model.as_deref().unwrap_or_default(),
+                served.as_deref(),
                 Totals {
                     gpu_ns: u64::try_from(gpu.as_nanos()).unwrap_or(u64::MAX),
                     // A stream that stated no prompt count is charged an estimate, so that

@@ -496,6 +496,7 @@ fn report(app: &App) -> NodeReport {
         stale_version: app.control.stale_version(),
         forwarded: app.peers.report(),
         usage: app.usage.report(),
+        usage_cloud: app.usage.report_cloud(),
         jwks_refresh: app.key_refresh.take(),
     }
 }

@@ -161,6 +161,8 @@ pub const REFUSED_MAX_DELAY: Duration = Duration::from_secs(60);
 struct Ledger {
     rows: HashMap<(Arc<str>, Arc<str>), Totals>,
     clients: HashMap<Arc<str>, Totals>,
+    /// Tokens each Ollama Cloud account served each client: (client, account) → tokens.
+    cloud: HashMap<(Arc<str>, Arc<str>), u64>,
     /// When the last increment was recorded (Unix seconds): a ledger counts toward a
     /// window only when it was added to inside it.
     last_unix_s: i64,
@@ -263,6 +265,19 @@ impl Usage {
     /// Records what one response of `client` for `model` used (`model` empty when the
     /// request named none).
     pub fn record(&self, client: &str, model: &str, totals: Totals, now: SystemTime) {
+        self.record_on(client, model, None, totals, now);
+    }
+
+    /// [`Usage::record`] of a response an Ollama Cloud `account` (as the snapshot names it)
+    /// served, when one did: its tokens count toward that account's spend too.
+    pub fn record_on(
+        &self,
+        client: &str,
+        model: &str,
+        account: Option<&str>,
+        totals: Totals,
+        now: SystemTime,
+    ) {
         let (client, model) = self.metrics.usage(
             client,
             model,
@@ -270,9 +285,36 @@ impl Usage {
             totals.prompt_tokens,
             totals.completion_tokens,
         );
-        self.lock()
-            .pending
-            .add(&client, &model, &totals, unix_s(now));
+        let mut inner = self.lock();
+        inner.pending.add(&client, &model, &totals, unix_s(now));
+        if let Some(account) = account.filter(|_| totals.tokens() > 0) {
+            let tokens = inner
+                .pending
+                .cloud
+                .entry((Arc::from(client.as_str()), Arc::from(account)))
+                .or_default();
+            *tokens = tokens.saturating_add(totals.tokens());
+        }
+    }
+
+    /// The cloud tokens of the batch [`Usage::report`] last gave, to send with it (one
+    /// row per client and account).
+    pub fn report_cloud(&self) -> Vec<wire::CloudTokens> {
+        let inner = self.lock();
+        let Some((_, ledger)) = inner.sent.as_ref() else {
+            return Vec::new();
+        };
+        let mut rows: Vec<wire::CloudTokens> = ledger
+            .cloud
+            .iter()
+            .map(|((client, account), tokens)| wire::CloudTokens {
+                client_id: client.to_string(),
+                account: account.to_string(),
+                tokens: *tokens,
+            })
+            .collect();
+        rows.sort_by(|a, b| (&a.client_id, &a.account).cmp(&(&b.client_id, &b.account)));
+        rows
     }
 
     /// The batch for the next report: the one sent and not acknowledged, else everything
@@ -292,7 +334,9 @@ impl Usage {
             return None;
         }
         inner.batches_sent += 1;
-        if inner.sent.is_none() && !inner.pending.rows.is_empty() {
+        if inner.sent.is_none()
+            && !(inner.pending.rows.is_empty() && inner.pending.cloud.is_empty())
+        {
             inner.last_seq += 1;
             let seq = inner.last_seq;
             let taken = std::mem::take(&mut inner.pending);
@@ -446,13 +490,17 @@ impl Usage {
         let now = unix_s(now);
         let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
         let inner = self.lock();
-        let (gpu_ns, tokens) =
+        let (gpu_ns, tokens, usd_micros) =
             used_in(budget, inner.used.get(client), &inner, client, whose, start);
         drop(inner);
         let over = if budget.gpu_ns > 0 && gpu_ns >= budget.gpu_ns {
             Some(format!("gpu_seconds {}", seconds(budget.gpu_ns)))
         } else if budget.tokens > 0 && tokens >= budget.tokens {
             Some(format!("tokens {}", budget.tokens))
+        } else if budget.usd_micros > 0 && usd_micros >= budget.usd_micros {
+            #[allow(clippy::cast_precision_loss)]
+            let usd = budget.usd_micros as f64 / 1e6;
+            Some(format!("usd {usd}"))
         } else {
             None
         };
@@ -529,7 +577,9 @@ impl Usage {
         let start = window::start(now, budget.window_seconds, budget.anchor_unix_s);
         let whose = if app { Whose::App } else { Whose::Own };
         let inner = self.lock();
-        used_in(budget, inner.used.get(client), &inner, client, whose, start)
+        let (gpu_ns, tokens, _) =
+            used_in(budget, inner.used.get(client), &inner, client, whose, start);
+        (gpu_ns, tokens)
     }
 }
 
@@ -564,7 +614,7 @@ fn used_in(
     client: &str,
     whose: Whose,
     start: i64,
-) -> (u64, u64) {
+) -> (u64, u64, u64) {
     let base = [Some(&budget.used), acked]
         .into_iter()
         .flatten()
@@ -580,9 +630,11 @@ fn used_in(
     if let Some((_, sent)) = &inner.sent {
         local.add(&of(sent));
     }
+    // Cloud spend only as the control plane attributed it: the price is its to observe.
     (
         base.gpu_ns.saturating_add(local.gpu_ns),
         base.tokens.saturating_add(local.tokens()),
+        base.usd_micros,
     )
 }
 

@@ -1,4 +1,5 @@
-//! `oqpctl usage` (who used how much GPU time and how many tokens) and the budget pieces of
+//! `oqpctl usage` (who used how much GPU time, Ollama Cloud spend in USD and how many
+//! tokens) and the budget pieces of
 //! the other commands: `keys add --budget-*` parsing, the budget columns of `keys list`,
 //! GPU time as `h:mm:ss`. Rendering is pure, from the response to text.
 
@@ -62,6 +63,10 @@ pub fn fold_apps(response: &mut api::GetUsageResponse) {
                 seen.cached_tokens = match (seen.cached_tokens, row.cached_tokens) {
                     (None, None) => None,
                     (a, b) => Some(a.unwrap_or(0) + b.unwrap_or(0)),
+                };
+                seen.cloud_usd = match (seen.cloud_usd, row.cloud_usd) {
+                    (None, None) => None,
+                    (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
                 };
             }
             None => folded.push(api::UsageTotals {
@@ -149,6 +154,10 @@ fn totals_json(row: &api::UsageTotals) -> Value {
     if let (Some(cached), Some(object)) = (row.cached_tokens, value.as_object_mut()) {
         object.insert("cached_tokens".to_owned(), json!(cached));
     }
+    // Omitted when no Ollama Cloud spend was attributed to the group.
+    if let (Some(usd), Some(object)) = (row.cloud_usd, value.as_object_mut()) {
+        object.insert("cloud_usd".to_owned(), json!(usd));
+    }
     value
 }
 
@@ -192,8 +201,14 @@ pub fn render(
             if request.by_model {
                 header.push("model");
             }
+            // Ollama Cloud spend beside GPU time, when any was attributed.
+            let cloud = total.cloud_usd.is_some()
+                || response.rows.iter().any(|row| row.cloud_usd.is_some());
+            header.push("GPU time");
+            if cloud {
+                header.push("cloud spend");
+            }
             header.extend([
-                "GPU time",
                 "prompt tokens",
                 "completion tokens",
                 "requests",
@@ -202,8 +217,14 @@ pub fn render(
             let mut rows = table(style, &header);
             let cells = |row: &api::UsageTotals, names: Vec<String>| {
                 let mut cells = names;
+                cells.push(hms(row.gpu_ns));
+                if cloud {
+                    cells.push(
+                        row.cloud_usd
+                            .map_or("-".to_owned(), |usd| format!("${usd:.2}")),
+                    );
+                }
                 cells.extend([
-                    hms(row.gpu_ns),
                     row.prompt_tokens.to_string(),
                     row.completion_tokens.to_string(),
                     row.requests.to_string(),
@@ -252,6 +273,7 @@ mod tests {
             embedding_inputs: 0,
             cached_inputs: 3,
             cached_tokens: None,
+            cloud_usd: None,
         }
     }
 
@@ -327,6 +349,39 @@ mod tests {
             text.ends_with("Since 2026-12-01T07:00:00Z (UTC, whole hours)."),
             "{text}"
         );
+    }
+
+    #[test]
+    fn cloud_spend_is_shown_beside_gpu_time_only_when_some_was_attributed() {
+        let plain = render(
+            &response(),
+            &by_client(),
+            false,
+            Output::Table,
+            Style::PLAIN,
+        );
+        assert!(!plain.contains("cloud spend"), "{plain}");
+        let mut response = response();
+        response.rows[0].cloud_usd = Some(1.5);
+        response.total.as_mut().unwrap().cloud_usd = Some(1.5);
+        let text = render(&response, &by_client(), false, Output::Table, Style::PLAIN);
+        let lines: Vec<&str> = text.lines().collect();
+        let header: Vec<&str> = lines[1].split('|').map(str::trim).collect();
+        let at = |name: &str| header.iter().position(|cell| *cell == name).unwrap();
+        assert_eq!(at("cloud spend"), at("GPU time") + 1, "{text}");
+        assert!(text.contains("| $1.50 "), "{text}");
+        assert!(text.contains("| chat   | 0:01:05  | -  "), "{text}");
+        let json: Value = serde_json::from_str(&render(
+            &response,
+            &by_client(),
+            false,
+            Output::Json,
+            Style::PLAIN,
+        ))
+        .unwrap();
+        assert_eq!(json["rows"][0]["cloud_usd"], 1.5);
+        assert!(json["rows"][1].get("cloud_usd").is_none());
+        assert_eq!(json["total"]["cloud_usd"], 1.5);
     }
 
     #[test]

@@ -56,7 +56,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 
 pub use builder::FakeBuilder;
-pub use cloud::{BalanceRead, CloudPlan, CloudReply, READS_PER_MINUTE};
+pub use cloud::{BalanceRead, CloudPlan, CloudReply, CloudUsageShape, READS_PER_MINUTE};
 pub use handle::{Failure, FakeHandle};
 pub use record::RecordedRequest;
 pub use runners::{CacheUse, RunnerEntry};

@@ -784,15 +784,28 @@ fn resolve_budget(raw: &RawBudget, at: &str, problems: &mut Problems) -> Option<
         }
         Some(tokens) => tokens.0.unsigned_abs(),
     };
-    if gpu_ns == 0 && tokens == 0 {
+    let usd_micros = match raw.usd {
+        None => 0,
+        Some(usd) if !(usd.0.is_finite() && usd.0 > 0.0 && usd.0 <= 1e9) => {
+            problems.error(format!(
+                "{at}.budget.usd must be a positive amount of USD (at most 1e9), got {}",
+                usd.0
+            ));
+            return None;
+        }
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Some(usd) => ((usd.0 * 1e6).round() as u64).max(1),
+    };
+    if gpu_ns == 0 && tokens == 0 && usd_micros == 0 {
         problems.error(format!(
-            "{at}.budget sets neither gpu_seconds nor tokens; set one or both, or remove it"
+            "{at}.budget sets none of gpu_seconds, tokens and usd; set one or more, or remove it"
         ));
         return None;
     }
     Some(Budget {
         gpu_ns,
         tokens,
+        usd_micros,
         window,
     })
 }

@@ -297,6 +297,7 @@ pub(crate) struct RawUsers {
 pub(crate) struct RawBudget {
     pub gpu_seconds: Option<Seconds>,
     pub tokens: Option<Int>,
+    pub usd: Option<Float>,
     pub window: Option<Text>,
 }
 

@@ -1629,14 +1629,25 @@ fn key_budgets() {
         "auth:\n  keys:\n    \
          - {key: k1, client_id: a, budget: {gpu_seconds: 2h, tokens: 2000000, window: 1d}}\n    \
          - {key: k2, client_id: b, budget: {tokens: 500, window: 7D}}\n    \
-         - {key: k3, client_id: c}\n",
+         - {key: k3, client_id: c}\n    \
+         - {key: k4, client_id: d, budget: {usd: 5.25, window: 30d}}\n",
     ));
     let keys = &loaded.config.auth.keys;
+    assert_eq!(
+        keys[3].budget,
+        Some(Budget {
+            gpu_ns: 0,
+            tokens: 0,
+            usd_micros: 5_250_000,
+            window: BudgetWindow::Days30
+        })
+    );
     assert_eq!(
         keys[0].budget,
         Some(Budget {
             gpu_ns: 7_200_000_000_000,
             tokens: 2_000_000,
+            usd_micros: 0,
             window: BudgetWindow::Day
         })
     );
@@ -1655,16 +1666,18 @@ fn key_budgets() {
          - {key: k2, client_id: b, budget: {window: 1h}}\n    \
          - {key: k3, client_id: c, budget: {gpu_seconds: 0, window: 1h}}\n    \
          - {key: k4, client_id: d, budget: {tokens: -5, window: 1h}}\n    \
-         - {key: k5, client_id: e, budget: {tokens: 5}}\n",
+         - {key: k5, client_id: e, budget: {tokens: 5}}\n    \
+         - {key: k6, client_id: f, budget: {usd: -1, window: 1h}}\n",
     ));
     assert_eq!(
         errors,
         [
             "auth.keys[client_id=a].budget.window must be one of 1h, 1d, 7d, 30d, got '2d'",
-            "auth.keys[client_id=b].budget sets neither gpu_seconds nor tokens; set one or both, or remove it",
+            "auth.keys[client_id=b].budget sets none of gpu_seconds, tokens and usd; set one or more, or remove it",
             "auth.keys[client_id=c].budget.gpu_seconds must be > 0",
             "auth.keys[client_id=d].budget.tokens must be a positive integer, got -5",
             "auth.keys[client_id=e].budget.window is required (one of 1h, 1d, 7d, 30d)",
+            "auth.keys[client_id=f].budget.usd must be a positive amount of USD (at most 1e9), got -1",
         ]
     );
     // A misspelt budget field is reported with its path.

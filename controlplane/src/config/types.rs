@@ -336,13 +336,16 @@ pub enum JwksSource {
     File(std::path::PathBuf),
 }
 
-/// `auth.keys[].budget` (or a store key's): GPU time and/or tokens per window.
+/// `auth.keys[].budget` (or a store key's): GPU time, tokens and/or Ollama Cloud spend per
+/// window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {
     /// GPU time per window, nanoseconds; 0 = no GPU-time budget.
     pub gpu_ns: u64,
     /// Prompt + completion tokens per window; 0 = no token budget.
     pub tokens: u64,
+    /// Ollama Cloud spend per window, in millionths of a USD (`usd`); 0 = no USD budget.
+    pub usd_micros: u64,
     /// The window.
     pub window: BudgetWindow,
 }

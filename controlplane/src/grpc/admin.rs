@@ -993,9 +993,11 @@ fn new_key(request: api::AddKeyRequest) -> Result<NewKey, Status> {
                     budget.window
                 ))
             })?;
+            // A USD budget is set in the config only.
             Some(crate::config::Budget {
                 gpu_ns: budget.gpu_ns,
                 tokens: budget.tokens,
+                usd_micros: 0,
                 window,
             })
         }

@@ -214,6 +214,7 @@ impl PolicyService for PolicyApi {
         }
         let node = report.node.clone();
         let batch = report.usage.take();
+        let cloud_rows = std::mem::take(&mut report.usage_cloud);
         self.hub.record_report(report);
         // Applied (and its day written) before the ack, which lets the node forget it.
         let usage = self.usage.clone();
@@ -229,7 +230,7 @@ impl PolicyService for PolicyApi {
         };
         let (receipt, notices) = tokio::task::spawn_blocking(move || {
             let now = SystemTime::now();
-            let receipt = usage.apply_from(&reporter, batch.as_ref(), now);
+            let receipt = usage.apply_report(&reporter, batch.as_ref(), &cloud_rows, now);
             (receipt, usage.exceeded(&clients.clients, now))
         })
         .await

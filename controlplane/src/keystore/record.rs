@@ -228,6 +228,7 @@ fn decode_record(stored: StoredRecord) -> Result<Record, String> {
             Some(Budget {
                 gpu_ns: budget.gpu_ns,
                 tokens: budget.tokens,
+                usd_micros: 0,
                 window,
             })
         }
@@ -290,6 +291,7 @@ mod tests {
             budget: Some(Budget {
                 gpu_ns: 7_200_000_000_000,
                 tokens: 0,
+                usd_micros: 0,
                 window: BudgetWindow::Day,
             }),
             models: vec!["llama3.2*".to_owned(), "qwen3:*".to_owned()],

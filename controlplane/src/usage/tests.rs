@@ -42,6 +42,7 @@ fn budgeted(gpu_seconds: u64) -> wire::Client {
             window_anchor_unix_s: 0,
             window: "1d".to_owned(),
             used: None,
+            usd: 0.0,
         }),
         ..wire::Client::default()
     }
@@ -278,6 +279,7 @@ fn acks_rank_users_by_the_fraction_of_their_budget_used_and_keep_everyone_over()
                 window_anchor_unix_s: 0,
                 window: "1d".to_owned(),
                 used: None,
+                usd: 0.0,
             }),
             ..wire::Users::default()
         }),

@@ -139,12 +139,20 @@ impl Attempts<'_> {
     }
 
     /// Reports that `attempt` got an answer: the next call starts from this key.
-    pub fn succeed(&mut self, attempt: &Attempt) {
+    ///
+    /// Returns the account that served, as the snapshot names it (its label, or `key:` and
+    /// the key's digest), for usage accounting.
+    pub fn succeed(&mut self, attempt: &Attempt) -> Option<Arc<str>> {
         let mut state = self.pool.lock();
-        if let Some(index) = state.position(attempt.id) {
-            state.keys[index].last_error = None;
-            state.cursor = Some(attempt.id);
-        }
+        let index = state.position(attempt.id)?;
+        state.keys[index].last_error = None;
+        state.cursor = Some(attempt.id);
+        let account = &state.keys[index].account;
+        Some(
+            account
+                .strip_prefix("account:")
+                .map_or_else(|| account.clone(), Arc::from),
+        )
     }
 
     /// The last failure reported in this call (to choose the final status: 429 after quota

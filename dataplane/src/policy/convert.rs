@@ -433,7 +433,9 @@ fn convert_budget(
 ) -> Result<Option<UsageBudget>, PolicyError> {
     Ok(match budget {
         None => None,
-        Some(budget) if budget.gpu_ns == 0 && budget.tokens == 0 => None,
+        Some(budget) if budget.gpu_ns == 0 && budget.tokens == 0 && usd_micros(budget.usd) == 0 => {
+            None
+        }
         Some(budget) if budget.window_seconds == 0 => {
             return Err(PolicyError::new(format!(
                 "client '{id}': budget window must be at least one second"
@@ -442,6 +444,7 @@ fn convert_budget(
         Some(budget) => Some(UsageBudget {
             gpu_ns: budget.gpu_ns,
             tokens: budget.tokens,
+            usd_micros: usd_micros(budget.usd),
             window_seconds: budget.window_seconds,
             anchor_unix_s: budget.window_anchor_unix_s,
             window: budget.window,

@@ -55,6 +55,7 @@ fn daily(gpu_seconds: u64, tokens: u64, used: Used) -> UsageBudget {
     UsageBudget {
         gpu_ns: gpu_seconds * SECOND,
         tokens,
+        usd_micros: 0,
         window_seconds: 86_400,
         anchor_unix_s: 0,
         window: "1d".into(),
@@ -104,6 +105,7 @@ fn a_spent_gpu_budget_refuses_until_its_window_resets() {
         window_start_unix_s: DAY_START,
         gpu_ns: 9 * SECOND,
         tokens: 0,
+        usd_micros: 0,
         as_of_unix_ms: NOW * 1000,
     };
     let client = client(Some(daily(10, 0, used)));
@@ -128,6 +130,7 @@ fn a_spent_gpu_budget_refuses_until_its_window_resets() {
         window_start_unix_s: DAY_START,
         gpu_ns: 10 * SECOND,
         tokens: 30,
+        usd: 0.0,
         as_of_unix_ms: NOW * 1000 + 1,
     };
     usage.acked(&ack(1, vec![acked]), at(NOW));
@@ -166,6 +169,7 @@ fn the_newest_figure_for_the_current_window_wins() {
         window_start_unix_s: DAY_START - 86_400,
         gpu_ns: 100 * SECOND,
         tokens: 0,
+        usd_micros: 0,
         as_of_unix_ms: NOW * 1000 + 5,
     };
     let client = client(Some(daily(10, 0, stale)));
@@ -179,6 +183,7 @@ fn the_newest_figure_for_the_current_window_wins() {
         window_start_unix_s: DAY_START,
         gpu_ns,
         tokens: 0,
+        usd: 0.0,
         as_of_unix_ms,
     };
     usage.acked(&ack(0, vec![today(11 * SECOND, NOW * 1000)]), at(NOW));
@@ -284,6 +289,7 @@ fn a_figure_left_out_of_the_next_ack_is_kept() {
         window_start_unix_s: DAY_START,
         gpu_ns: 0,
         tokens,
+        usd: 0.0,
         as_of_unix_ms,
     };
     usage.acked(&ack(0, vec![figure(60, NOW * 1000)]), at(NOW));

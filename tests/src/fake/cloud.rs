@@ -1,7 +1,7 @@
 //! The fake's ollama.com mode (reference §A.9, §B.7 item 12): a Bearer key is required, and each
 //! key can be scripted to answer its next inference requests with the cloud's rate-limit (429,
 //! no Retry-After), overload or slot-timeout errors. `GET /api/usage` reports per-key session and
-//! weekly fractions. A model can need a subscription: a key without one gets a 403 for that model
+//! weekly fractions where a test set them, else the account's spend in dollars ([`billing`]). A model can need a subscription: a key without one gets a 403 for that model
 //! only, while every other model and `GET /api/usage` still work with it; a suspended key gets
 //! a 403 for everything, `/api/usage` included. Accounts, plans, balances and the 402 of an
 //! extra-usage-only model are in [`billing`].
@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 use http::StatusCode;
 use serde_json::json;
 
-pub use billing::{BalanceRead, CloudPlan, READS_PER_MINUTE};
+pub use billing::{BalanceRead, CloudPlan, CloudUsageShape, READS_PER_MINUTE};
 
 use super::record::lock;
 use super::wire::{Reply, gin_error, gin_json, reference_id, rfc3339};
@@ -179,9 +179,12 @@ impl Cloud {
             .unwrap_or(CloudReply::Ok)
     }
 
-    /// `GET /api/usage` for `key` (best-effort shape, §A.9).
+    /// `GET /api/usage` for `key`: the session and weekly fractions set for it (the
+    /// best-effort legacy shape, §A.9), else what its account spent ([`billing`]).
     pub fn usage(&self, key: &str) -> Reply {
-        let (session, weekly) = lock(&self.usage).get(key).copied().unwrap_or((0.0, 0.0));
+        let Some((session, weekly)) = lock(&self.usage).get(key).copied() else {
+            return lock(&self.billing).usage(key);
+        };
         let now = SystemTime::now();
         let body = json!({
             "limits": {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::cloud::{BalanceRead, Cloud, CloudPlan, CloudReply};
+use super::cloud::{BalanceRead, Cloud, CloudPlan, CloudReply, CloudUsageShape};
 use super::models::{Kind, canonical};
 use super::record::{RecordedRequest, lock};
 use super::state::Shared;
@@ -420,7 +420,21 @@ impl FakeHandle {
         }
     }
 
-    /// Cloud mode: the `/api/balance` reads `account` made, in order.
+    /// Cloud mode: the shape of `account`'s `GET /api/usage` (dollars at the top by default).
+    pub fn set_cloud_usage_shape(&self, account: &str, shape: CloudUsageShape) {
+        if let Some(cloud) = self.cloud() {
+            lock(&cloud.billing).set_usage_shape(account, shape);
+        }
+    }
+
+    /// Cloud mode: what `account` spent so far, in USD (what its `/api/usage` reports).
+    pub fn cloud_spent(&self, account: &str) -> f64 {
+        self.cloud()
+            .map_or(0.0, |cloud| lock(&cloud.billing).spent(account))
+    }
+
+    /// Cloud mode: the `/api/balance` and `/api/usage` reads `account` made, in order (they
+    /// share the read limit).
     pub fn cloud_balance_reads(&self, account: &str) -> Vec<BalanceRead> {
         self.cloud()
             .map(|cloud| lock(&cloud.billing).balance_reads(account))

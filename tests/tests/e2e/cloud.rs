@@ -2,6 +2,9 @@
 //! the fake ollama.com. A 402 for a model that uses extra usage only refuses that model on that
 //! account alone; balances are read per account within the cloud's read limit.
 
+mod dashboard;
+mod spend;
+
 use std::time::Duration;
 
 use oqp_tests::client::{HttpClient, eventually};

@@ -7,8 +7,12 @@
 //!   price (`price_per_output_token`), from the included balance first, then the extra one.
 //! - A model can use extra usage only: on an account whose extra balance is empty it answers
 //!   402 with the cloud's text (ollama/ollama#17639); every other model still serves.
-//! - Reads of `/api/balance` are limited like the real ones: at most [`READS_PER_MINUTE`] a
-//!   rolling minute per account, across its keys; past that, 429 with `Retry-After`.
+//! - `GET /api/usage` reports what the account spent (`usage_usd`, the requests and the output
+//!   tokens it billed), at the top of the body or, in the second shape
+//!   ([`CloudUsageShape::Monthly`]), under `limits.monthly.usage`.
+//! - Reads of `/api/balance` and `/api/usage` are limited like the real ones: at most
+//!   [`READS_PER_MINUTE`] a rolling minute per account, across its keys and both endpoints;
+//!   past that, 429 with `Retry-After`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
@@ -18,7 +22,7 @@ use serde_json::{Value, json};
 
 use super::super::wire::{Reply, gin_error, gin_json, reference_id, rfc3339};
 
-/// Reads of `/api/balance` one account may make in a rolling minute.
+/// Reads of `/api/balance` and `/api/usage` one account may make in a rolling minute.
 pub const READS_PER_MINUTE: usize = 10;
 
 const MINUTE: Duration = Duration::from_secs(60);
@@ -42,6 +46,17 @@ pub enum CloudPlan {
     },
 }
 
+/// The shape in which the fake answers an account's `GET /api/usage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum CloudUsageShape {
+    /// `usage_usd`, `request_count`, `input_tokens`, `cached_input_tokens` and
+    /// `output_tokens` at the top, with one such object per model under `models`.
+    #[default]
+    Dollars,
+    /// The same figures under `limits.monthly.usage`.
+    Monthly,
+}
+
 /// Billing state: accounts, plans, prices, extra-usage-only models, and the read log.
 #[derive(Debug, Default)]
 pub(crate) struct Billing {
@@ -60,8 +75,12 @@ struct Account {
     extra_usd: f64,
     /// When the account was first seen: reset times are stated from it, the same at each read.
     since: SystemTime,
-    /// Every `/api/balance` read: when, and whether it was refused with a 429.
-    reads: Vec<(Instant, bool)>,
+    /// Every `/api/balance` and `/api/usage` read: when, whether it was refused with a
+    /// 429, and whether it was of `/api/usage`.
+    reads: Vec<(Instant, bool, bool)>,
+    /// What it spent, per model: requests, output tokens, USD.
+    spent: HashMap<String, (u64, u64, f64)>,
+    usage_shape: CloudUsageShape,
 }
 
 impl Default for Account {
@@ -74,17 +93,21 @@ impl Default for Account {
             extra_usd: 0.0,
             since: SystemTime::now(),
             reads: Vec::new(),
+            spent: HashMap::new(),
+            usage_shape: CloudUsageShape::Dollars,
         }
     }
 }
 
-/// One `/api/balance` read an account made, as the fake saw it.
+/// One `/api/balance` or `/api/usage` read an account made, as the fake saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BalanceRead {
     /// When it arrived.
     pub at: Instant,
     /// Whether it was refused with a 429 (over the read limit).
     pub limited: bool,
+    /// Whether it was of `/api/usage` (else `/api/balance`).
+    pub usage: bool,
 }
 
 impl Billing {
@@ -166,6 +189,10 @@ impl Billing {
         let mut cost = output_tokens as f64 * self.price_per_output_token;
         let extra_only = self.extra_only.contains(model);
         let account = self.accounts.entry(self.account_of(key)).or_default();
+        let spent = account.spent.entry(model.to_owned()).or_default();
+        spent.0 += 1;
+        spent.1 += u64::try_from(output_tokens).unwrap_or(u64::MAX);
+        spent.2 += cost;
         if let CloudPlan::Credits { balance_usd, .. } = &mut account.plan
             && !extra_only
         {
@@ -179,33 +206,13 @@ impl Billing {
     /// `GET /api/balance` for `key`: the plan's shape, or a 429 with `Retry-After` past the
     /// account's read limit.
     pub fn balance(&mut self, key: &str) -> Reply {
-        let limit = self.read_limit.unwrap_or(READS_PER_MINUTE);
-        let now = Instant::now();
-        let account = self.accounts.entry(self.account_of(key)).or_default();
-        let recent: VecDeque<Instant> = account
-            .reads
-            .iter()
-            .filter(|(at, limited)| !limited && now.saturating_duration_since(*at) < MINUTE)
-            .map(|(at, _)| *at)
-            .collect();
-        if recent.len() >= limit {
-            account.reads.push((now, true));
-            let oldest = recent.front().copied().unwrap_or(now);
-            let wait = MINUTE.saturating_sub(now.saturating_duration_since(oldest));
-            let mut reply = gin_error(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many requests, please slow down",
-            );
-            reply.headers_mut().insert(
-                header::RETRY_AFTER,
-                HeaderValue::from(wait.as_secs().max(1)),
-            );
+        if let Err(reply) = self.read(key, false) {
             return reply;
         }
-        account.reads.push((now, false));
         if let Some(body) = &self.balance_body {
             return gin_json(StatusCode::OK, body);
         }
+        let account = self.accounts.entry(self.account_of(key)).or_default();
         let wall = account.since;
         let body = match account.plan {
             CloudPlan::Credits {
@@ -236,7 +243,94 @@ impl Billing {
         gin_json(StatusCode::OK, &body)
     }
 
-    /// Every `/api/balance` read `account` made, in order.
+    /// One read of `key`'s account (`usage`: of `/api/usage`), or the 429 past its read limit.
+    fn read(&mut self, key: &str, usage: bool) -> Result<&mut Account, Reply> {
+        let limit = self.read_limit.unwrap_or(READS_PER_MINUTE);
+        let now = Instant::now();
+        let account = self.accounts.entry(self.account_of(key)).or_default();
+        let recent: VecDeque<Instant> = account
+            .reads
+            .iter()
+            .filter(|(at, limited, _)| !limited && now.saturating_duration_since(*at) < MINUTE)
+            .map(|(at, ..)| *at)
+            .collect();
+        if recent.len() >= limit {
+            account.reads.push((now, true, usage));
+            let oldest = recent.front().copied().unwrap_or(now);
+            let wait = MINUTE.saturating_sub(now.saturating_duration_since(oldest));
+            let mut reply = gin_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "too many requests, please slow down",
+            );
+            reply.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(wait.as_secs().max(1)),
+            );
+            return Err(reply);
+        }
+        account.reads.push((now, false, usage));
+        Ok(account)
+    }
+
+    /// Sets the shape of `account`'s `/api/usage`.
+    pub fn set_usage_shape(&mut self, account: &str, shape: CloudUsageShape) {
+        self.accounts
+            .entry(account.to_owned())
+            .or_default()
+            .usage_shape = shape;
+    }
+
+    /// What `account` spent so far, in USD.
+    pub fn spent(&self, account: &str) -> f64 {
+        self.accounts.get(account).map_or(0.0, |account| {
+            account.spent.values().map(|spent| spent.2).sum()
+        })
+    }
+
+    /// `GET /api/usage` for `key`: what its account spent (all of it falls in any range), in
+    /// the account's shape, or a 429 past the read limit (shared with `/api/balance`).
+    pub fn usage(&mut self, key: &str) -> Reply {
+        let account = match self.read(key, true) {
+            Ok(account) => account,
+            Err(reply) => return reply,
+        };
+        let figures = |requests: u64, output: u64, usd: f64| {
+            json!({
+                "request_count": requests,
+                "usage_usd": usd,
+                "input_tokens": 0,
+                "cached_input_tokens": 0,
+                "output_tokens": output,
+            })
+        };
+        let mut models: Vec<(&String, &(u64, u64, f64))> = account.spent.iter().collect();
+        models.sort_by(|a, b| a.0.cmp(b.0));
+        let (requests, output, usd) = models.iter().fold((0, 0, 0.0), |sum, (_, spent)| {
+            (sum.0 + spent.0, sum.1 + spent.1, sum.2 + spent.2)
+        });
+        let body = match account.usage_shape {
+            CloudUsageShape::Dollars => {
+                let mut body = figures(requests, output, usd);
+                body["range"] = json!("30d");
+                body["scope"] = json!("self");
+                body["models"] = models
+                    .iter()
+                    .map(|(model, spent)| {
+                        let mut one = figures(spent.0, spent.1, spent.2);
+                        one["model"] = json!(model);
+                        one
+                    })
+                    .collect();
+                body
+            }
+            CloudUsageShape::Monthly => json!({
+                "limits": { "monthly": { "usage": figures(requests, output, usd) } },
+            }),
+        };
+        gin_json(StatusCode::OK, &body)
+    }
+
+    /// Every `/api/balance` and `/api/usage` read `account` made, in order.
     pub fn balance_reads(&self, account: &str) -> Vec<BalanceRead> {
         self.accounts
             .get(account)
@@ -244,9 +338,10 @@ impl Billing {
                 account
                     .reads
                     .iter()
-                    .map(|(at, limited)| BalanceRead {
+                    .map(|(at, limited, usage)| BalanceRead {
                         at: *at,
                         limited: *limited,
+                        usage: *usage,
                     })
                     .collect()
             })

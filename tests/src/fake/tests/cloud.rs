@@ -3,7 +3,7 @@
 use http::{Method, StatusCode};
 
 use super::{Answer, call, call_with};
-use crate::fake::{CloudPlan, CloudReply, FakeOllama};
+use crate::fake::{CloudPlan, CloudReply, CloudUsageShape, FakeOllama};
 
 const CHAT: &str =
     r#"{"model":"gpt-oss:120b","stream":false,"messages":[{"role":"user","content":"hi"}]}"#;
@@ -103,6 +103,66 @@ async fn scripted_replies_are_consumed_per_key() {
     );
     handle.set_cloud_default("k2", CloudReply::Ok);
     assert_eq!(chat(addr, Some("k2")).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn usage_reports_the_accounts_spend_in_both_shapes_within_the_read_limit() {
+    let fake = FakeOllama::builder()
+        .model("gpt-oss:120b")
+        .cloud(&["k1", "k2"])
+        .spawn()
+        .await;
+    let (addr, handle) = (fake.addr(), fake.handle());
+    handle.set_cloud_account("acme", &["k1", "k2"]);
+    handle.set_cloud_price(0.5);
+    assert_eq!(chat(addr, Some("k1")).await.status, StatusCode::OK);
+    assert_eq!(chat(addr, Some("k2")).await.status, StatusCode::OK);
+    let usage = |key: &'static str| async move {
+        let bearer = format!("Bearer {key}");
+        call_with(
+            addr,
+            Method::GET,
+            "/api/usage?range=30d&scope=self&group_by=model",
+            "",
+            &[("authorization", &bearer)],
+        )
+        .await
+    };
+    // Both keys' requests, on the one account: 2 requests of 5 output tokens at $0.5.
+    let dollars = usage("k1").await.json();
+    assert_eq!(dollars["usage_usd"], 5.0, "{dollars}");
+    assert_eq!(dollars["request_count"], 2, "{dollars}");
+    assert_eq!(dollars["output_tokens"], 10, "{dollars}");
+    assert_eq!(dollars["models"][0]["model"], "gpt-oss:120b", "{dollars}");
+    assert_eq!(handle.cloud_spent("acme"), 5.0);
+    handle.set_cloud_usage_shape("acme", CloudUsageShape::Monthly);
+    let monthly = usage("k2").await.json();
+    assert_eq!(
+        monthly["limits"]["monthly"]["usage"]["usage_usd"], 5.0,
+        "{monthly}"
+    );
+    // Balance and usage reads share the account's limit.
+    handle.set_cloud_read_limit(3);
+    let balance = call_with(
+        addr,
+        Method::GET,
+        "/api/balance",
+        "",
+        &[("authorization", "Bearer k1")],
+    )
+    .await;
+    assert_eq!(balance.status, StatusCode::OK);
+    let limited = usage("k2").await;
+    assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(limited.headers.contains_key(http::header::RETRY_AFTER));
+    let reads = handle.cloud_balance_reads("acme");
+    assert_eq!(
+        reads
+            .iter()
+            .map(|read| (read.usage, read.limited))
+            .collect::<Vec<_>>(),
+        [(true, false), (true, false), (false, false), (true, true)]
+    );
 }
 
 #[tokio::test]
