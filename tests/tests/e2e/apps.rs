@@ -80,11 +80,16 @@ fn chat(model: &str) -> Value {
 }
 
 /// Sends a chat as `user` of the webui key, in the background.
+/// The GPU time each chat of [`spawn_chat`] reports (10 ms).
+const FIXED_COST: &str = "total_duration=10000000";
+
 fn spawn_chat(base: &str, key: &'static str, user: Option<&str>) -> tokio::task::JoinHandle<Reply> {
     let base = base.to_owned();
     let user = user.map(str::to_owned);
     tokio::spawn(async move {
-        let mut extra = Vec::new();
+        // Every chat reports the same GPU time, whatever the machine's load made its wall
+        // time: fair share is by GPU time, and the shares are counted in requests.
+        let mut extra = vec![(USAGE_HEADER, FIXED_COST)];
         if let Some(user) = &user {
             extra.push((USER_HEADER, user.as_str()));
         }

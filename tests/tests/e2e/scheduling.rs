@@ -415,7 +415,13 @@ async fn same_tier_clients_share_the_gpu_fairly_whatever_they_offer() {
                         .send(
                             "POST".parse().unwrap(),
                             &url,
-                            &[("authorization", &auth)],
+                            // The same GPU time for each (fair share is by GPU time; the
+                            // shares are counted in requests), whatever the load made its
+                            // wall time.
+                            &[
+                                ("authorization", &auth),
+                                (oqp_tests::fake::USAGE_HEADER, "total_duration=25000000"),
+                            ],
                             GENERATE,
                         )
                         .await;
