@@ -84,6 +84,7 @@ pub fn snapshot(
             users: key.users.as_ref().map(users_to_wire),
             tls_subject: key.tls_subject.clone().unwrap_or_default(),
             rate_limit: key.rate_limit.map(minute_limit_to_wire),
+            capture_max_bytes: key.capture.unwrap_or(0),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());

@@ -260,6 +260,9 @@ pub struct Client {
     pub tls_subject: Option<Arc<str>>,
     /// Its per-minute limits (for an app key, the app's as a whole), if it has any.
     pub rate_limit: Option<MinuteLimit>,
+    /// Bytes of each request body and answer its request log lines keep (its users' too,
+    /// for an app key), if it captures them.
+    pub capture: Option<usize>,
 }
 
 /// `logging.requests`: where the request log ([`crate::request_log`]) is written.
@@ -866,6 +869,15 @@ impl Policy {
         let client = self.clients_by_id.get(app)?;
         client.users.as_ref()?;
         Some((client, user))
+    }
+
+    /// How many bytes of a request body and of its answer the request log keeps for
+    /// `client_id` (a user of an app has its app key's setting), when the log is on and the
+    /// key captures bodies.
+    pub fn capture_of(&self, client_id: &str) -> Option<usize> {
+        self.request_log.as_ref()?;
+        let key = client_id.split_once('/').map_or(client_id, |(app, _)| app);
+        self.clients_by_id.get(key)?.capture
     }
 
     /// A host by name.

@@ -32,7 +32,8 @@ use crate::placement::Target;
 use crate::policy::Policy;
 use crate::proxy::{self, Active, Outbound, RequestBody};
 use crate::relay;
-use crate::request_log::{Entry, RequestLog};
+use crate::request_log::capture::Tap;
+use crate::request_log::{Capture, Entry, RequestLog};
 use crate::scheduler::Tier;
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
@@ -152,6 +153,10 @@ async fn send_inner(
         tier: tier.as_str(),
         ..Entry::default()
     };
+    // The body to capture, should the request be refused here (cheap: a shared buffer).
+    let captured = policy
+        .capture_of(&client.id)
+        .map(|limit| (limit, buffered(&outbound.body)));
     let answer = admit_and_send(
         parts, policy, client, tier, model, chain, outbound, on_granted,
     )
@@ -161,6 +166,7 @@ async fn send_inner(
         entry.status = error.status().as_u16();
         entry.duration_ms = millis(started.elapsed());
         entry.error = Some(error.to_string());
+        entry.capture = captured.map(|(limit, body)| Capture::of_request(body.as_ref(), limit));
         parts.request_log.record(&settings, entry, parts.metrics);
     }
     answer
@@ -433,6 +439,14 @@ async fn send_granted(
         };
         (settings, entry, parts.request_log.clone())
     });
+    // A key that captures bodies: its request's now, its answer's by a tap on the stream.
+    let capture = logged.as_ref().and_then(|_| {
+        let limit = policy.capture_of(client)?;
+        Some((
+            limit,
+            Capture::of_request(buffered(&outbound.body).as_ref(), limit),
+        ))
+    });
     let sent = Instant::now();
     let active = parts.active.track();
     let model = lease.model().map(|m| m.to_string());
@@ -478,10 +492,17 @@ async fn send_granted(
         }
     };
     let forward::Forwarded {
-        answer,
+        mut answer,
         guards,
         headers: extra_headers,
     } = forwarded;
+    // Inside the body the completion hook watches: the copy is whole when the hook runs.
+    let capture = capture.map(|(limit, capture)| {
+        let (head, body) = std::mem::take(&mut answer.response).into_parts();
+        let (tap, tapped) = Tap::new(body, limit);
+        answer.response = Response::from_parts(head, http_body_util::BodyExt::boxed(tap));
+        (capture, tapped)
+    });
     let answered = answer.response.status().is_success();
     parts.metrics.host_request(&answer.host.name);
     let status = answer.response.status();
@@ -518,6 +539,7 @@ async fn send_granted(
             entry.cached_tokens = outcome
                 .cached_tokens
                 .or(verdict.map(|verdict| u64::from(verdict.cached_tokens)));
+            entry.capture = capture.map(|(capture, tapped)| capture.with_answer(&tapped));
             log.record(&settings, entry, &metrics);
         }
         // GPU time: Ollama's figure (and the attempts before the one that answered), else
@@ -682,6 +704,14 @@ fn prompt_estimate(body: &RequestBody) -> u64 {
             (bytes.len() as u64).div_ceil(u64::from(crate::affinity::chain::BYTES_PER_TOKEN))
         }
         RequestBody::Streamed(_) => 0,
+    }
+}
+
+/// The body of a request read whole (a shared buffer, not a copy).
+fn buffered(body: &RequestBody) -> Option<bytes::Bytes> {
+    match body {
+        RequestBody::Buffered(bytes) => Some(bytes.clone()),
+        RequestBody::Streamed(_) => None,
     }
 }
 

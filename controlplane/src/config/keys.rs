@@ -12,7 +12,7 @@ use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
 use super::scalar::{Int, Text};
-use super::schema::{RawBudget, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers};
+use super::schema::{RawBudget, RawCapture, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers};
 use super::secret::Secret;
 use super::types::{
     Budget, BudgetWindow, CloudKey, JwksSource, JwtConfig, KeyConfig, MinuteLimit, UserSource,
@@ -380,6 +380,10 @@ fn resolve_key(
         .rate_limit
         .as_ref()
         .and_then(|limit| resolve_minute_limit(limit, &format!("{at}.rate_limit"), problems));
+    let capture = raw
+        .capture
+        .as_ref()
+        .and_then(|capture| resolve_capture(capture, &format!("{at}.capture"), problems));
 
     if problems.error_count() != before {
         return None;
@@ -403,7 +407,31 @@ fn resolve_key(
         models,
         users,
         rate_limit,
+        capture,
     })
+}
+
+/// The most `capture.max_bytes` may be: each side of a request log line stays below it.
+pub const MAX_CAPTURE_BYTES: i64 = 1024 * 1024;
+
+/// A key's `capture` block at `at`: `max_bytes`, from 1 to [`MAX_CAPTURE_BYTES`].
+fn resolve_capture(raw: &RawCapture, at: &str, problems: &mut Problems) -> Option<u32> {
+    let Some(value) = raw.max_bytes.as_ref().map(|value| value.0) else {
+        problems.error(format!(
+            "{at} sets no max_bytes; set how many bytes of each request and answer the \
+             request log keeps (1 to {MAX_CAPTURE_BYTES}), or remove it"
+        ));
+        return None;
+    };
+    match u32::try_from(value) {
+        Ok(bytes) if (1..=MAX_CAPTURE_BYTES).contains(&value) => Some(bytes),
+        _ => {
+            problems.error(format!(
+                "{at}.max_bytes must be an integer from 1 to {MAX_CAPTURE_BYTES}, got {value}"
+            ));
+            None
+        }
+    }
 }
 
 /// `auth.keys[].models` (and a store key's `--models`): model-name globs, `*` and `?`.

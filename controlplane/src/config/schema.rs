@@ -262,6 +262,15 @@ pub(crate) struct RawKey {
     pub tls_subject: Option<Text>,
     #[serde(default)]
     pub rate_limit: Option<RawMinuteLimit>,
+    #[serde(default)]
+    pub capture: Option<RawCapture>,
+}
+
+/// `auth.keys[].capture`: request and answer bodies in the request log.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawCapture {
+    pub max_bytes: Option<Int>,
 }
 
 /// `auth.keys[].jwt` and `auth.keys[].users.jwt`.

@@ -2076,3 +2076,63 @@ fn the_request_log_is_off_unless_it_names_a_file() {
         ["logging.requests.retention_days must be between 1 and 3650, got 0"]
     );
 }
+
+#[test]
+fn capture_is_a_keys_setting_bounded_and_only_with_a_request_log() {
+    let loaded = load(&with_host(
+        "logging:\n  requests: {file: /tmp/oqp-requests.jsonl}\nauth:\n  keys:\n    \
+         - {key: k1, client_id: a, capture: {max_bytes: 4096}}\n    \
+         - {key: k2, client_id: b}\n    \
+         - key: k3\n      client_id: webui\n      users: {header: X-User}\n      capture: {max_bytes: 1048576}\n",
+    ));
+    let keys = &loaded.config.auth.keys;
+    assert_eq!(keys[0].capture, Some(4096));
+    assert_eq!(keys[1].capture, None);
+    assert_eq!(keys[2].capture, Some(1_048_576));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let snapshot = crate::compile::snapshot(
+        &loaded.config,
+        &Default::default(),
+        &Default::default(),
+        &[],
+        1,
+    );
+    let of = |id: &str| {
+        let client = snapshot.clients.iter().find(|c| c.client_id == id);
+        client.unwrap().capture_max_bytes
+    };
+    assert_eq!((of("a"), of("b"), of("webui")), (4096, 0, 1_048_576));
+
+    // Without the request log there is nowhere to write it: said, not refused.
+    let loaded = load(&with_host(
+        "auth:\n  keys:\n    - {key: k1, client_id: a, capture: {max_bytes: 10}}\n",
+    ));
+    assert_eq!(
+        loaded.warnings,
+        ["auth.keys[client_id=a].capture is set, but logging.requests is off: nothing is captured"]
+    );
+    // A user's capture is the app key's: `users.capture` is not a setting.
+    let loaded = load(&with_host(
+        "logging:\n  requests: {file: /tmp/oqp-requests.jsonl}\nauth:\n  keys:\n    \
+         - {key: k1, client_id: a, users: {header: X-User, capture: {max_bytes: 10}}}\n",
+    ));
+    assert_eq!(
+        loaded.warnings,
+        ["unknown key 'auth.keys[0].users.capture' (ignored)"]
+    );
+
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: a, capture: {}}\n    \
+         - {key: k2, client_id: b, capture: {max_bytes: 0}}\n    \
+         - {key: k3, client_id: c, capture: {max_bytes: 1048577}}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=a].capture sets no max_bytes; set how many bytes of each request and answer the request log keeps (1 to 1048576), or remove it",
+            "auth.keys[client_id=b].capture.max_bytes must be an integer from 1 to 1048576, got 0",
+            "auth.keys[client_id=c].capture.max_bytes must be an integer from 1 to 1048576, got 1048577",
+        ]
+    );
+}

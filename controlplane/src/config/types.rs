@@ -275,6 +275,9 @@ pub struct KeyConfig {
     pub tls_subject: Option<String>,
     /// Its own per-minute limits (for an app key, the app as a whole), if it sets any.
     pub rate_limit: Option<MinuteLimit>,
+    /// `capture.max_bytes`: how much of each request body and answer the request log keeps
+    /// (its users' too); `None` = no capture.
+    pub capture: Option<u32>,
 }
 
 /// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.

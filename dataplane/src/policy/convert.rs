@@ -408,6 +408,8 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .map(|users| convert_users(&id, users))
         .transpose()?;
     let rate_limit = MinuteLimit::from_wire(client.rate_limit);
+    let capture = (client.capture_max_bytes > 0)
+        .then(|| usize::try_from(client.capture_max_bytes).unwrap_or(usize::MAX));
     Ok(Client {
         id: Arc::from(id),
         key_digest,
@@ -424,6 +426,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         users,
         tls_subject,
         rate_limit,
+        capture,
     })
 }
 
