@@ -265,6 +265,22 @@ impl Verifier {
         })
     }
 
+    /// The `iss` its tokens must carry.
+    pub fn issuer(&self) -> &str {
+        &self.issuer
+    }
+
+    /// How many of the issuer's public keys it holds.
+    pub fn key_count(&self) -> usize {
+        self.keys.len().max(usize::from(self.only.is_some()))
+    }
+
+    /// Why it refuses every token (the control plane could not fetch the issuer's keys, or
+    /// they do not parse), if it does.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
+    }
+
     /// The header the token comes in.
     pub fn header(&self) -> &http::HeaderName {
         &self.header

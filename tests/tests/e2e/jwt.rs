@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 const ISSUER: &str = "https://login.example.com/realms/main";
 const AUDIENCE: &str = "oqp";
 const APP: &str = "sk-app-0123456789abcdef";
+const ADMIN: &str = "sk-admin-0123456789abcdef";
 const MODEL: &str = "llama3.2:3b";
 
 /// Long enough to never decide a test by itself.
@@ -35,12 +36,15 @@ ollama:
 auth:
   enabled: true
   keys:
+    - client_id: admin
+      key: "{ADMIN}"
+      scope: management
     - client_id: people
       jwt:
         issuer: "{ISSUER}"
         audiences: ["{AUDIENCE}", other]
         jwks_url: "{jwks_url}"
-        algorithms: [ES256, EdDSA]
+        algorithms: [ES256, EdDSA, RS256]
         refresh_min_interval: 1s
 {allowed}      users:
         max_concurrent: 1
@@ -106,6 +110,19 @@ async fn stack_with(keys: &str, allowed: &str) -> (FakeOllama, JwksServer, Stack
     let jwks = JwksServer::start(keys).await;
     let stack = Stack::start(&config(&fake.url(), &jwks.url(), allowed)).await;
     (fake, jwks, stack)
+}
+
+/// `client`'s issuer as `/queue/status` shows it.
+async fn jwt_status(stack: &Stack, client: &str) -> Value {
+    let auth = format!("Bearer {ADMIN}");
+    let reply = HttpClient::new()
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", &auth)],
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()["clients"][client]["jwt"].clone()
 }
 
 fn error_text(reply: &Reply) -> String {
@@ -270,6 +287,34 @@ async fn a_token_that_fails_a_check_is_refused_in_the_routes_shape() {
 }
 
 #[tokio::test]
+async fn an_rs256_token_is_verified_and_a_tampered_signature_is_not() {
+    let key = SigningKey::rs256("rsa-1");
+    let (fake, _jwks, stack) = stack_with(&key_set(&[&key]), LOOPBACK).await;
+    // The token is the credential (`people`, which lists RS256) and names an app's user.
+    let reply = until_accepted(&stack, &key.sign(&claims("carol"))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let app = format!("Bearer {APP}");
+    let token = key.sign(&claims("dave"));
+    let reply = chat_with(
+        &stack,
+        "/api/chat",
+        &[("authorization", &app), ("X-User-Token", &token)],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+
+    // The same token with one character of its signature changed (not the last, whose low
+    // bits are padding): refused.
+    let mut forged = key.sign(&claims("mallory")).into_bytes();
+    let at = forged.len() - 10;
+    forged[at] = if forged[at] == b'A' { b'B' } else { b'A' };
+    let reply = chat_as(&stack, &String::from_utf8(forged).unwrap()).await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert!(error_text(&reply).contains("signature"), "{}", reply.text());
+    assert_eq!(seen(&fake), ["people/carol", "app/dave"]);
+}
+
+#[tokio::test]
 async fn a_rotated_key_is_picked_up_from_the_first_token_that_names_it() {
     let old = SigningKey::es256("2026-11");
     let new = SigningKey::es256("2026-12");
@@ -334,6 +379,14 @@ async fn an_issuer_down_at_start_refuses_tokens_with_the_reason_until_it_answers
         "{}",
         reply.text()
     );
+    // Status says why, for each client whose users come with tokens of this issuer.
+    for client in ["people", "app"] {
+        let jwt = jwt_status(&stack, client).await;
+        assert_eq!(jwt["issuer"], ISSUER, "{client}: {jwt}");
+        assert_eq!(jwt["keys"], 0, "{client}: {jwt}");
+        let error = jwt["error"].as_str().unwrap_or_default();
+        assert!(error.contains("503"), "{client}: {jwt}");
+    }
     // An app key's own requests do not depend on the issuer.
     let auth = format!("Bearer {APP}");
     assert_eq!(
@@ -347,6 +400,9 @@ async fn an_issuer_down_at_start_refuses_tokens_with_the_reason_until_it_answers
     jwks.serve(&key_set(&[&key]));
     let reply = until_accepted(&stack, &token).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
+    let jwt = jwt_status(&stack, "people").await;
+    assert_eq!(jwt["keys"], 1, "{jwt}");
+    assert!(jwt.get("error").is_none(), "{jwt}");
     assert_eq!(seen(&fake), ["app", "people/alice"]);
 }
 
