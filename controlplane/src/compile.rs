@@ -464,6 +464,24 @@ fn jwt_to_wire(jwt: &crate::config::JwtConfig) -> wire::Jwt {
         algorithms: jwt.algorithms.clone(),
         jwks_json: String::new(),
         jwks_error: String::new(),
+        claims_to_policy: jwt
+            .claims_to_policy
+            .as_ref()
+            .map(|claims| wire::ClaimsToPolicy {
+                claim: claims.claim.clone(),
+                policies: claims
+                    .policies
+                    .iter()
+                    .map(|policy| wire::ClaimPolicy {
+                        value: policy.value.clone(),
+                        max_priority: policy
+                            .max_priority
+                            .map_or(wire::Tier::Unspecified, tier_to_wire)
+                            as i32,
+                        models: policy.models.clone(),
+                    })
+                    .collect(),
+            }),
     }
 }
 

@@ -40,6 +40,9 @@ pub enum Identity {
         app: Arc<Client>,
         /// `<client_id>/<user>`.
         id: Arc<str>,
+        /// The ceiling and models its token's claims chose (`jwt.claims_to_policy`), in
+        /// place of the key's.
+        policy: Option<Arc<jwt::ClaimPolicy>>,
     },
     /// Auth is off: whoever the `X-Client-ID` header says, unverified.
     Anonymous(Option<Arc<str>>),
@@ -61,7 +64,7 @@ impl Identity {
                     limits: ClientLimits::default(),
                 }),
             },
-            Identity::User { app, id } => Caller {
+            Identity::User { app, id, .. } => Caller {
                 id: id.clone(),
                 verified: true,
                 sets_keep_alive,
@@ -127,7 +130,7 @@ impl Identity {
 
     /// Checks that the caller's key may use `model` (`auth.keys[].models`).
     pub fn allow_model(&self, model: &str) -> Result<(), ProxyError> {
-        match self.key().and_then(|client| client.models.as_ref()) {
+        match self.models() {
             Some(models) if !models.allows(model) => {
                 Err(ProxyError::ModelNotAllowed(model.to_owned()))
             }
@@ -142,15 +145,39 @@ impl Identity {
 
     /// Whether the caller's key limits its models (listings are then filtered).
     pub fn has_allowlist(&self) -> bool {
-        self.key().is_some_and(|client| client.models.is_some())
+        self.models().is_some()
+    }
+
+    /// The caller's model allowlist: its claims' (a token user's), else its key's.
+    fn models(&self) -> Option<&crate::policy::ModelAllowlist> {
+        if let Some(models) = self
+            .claim_policy()
+            .and_then(|policy| policy.models.as_ref())
+        {
+            return Some(models);
+        }
+        self.key().and_then(|client| client.models.as_ref())
+    }
+
+    /// What a token user's claims chose, if anything.
+    fn claim_policy(&self) -> Option<&jwt::ClaimPolicy> {
+        match self {
+            Identity::User { policy, .. } => policy.as_deref(),
+            _ => None,
+        }
     }
 
     /// The tier for a request that asked for `requested` (`X-Queue-Priority`):
     /// capped by the client's ceiling, silently.
     pub fn tier(&self, requested: Option<Tier>) -> Tier {
-        match self.key() {
-            Some(client) => client.tier_for(requested),
-            None => requested.unwrap_or(Tier::Normal),
+        let ceiling = self.claim_policy().and_then(|policy| policy.max_priority);
+        match (self.key(), ceiling) {
+            // `Tier` orders High < Normal < Low: the ceiling is the larger.
+            (Some(client), Some(ceiling)) => {
+                requested.unwrap_or(client.default_priority).max(ceiling)
+            }
+            (Some(client), None) => client.tier_for(requested),
+            (None, _) => requested.unwrap_or(Tier::Normal),
         }
     }
 
@@ -173,6 +200,7 @@ impl Identity {
             return Ok(self);
         };
         let invalid = || ProxyError::InvalidUser(users.named.clone());
+        let mut policy = None;
         let user: Option<String> = match &users.source {
             UserSource::Header(name) => match headers.get(name) {
                 None => None,
@@ -184,12 +212,16 @@ impl Identity {
             },
             UserSource::Jwt(verifier) => match verifier.token(headers) {
                 None => None,
-                Some(token) => Some(verifier.verify(token).map_err(|error| {
-                    if error.wants_keys() {
-                        refresh.want(&client.id);
-                    }
-                    ProxyError::InvalidToken(error)
-                })?),
+                Some(token) => {
+                    let verified = verifier.verify_user(token).map_err(|error| {
+                        if error.wants_keys() {
+                            refresh.want(&client.id);
+                        }
+                        ProxyError::InvalidToken(error)
+                    })?;
+                    policy = verified.policy;
+                    Some(verified.user)
+                }
             },
         };
         let Some(user) = user else {
@@ -200,7 +232,7 @@ impl Identity {
         }
         let id: Arc<str> = Arc::from(format!("{}/{user}", client.id));
         let app = client.clone();
-        Ok(Identity::User { app, id })
+        Ok(Identity::User { app, id, policy })
     }
 }
 
@@ -402,11 +434,12 @@ fn token_identity(
         if client.is_expired(now) {
             continue;
         }
-        match verifier.verify(token) {
-            Ok(user) => {
-                let id: Arc<str> = Arc::from(format!("{}/{user}", client.id));
+        match verifier.verify_user(token) {
+            Ok(verified) => {
+                let id: Arc<str> = Arc::from(format!("{}/{}", client.id, verified.user));
                 let app = client.clone();
-                return Some(Ok(Identity::User { app, id }));
+                let policy = verified.policy;
+                return Some(Ok(Identity::User { app, id, policy }));
             }
             Err(error) => {
                 if error.wants_keys() {

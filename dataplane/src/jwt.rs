@@ -11,10 +11,15 @@
 //! `exp` required, and tokens of at most [`MAX_TOKEN_BYTES`].
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use http::HeaderMap;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+
+mod claims;
+
+pub use claims::{ClaimPolicy, ClaimsToPolicy};
 
 /// Longest token read; a longer one is refused before it is decoded.
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -101,6 +106,17 @@ pub struct Verifier {
     only: Option<Key>,
     /// Why there are no keys, when there are none.
     unavailable: Option<String>,
+    /// The user's settings chosen by a claim (`claims_to_policy`), if any.
+    claims_to_policy: Option<ClaimsToPolicy>,
+}
+
+/// A verified token's user, and the settings its claims select.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    /// The user claim's value.
+    pub user: String,
+    /// What `claims_to_policy` chose for this user, if anything.
+    pub policy: Option<Arc<ClaimPolicy>>,
 }
 
 impl std::fmt::Debug for Verifier {
@@ -262,7 +278,14 @@ impl Verifier {
             keys: by_kid,
             only,
             unavailable,
+            claims_to_policy: None,
         })
+    }
+
+    /// With the user's settings chosen by a claim of the token.
+    pub fn with_claims_to_policy(mut self, claims_to_policy: Option<ClaimsToPolicy>) -> Self {
+        self.claims_to_policy = claims_to_policy;
+        self
     }
 
     /// The `iss` its tokens must carry.
@@ -300,6 +323,11 @@ impl Verifier {
 
     /// The user `token` names, if it verifies.
     pub fn verify(&self, token: &str) -> Result<String, TokenError> {
+        self.verify_user(token).map(|verified| verified.user)
+    }
+
+    /// The user `token` names and the settings its claims select, if it verifies.
+    pub fn verify_user(&self, token: &str) -> Result<Verified, TokenError> {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(TokenError::TooLarge);
         }
@@ -341,7 +369,11 @@ impl Verifier {
         if !crate::headers::is_user_id(&user) {
             return Err(TokenError::User(self.user_claim.clone()));
         }
-        Ok(user)
+        let policy = self
+            .claims_to_policy
+            .as_ref()
+            .and_then(|claims_to_policy| claims_to_policy.select(&claims));
+        Ok(Verified { user, policy })
     }
 }
 

@@ -12,11 +12,13 @@ use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
 use super::scalar::{Int, Text};
-use super::schema::{RawBudget, RawCapture, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers};
+use super::schema::{
+    RawBudget, RawCapture, RawClaimsToPolicy, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers,
+};
 use super::secret::Secret;
 use super::types::{
-    Budget, BudgetWindow, CloudKey, JwksSource, JwtConfig, KeyConfig, MinuteLimit, UserSource,
-    UsersConfig,
+    Budget, BudgetWindow, ClaimPolicy, ClaimsToPolicy, CloudKey, JwksSource, JwtConfig, KeyConfig,
+    MinuteLimit, UserSource, UsersConfig,
 };
 
 /// The three ways of giving one credential, with the field names of this entry.
@@ -759,6 +761,10 @@ fn resolve_jwt(
             "{at}.refresh_min_interval must be at least 1s (the issuer is asked at most that often)"
         ));
     }
+    let claims_to_policy = raw
+        .claims_to_policy
+        .as_ref()
+        .and_then(|raw| resolve_claims_to_policy(raw, &format!("{at}.claims_to_policy"), problems));
     (problems.error_count() == before).then_some(JwtConfig {
         issuer,
         audiences,
@@ -768,7 +774,79 @@ fn resolve_jwt(
         algorithms,
         allowed_hosts,
         refresh_min_interval,
+        claims_to_policy,
     })
+}
+
+/// The most `claims_to_policy.policies` a `jwt` block may list.
+const MAX_CLAIM_POLICIES: usize = 256;
+
+/// `jwt.claims_to_policy` at `at`: a `claim` and its `policies`, each a `value` with a
+/// `max_priority` and/or `models`.
+fn resolve_claims_to_policy(
+    raw: &RawClaimsToPolicy,
+    at: &str,
+    problems: &mut Problems,
+) -> Option<ClaimsToPolicy> {
+    let before = problems.error_count();
+    let claim = raw
+        .claim
+        .as_ref()
+        .map(|text| text.0.trim().to_owned())
+        .unwrap_or_default();
+    if claim.is_empty() {
+        problems.error(format!(
+            "{at}.claim is required: the token's claim that holds the user's groups or roles \
+             (e.g. groups)"
+        ));
+    }
+    let raw_policies = raw.policies.as_deref().unwrap_or_default();
+    if raw_policies.is_empty() {
+        problems.error(format!(
+            "{at}.policies is empty: list the claim's values and what each selects"
+        ));
+    } else if raw_policies.len() > MAX_CLAIM_POLICIES {
+        problems.error(format!(
+            "{at}.policies lists {} values; at most {MAX_CLAIM_POLICIES}",
+            raw_policies.len()
+        ));
+    }
+    let mut policies = Vec::new();
+    for (index, policy) in raw_policies.iter().enumerate() {
+        let value = policy
+            .value
+            .as_ref()
+            .map(|text| text.0.trim().to_owned())
+            .unwrap_or_default();
+        let here = format!("{at}.policies[{index}]");
+        if value.is_empty() {
+            problems.error(format!(
+                "{here}.value is required (the claim's value, e.g. admins)"
+            ));
+        } else if policies
+            .iter()
+            .any(|seen: &ClaimPolicy| seen.value == value)
+        {
+            problems.error(format!("{here}.value '{value}' is listed twice"));
+        }
+        let max_priority = word::<Tier>(
+            policy.max_priority.as_ref(),
+            &format!("{here}.max_priority"),
+            problems,
+        );
+        let models = resolve_models(policy.models.as_deref(), &here, problems);
+        if max_priority.is_none() && models.is_empty() {
+            problems.error(format!(
+                "{here} selects nothing: set max_priority and/or models"
+            ));
+        }
+        policies.push(ClaimPolicy {
+            value,
+            max_priority,
+            models,
+        });
+    }
+    (problems.error_count() == before).then_some(ClaimsToPolicy { claim, policies })
 }
 
 /// `auth.keys[].budget`: `gpu_seconds` and/or `tokens` per `window`.

@@ -2136,3 +2136,69 @@ fn capture_is_a_keys_setting_bounded_and_only_with_a_request_log() {
         ]
     );
 }
+
+#[test]
+fn claims_to_policy_lists_values_each_selecting_a_ceiling_and_models() {
+    let jwt = |claims_to_policy: &str| {
+        with_host(&format!(
+            "auth:\n  keys:\n    - client_id: people\n      jwt:\n        issuer: https://idp.example\n        \
+             audiences: [oqp]\n        jwks_file: /etc/oqp/jwks.json\n        claims_to_policy: {claims_to_policy}\n"
+        ))
+    };
+    let loaded = load(&jwt(
+        "{claim: groups, policies: [{value: admins, max_priority: high}, \
+         {value: interns, max_priority: low, models: [\"qwen3*\"]}]}",
+    ));
+    let Some(UserSource::Jwt(config)) = loaded.config.auth.keys[0]
+        .users
+        .as_ref()
+        .map(|users| users.source.clone())
+    else {
+        panic!("a token-keyed entry");
+    };
+    let claims = config.claims_to_policy.unwrap();
+    assert_eq!(claims.claim, "groups");
+    assert_eq!(claims.policies[0].value, "admins");
+    assert_eq!(claims.policies[0].max_priority, Some(Tier::High));
+    assert!(claims.policies[0].models.is_empty());
+    assert_eq!(claims.policies[1].max_priority, Some(Tier::Low));
+    assert_eq!(claims.policies[1].models, ["qwen3*"]);
+    let snapshot = crate::compile::snapshot(
+        &loaded.config,
+        &Default::default(),
+        &Default::default(),
+        &[],
+        1,
+    );
+    let wire = snapshot.clients[0]
+        .users
+        .as_ref()
+        .unwrap()
+        .jwt
+        .as_ref()
+        .unwrap();
+    let wire = wire.claims_to_policy.as_ref().unwrap();
+    assert_eq!(wire.claim, "groups");
+    assert_eq!(
+        wire.policies[1].max_priority,
+        oqp_proto::policy::v1::Tier::Low as i32
+    );
+
+    let errors = problems_of(&jwt(
+        "{policies: [{value: admins, max_priority: highest}, {value: admins, max_priority: low}, \
+         {max_priority: low}, {value: staff}]}",
+    ));
+    let at = "auth.keys[client_id=people].jwt.claims_to_policy";
+    for expected in [
+        format!("{at}.claim is required"),
+        format!("{at}.policies[0].max_priority"),
+        format!("{at}.policies[1].value 'admins' is listed twice"),
+        format!("{at}.policies[2].value is required"),
+        format!("{at}.policies[3] selects nothing"),
+    ] {
+        assert!(
+            errors.iter().any(|error| error.starts_with(&expected)),
+            "{expected}: {errors:?}"
+        );
+    }
+}

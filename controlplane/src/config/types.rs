@@ -328,6 +328,28 @@ pub struct JwtConfig {
     /// Shortest time between two fetches of the keys asked for by a token (an unknown key
     /// id) or after a failure.
     pub refresh_min_interval: std::time::Duration,
+    /// The user's settings chosen by a claim of the token, if any.
+    pub claims_to_policy: Option<ClaimsToPolicy>,
+}
+
+/// `jwt.claims_to_policy`: a claim of the token chooses the user's ceiling and models.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimsToPolicy {
+    /// The claim read (a string or an array of strings in the token).
+    pub claim: String,
+    /// The first whose value the claim holds applies.
+    pub policies: Vec<ClaimPolicy>,
+}
+
+/// The settings of the users whose claim holds `value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimPolicy {
+    /// The claim's value that selects them.
+    pub value: String,
+    /// The user's ceiling, in place of the entry's.
+    pub max_priority: Option<Tier>,
+    /// The user's model globs, in place of the entry's; empty = the entry's.
+    pub models: Vec<String>,
 }
 
 /// Where an issuer's public keys (a JWK Set) are read.

@@ -485,8 +485,15 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                 jwks_json: &jwt.jwks_json,
                 jwks_error: &jwt.jwks_error,
             };
+            let claims_to_policy = jwt
+                .claims_to_policy
+                .as_ref()
+                .map(crate::jwt::ClaimsToPolicy::try_new)
+                .transpose()
+                .map_err(|why| PolicyError::new(format!("client '{id}': users.jwt.{why}")))?;
             let verifier = crate::jwt::Verifier::try_new(&settings)
-                .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?;
+                .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?
+                .with_claims_to_policy(claims_to_policy);
             UserSource::Jwt(Arc::new(verifier))
         }
         _ if users.jwt.is_some() => {

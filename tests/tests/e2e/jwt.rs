@@ -315,6 +315,79 @@ async fn an_rs256_token_is_verified_and_a_tampered_signature_is_not() {
 }
 
 #[tokio::test]
+async fn a_group_claim_selects_the_users_ceiling_and_models() {
+    let key = SigningKey::es256("es-1");
+    let fake = FakeOllama::builder()
+        .model(MODEL)
+        .model("qwen3:8b")
+        .spawn()
+        .await;
+    let jwks = JwksServer::start(&key_set(&[&key])).await;
+    let config = config(&fake.url(), &jwks.url(), LOOPBACK).replacen(
+        "        refresh_min_interval: 1s\n",
+        "        refresh_min_interval: 1s\n        claims_to_policy:\n          claim: groups\n          \
+         policies:\n            - {value: admins, max_priority: high}\n            \
+         - {value: interns, max_priority: low, models: [\"qwen3*\"]}\n",
+        1,
+    );
+    let stack = Stack::start(&config).await;
+    let token = |sub: &str, groups: Value| {
+        let mut claims = claims(sub);
+        claims["groups"] = groups;
+        key.sign(&claims)
+    };
+    let ask = |token: String, model: &'static str| {
+        let stack = &stack;
+        async move {
+            let auth = format!("Bearer {token}");
+            let body = json!({"model": model, "stream": false,
+                              "messages": [{"role": "user", "content": "hi"}]});
+            HttpClient::new()
+                .post_json(
+                    &format!("{}/api/chat", stack.url()),
+                    &[("authorization", &auth), ("x-queue-priority", "high")],
+                    &body,
+                )
+                .await
+        }
+    };
+    // Config order decides: an admin who is also an intern is an admin.
+    let admin = token("ada", json!(["staff", "interns", "admins"]));
+    assert_eq!(until_accepted(&stack, &admin).await.status, 200);
+    let reply = ask(admin, MODEL).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // An intern asking for high runs low, and only on the models of its group.
+    let intern = token("ivan", json!("interns"));
+    let reply = ask(intern.clone(), MODEL).await;
+    assert_eq!(reply.status, 403, "{}", reply.text());
+    let reply = ask(intern, "qwen3:8b").await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // In no group: the entry's own ceiling (normal) and models (all).
+    let reply = ask(token("olga", json!(["staff"])), MODEL).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+
+    let auth = format!("Bearer {ADMIN}");
+    let status = HttpClient::new()
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", &auth)],
+        )
+        .await
+        .json();
+    let processed = |tier: &str| status["queue"][tier]["processed"].as_u64();
+    // until_accepted's request asked for no tier (normal); then one of each.
+    assert_eq!(
+        (processed("high"), processed("normal"), processed("low")),
+        (Some(1), Some(2), Some(1)),
+        "{status}"
+    );
+    assert_eq!(
+        seen(&fake),
+        ["people/ada", "people/ada", "people/ivan", "people/olga"]
+    );
+}
+
+#[tokio::test]
 async fn a_rotated_key_is_picked_up_from_the_first_token_that_names_it() {
     let old = SigningKey::es256("2026-11");
     let new = SigningKey::es256("2026-12");

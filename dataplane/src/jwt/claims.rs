@@ -1,0 +1,134 @@
+//! `jwt.claims_to_policy`: a claim of a verified token (a string or an array of strings, such
+//! as the user's groups or roles) chooses the user's ceiling and models, in place of the
+//! entry's. The first policy, in the config's order, whose value the claim holds applies; a
+//! user whose claim holds none (or who has no such claim) keeps the entry's settings.
+
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use crate::policy::ModelAllowlist;
+use crate::scheduler::Tier;
+
+/// The claim read and the settings each of its values selects.
+#[derive(Debug, Clone)]
+pub struct ClaimsToPolicy {
+    claim: String,
+    policies: Vec<Arc<ClaimPolicy>>,
+}
+
+/// The settings of the users whose claim holds `value`.
+#[derive(Debug)]
+pub struct ClaimPolicy {
+    /// The claim's value that selected it.
+    pub value: String,
+    /// The user's ceiling in place of the entry's, if it sets one.
+    pub max_priority: Option<Tier>,
+    /// The user's models in place of the entry's, if it lists some.
+    pub models: Option<ModelAllowlist>,
+}
+
+impl ClaimsToPolicy {
+    /// From the wire, or what is wrong with it.
+    pub fn try_new(wire: &oqp_proto::policy::v1::ClaimsToPolicy) -> Result<Self, String> {
+        if wire.claim.is_empty() {
+            return Err("claims_to_policy.claim is empty".to_owned());
+        }
+        let mut policies = Vec::with_capacity(wire.policies.len());
+        for policy in &wire.policies {
+            use oqp_proto::policy::v1::Tier as Wire;
+            let max_priority = match Wire::try_from(policy.max_priority) {
+                Ok(Wire::Unspecified) => None,
+                Ok(Wire::High) => Some(Tier::High),
+                Ok(Wire::Normal) => Some(Tier::Normal),
+                Ok(Wire::Low) => Some(Tier::Low),
+                Err(_) => {
+                    return Err(format!(
+                        "claims_to_policy '{}': unknown tier {}",
+                        policy.value, policy.max_priority
+                    ));
+                }
+            };
+            let models = (!policy.models.is_empty()).then(|| ModelAllowlist::new(&policy.models));
+            policies.push(Arc::new(ClaimPolicy {
+                value: policy.value.clone(),
+                max_priority,
+                models,
+            }));
+        }
+        Ok(Self {
+            claim: wire.claim.clone(),
+            policies,
+        })
+    }
+
+    /// The settings the token's `claims` select, if any.
+    pub fn select(&self, claims: &Map<String, Value>) -> Option<Arc<ClaimPolicy>> {
+        let held: Vec<&str> = match claims.get(&self.claim)? {
+            Value::String(value) => vec![value.as_str()],
+            Value::Array(values) => values.iter().filter_map(Value::as_str).collect(),
+            _ => return None,
+        };
+        self.policies
+            .iter()
+            .find(|policy| held.contains(&policy.value.as_str()))
+            .cloned()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use oqp_proto::policy::v1 as wire;
+    use serde_json::json;
+
+    use super::*;
+
+    fn claims_to_policy() -> ClaimsToPolicy {
+        ClaimsToPolicy::try_new(&wire::ClaimsToPolicy {
+            claim: "groups".into(),
+            policies: vec![
+                wire::ClaimPolicy {
+                    value: "admins".into(),
+                    max_priority: wire::Tier::High as i32,
+                    models: vec![],
+                },
+                wire::ClaimPolicy {
+                    value: "interns".into(),
+                    max_priority: wire::Tier::Low as i32,
+                    models: vec!["llama3.2*".into()],
+                },
+            ],
+        })
+        .unwrap()
+    }
+
+    fn select(claims: serde_json::Value) -> Option<String> {
+        let claims = claims.as_object().unwrap().clone();
+        claims_to_policy()
+            .select(&claims)
+            .map(|policy| policy.value.clone())
+    }
+
+    #[test]
+    fn the_first_listed_value_the_claim_holds_applies() {
+        assert_eq!(
+            select(json!({"groups": "interns"})).as_deref(),
+            Some("interns")
+        );
+        // Config order decides, not the token's.
+        assert_eq!(
+            select(json!({"groups": ["staff", "interns", "admins"]})).as_deref(),
+            Some("admins")
+        );
+        assert_eq!(select(json!({"groups": ["staff"]})), None);
+        assert_eq!(select(json!({"roles": ["admins"]})), None);
+        assert_eq!(select(json!({"groups": {"admins": true}})), None);
+        let policy = claims_to_policy()
+            .select(json!({"groups": ["interns"]}).as_object().unwrap())
+            .unwrap();
+        assert_eq!(policy.max_priority, Some(Tier::Low));
+        let models = policy.models.as_ref().unwrap();
+        assert!(models.allows("llama3.2:3b") && !models.allows("qwen3:8b"));
+    }
+}
