@@ -479,6 +479,7 @@ fn jwt_to_wire(jwt: &crate::config::JwtConfig) -> wire::Jwt {
                             .map_or(wire::Tier::Unspecified, tier_to_wire)
                             as i32,
                         models: policy.models.clone(),
+                        budget: policy.budget.as_ref().map(budget_to_wire),
                     })
                     .collect(),
             }),

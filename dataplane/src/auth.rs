@@ -63,8 +63,9 @@ impl Identity {
                     app: client.id.clone(),
                     limits: ClientLimits::default(),
                 }),
+                claims: None,
             },
-            Identity::User { app, id, .. } => Caller {
+            Identity::User { app, id, policy } => Caller {
                 id: id.clone(),
                 verified: true,
                 sets_keep_alive,
@@ -76,12 +77,14 @@ impl Identity {
                         weight: 1.0,
                     },
                 }),
+                claims: policy.clone(),
             },
             Identity::Anonymous(id) => Caller {
                 id: id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS)),
                 verified: false,
                 sets_keep_alive,
                 member: None,
+                claims: None,
             },
         }
     }
@@ -272,6 +275,9 @@ pub struct Caller {
     /// The app it belongs to, when its key speaks for many people (the app itself or one of
     /// its users): the queue shares the app's place between them.
     pub member: Option<Member>,
+    /// What its token's claims chose (`jwt.claims_to_policy`): its budget replaces
+    /// `users.budget`.
+    pub claims: Option<Arc<jwt::ClaimPolicy>>,
 }
 
 /// The tier a request asks for, if its `X-Queue-Priority` names one.

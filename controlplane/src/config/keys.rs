@@ -378,6 +378,14 @@ fn resolve_key(
         }),
         (None, None) => None,
     };
+    if let Some(users) = &users {
+        let at = if raw.jwt.is_some() {
+            format!("{at}.jwt")
+        } else {
+            format!("{at}.users.jwt")
+        };
+        check_claim_budgets(users, &at, problems);
+    }
     let rate_limit = raw
         .rate_limit
         .as_ref()
@@ -764,7 +772,8 @@ fn resolve_jwt(
     let claims_to_policy = raw
         .claims_to_policy
         .as_ref()
-        .and_then(|raw| resolve_claims_to_policy(raw, &format!("{at}.claims_to_policy"), problems));
+        .and_then(|raw| resolve_claims_to_policy(raw, &format!("{at}.claims_to_policy"), problems))
+        .map(Box::new);
     (problems.error_count() == before).then_some(JwtConfig {
         issuer,
         audiences,
@@ -776,6 +785,35 @@ fn resolve_jwt(
         refresh_min_interval,
         claims_to_policy,
     })
+}
+
+/// A `claims_to_policy` budget replaces `users.budget` for the users it selects, over the
+/// same window: a user's usage is summed (over all data planes) by that window.
+fn check_claim_budgets(users: &UsersConfig, at: &str, problems: &mut Problems) {
+    let UserSource::Jwt(jwt) = &users.source else {
+        return;
+    };
+    let Some(claims) = &jwt.claims_to_policy else {
+        return;
+    };
+    for (index, policy) in claims.policies.iter().enumerate() {
+        let Some(budget) = &policy.budget else {
+            continue;
+        };
+        let here = format!("{at}.claims_to_policy.policies[{index}].budget");
+        match &users.budget {
+            Some(base) if base.window == budget.window => {}
+            Some(base) => problems.error(format!(
+                "{here}.window must be users.budget's ({}): a user's usage is summed over that \
+                 window",
+                base.window.as_str()
+            )),
+            None => problems.error(format!(
+                "{here} needs users.budget: the window a user's usage is summed over, and the \
+                 budget of users in no listed group"
+            )),
+        }
+    }
 }
 
 /// The most `claims_to_policy.policies` a `jwt` block may list.
@@ -835,15 +873,20 @@ fn resolve_claims_to_policy(
             problems,
         );
         let models = resolve_models(policy.models.as_deref(), &here, problems);
-        if max_priority.is_none() && models.is_empty() {
+        let budget = policy
+            .budget
+            .as_ref()
+            .and_then(|budget| resolve_budget(budget, &here, problems));
+        if max_priority.is_none() && models.is_empty() && policy.budget.is_none() {
             problems.error(format!(
-                "{here} selects nothing: set max_priority and/or models"
+                "{here} selects nothing: set max_priority, models and/or budget"
             ));
         }
         policies.push(ClaimPolicy {
             value,
             max_priority,
             models,
+            budget,
         });
     }
     (problems.error_count() == before).then_some(ClaimsToPolicy { claim, policies })

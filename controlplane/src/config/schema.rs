@@ -304,6 +304,7 @@ pub(crate) struct RawClaimPolicy {
     pub value: Option<Text>,
     pub max_priority: Option<Text>,
     pub models: Option<Vec<Text>>,
+    pub budget: Option<RawBudget>,
 }
 
 #[derive(Debug, Default, Deserialize)]

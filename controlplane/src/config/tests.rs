@@ -2201,4 +2201,29 @@ fn claims_to_policy_lists_values_each_selecting_a_ceiling_and_models() {
             "{expected}: {errors:?}"
         );
     }
+
+    // A budget replaces users.budget over its window: it needs one, and the same window.
+    let budget = "{claim: groups, policies: [{value: interns, budget: {tokens: 10, window: 1d}}]}";
+    let with_users = |users: &str| format!("{}      users: {users}\n", jwt(budget));
+    let loaded = load(&with_users("{budget: {tokens: 1000, window: 1d}}"));
+    let users = loaded.config.auth.keys[0].users.as_ref().unwrap();
+    let UserSource::Jwt(config) = &users.source else {
+        panic!("a token-keyed entry");
+    };
+    let policy = &config.claims_to_policy.as_ref().unwrap().policies[0];
+    assert_eq!(policy.budget.as_ref().unwrap().tokens, 10);
+    assert_eq!(
+        problems_of(&jwt(budget)),
+        [format!(
+            "{at}.policies[0].budget needs users.budget: the window a user's usage is summed \
+             over, and the budget of users in no listed group"
+        )]
+    );
+    assert_eq!(
+        problems_of(&with_users("{budget: {tokens: 1000, window: 7d}}")),
+        [format!(
+            "{at}.policies[0].budget.window must be users.budget's (7d): a user's usage is \
+             summed over that window"
+        )]
+    );
 }

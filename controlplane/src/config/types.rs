@@ -328,8 +328,9 @@ pub struct JwtConfig {
     /// Shortest time between two fetches of the keys asked for by a token (an unknown key
     /// id) or after a failure.
     pub refresh_min_interval: std::time::Duration,
-    /// The user's settings chosen by a claim of the token, if any.
-    pub claims_to_policy: Option<ClaimsToPolicy>,
+    /// The user's settings chosen by a claim of the token, if any (boxed: rarely set, and
+    /// large beside the other ways of naming a user).
+    pub claims_to_policy: Option<Box<ClaimsToPolicy>>,
 }
 
 /// `jwt.claims_to_policy`: a claim of the token chooses the user's ceiling and models.
@@ -350,6 +351,8 @@ pub struct ClaimPolicy {
     pub max_priority: Option<Tier>,
     /// The user's model globs, in place of the entry's; empty = the entry's.
     pub models: Vec<String>,
+    /// The user's budget in place of `users.budget` (over the same window).
+    pub budget: Option<Budget>,
 }
 
 /// Where an issuer's public keys (a JWK Set) are read.

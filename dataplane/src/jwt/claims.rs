@@ -1,13 +1,13 @@
 //! `jwt.claims_to_policy`: a claim of a verified token (a string or an array of strings, such
-//! as the user's groups or roles) chooses the user's ceiling and models, in place of the
-//! entry's. The first policy, in the config's order, whose value the claim holds applies; a
+//! as the user's groups or roles) chooses the user's ceiling, models and budget, in place of
+//! the entry's (the budget in place of `users.budget`, over the same window). The first policy, in the config's order, whose value the claim holds applies; a
 //! user whose claim holds none (or who has no such claim) keeps the entry's settings.
 
 use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
-use crate::policy::ModelAllowlist;
+use crate::policy::{ModelAllowlist, UsageBudget};
 use crate::scheduler::Tier;
 
 /// The claim read and the settings each of its values selects.
@@ -26,11 +26,16 @@ pub struct ClaimPolicy {
     pub max_priority: Option<Tier>,
     /// The user's models in place of the entry's, if it lists some.
     pub models: Option<ModelAllowlist>,
+    /// The user's budget in place of `users.budget`, if it sets one.
+    pub budget: Option<UsageBudget>,
 }
 
 impl ClaimsToPolicy {
-    /// From the wire, or what is wrong with it.
-    pub fn try_new(wire: &oqp_proto::policy::v1::ClaimsToPolicy) -> Result<Self, String> {
+    /// From the wire, with each policy's budget as `budget` converts it, or what is wrong.
+    pub fn try_new(
+        wire: &oqp_proto::policy::v1::ClaimsToPolicy,
+        budget: impl Fn(&oqp_proto::policy::v1::ClaimPolicy) -> Result<Option<UsageBudget>, String>,
+    ) -> Result<Self, String> {
         if wire.claim.is_empty() {
             return Err("claims_to_policy.claim is empty".to_owned());
         }
@@ -54,6 +59,7 @@ impl ClaimsToPolicy {
                 value: policy.value.clone(),
                 max_priority,
                 models,
+                budget: budget(policy)?,
             }));
         }
         Ok(Self {
@@ -85,21 +91,25 @@ mod tests {
     use super::*;
 
     fn claims_to_policy() -> ClaimsToPolicy {
-        ClaimsToPolicy::try_new(&wire::ClaimsToPolicy {
-            claim: "groups".into(),
-            policies: vec![
-                wire::ClaimPolicy {
-                    value: "admins".into(),
-                    max_priority: wire::Tier::High as i32,
-                    models: vec![],
-                },
-                wire::ClaimPolicy {
-                    value: "interns".into(),
-                    max_priority: wire::Tier::Low as i32,
-                    models: vec!["llama3.2*".into()],
-                },
-            ],
-        })
+        ClaimsToPolicy::try_new(
+            &wire::ClaimsToPolicy {
+                claim: "groups".into(),
+                policies: vec![
+                    wire::ClaimPolicy {
+                        value: "admins".into(),
+                        max_priority: wire::Tier::High as i32,
+                        ..Default::default()
+                    },
+                    wire::ClaimPolicy {
+                        value: "interns".into(),
+                        max_priority: wire::Tier::Low as i32,
+                        models: vec!["llama3.2*".into()],
+                        ..Default::default()
+                    },
+                ],
+            },
+            |_| Ok(None),
+        )
         .unwrap()
     }
 

@@ -488,7 +488,11 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
             let claims_to_policy = jwt
                 .claims_to_policy
                 .as_ref()
-                .map(crate::jwt::ClaimsToPolicy::try_new)
+                .map(|claims| {
+                    crate::jwt::ClaimsToPolicy::try_new(claims, |policy| {
+                        convert_budget(id, policy.budget.clone()).map_err(|error| error.0)
+                    })
+                })
                 .transpose()
                 .map_err(|why| PolicyError::new(format!("client '{id}': users.jwt.{why}")))?;
             let verifier = crate::jwt::Verifier::try_new(&settings)

@@ -315,7 +315,7 @@ async fn an_rs256_token_is_verified_and_a_tampered_signature_is_not() {
 }
 
 #[tokio::test]
-async fn a_group_claim_selects_the_users_ceiling_and_models() {
+async fn a_group_claim_selects_the_users_ceiling_models_and_budget() {
     let key = SigningKey::es256("es-1");
     let fake = FakeOllama::builder()
         .model(MODEL)
@@ -323,13 +323,20 @@ async fn a_group_claim_selects_the_users_ceiling_and_models() {
         .spawn()
         .await;
     let jwks = JwksServer::start(&key_set(&[&key])).await;
-    let config = config(&fake.url(), &jwks.url(), LOOPBACK).replacen(
-        "        refresh_min_interval: 1s\n",
-        "        refresh_min_interval: 1s\n        claims_to_policy:\n          claim: groups\n          \
-         policies:\n            - {value: admins, max_priority: high}\n            \
-         - {value: interns, max_priority: low, models: [\"qwen3*\"]}\n",
-        1,
-    );
+    let config = config(&fake.url(), &jwks.url(), LOOPBACK)
+        .replacen(
+            "        refresh_min_interval: 1s\n",
+            "        refresh_min_interval: 1s\n        claims_to_policy:\n          claim: groups\n          \
+             policies:\n            - {value: admins, max_priority: high}\n            \
+             - {value: interns, max_priority: low, models: [\"qwen3*\"], \
+             budget: {tokens: 1, window: 1d}}\n",
+            1,
+        )
+        .replacen(
+            "      users:\n        max_concurrent: 1\n",
+            "      users:\n        max_concurrent: 1\n        budget: {tokens: 1000000, window: 1d}\n",
+            1,
+        );
     let stack = Stack::start(&config).await;
     let token = |sub: &str, groups: Value| {
         let mut claims = claims(sub);
@@ -360,7 +367,7 @@ async fn a_group_claim_selects_the_users_ceiling_and_models() {
     let intern = token("ivan", json!("interns"));
     let reply = ask(intern.clone(), MODEL).await;
     assert_eq!(reply.status, 403, "{}", reply.text());
-    let reply = ask(intern, "qwen3:8b").await;
+    let reply = ask(intern.clone(), "qwen3:8b").await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     // In no group: the entry's own ceiling (normal) and models (all).
     let reply = ask(token("olga", json!(["staff"])), MODEL).await;
@@ -381,10 +388,23 @@ async fn a_group_claim_selects_the_users_ceiling_and_models() {
         (Some(1), Some(2), Some(1)),
         "{status}"
     );
-    assert_eq!(
-        seen(&fake),
-        ["people/ada", "people/ada", "people/ivan", "people/olga"]
+    // The intern's budget (one token a day, in place of the users' million) is spent by
+    // that answer; the admin's is the users' budget.
+    let deadline = Instant::now() + PATIENCE;
+    let refused = loop {
+        let reply = ask(intern.clone(), "qwen3:8b").await;
+        if reply.status != 200 || Instant::now() >= deadline {
+            break reply;
+        }
+    };
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(
+        error_text(&refused).contains("budget"),
+        "{}",
+        refused.text()
     );
+    let reply = ask(token("ada", json!("admins")), MODEL).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
 #[tokio::test]
