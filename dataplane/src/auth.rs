@@ -42,7 +42,7 @@ pub enum Identity {
         id: Arc<str>,
         /// The ceiling and models its token's claims chose (`jwt.claims_to_policy`), in
         /// place of the key's.
-        policy: Option<Arc<jwt::ClaimPolicy>>,
+        policy: Option<Arc<crate::policy::ClaimPolicy>>,
     },
     /// Auth is off: whoever the `X-Client-ID` header says, unverified.
     Anonymous(Option<Arc<str>>),
@@ -163,7 +163,7 @@ impl Identity {
     }
 
     /// What a token user's claims chose, if anything.
-    fn claim_policy(&self) -> Option<&jwt::ClaimPolicy> {
+    fn claim_policy(&self) -> Option<&crate::policy::ClaimPolicy> {
         match self {
             Identity::User { policy, .. } => policy.as_deref(),
             _ => None,
@@ -222,7 +222,10 @@ impl Identity {
                         }
                         ProxyError::InvalidToken(error)
                     })?;
-                    policy = verified.policy;
+                    policy = users
+                        .claims_to_policy
+                        .as_ref()
+                        .and_then(|claims| claims.select(&verified.values));
                     Some(verified.user)
                 }
             },
@@ -277,7 +280,7 @@ pub struct Caller {
     pub member: Option<Member>,
     /// What its token's claims chose (`jwt.claims_to_policy`): its budget replaces
     /// `users.budget`.
-    pub claims: Option<Arc<jwt::ClaimPolicy>>,
+    pub claims: Option<Arc<crate::policy::ClaimPolicy>>,
 }
 
 /// The tier a request asks for, if its `X-Queue-Priority` names one.
@@ -444,7 +447,11 @@ fn token_identity(
             Ok(verified) => {
                 let id: Arc<str> = Arc::from(format!("{}/{}", client.id, verified.user));
                 let app = client.clone();
-                let policy = verified.policy;
+                let policy = client
+                    .users
+                    .as_ref()
+                    .and_then(|users| users.claims_to_policy.as_ref())
+                    .and_then(|claims| claims.select(&verified.values));
                 return Some(Ok(Identity::User { app, id, policy }));
             }
             Err(error) => {

@@ -11,15 +11,10 @@
 //! `exp` required, and tokens of at most [`MAX_TOKEN_BYTES`].
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use http::HeaderMap;
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
-
-mod claims;
-
-pub use claims::{ClaimPolicy, ClaimsToPolicy};
 
 /// Longest token read; a longer one is refused before it is decoded.
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -106,17 +101,18 @@ pub struct Verifier {
     only: Option<Key>,
     /// Why there are no keys, when there are none.
     unavailable: Option<String>,
-    /// The user's settings chosen by a claim (`claims_to_policy`), if any.
-    claims_to_policy: Option<ClaimsToPolicy>,
+    /// The claim whose values choose the user's settings (`claims_to_policy.claim`), if any.
+    choosing_claim: Option<String>,
 }
 
-/// A verified token's user, and the settings its claims select.
+/// A verified token's user, and the values of its choosing claim.
 #[derive(Debug, Clone)]
 pub struct Verified {
     /// The user claim's value.
     pub user: String,
-    /// What `claims_to_policy` chose for this user, if anything.
-    pub policy: Option<Arc<ClaimPolicy>>,
+    /// The string values of the choosing claim (a string, or the strings of an array);
+    /// empty without one.
+    pub values: Vec<String>,
 }
 
 impl std::fmt::Debug for Verifier {
@@ -278,13 +274,13 @@ impl Verifier {
             keys: by_kid,
             only,
             unavailable,
-            claims_to_policy: None,
+            choosing_claim: None,
         })
     }
 
-    /// With the user's settings chosen by a claim of the token.
-    pub fn with_claims_to_policy(mut self, claims_to_policy: Option<ClaimsToPolicy>) -> Self {
-        self.claims_to_policy = claims_to_policy;
+    /// Reading `claim`'s values too (`claims_to_policy.claim`).
+    pub fn with_choosing_claim(mut self, claim: Option<String>) -> Self {
+        self.choosing_claim = claim;
         self
     }
 
@@ -369,11 +365,19 @@ impl Verifier {
         if !crate::headers::is_user_id(&user) {
             return Err(TokenError::User(self.user_claim.clone()));
         }
-        let policy = self
-            .claims_to_policy
+        let values = match self
+            .choosing_claim
             .as_ref()
-            .and_then(|claims_to_policy| claims_to_policy.select(&claims));
-        Ok(Verified { user, policy })
+            .and_then(|claim| claims.get(claim))
+        {
+            Some(serde_json::Value::String(value)) => vec![value.clone()],
+            Some(serde_json::Value::Array(values)) => values
+                .iter()
+                .filter_map(|value| value.as_str().map(str::to_owned))
+                .collect(),
+            _ => Vec::new(),
+        };
+        Ok(Verified { user, values })
     }
 }
 

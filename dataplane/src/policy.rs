@@ -6,6 +6,7 @@
 //! plane keeps serving on its previous one (see [`crate::snapshot`]).
 
 mod cidr;
+mod claims;
 mod convert;
 mod keep_alive;
 
@@ -17,6 +18,7 @@ use std::time::{Duration, SystemTime};
 use crate::scheduler::Tier;
 
 pub use cidr::{Cidr, CidrError, canonical};
+pub use claims::{ClaimPolicy, ClaimsToPolicy};
 pub use convert::PolicyError;
 pub use keep_alive::{DEFAULT_KEEP_ALIVE_MAX, KeepAlive};
 
@@ -313,6 +315,8 @@ pub struct Users {
     pub session_header: Option<http::HeaderName>,
     /// Each user's per-minute limits, if there are any.
     pub rate_limit: Option<MinuteLimit>,
+    /// A token user's settings chosen by a claim (`jwt.claims_to_policy`), if any.
+    pub claims_to_policy: Option<ClaimsToPolicy>,
 }
 
 /// Where an app puts its end user's id.

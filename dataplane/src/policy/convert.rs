@@ -473,7 +473,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         None if users.header.is_empty() => format!("body field {}", users.body_field),
         None => users.header.clone(),
     };
-    let source = match (users.header.is_empty(), users.body_field.is_empty()) {
+    let (source, claims_to_policy) = match (users.header.is_empty(), users.body_field.is_empty()) {
         (true, true) if users.jwt.is_some() => {
             let jwt = users.jwt.unwrap_or_default();
             let settings = crate::jwt::Settings {
@@ -489,7 +489,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                 .claims_to_policy
                 .as_ref()
                 .map(|claims| {
-                    crate::jwt::ClaimsToPolicy::try_new(claims, |policy| {
+                    super::ClaimsToPolicy::try_new(claims, |policy| {
                         convert_budget(id, policy.budget.clone()).map_err(|error| error.0)
                     })
                 })
@@ -497,15 +497,19 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                 .map_err(|why| PolicyError::new(format!("client '{id}': users.jwt.{why}")))?;
             let verifier = crate::jwt::Verifier::try_new(&settings)
                 .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?
-                .with_claims_to_policy(claims_to_policy);
-            UserSource::Jwt(Arc::new(verifier))
+                .with_choosing_claim(
+                    claims_to_policy
+                        .as_ref()
+                        .map(|claims| claims.claim().to_owned()),
+                );
+            (UserSource::Jwt(Arc::new(verifier)), claims_to_policy)
         }
         _ if users.jwt.is_some() => {
             return Err(PolicyError::new(format!(
                 "client '{id}': users needs exactly one of header, body_field and jwt"
             )));
         }
-        (false, true) => UserSource::Header(header(&users.header, "header")?),
+        (false, true) => (UserSource::Header(header(&users.header, "header")?), None),
         (true, false) => {
             let path: Vec<String> = users.body_field.split('.').map(str::to_owned).collect();
             if path.iter().any(String::is_empty) {
@@ -513,7 +517,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                     "client '{id}': users.body_field is not a path of keys"
                 )));
             }
-            UserSource::BodyField(path)
+            (UserSource::BodyField(path), None)
         }
         _ => {
             return Err(PolicyError::new(format!(
@@ -532,6 +536,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         budget: convert_budget(id, users.budget)?,
         session_header,
         rate_limit: MinuteLimit::from_wire(users.rate_limit),
+        claims_to_policy,
     })
 }
 
