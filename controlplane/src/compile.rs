@@ -84,6 +84,7 @@ pub fn snapshot(
             users: key.users.as_ref().map(users_to_wire),
             tls_subject: key.tls_subject.clone().unwrap_or_default(),
             rate_limit: key.rate_limit.map(minute_limit_to_wire),
+            capture_max_bytes: key.capture.unwrap_or(0),
         })
         .collect();
     clients.extend(extra_clients.iter().cloned());
@@ -463,6 +464,25 @@ fn jwt_to_wire(jwt: &crate::config::JwtConfig) -> wire::Jwt {
         algorithms: jwt.algorithms.clone(),
         jwks_json: String::new(),
         jwks_error: String::new(),
+        claims_to_policy: jwt
+            .claims_to_policy
+            .as_ref()
+            .map(|claims| wire::ClaimsToPolicy {
+                claim: claims.claim.clone(),
+                policies: claims
+                    .policies
+                    .iter()
+                    .map(|policy| wire::ClaimPolicy {
+                        value: policy.value.clone(),
+                        max_priority: policy
+                            .max_priority
+                            .map_or(wire::Tier::Unspecified, tier_to_wire)
+                            as i32,
+                        models: policy.models.clone(),
+                        budget: policy.budget.as_ref().map(budget_to_wire),
+                    })
+                    .collect(),
+            }),
     }
 }
 

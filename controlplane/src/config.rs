@@ -159,6 +159,16 @@ fn build(raw: schema::RawConfig, env: &Env, problems: &mut Problems) -> Option<C
     let logging = raw
         .logging
         .and_then(|logging| resolve::logging(logging, problems));
+    if let (Some(auth), Some(logging)) = (&auth, &logging)
+        && logging.requests.is_none()
+    {
+        for key in auth.keys.iter().filter(|key| key.capture.is_some()) {
+            problems.warn(format!(
+                "auth.keys[client_id={}].capture is set, but logging.requests is off: nothing is captured",
+                key.client_id
+            ));
+        }
+    }
     let client_injection = raw.client_injection.and_then(|injection| {
         let port = proxy.as_ref().map(|proxy| proxy.port);
         validate::client_injection(

@@ -561,6 +561,8 @@ pub fn clients(records: &[Record], now: i64) -> Vec<wire::Client> {
             tls_subject: String::new(),
             // A stored key has no limits of its own: `auth.default_rate_limit`'s, if any.
             rate_limit: None,
+            // Bodies are captured only for keys of the config file, where the choice is read.
+            capture_max_bytes: 0,
         };
         clients.push(client(&record.key_sha256, record.expires_unix_ms));
         for old in record.live_previous(now) {

@@ -40,6 +40,9 @@ pub enum Identity {
         app: Arc<Client>,
         /// `<client_id>/<user>`.
         id: Arc<str>,
+        /// The ceiling and models its token's claims chose (`jwt.claims_to_policy`), in
+        /// place of the key's.
+        policy: Option<Arc<crate::policy::ClaimPolicy>>,
     },
     /// Auth is off: whoever the `X-Client-ID` header says, unverified.
     Anonymous(Option<Arc<str>>),
@@ -60,8 +63,9 @@ impl Identity {
                     app: client.id.clone(),
                     limits: ClientLimits::default(),
                 }),
+                claims: None,
             },
-            Identity::User { app, id } => Caller {
+            Identity::User { app, id, policy } => Caller {
                 id: id.clone(),
                 verified: true,
                 sets_keep_alive,
@@ -73,12 +77,14 @@ impl Identity {
                         weight: 1.0,
                     },
                 }),
+                claims: policy.clone(),
             },
             Identity::Anonymous(id) => Caller {
                 id: id.clone().unwrap_or_else(|| Arc::from(ANONYMOUS)),
                 verified: false,
                 sets_keep_alive,
                 member: None,
+                claims: None,
             },
         }
     }
@@ -127,7 +133,7 @@ impl Identity {
 
     /// Checks that the caller's key may use `model` (`auth.keys[].models`).
     pub fn allow_model(&self, model: &str) -> Result<(), ProxyError> {
-        match self.key().and_then(|client| client.models.as_ref()) {
+        match self.models() {
             Some(models) if !models.allows(model) => {
                 Err(ProxyError::ModelNotAllowed(model.to_owned()))
             }
@@ -142,15 +148,39 @@ impl Identity {
 
     /// Whether the caller's key limits its models (listings are then filtered).
     pub fn has_allowlist(&self) -> bool {
-        self.key().is_some_and(|client| client.models.is_some())
+        self.models().is_some()
+    }
+
+    /// The caller's model allowlist: its claims' (a token user's), else its key's.
+    fn models(&self) -> Option<&crate::policy::ModelAllowlist> {
+        if let Some(models) = self
+            .claim_policy()
+            .and_then(|policy| policy.models.as_ref())
+        {
+            return Some(models);
+        }
+        self.key().and_then(|client| client.models.as_ref())
+    }
+
+    /// What a token user's claims chose, if anything.
+    fn claim_policy(&self) -> Option<&crate::policy::ClaimPolicy> {
+        match self {
+            Identity::User { policy, .. } => policy.as_deref(),
+            _ => None,
+        }
     }
 
     /// The tier for a request that asked for `requested` (`X-Queue-Priority`):
     /// capped by the client's ceiling, silently.
     pub fn tier(&self, requested: Option<Tier>) -> Tier {
-        match self.key() {
-            Some(client) => client.tier_for(requested),
-            None => requested.unwrap_or(Tier::Normal),
+        let ceiling = self.claim_policy().and_then(|policy| policy.max_priority);
+        match (self.key(), ceiling) {
+            // `Tier` orders High < Normal < Low: the ceiling is the larger.
+            (Some(client), Some(ceiling)) => {
+                requested.unwrap_or(client.default_priority).max(ceiling)
+            }
+            (Some(client), None) => client.tier_for(requested),
+            (None, _) => requested.unwrap_or(Tier::Normal),
         }
     }
 
@@ -173,6 +203,7 @@ impl Identity {
             return Ok(self);
         };
         let invalid = || ProxyError::InvalidUser(users.named.clone());
+        let mut policy = None;
         let user: Option<String> = match &users.source {
             UserSource::Header(name) => match headers.get(name) {
                 None => None,
@@ -184,12 +215,19 @@ impl Identity {
             },
             UserSource::Jwt(verifier) => match verifier.token(headers) {
                 None => None,
-                Some(token) => Some(verifier.verify(token).map_err(|error| {
-                    if error.wants_keys() {
-                        refresh.want(&client.id);
-                    }
-                    ProxyError::InvalidToken(error)
-                })?),
+                Some(token) => {
+                    let verified = verifier.verify_user(token).map_err(|error| {
+                        if error.wants_keys() {
+                            refresh.want(&client.id);
+                        }
+                        ProxyError::InvalidToken(error)
+                    })?;
+                    policy = users
+                        .claims_to_policy
+                        .as_ref()
+                        .and_then(|claims| claims.select(&verified.values));
+                    Some(verified.user)
+                }
             },
         };
         let Some(user) = user else {
@@ -200,7 +238,7 @@ impl Identity {
         }
         let id: Arc<str> = Arc::from(format!("{}/{user}", client.id));
         let app = client.clone();
-        Ok(Identity::User { app, id })
+        Ok(Identity::User { app, id, policy })
     }
 }
 
@@ -240,6 +278,9 @@ pub struct Caller {
     /// The app it belongs to, when its key speaks for many people (the app itself or one of
     /// its users): the queue shares the app's place between them.
     pub member: Option<Member>,
+    /// What its token's claims chose (`jwt.claims_to_policy`): its budget replaces
+    /// `users.budget`.
+    pub claims: Option<Arc<crate::policy::ClaimPolicy>>,
 }
 
 /// The tier a request asks for, if its `X-Queue-Priority` names one.
@@ -402,11 +443,16 @@ fn token_identity(
         if client.is_expired(now) {
             continue;
         }
-        match verifier.verify(token) {
-            Ok(user) => {
-                let id: Arc<str> = Arc::from(format!("{}/{user}", client.id));
+        match verifier.verify_user(token) {
+            Ok(verified) => {
+                let id: Arc<str> = Arc::from(format!("{}/{}", client.id, verified.user));
                 let app = client.clone();
-                return Some(Ok(Identity::User { app, id }));
+                let policy = client
+                    .users
+                    .as_ref()
+                    .and_then(|users| users.claims_to_policy.as_ref())
+                    .and_then(|claims| claims.select(&verified.values));
+                return Some(Ok(Identity::User { app, id, policy }));
             }
             Err(error) => {
                 if error.wants_keys() {

@@ -101,6 +101,18 @@ pub struct Verifier {
     only: Option<Key>,
     /// Why there are no keys, when there are none.
     unavailable: Option<String>,
+    /// The claim whose values choose the user's settings (`claims_to_policy.claim`), if any.
+    choosing_claim: Option<String>,
+}
+
+/// A verified token's user, and the values of its choosing claim.
+#[derive(Debug, Clone)]
+pub struct Verified {
+    /// The user claim's value.
+    pub user: String,
+    /// The string values of the choosing claim (a string, or the strings of an array);
+    /// empty without one.
+    pub values: Vec<String>,
 }
 
 impl std::fmt::Debug for Verifier {
@@ -262,7 +274,30 @@ impl Verifier {
             keys: by_kid,
             only,
             unavailable,
+            choosing_claim: None,
         })
+    }
+
+    /// Reading `claim`'s values too (`claims_to_policy.claim`).
+    pub fn with_choosing_claim(mut self, claim: Option<String>) -> Self {
+        self.choosing_claim = claim;
+        self
+    }
+
+    /// The `iss` its tokens must carry.
+    pub fn issuer(&self) -> &str {
+        &self.issuer
+    }
+
+    /// How many of the issuer's public keys it holds.
+    pub fn key_count(&self) -> usize {
+        self.keys.len().max(usize::from(self.only.is_some()))
+    }
+
+    /// Why it refuses every token (the control plane could not fetch the issuer's keys, or
+    /// they do not parse), if it does.
+    pub fn unavailable(&self) -> Option<&str> {
+        self.unavailable.as_deref()
     }
 
     /// The header the token comes in.
@@ -284,6 +319,11 @@ impl Verifier {
 
     /// The user `token` names, if it verifies.
     pub fn verify(&self, token: &str) -> Result<String, TokenError> {
+        self.verify_user(token).map(|verified| verified.user)
+    }
+
+    /// The user `token` names and the settings its claims select, if it verifies.
+    pub fn verify_user(&self, token: &str) -> Result<Verified, TokenError> {
         if token.len() > MAX_TOKEN_BYTES {
             return Err(TokenError::TooLarge);
         }
@@ -325,7 +365,19 @@ impl Verifier {
         if !crate::headers::is_user_id(&user) {
             return Err(TokenError::User(self.user_claim.clone()));
         }
-        Ok(user)
+        let values = match self
+            .choosing_claim
+            .as_ref()
+            .and_then(|claim| claims.get(claim))
+        {
+            Some(serde_json::Value::String(value)) => vec![value.clone()],
+            Some(serde_json::Value::Array(values)) => values
+                .iter()
+                .filter_map(|value| value.as_str().map(str::to_owned))
+                .collect(),
+            _ => Vec::new(),
+        };
+        Ok(Verified { user, values })
     }
 }
 

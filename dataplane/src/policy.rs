@@ -6,6 +6,7 @@
 //! plane keeps serving on its previous one (see [`crate::snapshot`]).
 
 mod cidr;
+mod claims;
 mod convert;
 mod keep_alive;
 
@@ -17,6 +18,7 @@ use std::time::{Duration, SystemTime};
 use crate::scheduler::Tier;
 
 pub use cidr::{Cidr, CidrError, canonical};
+pub use claims::{ClaimPolicy, ClaimsToPolicy};
 pub use convert::PolicyError;
 pub use keep_alive::{DEFAULT_KEEP_ALIVE_MAX, KeepAlive};
 
@@ -260,6 +262,9 @@ pub struct Client {
     pub tls_subject: Option<Arc<str>>,
     /// Its per-minute limits (for an app key, the app's as a whole), if it has any.
     pub rate_limit: Option<MinuteLimit>,
+    /// Bytes of each request body and answer its request log lines keep (its users' too,
+    /// for an app key), if it captures them.
+    pub capture: Option<usize>,
 }
 
 /// `logging.requests`: where the request log ([`crate::request_log`]) is written.
@@ -310,6 +315,8 @@ pub struct Users {
     pub session_header: Option<http::HeaderName>,
     /// Each user's per-minute limits, if there are any.
     pub rate_limit: Option<MinuteLimit>,
+    /// A token user's settings chosen by a claim (`jwt.claims_to_policy`), if any.
+    pub claims_to_policy: Option<ClaimsToPolicy>,
 }
 
 /// Where an app puts its end user's id.
@@ -882,6 +889,15 @@ impl Policy {
         let client = self.clients_by_id.get(app)?;
         client.users.as_ref()?;
         Some((client, user))
+    }
+
+    /// How many bytes of a request body and of its answer the request log keeps for
+    /// `client_id` (a user of an app has its app key's setting), when the log is on and the
+    /// key captures bodies.
+    pub fn capture_of(&self, client_id: &str) -> Option<usize> {
+        self.request_log.as_ref()?;
+        let key = client_id.split_once('/').map_or(client_id, |(app, _)| app);
+        self.clients_by_id.get(key)?.capture
     }
 
     /// A host by name.

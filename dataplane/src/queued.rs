@@ -32,7 +32,8 @@ use crate::placement::Target;
 use crate::policy::Policy;
 use crate::proxy::{self, Active, Outbound, RequestBody};
 use crate::relay;
-use crate::request_log::{Entry, RequestLog};
+use crate::request_log::capture::{self, Tap};
+use crate::request_log::{Capture, Entry, RequestLog};
 use crate::scheduler::{Ask, Tier};
 use crate::snapshot::PolicyStore;
 use crate::upstream::{Completion, Upstream};
@@ -143,12 +144,17 @@ pub async fn send(
         tier: request.tier.as_str(),
         ..Entry::default()
     };
+    // The body to capture, should the request be refused here (cheap: a shared buffer).
+    let captured = policy
+        .capture_of(&request.caller.id)
+        .map(|limit| (limit, buffered(&outbound.body)));
     let answer = admit(parts, policy, &request, outbound, on_granted).await;
     if let Err(error) = &answer {
         entry.time = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
         entry.status = error.status().as_u16();
         entry.duration_ms = millis(started.elapsed());
         entry.error = Some(error.to_string());
+        entry.capture = captured.map(|(limit, body)| Capture::of_request(body.as_ref(), limit));
         parts.request_log.record(&settings, entry, parts.metrics);
     }
     answer
@@ -392,6 +398,14 @@ async fn granted(
         };
         (settings, entry, parts.request_log.clone())
     });
+    // A key that captures bodies: its request's now, its answer's by a tap on the stream.
+    let capture = logged.as_ref().and_then(|_| {
+        let limit = policy.capture_of(client)?;
+        Some((
+            limit,
+            Capture::of_request(buffered(&outbound.body).as_ref(), limit),
+        ))
+    });
     let sent = Instant::now();
     let active = parts.active.track();
     let model = lease.model().map(|m| m.to_string());
@@ -400,10 +414,17 @@ async fn granted(
     let forwarded =
         forward_charged(sending, &mut lease, model.as_deref(), outbound, &mut spent).await?;
     let forward::Forwarded {
-        answer,
+        mut answer,
         guards,
         headers: extra_headers,
     } = forwarded;
+    // Inside the body the completion hook watches: the copy is whole when the hook runs.
+    let capture = capture.map(|(limit, capture)| {
+        let (head, body) = std::mem::take(&mut answer.response).into_parts();
+        let (tap, tapped) = Tap::new(body, limit);
+        answer.response = Response::from_parts(head, http_body_util::BodyExt::boxed(tap));
+        (capture, tapped)
+    });
     parts.metrics.host_request(&answer.host.name);
     let status = answer.response.status();
     if status.is_client_error() || status.is_server_error() {
@@ -428,6 +449,7 @@ async fn granted(
         client: client.clone(),
         charge: charge.cloned(),
         logged,
+        capture,
         model,
         host: answer.host.name.clone(),
         served,
@@ -552,6 +574,8 @@ struct Answered {
     charge: Option<minute::Charge>,
     /// The request log's line, when the log is on.
     logged: Option<(Arc<crate::request_log::Settings>, Entry, Arc<RequestLog>)>,
+    /// A capturing key's request body, and the tap copying its answer's first bytes.
+    capture: Option<(Capture, capture::Tapped)>,
     model: Option<String>,
     host: Arc<str>,
     /// The Ollama Cloud account that answered, on a cloud host.
@@ -577,6 +601,7 @@ fn completion(answered: Answered) -> Completion {
             client,
             charge,
             logged,
+            capture,
             model,
             host,
             served,
@@ -605,6 +630,7 @@ fn completion(answered: Answered) -> Completion {
             entry.prompt_tokens = Some(outcome.tokens.prompt);
             entry.completion_tokens = Some(outcome.tokens.completion);
             entry.cached_tokens = cached_tokens;
+            entry.capture = capture.map(|(capture, tapped)| capture.with_answer(&tapped));
             log.record(&settings, entry, &metrics);
         }
         // GPU time: Ollama's figure (and the attempts before the one that answered), else
@@ -751,6 +777,14 @@ fn estimated_tokens(outbound: &Outbound, chain: Option<&Chain>) -> u64 {
 /// every [`BYTES_PER_TOKEN`](crate::affinity::chain::BYTES_PER_TOKEN) bytes of the body sent,
 /// rounded up (the whole body, its JSON included: Ollama's tokenizers average about that
 /// on English text).
+/// The body of a request read whole (a shared buffer, not a copy).
+fn buffered(body: &RequestBody) -> Option<bytes::Bytes> {
+    match body {
+        RequestBody::Buffered(bytes) => Some(bytes.clone()),
+        RequestBody::Streamed(_) => None,
+    }
+}
+
 fn prompt_estimate(body: &RequestBody) -> u64 {
     match body {
         RequestBody::Buffered(bytes) => {

@@ -10,6 +10,9 @@
 //! write to a file opened for appending. A write that fails (a full disk, a path that cannot
 //! be written) loses that line, is counted (`oqp_request_log_failures_total`) and is logged at
 //! most once a minute; requests are served as before.
+//!
+//! A key with `capture: {max_bytes}` also has its request and answer bodies in its lines,
+//! cut at the limit ([`capture`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
@@ -22,6 +25,10 @@ use serde::Serialize;
 use tokio::sync::mpsc;
 
 use crate::metrics::Metrics;
+
+pub mod capture;
+
+pub use capture::Capture;
 
 /// Entries waiting to be written; past it, new ones are dropped.
 pub const CAPACITY: usize = 4096;
@@ -78,6 +85,9 @@ pub struct Entry {
     /// Why oqp refused or failed the request itself, as its error says.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The request's body and its answer, for a key that captures them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capture: Option<Capture>,
 }
 
 /// The request log of one data plane: a bounded channel to its writer thread.

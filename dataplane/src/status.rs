@@ -269,6 +269,35 @@ struct ClientStatus {
     /// too); left out while none was.
     #[serde(skip_serializing_if = "is_zero")]
     rate_limited: u64,
+    /// The issuer whose tokens name its users, for a `jwt:` key or `users.jwt`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    jwt: Option<JwtStatus>,
+}
+
+/// A client's token issuer as this node holds it.
+#[derive(Debug, Serialize)]
+struct JwtStatus {
+    issuer: String,
+    /// Public keys held to verify tokens.
+    keys: usize,
+    /// Why every token is refused now (the control plane could not fetch the keys, or they
+    /// did not parse); left out while tokens can be verified.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+impl JwtStatus {
+    fn of(client: Option<&Client>) -> Option<Self> {
+        let users = client?.users.as_ref()?;
+        let crate::policy::UserSource::Jwt(verifier) = &users.source else {
+            return None;
+        };
+        Some(Self {
+            issuer: verifier.issuer().to_owned(),
+            keys: verifier.key_count(),
+            error: verifier.unavailable().map(str::to_owned),
+        })
+    }
 }
 
 fn is_zero(count: &u64) -> bool {
@@ -588,6 +617,7 @@ fn client_status(
         usage_today: Some(UsageToday::of(today)),
         rate_limit,
         rate_limited,
+        jwt: JwtStatus::of(client),
     }
 }
 

@@ -469,7 +469,12 @@ impl Usage {
             return Ok(());
         };
         self.check_budget(&app.id, app.budget.as_ref(), Whose::App, now)?;
-        match app.users.as_ref().and_then(|users| users.budget.as_ref()) {
+        // A token user's claims may choose its budget (over the users' window).
+        let claimed = caller
+            .claims
+            .as_ref()
+            .and_then(|claims| claims.budget.as_ref());
+        match claimed.or(app.users.as_ref().and_then(|users| users.budget.as_ref())) {
             Some(budget) if caller.id != app.id => {
                 self.check_budget(&caller.id, Some(budget), Whose::Own, now)
             }

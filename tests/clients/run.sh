@@ -4,8 +4,10 @@
 # ollama-js (pinned in js/package.json) runs tests/clients/js/real_clients.mjs, through oqp in
 # single-box mode, auth on, in front of a mixed fleet: the fake Ollama (models llama3.2 and
 # all-minilm) and two llama-servers (scripts/setup.sh builds them; models tiny-chat and
-# tiny-embed), so that the same clients reach both kinds of host through one OLLAMA_HOST.
-# Everything runs on free loopback ports and is stopped on exit, whatever happens.
+# tiny-embed), so that the same clients reach both kinds of host through one OLLAMA_HOST;
+# then tests/clients/tls_clients.py through a second oqp whose proxy port serves TLS with a
+# certificate of a throwaway CA (test-ca), the clients given the CA bundle. Everything runs
+# on free loopback ports and is stopped on exit, whatever happens.
 #
 #   tests/clients/run.sh            # from anywhere; builds the binaries
 #   OQP_VENV=/path/to/venv tests/clients/run.sh
@@ -15,9 +17,9 @@ cd "$(dirname "$0")/../.."
 target=${CARGO_TARGET_DIR:-target}/debug
 venv=${OQP_VENV:-.venv}
 
-echo "-- building oqp-controlplane, fake-ollama and oqpctl"
+echo "-- building oqp-controlplane, fake-ollama, test-ca and oqpctl"
 cargo build --locked -q -p oqp-controlplane --bin oqp-controlplane -p oqp-tests --bin fake-ollama \
-  -p oqpctl --bin oqpctl
+  --bin test-ca -p oqpctl --bin oqpctl
 
 echo "-- python environment ($venv)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -40,6 +42,7 @@ cleanup() {
   wait 2>/dev/null || true
   if [ "$status" -ne 0 ]; then
     echo "-- oqp log (tail)"; tail -n 40 "$work/oqp.log" 2>/dev/null || true
+    echo "-- oqp over TLS log (tail)"; tail -n 20 "$work/oqp-tls.log" 2>/dev/null || true
     echo "-- fake log (tail)"; tail -n 20 "$work/fake.log" 2>/dev/null || true
     echo "-- llama-server logs (tail)"
     tail -n 20 "$work/llama-chat.log" "$work/llama-embed.log" 2>/dev/null || true
@@ -160,3 +163,59 @@ for _ in $(seq 100); do
 done
 echo "$table"
 grep -q "real-clients" <<<"$table" && grep -q "spent" <<<"$table"
+
+# Waits until $1/health answers 200 (bounded), trusting the CA bundle $2.
+wait_for_health() {
+  "$python" - "$1" "$2" <<'PY'
+import ssl, sys, time, urllib.request
+url, ca = sys.argv[1] + "/health", sys.argv[2]
+context = ssl.create_default_context(cafile=ca)
+deadline = time.monotonic() + 30
+while True:
+    try:
+        with urllib.request.urlopen(url, timeout=1, context=context) as response:
+            if response.status == 200:
+                break
+    except Exception:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit(f"{url} never answered 200")
+    time.sleep(0.1)
+PY
+}
+
+# The same clients over TLS: a second oqp in front of the same fake, its proxy port serving a
+# certificate for 127.0.0.1 from a CA made for this run; the clients trust that CA's bundle.
+echo "-- starting oqp with TLS on its proxy port"
+"$target/test-ca" "$work/tls"
+tls_port=$(free_port)
+tls_control_port=$(free_port)
+mkdir -p "$work/state-tls"
+cat >"$work/config-tls.yml" <<YAML
+proxy:
+  host: "127.0.0.1"
+  port: $tls_port
+  tls:
+    cert_file: "$work/tls/server.crt"
+    key_file: "$work/tls/server.key"
+ollama:
+  hosts:
+    - url: "http://$fake"
+      name: fake
+auth:
+  enabled: true
+  keys:
+    - key: "$key"
+      client_id: real-clients
+control_plane:
+  listen: "127.0.0.1:$tls_control_port"
+  state_dir: "$work/state-tls"
+YAML
+OQP_LOG=${OQP_LOG:-warn} "$target/oqp-controlplane" --config "$work/config-tls.yml" \
+  --with-dataplane >"$work/oqp-tls.log" 2>&1 &
+pids+=($!)
+wait_for_health "https://127.0.0.1:$tls_port" "$work/tls/ca.pem"
+
+echo "-- running the clients over TLS"
+OQP_TLS_URL="https://127.0.0.1:$tls_port" OLLAMA_API_KEY="$key" OQP_CA_BUNDLE="$work/tls/ca.pem" \
+  OQP_CHAT_MODEL=llama3.2 "$python" tests/clients/tls_clients.py

@@ -1,5 +1,7 @@
-//! JWT users for tests: signing keys made in the test (rcgen, ES256 and EdDSA), tokens signed
-//! with them, and a loopback JWKS server whose key set and health the test changes.
+//! JWT users for tests: signing keys made in the test (rcgen, ES256 and EdDSA) or, for RS256,
+//! the fixture `tests/fixtures/jwt/rs256.key.der` (ring cannot generate RSA keys; made by
+//! `scripts/make-jwt-fixture.sh`), tokens signed with them, and a loopback JWKS server whose
+//! key set and health the test changes.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -65,6 +67,23 @@ impl SigningKey {
             kid: kid.to_owned(),
             algorithm: jsonwebtoken::Algorithm::EdDSA,
             encoding: jsonwebtoken::EncodingKey::from_ed_der(&pair.serialize_der()),
+            jwk,
+        }
+    }
+
+    /// The fixture's 2048-bit RSA key (RS256), under `kid`.
+    #[allow(clippy::expect_used)]
+    pub fn rs256(kid: &str) -> Self {
+        let der = include_bytes!("../fixtures/jwt/rs256.key.der");
+        let mut jwk: Value = serde_json::from_str(include_str!("../fixtures/jwt/rs256.jwk.json"))
+            .expect("the fixture's JWK");
+        jwk["kid"] = json!(kid);
+        jwk["use"] = json!("sig");
+        jwk["alg"] = json!("RS256");
+        Self {
+            kid: kid.to_owned(),
+            algorithm: jsonwebtoken::Algorithm::RS256,
+            encoding: jsonwebtoken::EncodingKey::from_rsa_der(der),
             jwk,
         }
     }

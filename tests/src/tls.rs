@@ -31,6 +31,11 @@ impl TestCa {
         let mut params =
             rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA parameters");
         params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        // A name of its own: with rcgen's default, shared by the certificates it issues,
+        // OpenSSL (Python's ssl, curl) takes each leaf for self-signed and refuses it.
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "oqp test CA");
         let cert = params.self_signed(&key).expect("CA certificate");
         Self { key, cert }
     }

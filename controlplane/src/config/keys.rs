@@ -12,11 +12,13 @@ use super::enums::{Scope, Tier, Vocabulary, parse_word};
 use super::env::Env;
 use super::error::Problems;
 use super::scalar::{Int, Text};
-use super::schema::{RawBudget, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers};
+use super::schema::{
+    RawBudget, RawCapture, RawClaimsToPolicy, RawCloudKey, RawJwt, RawKey, RawMinuteLimit, RawUsers,
+};
 use super::secret::Secret;
 use super::types::{
-    Budget, BudgetWindow, CloudKey, JwksSource, JwtConfig, KeyConfig, MinuteLimit, UserSource,
-    UsersConfig,
+    Budget, BudgetWindow, ClaimPolicy, ClaimsToPolicy, CloudKey, JwksSource, JwtConfig, KeyConfig,
+    MinuteLimit, UserSource, UsersConfig,
 };
 
 /// The three ways of giving one credential, with the field names of this entry.
@@ -376,10 +378,22 @@ fn resolve_key(
         }),
         (None, None) => None,
     };
+    if let Some(users) = &users {
+        let at = if raw.jwt.is_some() {
+            format!("{at}.jwt")
+        } else {
+            format!("{at}.users.jwt")
+        };
+        check_claim_budgets(users, &at, problems);
+    }
     let rate_limit = raw
         .rate_limit
         .as_ref()
         .and_then(|limit| resolve_minute_limit(limit, &format!("{at}.rate_limit"), problems));
+    let capture = raw
+        .capture
+        .as_ref()
+        .and_then(|capture| resolve_capture(capture, &format!("{at}.capture"), problems));
 
     if problems.error_count() != before {
         return None;
@@ -403,7 +417,31 @@ fn resolve_key(
         models,
         users,
         rate_limit,
+        capture,
     })
+}
+
+/// The most `capture.max_bytes` may be: each side of a request log line stays below it.
+pub const MAX_CAPTURE_BYTES: i64 = 1024 * 1024;
+
+/// A key's `capture` block at `at`: `max_bytes`, from 1 to [`MAX_CAPTURE_BYTES`].
+fn resolve_capture(raw: &RawCapture, at: &str, problems: &mut Problems) -> Option<u32> {
+    let Some(value) = raw.max_bytes.as_ref().map(|value| value.0) else {
+        problems.error(format!(
+            "{at} sets no max_bytes; set how many bytes of each request and answer the \
+             request log keeps (1 to {MAX_CAPTURE_BYTES}), or remove it"
+        ));
+        return None;
+    };
+    match u32::try_from(value) {
+        Ok(bytes) if (1..=MAX_CAPTURE_BYTES).contains(&value) => Some(bytes),
+        _ => {
+            problems.error(format!(
+                "{at}.max_bytes must be an integer from 1 to {MAX_CAPTURE_BYTES}, got {value}"
+            ));
+            None
+        }
+    }
 }
 
 /// `auth.keys[].models` (and a store key's `--models`): model-name globs, `*` and `?`.
@@ -731,6 +769,11 @@ fn resolve_jwt(
             "{at}.refresh_min_interval must be at least 1s (the issuer is asked at most that often)"
         ));
     }
+    let claims_to_policy = raw
+        .claims_to_policy
+        .as_ref()
+        .and_then(|raw| resolve_claims_to_policy(raw, &format!("{at}.claims_to_policy"), problems))
+        .map(Box::new);
     (problems.error_count() == before).then_some(JwtConfig {
         issuer,
         audiences,
@@ -740,7 +783,113 @@ fn resolve_jwt(
         algorithms,
         allowed_hosts,
         refresh_min_interval,
+        claims_to_policy,
     })
+}
+
+/// A `claims_to_policy` budget replaces `users.budget` for the users it selects, over the
+/// same window: a user's usage is summed (over all data planes) by that window.
+fn check_claim_budgets(users: &UsersConfig, at: &str, problems: &mut Problems) {
+    let UserSource::Jwt(jwt) = &users.source else {
+        return;
+    };
+    let Some(claims) = &jwt.claims_to_policy else {
+        return;
+    };
+    for (index, policy) in claims.policies.iter().enumerate() {
+        let Some(budget) = &policy.budget else {
+            continue;
+        };
+        let here = format!("{at}.claims_to_policy.policies[{index}].budget");
+        match &users.budget {
+            Some(base) if base.window == budget.window => {}
+            Some(base) => problems.error(format!(
+                "{here}.window must be users.budget's ({}): a user's usage is summed over that \
+                 window",
+                base.window.as_str()
+            )),
+            None => problems.error(format!(
+                "{here} needs users.budget: the window a user's usage is summed over, and the \
+                 budget of users in no listed group"
+            )),
+        }
+    }
+}
+
+/// The most `claims_to_policy.policies` a `jwt` block may list.
+const MAX_CLAIM_POLICIES: usize = 256;
+
+/// `jwt.claims_to_policy` at `at`: a `claim` and its `policies`, each a `value` with a
+/// `max_priority` and/or `models`.
+fn resolve_claims_to_policy(
+    raw: &RawClaimsToPolicy,
+    at: &str,
+    problems: &mut Problems,
+) -> Option<ClaimsToPolicy> {
+    let before = problems.error_count();
+    let claim = raw
+        .claim
+        .as_ref()
+        .map(|text| text.0.trim().to_owned())
+        .unwrap_or_default();
+    if claim.is_empty() {
+        problems.error(format!(
+            "{at}.claim is required: the token's claim that holds the user's groups or roles \
+             (e.g. groups)"
+        ));
+    }
+    let raw_policies = raw.policies.as_deref().unwrap_or_default();
+    if raw_policies.is_empty() {
+        problems.error(format!(
+            "{at}.policies is empty: list the claim's values and what each selects"
+        ));
+    } else if raw_policies.len() > MAX_CLAIM_POLICIES {
+        problems.error(format!(
+            "{at}.policies lists {} values; at most {MAX_CLAIM_POLICIES}",
+            raw_policies.len()
+        ));
+    }
+    let mut policies = Vec::new();
+    for (index, policy) in raw_policies.iter().enumerate() {
+        let value = policy
+            .value
+            .as_ref()
+            .map(|text| text.0.trim().to_owned())
+            .unwrap_or_default();
+        let here = format!("{at}.policies[{index}]");
+        if value.is_empty() {
+            problems.error(format!(
+                "{here}.value is required (the claim's value, e.g. admins)"
+            ));
+        } else if policies
+            .iter()
+            .any(|seen: &ClaimPolicy| seen.value == value)
+        {
+            problems.error(format!("{here}.value '{value}' is listed twice"));
+        }
+        let max_priority = word::<Tier>(
+            policy.max_priority.as_ref(),
+            &format!("{here}.max_priority"),
+            problems,
+        );
+        let models = resolve_models(policy.models.as_deref(), &here, problems);
+        let budget = policy
+            .budget
+            .as_ref()
+            .and_then(|budget| resolve_budget(budget, &here, problems));
+        if max_priority.is_none() && models.is_empty() && policy.budget.is_none() {
+            problems.error(format!(
+                "{here} selects nothing: set max_priority, models and/or budget"
+            ));
+        }
+        policies.push(ClaimPolicy {
+            value,
+            max_priority,
+            models,
+            budget,
+        });
+    }
+    (problems.error_count() == before).then_some(ClaimsToPolicy { claim, policies })
 }
 
 /// `auth.keys[].budget`: `gpu_seconds` and/or `tokens` per `window`.

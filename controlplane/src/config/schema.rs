@@ -262,6 +262,15 @@ pub(crate) struct RawKey {
     pub tls_subject: Option<Text>,
     #[serde(default)]
     pub rate_limit: Option<RawMinuteLimit>,
+    #[serde(default)]
+    pub capture: Option<RawCapture>,
+}
+
+/// `auth.keys[].capture`: request and answer bodies in the request log.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawCapture {
+    pub max_bytes: Option<Int>,
 }
 
 /// `auth.keys[].jwt` and `auth.keys[].users.jwt`.
@@ -277,6 +286,25 @@ pub(crate) struct RawJwt {
     pub algorithms: Option<Vec<Text>>,
     pub allowed_hosts: Option<Vec<Text>>,
     pub refresh_min_interval: Option<Seconds>,
+    pub claims_to_policy: Option<RawClaimsToPolicy>,
+}
+
+/// `jwt.claims_to_policy`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "a section of key: value pairs")]
+pub(crate) struct RawClaimsToPolicy {
+    pub claim: Option<Text>,
+    pub policies: Option<Vec<RawClaimPolicy>>,
+}
+
+/// One of `jwt.claims_to_policy.policies`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default, expecting = "an entry of key: value pairs")]
+pub(crate) struct RawClaimPolicy {
+    pub value: Option<Text>,
+    pub max_priority: Option<Text>,
+    pub models: Option<Vec<Text>>,
+    pub budget: Option<RawBudget>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -2089,3 +2089,154 @@ fn the_request_log_is_off_unless_it_names_a_file() {
         ["logging.requests.retention_days must be between 1 and 3650, got 0"]
     );
 }
+
+#[test]
+fn capture_is_a_keys_setting_bounded_and_only_with_a_request_log() {
+    let loaded = load(&with_host(
+        "logging:\n  requests: {file: /tmp/oqp-requests.jsonl}\nauth:\n  keys:\n    \
+         - {key: k1, client_id: a, capture: {max_bytes: 4096}}\n    \
+         - {key: k2, client_id: b}\n    \
+         - key: k3\n      client_id: webui\n      users: {header: X-User}\n      capture: {max_bytes: 1048576}\n",
+    ));
+    let keys = &loaded.config.auth.keys;
+    assert_eq!(keys[0].capture, Some(4096));
+    assert_eq!(keys[1].capture, None);
+    assert_eq!(keys[2].capture, Some(1_048_576));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let snapshot = crate::compile::snapshot(
+        &loaded.config,
+        &Default::default(),
+        &Default::default(),
+        &[],
+        1,
+    );
+    let of = |id: &str| {
+        let client = snapshot.clients.iter().find(|c| c.client_id == id);
+        client.unwrap().capture_max_bytes
+    };
+    assert_eq!((of("a"), of("b"), of("webui")), (4096, 0, 1_048_576));
+
+    // Without the request log there is nowhere to write it: said, not refused.
+    let loaded = load(&with_host(
+        "auth:\n  keys:\n    - {key: k1, client_id: a, capture: {max_bytes: 10}}\n",
+    ));
+    assert_eq!(
+        loaded.warnings,
+        ["auth.keys[client_id=a].capture is set, but logging.requests is off: nothing is captured"]
+    );
+    // A user's capture is the app key's: `users.capture` is not a setting.
+    let loaded = load(&with_host(
+        "logging:\n  requests: {file: /tmp/oqp-requests.jsonl}\nauth:\n  keys:\n    \
+         - {key: k1, client_id: a, users: {header: X-User, capture: {max_bytes: 10}}}\n",
+    ));
+    assert_eq!(
+        loaded.warnings,
+        ["unknown key 'auth.keys[0].users.capture' (ignored)"]
+    );
+
+    let errors = problems_of(&with_host(
+        "auth:\n  keys:\n    \
+         - {key: k1, client_id: a, capture: {}}\n    \
+         - {key: k2, client_id: b, capture: {max_bytes: 0}}\n    \
+         - {key: k3, client_id: c, capture: {max_bytes: 1048577}}\n",
+    ));
+    assert_eq!(
+        errors,
+        [
+            "auth.keys[client_id=a].capture sets no max_bytes; set how many bytes of each request and answer the request log keeps (1 to 1048576), or remove it",
+            "auth.keys[client_id=b].capture.max_bytes must be an integer from 1 to 1048576, got 0",
+            "auth.keys[client_id=c].capture.max_bytes must be an integer from 1 to 1048576, got 1048577",
+        ]
+    );
+}
+
+#[test]
+fn claims_to_policy_lists_values_each_selecting_a_ceiling_and_models() {
+    let jwt = |claims_to_policy: &str| {
+        with_host(&format!(
+            "auth:\n  keys:\n    - client_id: people\n      jwt:\n        issuer: https://idp.example\n        \
+             audiences: [oqp]\n        jwks_file: /etc/oqp/jwks.json\n        claims_to_policy: {claims_to_policy}\n"
+        ))
+    };
+    let loaded = load(&jwt(
+        "{claim: groups, policies: [{value: admins, max_priority: high}, \
+         {value: interns, max_priority: low, models: [\"qwen3*\"]}]}",
+    ));
+    let Some(UserSource::Jwt(config)) = loaded.config.auth.keys[0]
+        .users
+        .as_ref()
+        .map(|users| users.source.clone())
+    else {
+        panic!("a token-keyed entry");
+    };
+    let claims = config.claims_to_policy.unwrap();
+    assert_eq!(claims.claim, "groups");
+    assert_eq!(claims.policies[0].value, "admins");
+    assert_eq!(claims.policies[0].max_priority, Some(Tier::High));
+    assert!(claims.policies[0].models.is_empty());
+    assert_eq!(claims.policies[1].max_priority, Some(Tier::Low));
+    assert_eq!(claims.policies[1].models, ["qwen3*"]);
+    let snapshot = crate::compile::snapshot(
+        &loaded.config,
+        &Default::default(),
+        &Default::default(),
+        &[],
+        1,
+    );
+    let wire = snapshot.clients[0]
+        .users
+        .as_ref()
+        .unwrap()
+        .jwt
+        .as_ref()
+        .unwrap();
+    let wire = wire.claims_to_policy.as_ref().unwrap();
+    assert_eq!(wire.claim, "groups");
+    assert_eq!(
+        wire.policies[1].max_priority,
+        oqp_proto::policy::v1::Tier::Low as i32
+    );
+
+    let errors = problems_of(&jwt(
+        "{policies: [{value: admins, max_priority: highest}, {value: admins, max_priority: low}, \
+         {max_priority: low}, {value: staff}]}",
+    ));
+    let at = "auth.keys[client_id=people].jwt.claims_to_policy";
+    for expected in [
+        format!("{at}.claim is required"),
+        format!("{at}.policies[0].max_priority"),
+        format!("{at}.policies[1].value 'admins' is listed twice"),
+        format!("{at}.policies[2].value is required"),
+        format!("{at}.policies[3] selects nothing"),
+    ] {
+        assert!(
+            errors.iter().any(|error| error.starts_with(&expected)),
+            "{expected}: {errors:?}"
+        );
+    }
+
+    // A budget replaces users.budget over its window: it needs one, and the same window.
+    let budget = "{claim: groups, policies: [{value: interns, budget: {tokens: 10, window: 1d}}]}";
+    let with_users = |users: &str| format!("{}      users: {users}\n", jwt(budget));
+    let loaded = load(&with_users("{budget: {tokens: 1000, window: 1d}}"));
+    let users = loaded.config.auth.keys[0].users.as_ref().unwrap();
+    let UserSource::Jwt(config) = &users.source else {
+        panic!("a token-keyed entry");
+    };
+    let policy = &config.claims_to_policy.as_ref().unwrap().policies[0];
+    assert_eq!(policy.budget.as_ref().unwrap().tokens, 10);
+    assert_eq!(
+        problems_of(&jwt(budget)),
+        [format!(
+            "{at}.policies[0].budget needs users.budget: the window a user's usage is summed \
+             over, and the budget of users in no listed group"
+        )]
+    );
+    assert_eq!(
+        problems_of(&with_users("{budget: {tokens: 1000, window: 7d}}")),
+        [format!(
+            "{at}.policies[0].budget.window must be users.budget's (7d): a user's usage is \
+             summed over that window"
+        )]
+    );
+}

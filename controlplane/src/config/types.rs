@@ -275,6 +275,9 @@ pub struct KeyConfig {
     pub tls_subject: Option<String>,
     /// Its own per-minute limits (for an app key, the app as a whole), if it sets any.
     pub rate_limit: Option<MinuteLimit>,
+    /// `capture.max_bytes`: how much of each request body and answer the request log keeps
+    /// (its users' too); `None` = no capture.
+    pub capture: Option<u32>,
 }
 
 /// `auth.keys[].users`: a trusted app's end users, each the sub-client `<client_id>/<user>`.
@@ -325,6 +328,31 @@ pub struct JwtConfig {
     /// Shortest time between two fetches of the keys asked for by a token (an unknown key
     /// id) or after a failure.
     pub refresh_min_interval: std::time::Duration,
+    /// The user's settings chosen by a claim of the token, if any (boxed: rarely set, and
+    /// large beside the other ways of naming a user).
+    pub claims_to_policy: Option<Box<ClaimsToPolicy>>,
+}
+
+/// `jwt.claims_to_policy`: a claim of the token chooses the user's ceiling and models.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimsToPolicy {
+    /// The claim read (a string or an array of strings in the token).
+    pub claim: String,
+    /// The first whose value the claim holds applies.
+    pub policies: Vec<ClaimPolicy>,
+}
+
+/// The settings of the users whose claim holds `value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimPolicy {
+    /// The claim's value that selects them.
+    pub value: String,
+    /// The user's ceiling, in place of the entry's.
+    pub max_priority: Option<Tier>,
+    /// The user's model globs, in place of the entry's; empty = the entry's.
+    pub models: Vec<String>,
+    /// The user's budget in place of `users.budget` (over the same window).
+    pub budget: Option<Budget>,
 }
 
 /// Where an issuer's public keys (a JWK Set) are read.

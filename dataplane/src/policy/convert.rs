@@ -408,6 +408,8 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         .map(|users| convert_users(&id, users))
         .transpose()?;
     let rate_limit = MinuteLimit::from_wire(client.rate_limit);
+    let capture = (client.capture_max_bytes > 0)
+        .then(|| usize::try_from(client.capture_max_bytes).unwrap_or(usize::MAX));
     Ok(Client {
         id: Arc::from(id),
         key_digest,
@@ -424,6 +426,7 @@ fn convert_client(client: wire::Client) -> Result<Client, PolicyError> {
         users,
         tls_subject,
         rate_limit,
+        capture,
     })
 }
 
@@ -473,7 +476,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         None if users.header.is_empty() => format!("body field {}", users.body_field),
         None => users.header.clone(),
     };
-    let source = match (users.header.is_empty(), users.body_field.is_empty()) {
+    let (source, claims_to_policy) = match (users.header.is_empty(), users.body_field.is_empty()) {
         (true, true) if users.jwt.is_some() => {
             let jwt = users.jwt.unwrap_or_default();
             let settings = crate::jwt::Settings {
@@ -485,16 +488,31 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                 jwks_json: &jwt.jwks_json,
                 jwks_error: &jwt.jwks_error,
             };
+            let claims_to_policy = jwt
+                .claims_to_policy
+                .as_ref()
+                .map(|claims| {
+                    super::ClaimsToPolicy::try_new(claims, |policy| {
+                        convert_budget(id, policy.budget.clone()).map_err(|error| error.0)
+                    })
+                })
+                .transpose()
+                .map_err(|why| PolicyError::new(format!("client '{id}': users.jwt.{why}")))?;
             let verifier = crate::jwt::Verifier::try_new(&settings)
-                .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?;
-            UserSource::Jwt(Arc::new(verifier))
+                .map_err(|why| PolicyError::new(format!("client '{id}': users.{why}")))?
+                .with_choosing_claim(
+                    claims_to_policy
+                        .as_ref()
+                        .map(|claims| claims.claim().to_owned()),
+                );
+            (UserSource::Jwt(Arc::new(verifier)), claims_to_policy)
         }
         _ if users.jwt.is_some() => {
             return Err(PolicyError::new(format!(
                 "client '{id}': users needs exactly one of header, body_field and jwt"
             )));
         }
-        (false, true) => UserSource::Header(header(&users.header, "header")?),
+        (false, true) => (UserSource::Header(header(&users.header, "header")?), None),
         (true, false) => {
             let path: Vec<String> = users.body_field.split('.').map(str::to_owned).collect();
             if path.iter().any(String::is_empty) {
@@ -502,7 +520,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
                     "client '{id}': users.body_field is not a path of keys"
                 )));
             }
-            UserSource::BodyField(path)
+            (UserSource::BodyField(path), None)
         }
         _ => {
             return Err(PolicyError::new(format!(
@@ -521,6 +539,7 @@ fn convert_users(id: &str, users: wire::Users) -> Result<Users, PolicyError> {
         budget: convert_budget(id, users.budget)?,
         session_header,
         rate_limit: MinuteLimit::from_wire(users.rate_limit),
+        claims_to_policy,
     })
 }
 

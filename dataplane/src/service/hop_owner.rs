@@ -71,9 +71,12 @@ pub(super) fn hopped_identity(
         // box: another may know it.
         match policy.app_of(&assertion.client) {
             // A user of an app key: the edge read it from the request, as it was configured.
+            // Its ceiling and models were applied at the edge, which read its token (the tier
+            // comes in the assertion).
             Some((app, _)) if !app.is_expired(now) => Identity::User {
                 app: app.clone(),
                 id: assertion.client.clone(),
+                policy: None,
             },
             Some(_) => return Err(ProxyError::ClientUnknownHere),
             None => {

@@ -48,6 +48,7 @@ fn client(budget: Option<UsageBudget>) -> Client {
         users: None,
         tls_subject: None,
         rate_limit: None,
+        capture: None,
     }
 }
 

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 const ISSUER: &str = "https://login.example.com/realms/main";
 const AUDIENCE: &str = "oqp";
 const APP: &str = "sk-app-0123456789abcdef";
+const ADMIN: &str = "sk-admin-0123456789abcdef";
 const MODEL: &str = "llama3.2:3b";
 
 /// Long enough to never decide a test by itself.
@@ -35,12 +36,15 @@ ollama:
 auth:
   enabled: true
   keys:
+    - client_id: admin
+      key: "{ADMIN}"
+      scope: management
     - client_id: people
       jwt:
         issuer: "{ISSUER}"
         audiences: ["{AUDIENCE}", other]
         jwks_url: "{jwks_url}"
-        algorithms: [ES256, EdDSA]
+        algorithms: [ES256, EdDSA, RS256]
         refresh_min_interval: 1s
 {allowed}      users:
         max_concurrent: 1
@@ -106,6 +110,19 @@ async fn stack_with(keys: &str, allowed: &str) -> (FakeOllama, JwksServer, Stack
     let jwks = JwksServer::start(keys).await;
     let stack = Stack::start(&config(&fake.url(), &jwks.url(), allowed)).await;
     (fake, jwks, stack)
+}
+
+/// `client`'s issuer as `/queue/status` shows it.
+async fn jwt_status(stack: &Stack, client: &str) -> Value {
+    let auth = format!("Bearer {ADMIN}");
+    let reply = HttpClient::new()
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", &auth)],
+        )
+        .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    reply.json()["clients"][client]["jwt"].clone()
 }
 
 fn error_text(reply: &Reply) -> String {
@@ -270,6 +287,127 @@ async fn a_token_that_fails_a_check_is_refused_in_the_routes_shape() {
 }
 
 #[tokio::test]
+async fn an_rs256_token_is_verified_and_a_tampered_signature_is_not() {
+    let key = SigningKey::rs256("rsa-1");
+    let (fake, _jwks, stack) = stack_with(&key_set(&[&key]), LOOPBACK).await;
+    // The token is the credential (`people`, which lists RS256) and names an app's user.
+    let reply = until_accepted(&stack, &key.sign(&claims("carol"))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let app = format!("Bearer {APP}");
+    let token = key.sign(&claims("dave"));
+    let reply = chat_with(
+        &stack,
+        "/api/chat",
+        &[("authorization", &app), ("X-User-Token", &token)],
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+
+    // The same token with one character of its signature changed (not the last, whose low
+    // bits are padding): refused.
+    let mut forged = key.sign(&claims("mallory")).into_bytes();
+    let at = forged.len() - 10;
+    forged[at] = if forged[at] == b'A' { b'B' } else { b'A' };
+    let reply = chat_as(&stack, &String::from_utf8(forged).unwrap()).await;
+    assert_eq!(reply.status, 401, "{}", reply.text());
+    assert!(error_text(&reply).contains("signature"), "{}", reply.text());
+    assert_eq!(seen(&fake), ["people/carol", "app/dave"]);
+}
+
+#[tokio::test]
+async fn a_group_claim_selects_the_users_ceiling_models_and_budget() {
+    let key = SigningKey::es256("es-1");
+    let fake = FakeOllama::builder()
+        .model(MODEL)
+        .model("qwen3:8b")
+        .spawn()
+        .await;
+    let jwks = JwksServer::start(&key_set(&[&key])).await;
+    let config = config(&fake.url(), &jwks.url(), LOOPBACK)
+        .replacen(
+            "        refresh_min_interval: 1s\n",
+            "        refresh_min_interval: 1s\n        claims_to_policy:\n          claim: groups\n          \
+             policies:\n            - {value: admins, max_priority: high}\n            \
+             - {value: interns, max_priority: low, models: [\"qwen3*\"], \
+             budget: {tokens: 1, window: 1d}}\n",
+            1,
+        )
+        .replacen(
+            "      users:\n        max_concurrent: 1\n",
+            "      users:\n        max_concurrent: 1\n        budget: {tokens: 1000000, window: 1d}\n",
+            1,
+        );
+    let stack = Stack::start(&config).await;
+    let token = |sub: &str, groups: Value| {
+        let mut claims = claims(sub);
+        claims["groups"] = groups;
+        key.sign(&claims)
+    };
+    let ask = |token: String, model: &'static str| {
+        let stack = &stack;
+        async move {
+            let auth = format!("Bearer {token}");
+            let body = json!({"model": model, "stream": false,
+                              "messages": [{"role": "user", "content": "hi"}]});
+            HttpClient::new()
+                .post_json(
+                    &format!("{}/api/chat", stack.url()),
+                    &[("authorization", &auth), ("x-queue-priority", "high")],
+                    &body,
+                )
+                .await
+        }
+    };
+    // Config order decides: an admin who is also an intern is an admin.
+    let admin = token("ada", json!(["staff", "interns", "admins"]));
+    assert_eq!(until_accepted(&stack, &admin).await.status, 200);
+    let reply = ask(admin, MODEL).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // An intern asking for high runs low, and only on the models of its group.
+    let intern = token("ivan", json!("interns"));
+    let reply = ask(intern.clone(), MODEL).await;
+    assert_eq!(reply.status, 403, "{}", reply.text());
+    let reply = ask(intern.clone(), "qwen3:8b").await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    // In no group: the entry's own ceiling (normal) and models (all).
+    let reply = ask(token("olga", json!(["staff"])), MODEL).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+
+    let auth = format!("Bearer {ADMIN}");
+    let status = HttpClient::new()
+        .get(
+            &format!("{}/queue/status", stack.url()),
+            &[("authorization", &auth)],
+        )
+        .await
+        .json();
+    let processed = |tier: &str| status["queue"][tier]["processed"].as_u64();
+    // until_accepted's request asked for no tier (normal); then one of each.
+    assert_eq!(
+        (processed("high"), processed("normal"), processed("low")),
+        (Some(1), Some(2), Some(1)),
+        "{status}"
+    );
+    // The intern's budget (one token a day, in place of the users' million) is spent by
+    // that answer; the admin's is the users' budget.
+    let deadline = Instant::now() + PATIENCE;
+    let refused = loop {
+        let reply = ask(intern.clone(), "qwen3:8b").await;
+        if reply.status != 200 || Instant::now() >= deadline {
+            break reply;
+        }
+    };
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(
+        error_text(&refused).contains("budget"),
+        "{}",
+        refused.text()
+    );
+    let reply = ask(token("ada", json!("admins")), MODEL).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+#[tokio::test]
 async fn a_rotated_key_is_picked_up_from_the_first_token_that_names_it() {
     let old = SigningKey::es256("2026-11");
     let new = SigningKey::es256("2026-12");
@@ -334,6 +472,14 @@ async fn an_issuer_down_at_start_refuses_tokens_with_the_reason_until_it_answers
         "{}",
         reply.text()
     );
+    // Status says why, for each client whose users come with tokens of this issuer.
+    for client in ["people", "app"] {
+        let jwt = jwt_status(&stack, client).await;
+        assert_eq!(jwt["issuer"], ISSUER, "{client}: {jwt}");
+        assert_eq!(jwt["keys"], 0, "{client}: {jwt}");
+        let error = jwt["error"].as_str().unwrap_or_default();
+        assert!(error.contains("503"), "{client}: {jwt}");
+    }
     // An app key's own requests do not depend on the issuer.
     let auth = format!("Bearer {APP}");
     assert_eq!(
@@ -347,6 +493,9 @@ async fn an_issuer_down_at_start_refuses_tokens_with_the_reason_until_it_answers
     jwks.serve(&key_set(&[&key]));
     let reply = until_accepted(&stack, &token).await;
     assert_eq!(reply.status, 200, "{}", reply.text());
+    let jwt = jwt_status(&stack, "people").await;
+    assert_eq!(jwt["keys"], 1, "{jwt}");
+    assert!(jwt.get("error").is_none(), "{jwt}");
     assert_eq!(seen(&fake), ["app", "people/alice"]);
 }
 

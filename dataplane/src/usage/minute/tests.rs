@@ -186,6 +186,7 @@ fn limits_of_a_caller_follow_its_key_and_its_app() {
             app: Arc::from(app),
             limits: Default::default(),
         }),
+        claims: None,
     };
     let user = limits_of(&policy, &caller("webui/ada", Some("webui")));
     assert_eq!(

@@ -171,3 +171,137 @@ async fn a_log_that_cannot_be_written_loses_lines_not_requests() {
     );
     stack.shutdown().await;
 }
+
+const NOTES: &str = "sk-notes-0123456789";
+const WHOLE: &str = "sk-whole-0123456789";
+
+#[tokio::test]
+async fn a_capturing_key_has_its_bodies_in_its_lines_cut_at_the_limit_and_no_secret() {
+    let fake = fake().spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().join("logs");
+    std::fs::create_dir(&logs).unwrap();
+    let extra = format!(
+        "    - key: \"{NOTES}\"\n      client_id: notes\n      users: {{header: X-User}}\n\
+         \x20     capture: {{max_bytes: 64}}\n\
+         \x20   - key: \"{WHOLE}\"\n      client_id: whole\n      capture: {{max_bytes: 65536}}\n\
+         \x20     rate_limit: {{requests_per_minute: 1}}\n\
+         logging:\n  requests: {{file: \"{}\"}}\n",
+        logs.join("requests.jsonl").display()
+    );
+    let stack = Stack::start(&config(
+        &fake.url(),
+        &dir.path().display().to_string(),
+        &extra,
+    ))
+    .await;
+    let base = stack.url();
+    let chat = |stream: bool| {
+        json!({"model": "llama3", "stream": stream,
+               "messages": [{"role": "user", "content": "a prompt long enough to pass the limit"}]})
+    };
+    let post = |key: &'static str, body: Value| {
+        let base = base.clone();
+        async move {
+            HttpClient::new()
+                .post_json(
+                    &format!("{base}/api/chat"),
+                    &[
+                        ("authorization", &format!("Bearer {key}")),
+                        ("X-User", "ada"),
+                    ],
+                    &body,
+                )
+                .await
+        }
+    };
+    // A user of an app key that captures: its streamed answer is tapped, not held.
+    let streamed = post(NOTES, chat(true)).await;
+    assert_eq!(streamed.status, 200, "{}", streamed.text());
+    assert!(streamed.body.len() > 64, "{}", streamed.text());
+    // Captured whole (under the limit).
+    let whole = post(WHOLE, chat(false)).await;
+    assert_eq!(whole.status, 200, "{}", whole.text());
+    // Refused by its per-minute limit: the request's body, no answer.
+    let refused = post(WHOLE, chat(false)).await;
+    assert_eq!(refused.status, 429);
+    // A key without capture.
+    super::post(&base, "/api/chat", "", chat(false)).await;
+
+    assert!(
+        eventually(Duration::from_secs(10), || lines(&logs).len() >= 4).await,
+        "{:?}",
+        lines(&logs)
+    );
+    let all = lines(&logs);
+    assert_eq!(all.len(), 4, "{all:?}");
+    let sent = fake.handle().requests_to("/api/chat");
+    // What the host received for a request, found by its request id.
+    let sent_for = |request_id: Option<String>| {
+        let id = request_id.unwrap();
+        let request = sent.iter().find(|request| {
+            request
+                .headers
+                .get("x-request-id")
+                .is_some_and(|value| value.as_bytes() == id.as_bytes())
+        });
+        String::from_utf8_lossy(&request.unwrap().body).into_owned()
+    };
+    let line_of = |request_id: Option<String>| {
+        let id = request_id.unwrap();
+        all.iter()
+            .find(|line| line["request_id"] == id.as_str())
+            .unwrap()
+            .clone()
+    };
+
+    let ada = line_of(streamed.header("x-request-id"));
+    assert_eq!(ada["client"], "notes/ada");
+    let capture = &ada["capture"];
+    let prompt = capture["prompt"].as_str().unwrap();
+    assert_eq!(prompt.len(), 64, "{ada}");
+    assert!(
+        sent_for(streamed.header("x-request-id")).starts_with(prompt),
+        "{ada}"
+    );
+    assert_eq!(capture["prompt_truncated"], true);
+    let answer = capture["answer"].as_str().unwrap();
+    assert_eq!(answer.len(), 64, "{ada}");
+    assert!(streamed.text().starts_with(answer), "{ada}");
+    assert_eq!(capture["answer_truncated"], true);
+
+    let whole_line = line_of(whole.header("x-request-id"));
+    let capture = &whole_line["capture"];
+    assert_eq!(
+        capture["prompt"].as_str().unwrap(),
+        sent_for(whole.header("x-request-id"))
+    );
+    assert_eq!(capture["answer"].as_str().unwrap(), whole.text());
+    assert!(capture.get("prompt_truncated").is_none(), "{whole_line}");
+    assert!(capture.get("answer_truncated").is_none(), "{whole_line}");
+
+    let refused_line = line_of(refused.header("x-request-id"));
+    assert_eq!(refused_line["status"], 429);
+    let capture = &refused_line["capture"];
+    assert!(capture["prompt"].as_str().unwrap().contains("\"model\""));
+    assert!(capture.get("answer").is_none(), "{refused_line}");
+
+    let plain = all.iter().find(|line| line["client"] == "chat").unwrap();
+    assert!(plain.get("capture").is_none(), "{plain}");
+
+    // Only bodies: no key, no header.
+    for entry in std::fs::read_dir(&logs).unwrap().flatten() {
+        let text = std::fs::read_to_string(entry.path()).unwrap();
+        for secret in [
+            NOTES,
+            WHOLE,
+            super::CHAT_KEY,
+            "Bearer",
+            "X-User",
+            "authorization",
+        ] {
+            assert!(!text.contains(secret), "{secret} in {text}");
+        }
+    }
+    stack.shutdown().await;
+}
