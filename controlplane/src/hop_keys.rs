@@ -111,7 +111,10 @@ mod tests {
         let yaml = "ollama:\n  hosts:\n\
                     \x20   - {url: 'http://10.0.0.1:11434', name: gpu1, node: box1}\n\
                     \x20   - {url: 'http://10.0.0.2:11434', name: gpu2, node: box2}\n\
-                    nodes:\n  box1: {host: 10.0.0.1, url: 'http://10.0.0.1:11435'}\n";
+                    control_plane:\n  node_token: sk-node-0123456789\n\
+                    nodes:\n\
+                    \x20 box1: {host: 10.0.0.1, url: 'http://10.0.0.1:11435'}\n\
+                    \x20 box2: {host: 10.0.0.2, url: 'http://10.0.0.2:11435'}\n";
         load_str(yaml, &Env::empty()).unwrap().config
     }
 
