@@ -266,19 +266,14 @@ impl NodeCredentials {
     /// Whether `presented` (the gRPC credential on a `PolicyService` call) is `node`'s own
     /// token, or what else.
     pub fn check(&self, node: &str, presented: &str) -> Verdict {
-        self.admit(node, presented).0
+        self.lock().verdict(node, presented)
     }
 
     /// [`check`](Self::check), with a signal that fires when `node`'s credential next
     /// changes (taken under the same lock, so that no change falls between the two).
     pub fn admit(&self, node: &str, presented: &str) -> (Verdict, CancellationToken) {
         let mut state = self.lock();
-        let verdict = match state.file.nodes.get(node) {
-            None => Verdict::Unclaimed,
-            Some(entry) if !entry.valid() => Verdict::Revoked,
-            Some(entry) if digests_equal(&digest(presented), &entry.grpc_sha256) => Verdict::Own,
-            Some(_) => Verdict::Wrong,
-        };
+        let verdict = state.verdict(node, presented);
         let changed = state.changes.entry(node.to_owned()).or_default().clone();
         (verdict, changed)
     }
@@ -317,6 +312,15 @@ impl NodeCredentials {
 }
 
 impl State {
+    fn verdict(&self, node: &str, presented: &str) -> Verdict {
+        match self.file.nodes.get(node) {
+            None => Verdict::Unclaimed,
+            Some(entry) if !entry.valid() => Verdict::Revoked,
+            Some(entry) if digests_equal(&digest(presented), &entry.grpc_sha256) => Verdict::Own,
+            Some(_) => Verdict::Wrong,
+        }
+    }
+
     /// Ends every admission under `node` made before this change.
     fn changed(&mut self, node: &str) {
         if let Some(signal) = self.changes.remove(node) {

@@ -765,7 +765,7 @@ mod tests {
         let header = pair.sign(&assertion(), at, now);
         assert_eq!(claimed_edge(&header).as_deref(), Some("box1"));
         assert_eq!(
-            verify_any(&[other.clone()], &replays, &header, at, now).unwrap_err(),
+            verify_any(std::slice::from_ref(&other), &replays, &header, at, now).unwrap_err(),
             HopError::BadSignature
         );
         assert_eq!(

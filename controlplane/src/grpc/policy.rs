@@ -76,19 +76,27 @@ impl PolicyApi {
     /// Every call is authenticated, for the node name it is made under: by that name's
     /// own token if it was issued one (and by nothing else, once issued or revoked), else
     /// by `control_plane.node_token`, else by the control plane's own token, so that no
-    /// report (usage, events) is taken from a peer that merely reaches the port. Returns
-    /// the signal that fires when the name's credential changes.
+    /// report (usage, events) is taken from a peer that merely reaches the port. For a
+    /// watch, returns the signal that fires when the name's credential changes.
     fn check_token<T>(
         &self,
         request: &Request<T>,
         node: &str,
-    ) -> Result<CancellationToken, Status> {
+        watching: bool,
+    ) -> Result<Option<CancellationToken>, Status> {
         let presented = request
             .metadata()
             .get(oqp_proto::NODE_TOKEN_METADATA)
             .and_then(|value| value.to_str().ok())
             .unwrap_or_default();
-        let (verdict, changed) = self.credentials.admit(node, presented);
+        // A watch takes the signal of the name's next change; a report needs none (and
+        // leaves nothing behind for a name it invents).
+        let (verdict, changed) = if watching {
+            let (verdict, changed) = self.credentials.admit(node, presented);
+            (verdict, Some(changed))
+        } else {
+            (self.credentials.check(node, presented), None)
+        };
         match verdict {
             Verdict::Own => return Ok(changed),
             Verdict::Wrong => {
@@ -161,8 +169,8 @@ impl PolicyService for PolicyApi {
     ) -> Result<Response<Self::WatchPolicyStream>, Status> {
         let source = request.remote_addr();
         let node = node_name(&request.get_ref().node);
-        let changed = match self.check_token(&request, &node) {
-            Ok(changed) => changed,
+        let changed = match self.check_token(&request, &node, true) {
+            Ok(changed) => changed.unwrap_or_default(),
             Err(status) => {
                 self.audit.record(
                     "unknown",
@@ -226,7 +234,7 @@ impl PolicyService for PolicyApi {
         request: Request<NodeReport>,
     ) -> Result<Response<ReportAck>, Status> {
         let node = node_name(&request.get_ref().node);
-        self.check_token(&request, &node)?;
+        self.check_token(&request, &node, false)?;
         let mut report = request.into_inner();
         report.node = node;
         for event in std::mem::take(&mut report.events) {
