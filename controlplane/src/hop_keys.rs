@@ -14,7 +14,9 @@
 //! token has new keys with everyone.
 //!
 //! The roster: the nodes the config lists (`nodes`), the owners its hosts name, and the
-//! names with a token of their own, less those revoked. A node outside it (an unlisted edge
+//! names with a token of their own, less those revoked. Only pairs with at least one side
+//! on its own token get keys: two nodes on the shared token go on keying their hops with
+//! the token's key. A node outside it (an unlisted edge
 //! on the shared token) gets no pair keys and hops as before, on the token's key, which a
 //! peer on the shared token still accepts; a node with its own token accepts only pair
 //! keys, so an edge that hops to it must be in the roster.
@@ -66,9 +68,12 @@ impl HopKeys {
             return;
         };
         let root = self.root.expose().as_bytes();
+        // Only pairs with a side on its own token: two nodes on the shared token key their
+        // hops with the token's key, as they always did (unchanged across restarts).
         snapshot.hop_peers = roster
             .iter()
             .filter(|(peer, _)| peer.as_str() != node)
+            .filter(|(_, peer_issued)| issued > 0 || **peer_issued > 0)
             .map(|(peer, &peer_issued)| wire::HopPeer {
                 node: peer.clone(),
                 sign: hop_pair_key(root, (node, issued), (peer, peer_issued)).to_vec(),
@@ -139,24 +144,24 @@ mod tests {
             snapshot
         };
         let (box1, box2, edge) = (snapshot("box1"), snapshot("box2"), snapshot("edge"));
-        assert_eq!(peers(&box1), ["box2", "edge"]);
+        assert_eq!(peers(&box1), ["edge"], "box2 is on the shared token too");
         assert_eq!(peers(&edge), ["box1", "box2"]);
         let edge_to_box1 = &edge.hop_peers[0];
-        let box1_from_edge = &box1.hop_peers[1];
+        let box1_from_edge = &box1.hop_peers[0];
         assert_eq!(edge_to_box1.sign, box1_from_edge.verify);
         assert_eq!(edge_to_box1.verify, box1_from_edge.sign);
         assert_ne!(edge_to_box1.sign, edge_to_box1.verify);
-        assert_ne!(box2.hop_peers[1].verify, box1_from_edge.verify);
+        assert_ne!(box2.hop_peers[0].verify, box1_from_edge.verify);
         assert!(snapshot("laptop").hop_peers.is_empty(), "not in the roster");
 
         // Revoked: out of every peer's snapshot; issued again: new keys.
         credentials.revoke("edge", 2_000).unwrap();
-        assert_eq!(peers(&snapshot("box1")), ["box2"]);
+        assert!(snapshot("box1").hop_peers.is_empty());
         assert!(snapshot("edge").hop_peers.is_empty());
         credentials.add("edge", 3_000).unwrap();
         let renewed = snapshot("box1");
-        assert_eq!(peers(&renewed), ["box2", "edge"]);
-        assert_ne!(renewed.hop_peers[1].verify, box1_from_edge.verify);
+        assert_eq!(peers(&renewed), ["edge"]);
+        assert_ne!(renewed.hop_peers[0].verify, box1_from_edge.verify);
 
         // The root survives a restart.
         let again = HopKeys::load_or_mint(dir.path()).unwrap();
