@@ -306,6 +306,8 @@ pub fn snapshot(
                 url: configured_url(config, name).unwrap_or_default(),
             })
             .collect(),
+        // Per node, on its own stream ([`crate::hop_keys`]).
+        hop_peers: Vec::new(),
     }
 }
 

@@ -26,8 +26,12 @@ pub fn path(state_dir: &Path) -> PathBuf {
 /// An existing file that cannot be read, or is empty, is an error: serving with another
 /// token would lock out the data planes that read it.
 pub fn load_or_mint(state_dir: &Path) -> Result<Secret, String> {
-    let file = path(state_dir);
-    match read(&file) {
+    load_or_mint_at(&path(state_dir), state_dir)
+}
+
+/// [`load_or_mint`] for the secret in `file` (also the hop root, [`crate::hop_keys`]).
+pub fn load_or_mint_at(file: &Path, state_dir: &Path) -> Result<Secret, String> {
+    match read(file) {
         Ok(Some(bytes)) => {
             let token =
                 String::from_utf8(bytes).map_err(|_| format!("{} is not UTF-8", file.display()))?;
@@ -40,9 +44,9 @@ pub fn load_or_mint(state_dir: &Path) -> Result<Secret, String> {
         Ok(None) => {}
         Err(error) => return Err(format!("cannot read {}: {error}", file.display())),
     }
-    let token = mint().map_err(|error| format!("cannot generate a node token: {error}"))?;
+    let token = mint().map_err(|error| format!("cannot generate {}: {error}", file.display()))?;
     if state_dir.is_dir() {
-        write_atomic(&file, format!("{}\n", token.expose()).as_bytes())
+        write_atomic(file, format!("{}\n", token.expose()).as_bytes())
             .map_err(|error| format!("cannot write {}: {error}", file.display()))?;
     }
     Ok(token)

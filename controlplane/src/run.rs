@@ -26,9 +26,11 @@ use crate::audit::{self, Audit, Outcome, Rotation};
 use crate::config::{self, ConfigError, Env, Loaded, Secret};
 use crate::grpc::admin::{AdminApi, Reloader};
 use crate::grpc::policy::PolicyApi;
+use crate::hop_keys::HopKeys;
 use crate::hub::{self, Clock, Hub};
 use crate::incoming;
 use crate::keystore::{KeyStore, StoreError};
+use crate::node_credentials::NodeCredentials;
 use crate::node_token;
 use crate::outbound::Outbound;
 use crate::poller;
@@ -173,6 +175,14 @@ impl ControlPlane {
         // A store that exists but does not load stops the start: serving
         // without it would silently lock out every client it holds.
         let keys = KeyStore::load(&state_dir, hub.clone())?;
+        let hop_keys = Arc::new(
+            HopKeys::load_or_mint(&state_dir)
+                .map_err(|error| StartError::Io(format!("hop keys: {error}")))?,
+        );
+        let credentials = Arc::new(
+            NodeCredentials::load(&state_dir)
+                .map_err(|error| StartError::Io(format!("node credentials: {error}")))?,
+        );
         let usage = UsageStore::load(&state_dir, std::time::SystemTime::now())
             .map_err(|error| StartError::Io(format!("usage totals: {error}")))?;
         let audit = Audit::open(&state_dir, rotation(&hub.config()));
@@ -230,13 +240,20 @@ impl ControlPlane {
         }
         let router = server
             .add_service(PolicyServiceServer::new(
-                PolicyApi::new(hub.clone(), usage.clone(), local_token, shutdown.clone())
-                    .with_audit(audit.clone()),
+                PolicyApi::new(
+                    hub.clone(),
+                    usage.clone(),
+                    local_token,
+                    (credentials.clone(), hop_keys),
+                    shutdown.clone(),
+                )
+                .with_audit(audit.clone()),
             ))
             .add_service(AdminServiceServer::new(
                 AdminApi::new(
                     hub.clone(),
                     keys.clone(),
+                    credentials,
                     usage.clone(),
                     reload.clone(),
                     shutdown.clone(),

@@ -306,6 +306,60 @@ impl HopKey {
     }
 }
 
+/// This node's hop keys with one peer, from the control plane (`HopPeer`): the pair keys of
+/// the data planes issued their own token ([`node_keys::hop_pair_key`](crate::node_keys::hop_pair_key)).
+#[derive(Debug, Clone)]
+pub struct PairKeys {
+    /// Signs hops to the peer.
+    pub sign: HopKey,
+    /// Verifies hops from the peer.
+    pub verify: HopKey,
+}
+
+impl HopKey {
+    /// A key the control plane sent (32 bytes); `None` for another length.
+    pub fn from_bytes(key: &[u8]) -> Option<Self> {
+        if key.len() != 32 {
+            return None;
+        }
+        let keyed = Hmac::<Sha256>::new_from_slice(key).ok()?;
+        Some(Self(Arc::new(keyed)))
+    }
+}
+
+/// The edge a hop header names, before it is verified: which key to verify it with.
+pub fn claimed_edge(header: &HeaderValue) -> Option<Arc<str>> {
+    Fields::parse(header).map(|fields| fields.assertion.node)
+}
+
+/// [`verify`] with the first of `keys` that the signature matches; returns that key too,
+/// which a streamed body's trailer must match as well.
+pub fn verify_any(
+    keys: &[HopKey],
+    replays: &Replays,
+    header: &HeaderValue,
+    request: Request<'_>,
+    now: SystemTime,
+) -> Result<(Assertion, HopKey), HopError> {
+    if keys.is_empty() {
+        return Err(HopError::NoKey);
+    }
+    for key in keys {
+        match key.verified(header, request, now) {
+            Ok((assertion, ts)) => {
+                if ts < replays.since_ms {
+                    return Err(HopError::BeforeStart);
+                }
+                replays.first_time(header.as_bytes(), Instant::now())?;
+                return Ok((assertion, key.clone()));
+            }
+            Err(HopError::BadSignature) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Err(HopError::BadSignature)
+}
+
 /// Verifies `header` with `key`, if this node has one, and refuses one `replays` has seen.
 pub fn verify(
     key: Option<&HopKey>,
@@ -698,5 +752,36 @@ mod tests {
                 Err(HopError::BodyMismatch)
             );
         }
+    }
+
+    #[test]
+    fn a_hop_verifies_with_the_pair_key_it_was_signed_with_alone() {
+        let pair = HopKey::from_bytes(&[7; 32]).unwrap();
+        let other = HopKey::from_bytes(&[8; 32]).unwrap();
+        assert!(HopKey::from_bytes(&[7; 31]).is_none());
+        let replays = Replays::since(UNIX_EPOCH);
+        let now = SystemTime::now();
+        let at = request("r1", "/api/generate", "{}");
+        let header = pair.sign(&assertion(), at, now);
+        assert_eq!(claimed_edge(&header).as_deref(), Some("box1"));
+        assert_eq!(
+            verify_any(std::slice::from_ref(&other), &replays, &header, at, now).unwrap_err(),
+            HopError::BadSignature
+        );
+        assert_eq!(
+            verify_any(&[], &replays, &header, at, now).unwrap_err(),
+            HopError::NoKey
+        );
+        let (verified, key) =
+            verify_any(&[other.clone(), pair.clone()], &replays, &header, at, now).unwrap();
+        assert_eq!(verified, assertion());
+        // The key that verified, not the first tried: the trailer is checked with it.
+        let digest = [1; 32];
+        let seal = pair.seal_body(&header, &digest);
+        assert!(key.check_body(&header, &digest, &seal).is_ok());
+        assert_eq!(
+            verify_any(&[pair], &replays, &header, at, now).unwrap_err(),
+            HopError::Replayed
+        );
     }
 }

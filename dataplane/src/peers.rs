@@ -120,9 +120,31 @@ impl Peers {
         })
     }
 
-    /// The key hops are signed and verified with.
+    /// The key derived from the node token: what hops are keyed by when the control plane
+    /// sends no pair keys.
     pub fn key(&self) -> Option<&HopKey> {
         self.key.as_ref()
+    }
+
+    /// The key a hop to `to` is signed with: this node's pair key with it, else the node
+    /// token's.
+    pub fn signing_key(&self, policy: &Policy, to: &str) -> Option<HopKey> {
+        policy
+            .hop_peers
+            .get(to)
+            .map(|pair| pair.sign.clone())
+            .or_else(|| self.key.clone())
+    }
+
+    /// The keys a hop from `edge` may verify with: this node's pair key with it, then the
+    /// node token's (which an edge outside the control plane's roster signs with, on the
+    /// shared token; a node's own token keys nothing anyone else holds).
+    pub fn verifying_keys(&self, policy: &Policy, edge: Option<&str>) -> Vec<HopKey> {
+        edge.and_then(|edge| policy.hop_peers.get(edge))
+            .map(|pair| pair.verify.clone())
+            .into_iter()
+            .chain(self.key.clone())
+            .collect()
     }
 
     /// The hop headers accepted lately, which are not accepted again.

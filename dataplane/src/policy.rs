@@ -54,6 +54,9 @@ pub struct Policy {
     pub remote: Vec<Arc<Host>>,
     /// Every node the config lists, with the URL it is reached at when configured.
     pub nodes: Vec<NodeInfo>,
+    /// This node's hop keys with each peer, by the peer's name, when the control plane keys
+    /// its hops per pair ([`crate::hop::PairKeys`]); empty when the node token keys them.
+    pub hop_peers: HashMap<Arc<str>, crate::hop::PairKeys>,
     /// Host selection.
     pub routing: RoutingSettings,
     /// keep_alive defaulting.

@@ -67,7 +67,7 @@ pub async fn send(
     let Some(base) = parts.peers.url(policy, node) else {
         return Ok(Relayed::Unreachable);
     };
-    let Some(key) = parts.peers.key() else {
+    let Some(key) = parts.peers.signing_key(policy, node) else {
         tracing::warn!(%node, "cannot forward: this data plane has no node token to sign with");
         return Ok(Relayed::Unreachable);
     };

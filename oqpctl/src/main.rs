@@ -9,6 +9,7 @@ mod audit;
 mod client;
 mod figures;
 mod health;
+mod nodes;
 mod render;
 mod requests;
 mod usage;
@@ -93,6 +94,9 @@ enum Command {
     /// Consumer keys.
     #[command(subcommand)]
     Keys(KeysCommand),
+    /// The data planes' own tokens: issue one per node, revoke, list.
+    #[command(subcommand)]
+    Nodes(nodes::NodesCommand),
     /// GPU time, tokens, requests and cache hits per client and/or model.
     Usage(usage::UsageArgs),
     /// The audit trail: who changed keys, queues and the config, and refused calls.
@@ -302,6 +306,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Clients(arg) => show(&mut admin, View::Clients, arg, output, style).await?,
         Command::Cloud(arg) => show(&mut admin, View::Cloud, arg, output, style).await?,
         Command::Keys(command) => keys(&mut admin, command, output, style).await?,
+        Command::Nodes(command) => nodes::run(&mut admin, command, output, style).await?,
         Command::Queue(command) => queue(&mut admin, command, output).await?,
         Command::Usage(args) => {
             let request = args.request();

@@ -13,6 +13,7 @@ use oqp_controlplane::{ControlPlane, Options};
 use serde_json::Value;
 
 const READER: &str = "sk-read-0123456789";
+const ADMIN: &str = "sk-admin-0123456789";
 const NODE_TOKEN: &str = "sk-node-0123456789";
 
 /// A control plane with its data plane `local` owning `here`, and `box2`
@@ -29,6 +30,7 @@ async fn two_boxes(dir: &tempfile::TempDir) -> ControlPlane {
              \x20   - {{url: 'http://127.0.0.1:8', name: there, node: box2}}\n\
              auth:\n  enabled: true\n  keys:\n\
              \x20   - {{key: {READER}, client_id: widget, scope: read}}\n\
+             \x20   - {{key: {ADMIN}, client_id: ops, scope: management}}\n\
              control_plane:\n  node_token: {NODE_TOKEN}\n  state_dir: '{}'\n\
              nodes:\n\
              \x20 local: {{host: 127.0.0.1, url: '{local_url}'}}\n\
@@ -50,22 +52,27 @@ async fn two_boxes(dir: &tempfile::TempDir) -> ControlPlane {
 }
 
 async fn oqpctl(control: &ControlPlane, args: &[&str]) -> Output {
-    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
-        .arg("--control-plane")
-        .arg(format!("http://{}", control.local_addr()))
-        .arg("--no-color")
-        .args(args)
-        .env("OQPCTL_KEY", READER)
-        .env_remove("OQP_CONTROL_PLANE")
-        .output()
-        .await
-        .unwrap();
+    let output = oqpctl_as(control, READER, args).await;
     assert!(
         output.status.success(),
         "oqpctl {args:?}: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     output
+}
+
+/// `oqpctl ARGS` presenting `key`, whatever its exit status.
+async fn oqpctl_as(control: &ControlPlane, key: &str, args: &[&str]) -> Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_oqpctl"))
+        .arg("--control-plane")
+        .arg(format!("http://{}", control.local_addr()))
+        .arg("--no-color")
+        .args(args)
+        .env("OQPCTL_KEY", key)
+        .env_remove("OQP_CONTROL_PLANE")
+        .output()
+        .await
+        .unwrap()
 }
 
 fn stdout(output: &Output) -> String {
@@ -105,11 +112,16 @@ async fn status_once_local_reported(control: &ControlPlane) -> Value {
 
 /// A data plane named `box2` following `control`, on a port of its own.
 async fn start_box2(control: &ControlPlane) -> oqp_dataplane::DataPlane {
+    start_box2_with(control, NODE_TOKEN).await
+}
+
+/// [`start_box2`] presenting `token`.
+async fn start_box2_with(control: &ControlPlane, token: &str) -> oqp_dataplane::DataPlane {
     oqp_dataplane::DataPlane::start(oqp_dataplane::Options {
         control: oqp_dataplane::control::ControlOptions {
             url: format!("http://{}", control.local_addr()),
             node: "box2".to_owned(),
-            token: Some(NODE_TOKEN.to_owned()),
+            token: Some(token.to_owned()),
             ca_file: None,
         },
         listener: Some(tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()),
@@ -223,5 +235,60 @@ async fn hosts_and_status_show_what_each_node_owns() {
         "{table}"
     );
 
+    control.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_node_added_with_oqpctl_joins_with_its_token_and_is_dropped_when_revoked() {
+    let dir = tempfile::tempdir().unwrap();
+    let control = two_boxes(&dir).await;
+
+    // A read key may list, not issue.
+    let refused = oqpctl_as(&control, READER, &["nodes", "add", "box2"]).await;
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("management"),
+        "{refused:?}"
+    );
+
+    let added = oqpctl_as(&control, ADMIN, &["nodes", "add", "box2"]).await;
+    assert!(added.status.success(), "{added:?}");
+    let text = stdout(&added);
+    let token = text
+        .split_whitespace()
+        .find(|word| word.starts_with("oqp_node_"))
+        .unwrap_or_else(|| panic!("no token in {text}"))
+        .to_owned();
+    assert!(text.contains("--node box2"), "{text}");
+
+    let box2 = start_box2_with(&control, &token).await;
+    status_when(&control, "box2", |row| row["link"] == "connected").await;
+    let listed = stdout(&oqpctl(&control, &["nodes", "list"]).await);
+    let line = row(&listed, "box2");
+    assert!(
+        line.contains(" valid ") && line.contains(" yes "),
+        "{listed}"
+    );
+    assert!(!listed.contains(&token), "{listed}");
+
+    let revoked = oqpctl_as(&control, ADMIN, &["nodes", "revoke", "box2"]).await;
+    assert!(revoked.status.success(), "{revoked:?}");
+    assert!(
+        stdout(&revoked).contains("its watch was ended"),
+        "{revoked:?}"
+    );
+    status_when(&control, "box2", |row| row["link"] == "disconnected").await;
+    let listed: Value = serde_json::from_slice(
+        &oqpctl(&control, &["nodes", "list", "-o", "json"])
+            .await
+            .stdout,
+    )
+    .unwrap();
+    assert_eq!(listed[0]["node"], "box2", "{listed}");
+    assert!(listed[0]["revoked_unix_ms"].is_i64(), "{listed}");
+    assert_eq!(listed[0]["connected"], false);
+    let again = oqpctl_as(&control, ADMIN, &["nodes", "revoke", "box2"]).await;
+    assert!(!again.status.success());
+    box2.shutdown().await;
     control.shutdown().await;
 }

@@ -52,6 +52,27 @@ impl std::fmt::Debug for policy::v1::CloudKey {
     }
 }
 
+impl std::fmt::Debug for admin::v1::AddNodeResponse {
+    /// Never prints the token: it is shown once, to the operator who issued it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AddNodeResponse")
+            .field("credential", &self.credential)
+            .field("token", &"…")
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for policy::v1::HopPeer {
+    /// Never prints the keys: either lets its holder assert any client to a peer.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HopPeer")
+            .field("node", &self.node)
+            .field("sign", &"…")
+            .field("verify", &"…")
+            .finish()
+    }
+}
+
 impl std::fmt::Debug for policy::v1::EmbeddingCacheSettings {
     /// Never prints the password of a `redis://user:password@host` backend.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -114,5 +135,29 @@ mod tests {
             "redis://valkey:6379/0"
         );
         assert_eq!(without_userinfo("rediss://:pw@h"), "rediss://…@h");
+    }
+
+    #[test]
+    fn an_issued_node_token_and_hop_keys_are_not_in_debug() {
+        let issued = admin::v1::AddNodeResponse {
+            credential: Some(admin::v1::NodeCredential {
+                node: "box-a".to_owned(),
+                ..Default::default()
+            }),
+            token: "oqp_node_secret".to_owned(),
+        };
+        let printed = format!("{issued:?}");
+        assert!(!printed.contains("secret"), "{printed}");
+        assert!(printed.contains("box-a"), "{printed}");
+        let peer = policy::v1::HopPeer {
+            node: "box-b".to_owned(),
+            sign: b"sign-key-bytes".to_vec(),
+            verify: b"verify-key-bytes".to_vec(),
+        };
+        let printed = format!("{peer:?}");
+        assert!(
+            printed.contains("box-b") && !printed.contains("115"),
+            "{printed}"
+        );
     }
 }

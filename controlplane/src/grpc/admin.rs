@@ -18,6 +18,7 @@
 //! GPU boxes (`nodes`).
 
 mod cloud;
+mod credentials;
 mod nodes;
 mod swap;
 
@@ -40,6 +41,7 @@ use crate::compile::{self, scope_to_wire, tier_from_wire, tier_index, tier_to_wi
 use crate::config::{Scope, Tier};
 use crate::hub::Hub;
 use crate::keystore::{self, KeyError, KeyStore, NewKey, Record};
+use crate::node_credentials::NodeCredentials;
 use crate::usage::UsageStore;
 
 /// Re-reads the config file; returns the new version and the warnings.
@@ -50,6 +52,7 @@ pub type Reloader = Arc<dyn Fn() -> Result<(u64, Vec<String>), String> + Send + 
 pub struct AdminApi {
     hub: Arc<Hub>,
     keys: Arc<KeyStore>,
+    credentials: Arc<NodeCredentials>,
     usage: Arc<UsageStore>,
     reload: Reloader,
     shutdown: CancellationToken,
@@ -69,11 +72,13 @@ const UNKNOWN_ACTOR: &str = "unknown";
 const REPORT_FRESH: Duration = Duration::from_secs(5);
 
 impl AdminApi {
-    /// An API over `hub` and the key store `keys`, reloading with `reload`;
-    /// drain streams end when `shutdown` is cancelled.
+    /// An API over `hub`, the key store `keys` and the nodes' own tokens
+    /// `credentials`, reloading with `reload`; drain streams end when `shutdown` is
+    /// cancelled.
     pub fn new(
         hub: Arc<Hub>,
         keys: Arc<KeyStore>,
+        credentials: Arc<NodeCredentials>,
         usage: Arc<UsageStore>,
         reload: Reloader,
         shutdown: CancellationToken,
@@ -81,6 +86,7 @@ impl AdminApi {
         Self {
             hub,
             keys,
+            credentials,
             usage,
             reload,
             shutdown,
@@ -161,20 +167,22 @@ impl AdminApi {
         let unknown = |status: Status| (status, UNKNOWN_ACTOR.to_owned());
         let config = self.hub.config();
         if !config.auth.enabled {
-            let token = config
-                .control_plane
-                .node_token
-                .as_ref()
-                .is_some_and(|expected| {
-                    request
-                        .metadata()
-                        .get(oqp_proto::NODE_TOKEN_METADATA)
-                        .and_then(|value| value.to_str().ok())
-                        .is_some_and(|presented| {
-                            let expected = node_keys::admin_credential(expected.expose());
-                            super::secrets_match(presented, &expected)
-                        })
-                });
+            let presented = request
+                .metadata()
+                .get(oqp_proto::NODE_TOKEN_METADATA)
+                .and_then(|value| value.to_str().ok());
+            // The shared node token, or a node's own (its admin credential).
+            let token = presented.is_some_and(|presented| {
+                config
+                    .control_plane
+                    .node_token
+                    .as_ref()
+                    .is_some_and(|expected| {
+                        let expected = node_keys::admin_credential(expected.expose());
+                        super::secrets_match(presented, &expected)
+                    })
+                    || self.credentials.admin_holder(presented).is_some()
+            });
             if needed == Scope::Read
                 || open_change_allowed(request.remote_addr(), request.local_addr(), token)
             {
@@ -746,6 +754,27 @@ impl AdminService for AdminApi {
         }
     }
 
+    async fn add_node(
+        &self,
+        request: Request<api::AddNodeRequest>,
+    ) -> Result<Response<api::AddNodeResponse>, Status> {
+        credentials::add(self, request).await
+    }
+
+    async fn revoke_node(
+        &self,
+        request: Request<api::RevokeNodeRequest>,
+    ) -> Result<Response<api::RevokeNodeResponse>, Status> {
+        credentials::revoke(self, request).await
+    }
+
+    async fn list_nodes(
+        &self,
+        request: Request<api::ListNodesRequest>,
+    ) -> Result<Response<api::ListNodesResponse>, Status> {
+        credentials::list(self, &request)
+    }
+
     async fn list_audit(
         &self,
         request: Request<api::ListAuditRequest>,
@@ -1180,7 +1209,14 @@ mod tests {
             })
         };
         (
-            AdminApi::new(hub, keys, usage, reload, CancellationToken::new()),
+            AdminApi::new(
+                hub,
+                keys,
+                Arc::new(NodeCredentials::load(dir).unwrap()),
+                usage,
+                reload,
+                CancellationToken::new(),
+            ),
             seen,
         )
     }

@@ -21,7 +21,9 @@ use tonic::{Request, Response, Status};
 use crate::audit::{Audit, Outcome};
 use crate::compile::{self, tier_from_wire};
 use crate::config::{Secret, WebhookEvent};
+use crate::hop_keys::HopKeys;
 use crate::hub::Hub;
+use crate::node_credentials::{NodeCredentials, Verdict};
 use crate::node_token;
 use crate::usage::{Reporter, UsageStore, bound};
 use crate::webhooks::Notice;
@@ -33,24 +35,33 @@ pub struct PolicyApi {
     usage: Arc<UsageStore>,
     /// The token presented when `control_plane.node_token` is not set ([`node_token`]).
     local: Secret,
+    /// The nodes issued their own token ([`crate::node_credentials`]).
+    credentials: Arc<NodeCredentials>,
+    /// The hop keys of each pair of nodes ([`crate::hop_keys`]).
+    hop_keys: Arc<HopKeys>,
     shutdown: CancellationToken,
     audit: Arc<Audit>,
 }
 
 impl PolicyApi {
-    /// An API over `hub`, accepting the configured node token, else `local`. Watch
-    /// streams end when `shutdown` is cancelled, so that the server's graceful shutdown is
-    /// not held open by them.
+    /// An API over `hub`, accepting a node's own token from `credentials` under its
+    /// name, else the configured node token, else `local`; each node's snapshots carry its
+    /// pairs' keys from `hop_keys`. Watch streams end when `shutdown` is cancelled, so that
+    /// the server's graceful shutdown is not held open by them, and when the name's
+    /// credential changes.
     pub fn new(
         hub: Arc<Hub>,
         usage: Arc<UsageStore>,
         local: Secret,
+        (credentials, hop_keys): (Arc<NodeCredentials>, Arc<HopKeys>),
         shutdown: CancellationToken,
     ) -> Self {
         Self {
             hub,
             usage,
             local,
+            credentials,
+            hop_keys,
             shutdown,
             audit: Audit::in_memory(),
         }
@@ -62,24 +73,54 @@ impl PolicyApi {
         self
     }
 
-    /// Every call is authenticated: by `control_plane.node_token`, else by the control
-    /// plane's own token, so that no report (usage, events) is taken from a peer that
-    /// merely reaches the port.
-    fn check_token<T>(&self, request: &Request<T>) -> Result<(), Status> {
+    /// Every call is authenticated, for the node name it is made under: by that name's
+    /// own token if it was issued one (and by nothing else, once issued or revoked), else
+    /// by `control_plane.node_token`, else by the control plane's own token, so that no
+    /// report (usage, events) is taken from a peer that merely reaches the port. For a
+    /// watch, returns the signal that fires when the name's credential changes.
+    fn check_token<T>(
+        &self,
+        request: &Request<T>,
+        node: &str,
+        watching: bool,
+    ) -> Result<Option<CancellationToken>, Status> {
+        let presented = request
+            .metadata()
+            .get(oqp_proto::NODE_TOKEN_METADATA)
+            .and_then(|value| value.to_str().ok())
+            .unwrap_or_default();
+        // A watch takes the signal of the name's next change; a report needs none (and
+        // leaves nothing behind for a name it invents).
+        let (verdict, changed) = if watching {
+            let (verdict, changed) = self.credentials.admit(node, presented);
+            (verdict, Some(changed))
+        } else {
+            (self.credentials.check(node, presented), None)
+        };
+        match verdict {
+            Verdict::Own => return Ok(changed),
+            Verdict::Wrong => {
+                return Err(Status::unauthenticated(format!(
+                    "invalid node token for node '{node}', which has its own: only that token \
+                     admits this name"
+                )));
+            }
+            Verdict::Revoked => {
+                return Err(Status::permission_denied(format!(
+                    "node '{node}' was revoked; `oqpctl nodes add {node}` issues it a new token"
+                )));
+            }
+            Verdict::Unclaimed => {}
+        }
         let config = self.hub.config();
         let expected = config
             .control_plane
             .node_token
             .as_ref()
             .unwrap_or(&self.local);
-        let presented = request
-            .metadata()
-            .get(oqp_proto::NODE_TOKEN_METADATA)
-            .and_then(|value| value.to_str().ok())
-            .unwrap_or_default();
         let expected = oqp_dataplane::node_keys::grpc_credential(expected.expose());
         if super::secrets_match(presented, &expected) {
-            Ok(())
+            Ok(changed)
         } else if config.control_plane.node_token.is_some() {
             Err(Status::unauthenticated("invalid node token"))
         } else {
@@ -127,23 +168,22 @@ impl PolicyService for PolicyApi {
         request: Request<NodeHello>,
     ) -> Result<Response<Self::WatchPolicyStream>, Status> {
         let source = request.remote_addr();
-        if let Err(status) = self.check_token(&request) {
-            self.audit.record(
-                "unknown",
-                source,
-                "dataplane.join",
-                &request.get_ref().node,
-                Outcome::Refused,
-                status.message(),
-            );
-            return Err(status);
-        }
-        let hello = request.into_inner();
-        let node = if hello.node.is_empty() {
-            "default".to_owned()
-        } else {
-            hello.node
+        let node = node_name(&request.get_ref().node);
+        let changed = match self.check_token(&request, &node, true) {
+            Ok(changed) => changed.unwrap_or_default(),
+            Err(status) => {
+                self.audit.record(
+                    "unknown",
+                    source,
+                    "dataplane.join",
+                    &node,
+                    Outcome::Refused,
+                    status.message(),
+                );
+                return Err(status);
+            }
         };
+        let hello = request.into_inner();
         tracing::info!(%node, version = %hello.software_version, held = hello.applied_version, "data plane watching");
         // Before subscribing, so that the stream's first snapshot is already
         // above what the node holds.
@@ -175,14 +215,17 @@ impl PolicyService for PolicyApi {
         };
         let hub = self.hub.clone();
         let usage = self.usage.clone();
+        let (credentials, hop_keys) = (self.credentials.clone(), self.hop_keys.clone());
         let stream = WatchStream::new(self.hub.subscribe())
             .map(move |snapshot| {
                 let _guard = &guard;
-                let mut snapshot = compile::for_node(&snapshot, &hub.config(), &node);
+                let config = hub.config();
+                let mut snapshot = compile::for_node(&snapshot, &config, &node);
+                hop_keys.fill(&mut snapshot, &config, &credentials, &node);
                 usage.fill(&mut snapshot, SystemTime::now());
                 Ok(snapshot)
             })
-            .take_until(self.shutdown.clone().cancelled_owned());
+            .take_until(ended(self.shutdown.clone(), changed));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -190,8 +233,10 @@ impl PolicyService for PolicyApi {
         &self,
         request: Request<NodeReport>,
     ) -> Result<Response<ReportAck>, Status> {
-        self.check_token(&request)?;
+        let node = node_name(&request.get_ref().node);
+        self.check_token(&request, &node, false)?;
         let mut report = request.into_inner();
+        report.node = node;
         for event in std::mem::take(&mut report.events) {
             match notice(&report.node, &event) {
                 Some(notice) => {
@@ -268,6 +313,23 @@ impl PolicyApi {
             .collect();
         polled.sort_by(|a, b| a.name.cmp(&b.name));
         polled
+    }
+}
+
+/// The name a call is made under: a data plane that names none is `default`.
+fn node_name(node: &str) -> String {
+    if node.is_empty() {
+        "default".to_owned()
+    } else {
+        node.to_owned()
+    }
+}
+
+/// Resolves when the control plane stops or the node's credential changes.
+async fn ended(shutdown: CancellationToken, changed: CancellationToken) {
+    tokio::select! {
+        () = shutdown.cancelled_owned() => {}
+        () = changed.cancelled_owned() => {}
     }
 }
 

@@ -303,6 +303,19 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                     retention_days: requests.retention_days.max(1),
                 })
             });
+        let mut hop_peers = HashMap::with_capacity(snapshot.hop_peers.len());
+        for peer in &snapshot.hop_peers {
+            let key = |bytes: &[u8]| {
+                crate::hop::HopKey::from_bytes(bytes).ok_or_else(|| {
+                    PolicyError::new(format!("hop keys of node '{}': not 32 bytes", peer.node))
+                })
+            };
+            let pair = crate::hop::PairKeys {
+                sign: key(&peer.sign)?,
+                verify: key(&peer.verify)?,
+            };
+            hop_peers.insert(Arc::from(peer.node.as_str()), pair);
+        }
         let log_level = match snapshot.logging.map(|logging| logging.level) {
             None => None,
             Some(level) if level.is_empty() => None,
@@ -326,6 +339,7 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             node,
             remote,
             nodes,
+            hop_peers,
             routing,
             keep_alive,
             embedding_cache,

@@ -43,19 +43,22 @@ pub(super) fn hopped_identity(
     // A hop that verifies is a peer's, whatever else its address did: only failures meet
     // the throttle (which answers 429 once they are too many).
     let now = std::time::SystemTime::now();
-    let verified = hop::verify(app.peers.key(), app.peers.replays(), claim, signed, now).and_then(
-        |assertion| {
+    let keys = app
+        .peers
+        .verifying_keys(policy, hop::claimed_edge(claim).as_deref());
+    let verified = hop::verify_any(&keys, app.peers.replays(), claim, signed, now).and_then(
+        |(assertion, key)| {
             // Not from itself (a peer URL that leads back here), and never an unverified
             // caller where this node's own snapshot requires keys.
             if assertion.node == policy.node || (!assertion.verified && policy.auth.enabled) {
                 Err(hop::HopError::BadSignature)
             } else {
-                Ok(assertion)
+                Ok((assertion, key))
             }
         },
     );
-    let assertion = match verified {
-        Ok(assertion) => assertion,
+    let (assertion, key) = match verified {
+        Ok(verified) => verified,
         Err(error) => {
             let window = policy.auth.window;
             app.throttle.check(peer, policy.auth.max_failures, window)?;
@@ -96,6 +99,7 @@ pub(super) fn hopped_identity(
         tier: identity.tier(Some(assertion.tier)),
         body: assertion.body,
         claim: claim.clone(),
+        key,
     };
     Ok((identity, hop))
 }
@@ -110,6 +114,8 @@ pub(super) struct Hop {
     pub(super) body: hop::Body,
     /// The header, which a streamed body's trailer is bound to.
     pub(super) claim: HeaderValue,
+    /// The key the header verified with, which the trailer must verify with too.
+    pub(super) key: hop::HopKey,
 }
 
 impl Hop {

@@ -141,7 +141,7 @@ pub(super) async fn forward(
         )?;
         let streamed = match &hopped {
             Some(hop) => {
-                let (checked, bound) = hop.check(app.peers.key(), streamed)?;
+                let (checked, bound) = hop.check(Some(&hop.key), streamed)?;
                 verdict = Some(bound);
                 checked
             }

@@ -22,6 +22,7 @@ mod foundation;
 pub mod hosts;
 mod jwt;
 mod keys;
+mod node_tokens;
 mod nodes;
 mod observability;
 mod ownership;
