@@ -11,6 +11,8 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-dejavu-core)
 # The real-client step (tests/clients/run.sh) makes a virtual environment for the pinned clients.
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3 python3-venv)
+# ollama-js, pinned in tests/clients/js, is installed there with npm.
+command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
 if ((${#need[@]})); then
   sudo_cmd=""
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
