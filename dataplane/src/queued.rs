@@ -145,16 +145,20 @@ pub async fn send(
         ..Entry::default()
     };
     // The body to capture, should the request be refused here (cheap: a shared buffer).
+    // Boxed: it is held across the wait of every request, most of which capture nothing.
     let captured = policy
         .capture_of(&request.caller.id)
-        .map(|limit| (limit, buffered(&outbound.body)));
+        .map(|limit| Box::new((limit, buffered(&outbound.body))));
     let answer = admit(parts, policy, &request, outbound, on_granted).await;
     if let Err(error) = &answer {
         entry.time = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
         entry.status = error.status().as_u16();
         entry.duration_ms = millis(started.elapsed());
         entry.error = Some(error.to_string());
-        entry.capture = captured.map(|(limit, body)| Capture::of_request(body.as_ref(), limit));
+        entry.capture = captured.map(|captured| {
+            let (limit, body) = *captured;
+            Capture::of_request(body.as_ref(), limit)
+        });
         parts.request_log.record(&settings, entry, parts.metrics);
     }
     answer
@@ -399,12 +403,13 @@ async fn granted(
         (settings, entry, parts.request_log.clone())
     });
     // A key that captures bodies: its request's now, its answer's by a tap on the stream.
+    // Boxed: it is held across the send of every request, most of which capture nothing.
     let capture = logged.as_ref().and_then(|_| {
         let limit = policy.capture_of(client)?;
-        Some((
+        Some(Box::new((
             limit,
             Capture::of_request(buffered(&outbound.body).as_ref(), limit),
-        ))
+        )))
     });
     let sent = Instant::now();
     let active = parts.active.track();
@@ -419,7 +424,8 @@ async fn granted(
         headers: extra_headers,
     } = forwarded;
     // Inside the body the completion hook watches: the copy is whole when the hook runs.
-    let capture = capture.map(|(limit, capture)| {
+    let capture = capture.map(|boxed| {
+        let (limit, capture) = *boxed;
         let (head, body) = std::mem::take(&mut answer.response).into_parts();
         let (tap, tapped) = Tap::new(body, limit);
         answer.response = Response::from_parts(head, http_body_util::BodyExt::boxed(tap));
