@@ -5,7 +5,8 @@ Usage: make-test-model.py LLAMA_CPP_SOURCE OUT_DIR
 
 Writes OUT_DIR/tiny.gguf (a chat model) and OUT_DIR/tiny-embed.gguf (served with
 `--embedding --pooling mean`). Both are llama architectures with f16 weights and the
-tokenizer of the source's vocab-only file models/ggml-vocab-llama-spm.gguf (32,000 tokens).
+tokenizer of the source's vocab-only file models/ggml-vocab-llama-spm.gguf (32,000 tokens),
+with three of its byte tokens named fill-in-the-middle tokens (so llama-server serves `/infill`).
 The weights are random with a fixed seed, so the text they produce is noise; the tokenizer,
 slots, KV cache, prompt cache, timings and HTTP API are the engine's own. The chat model is
 large enough (dim 384, 6 layers) that prefill on CPU is slow enough to tell a prompt-cache hit
@@ -51,6 +52,24 @@ def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
     return n_vocab
 
 
+# Fill-in-the-middle tokens: the SPM vocabulary has none of its own, so three byte tokens that
+# text seldom holds (<0x00>, <0x01>, <0x02>) stand for prefix, suffix and middle. llama-server
+# answers `/infill` with 501 when any of the three is missing.
+FIM_TOKENS = {
+    gguf.Keys.Tokenizer.FIM_PRE_ID: "<0x00>",
+    gguf.Keys.Tokenizer.FIM_SUF_ID: "<0x01>",
+    gguf.Keys.Tokenizer.FIM_MID_ID: "<0x02>",
+}
+
+
+def add_fim_tokens(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    for key, text in FIM_TOKENS.items():
+        if text not in tokens:
+            sys.exit(f"{VOCAB_FILE} has no token {text}")
+        writer.add_uint32(key, tokens.index(text))
+
+
 def write_model(
     source: Path,
     path: Path,
@@ -76,6 +95,7 @@ def write_model(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = copy_tokenizer(reader, writer)
+    add_fim_tokens(reader, writer)
     writer.add_vocab_size(n_vocab)
     writer.add_chat_template(CHAT_TEMPLATE)
 

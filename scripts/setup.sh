@@ -24,13 +24,16 @@ fi
 # CPU from the source pinned below, and small random-weight models made by
 # scripts/make-test-model.py. Both are kept in a cache folder keyed by the version, so a second run
 # skips the build (about 7 minutes on 2 cores). Tests find them through OQP_LLAMA_SERVER_DIR, else
-# this same folder.
+# this same folder. The models are made again when models_version (kept in the folder's
+# models-version) changes, without building llama-server again.
 llama_version="11434.0.0"
+models_version="2" # 2: fill-in-the-middle tokens, for /infill
 llama_sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 llama_dir="${OQP_CACHE_DIR:-$HOME/.cache/oqp}/llama-server-$llama_version"
 scripts_dir="$(cd "$(dirname "$0")" && pwd)"
 if [ ! -x "$llama_dir/llama-server" ] || [ ! -s "$llama_dir/tiny.gguf" ] \
-  || [ ! -s "$llama_dir/tiny-embed.gguf" ]; then
+  || [ ! -s "$llama_dir/tiny-embed.gguf" ] \
+  || [ "$(cat "$llama_dir/models-version" 2>/dev/null)" != "$models_version" ]; then
   need=()
   command -v cmake >/dev/null 2>&1 || need+=(cmake)
   command -v c++ >/dev/null 2>&1 || need+=(g++)
@@ -66,6 +69,7 @@ if [ ! -x "$llama_dir/llama-server" ] || [ ! -s "$llama_dir/tiny.gguf" ] \
   fi
   "$work/venv/bin/pip" install -q numpy "$source_dir/gguf-py"
   "$work/venv/bin/python" "$scripts_dir/make-test-model.py" "$source_dir" "$llama_dir"
+  echo "$models_version" >"$llama_dir/models-version"
   rm -rf "$work"
   trap - EXIT
 fi

@@ -44,7 +44,8 @@ pub const OLLAMA_VERSION: &str = "0.12.0";
 pub enum Route {
     /// `/api/chat` → `/v1/chat/completions`.
     Chat,
-    /// `/api/generate` → `/v1/chat/completions` (or `/v1/completions` with `raw`).
+    /// `/api/generate` → `/v1/chat/completions` (or `/v1/completions` with `raw`, or
+    /// llama-server's `/infill` with a `suffix`).
     Generate,
     /// `/api/embed` → `/v1/embeddings`.
     Embed,
@@ -110,6 +111,9 @@ pub enum Shape {
         /// The engine answers `choices[].text` (raw prompts), not chat messages.
         completions: bool,
     },
+    /// `/api/generate` with a `suffix`: `response`, from llama-server's `/infill` (its own
+    /// completion shape: `content`, `stop`, `tokens_evaluated`, `tokens_predicted`, `timings`).
+    Infill,
     /// `/api/embed`: `embeddings`, L2-normalised, cut to `dimensions` when asked.
     Embed {
         /// `dimensions` asked for.
@@ -134,6 +138,20 @@ pub fn serves_only_openai(policy: &Policy, model: &str) -> bool {
         }
     }
     served
+}
+
+/// Whether every host (this node's and the other nodes') that serves `model` is a
+/// llama-server, which has `/infill`: then a generate with a `suffix` is translated.
+pub fn serves_infill(policy: &Policy, model: &str) -> bool {
+    let name = normalize_model(model);
+    let mut hosts = policy
+        .hosts
+        .iter()
+        .chain(&policy.remote)
+        .filter(|host| host.installed.contains(&name))
+        .peekable();
+    hosts.peek().is_some()
+        && hosts.all(|host| host.engine.detected.as_deref() == Some("llama-server"))
 }
 
 /// Whether every host is an `openai` one and none serves `model`: then no host would answer
@@ -211,12 +229,14 @@ pub fn check_management(policy: &Policy, path: &str, body: &[u8]) -> Result<(), 
 }
 
 /// Translates a native request `body` on `route` for `model` (the client's name), whose hosts
-/// are all `openai` ones. `upstream_model` is the name the hosts list it under.
+/// are all `openai` ones. `upstream_model` is the name the hosts list it under; `infill`:
+/// they all serve `/infill` ([`serves_infill`]).
 pub fn plan(
     route: Route,
     body: &[u8],
     model: &str,
     upstream_model: &str,
+    infill: bool,
     received: Instant,
 ) -> Result<Plan, ProxyError> {
     let request: Map<String, Value> = match serde_json::from_slice(body) {
@@ -245,17 +265,22 @@ pub fn plan(
             ("/v1/chat/completions", upstream, reply(Shape::Chat))
         }
         Route::Generate => {
-            let Some((upstream, completions)) =
-                generate::request(&request, upstream_model, stream)?
+            let Some((upstream, target)) =
+                generate::request(&request, upstream_model, stream, infill)?
             else {
                 return Ok(Plan::Answer(loaded(&request, model, "response")));
             };
-            let path = if completions {
-                "/v1/completions"
-            } else {
-                "/v1/chat/completions"
+            let (path, shape) = match target {
+                generate::Target::Chat => (
+                    "/v1/chat/completions",
+                    Shape::Generate { completions: false },
+                ),
+                generate::Target::Completions => {
+                    ("/v1/completions", Shape::Generate { completions: true })
+                }
+                generate::Target::Infill => ("/infill", Shape::Infill),
             };
-            (path, upstream, reply(Shape::Generate { completions }))
+            (path, upstream, reply(shape))
         }
         Route::Embed | Route::Embeddings => {
             let legacy = route == Route::Embeddings;

@@ -373,7 +373,7 @@ impl Tokens {
 
     /// The counts in the kept tail of a body; zero where it has none.
     pub fn of(tail: &[u8], head_prompt: Option<u64>) -> Self {
-        let any = |fields: [&[u8]; 3]| {
+        let any = |fields: [&[u8]; 4]| {
             fields
                 .into_iter()
                 .find_map(|field| last_number(tail, field))
@@ -383,7 +383,8 @@ impl Tokens {
             .find_map(|field| last_number(tail, field))
             // The agents' layers: a Messages answer counts apart the prompt tokens read
             // from or written to its cache; they are prompt tokens all the same.
-            .or_else(|| last_number(tail, PROMPT_FIELDS[2]).map(|input| input + cache_extra(tail)));
+            .or_else(|| last_number(tail, PROMPT_FIELDS[2]).map(|input| input + cache_extra(tail)))
+            .or_else(|| last_number(tail, PROMPT_FIELDS[3]));
         Self {
             prompt: prompt.or(head_prompt).unwrap_or(0),
             completion: any(COMPLETION_FIELDS).unwrap_or(0),
@@ -416,18 +417,22 @@ pub fn engine_cached(tail: &[u8], head_cached: Option<u64>) -> Option<u64> {
         .or_else(|| last_number(tail, b"\"cache_n\":"))
 }
 
-/// The fields that count a completion's tokens: Ollama's, OpenAI's, the agents' layers'.
-const COMPLETION_FIELDS: [&[u8]; 3] = [
+/// The fields that count a completion's tokens: Ollama's, OpenAI's, the agents' layers',
+/// llama-server's own completion API's (`/infill`).
+const COMPLETION_FIELDS: [&[u8]; 4] = [
     b"\"eval_count\":",
     b"\"completion_tokens\":",
     b"\"output_tokens\":",
+    b"\"tokens_predicted\":",
 ];
 
-/// The fields that count a prompt's tokens: Ollama's, OpenAI's, the agents' layers'.
-const PROMPT_FIELDS: [&[u8]; 3] = [
+/// The fields that count a prompt's tokens: Ollama's, OpenAI's, the agents' layers',
+/// llama-server's own completion API's (`/infill`).
+const PROMPT_FIELDS: [&[u8]; 4] = [
     b"\"prompt_eval_count\":",
     b"\"prompt_tokens\":",
     b"\"input_tokens\":",
+    b"\"tokens_evaluated\":",
 ];
 
 /// The prompt's tokens as the head of a body states them (a Messages stream's
@@ -1035,6 +1040,19 @@ mod tests {
             }
         );
         assert_eq!(engine_cached(completed, None), Some(0));
+    }
+
+    #[test]
+    fn llama_servers_own_completion_counts_are_read() {
+        // `/infill` (and `/completion`): the last event counts the whole prompt and the answer.
+        let tail = b"data: {\"content\":\"a\",\"stop\":false,\"tokens_predicted\":1,\"tokens_evaluated\":13}\n\ndata: {\"content\":\"\",\"stop\":true,\"tokens_predicted\":4,\"tokens_evaluated\":13,\"timings\":{\"cache_n\":6,\"prompt_n\":7}}\n\n";
+        assert_eq!(
+            Tokens::of(tail, None),
+            Tokens {
+                prompt: 13,
+                completion: 4
+            }
+        );
     }
 
     #[test]

@@ -110,6 +110,36 @@ pub fn installed() -> bool {
     false
 }
 
+/// The models' version from which they have fill-in-the-middle tokens (llama-server's
+/// `/infill`): `scripts/setup.sh`'s `models_version`, kept in the folder's `models-version`.
+const FIM_MODELS_VERSION: u32 = 2;
+
+/// Whether [`installed`], with models that have fill-in-the-middle tokens. When the models
+/// are older (a cache made before them), prints why (the test is then skipped), or panics
+/// when `CI=true`.
+pub fn fill_in_the_middle() -> bool {
+    if !installed() {
+        return false;
+    }
+    let version = std::fs::read_to_string(dir().join("models-version"))
+        .ok()
+        .and_then(|text| text.trim().parse::<u32>().ok())
+        .unwrap_or(1);
+    if version >= FIM_MODELS_VERSION {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "the test models predate fill-in-the-middle tokens (models-version {version}); \
+         scripts/setup.sh makes them again"
+    );
+    eprintln!(
+        "SKIPPED: the test models predate fill-in-the-middle tokens (models-version {version}); \
+         run scripts/setup.sh"
+    );
+    false
+}
+
 impl Engine {
     /// An engine serving `model` from the installed folder ([`dir`]).
     pub fn builder(model: Model) -> EngineBuilder {

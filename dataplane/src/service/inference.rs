@@ -46,6 +46,7 @@ pub(super) async fn translated(
         &native.body,
         &native.model,
         &upstream_model,
+        translate::serves_infill(policy, &native.model),
         received,
     )?;
     let translated = match plan {

@@ -1,9 +1,11 @@
 //! `/api/generate` → the engine. Ollama renders a prompt with the model's template unless
 //! `raw` is set; an engine renders chat messages with its own template, so a templated
 //! generate becomes a chat of `[system?, user(prompt, images)]` on `/v1/chat/completions`,
-//! and a `raw` one a plain completion of the prompt on `/v1/completions`. `suffix` (the
-//! engine's `/infill` is not used), `context` (token ids of Ollama's runner) and `template`
-//! (a Go template the engine cannot run) have no equivalent: a 400 naming the field.
+//! and a `raw` one a plain completion of the prompt on `/v1/completions`. One with a `suffix`
+//! is a fill-in-the-middle on llama-server's `/infill` (`input_prefix` = prompt,
+//! `input_suffix` = suffix) when every host of the model is a llama-server, else a 400.
+//! `context` (token ids of Ollama's runner) and `template` (a Go template the engine cannot
+//! run) have no equivalent: a 400 naming the field.
 
 use serde_json::{Map, Value, json};
 
@@ -11,15 +13,27 @@ use super::chat::{data_url, sampling};
 use super::refused;
 use crate::error::ProxyError;
 
-/// The engine's request, and whether it is a plain completion (`/v1/completions`).
-pub(super) type Planned = (Map<String, Value>, bool);
+/// The engine's route for a generate request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Target {
+    /// `/v1/chat/completions`: the engine applies its template.
+    Chat,
+    /// `/v1/completions`: a `raw` prompt.
+    Completions,
+    /// llama-server's `/infill`: a prompt with a `suffix`.
+    Infill,
+}
+
+/// The engine's request, and its route.
+pub(super) type Planned = (Map<String, Value>, Target);
 
 /// The engine's request for a generate `request`; `None` for a load call (an empty prompt,
-/// no images).
+/// no images). `infill`: the model's hosts serve `/infill`.
 pub(super) fn request(
     request: &Map<String, Value>,
     model: &str,
     stream: bool,
+    infill: bool,
 ) -> Result<Option<Planned>, ProxyError> {
     let text = |name: &str| -> Result<&str, ProxyError> {
         match request.get(name) {
@@ -30,10 +44,12 @@ pub(super) fn request(
     };
     let prompt = text("prompt")?;
     let system = text("system")?;
-    if !text("suffix")?.is_empty() {
+    let suffix = text("suffix")?;
+    if !suffix.is_empty() && !infill {
         return Err(refused(
             "suffix",
-            "cannot be translated: fill-in-the-middle is not offered for these hosts",
+            "cannot be translated: fill-in-the-middle needs llama-server's /infill, and not \
+             every host of this model is a llama-server",
         ));
     }
     if !text("template")?.is_empty() {
@@ -68,6 +84,34 @@ pub(super) fn request(
     let raw = request.get("raw") == Some(&Value::Bool(true));
     let mut upstream = Map::new();
     upstream.insert("model".into(), json!(model));
+    if !suffix.is_empty() {
+        for (field, given) in [
+            ("system", !system.is_empty()),
+            ("images", !images.is_empty()),
+        ] {
+            if given {
+                return Err(refused(
+                    field,
+                    "cannot be used with suffix: /infill takes a prefix and a suffix only",
+                ));
+            }
+        }
+        if request
+            .get("format")
+            .is_some_and(|format| !format.is_null())
+        {
+            return Err(refused(
+                "format",
+                "cannot be used with suffix: /infill has no structured output",
+            ));
+        }
+        upstream.insert("input_prefix".into(), json!(prompt));
+        upstream.insert("input_suffix".into(), json!(suffix));
+        sampling(request, &mut upstream, stream)?;
+        // llama-server's own completion API: counts and timings come in its last event.
+        upstream.remove("stream_options");
+        return Ok(Some((upstream, Target::Infill)));
+    }
     if raw {
         if !system.is_empty() {
             return Err(refused(
@@ -100,5 +144,10 @@ pub(super) fn request(
         upstream.insert("messages".into(), Value::Array(messages));
     }
     sampling(request, &mut upstream, stream)?;
-    Ok(Some((upstream, raw)))
+    let target = if raw {
+        Target::Completions
+    } else {
+        Target::Chat
+    };
+    Ok(Some((upstream, target)))
 }

@@ -162,6 +162,10 @@ impl Translating {
         if let Some(timings) = event.get("timings").filter(|timings| timings.is_object()) {
             self.answer.timings = Some(timings.clone());
         }
+        if self.reply.shape == Shape::Infill {
+            self.infill_event(event);
+            return;
+        }
         let Some(choice) = event
             .get("choices")
             .and_then(Value::as_array)
@@ -210,6 +214,35 @@ impl Translating {
         }
         if let Some(finish) = choice.get("finish_reason").and_then(Value::as_str) {
             self.answer.finish = Some(finish.to_owned());
+        }
+    }
+
+    /// An event of llama-server's own completion API (`/infill`): `content`, and on the last
+    /// (`stop: true`) the counts and `stop_type` (`limit` when `n_predict` cut it).
+    fn infill_event(&mut self, event: &Value) {
+        let content = event
+            .get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if !content.is_empty() {
+            let at = Instant::now();
+            self.answer.first_token.get_or_insert(at);
+            self.answer.last_token = Some(at);
+            if self.ndjson {
+                let line = self.chunk(content, "");
+                self.push_line(&line);
+            } else {
+                self.answer.content.push_str(content);
+            }
+        }
+        if event.get("stop") == Some(&Value::Bool(true)) {
+            self.answer.prompt_tokens = event.get("tokens_evaluated").and_then(Value::as_u64);
+            self.answer.completion_tokens = event.get("tokens_predicted").and_then(Value::as_u64);
+            let reason = match event.get("stop_type").and_then(Value::as_str) {
+                Some("limit") => "length",
+                _ => "stop",
+            };
+            self.answer.finish = Some(reason.to_owned());
         }
     }
 
@@ -449,7 +482,7 @@ impl Translating {
                     }
                 }
             }
-            Shape::Chat | Shape::Generate { .. } => {
+            Shape::Chat | Shape::Generate { .. } | Shape::Infill => {
                 self.event(answer);
                 if self.finished {
                     return;

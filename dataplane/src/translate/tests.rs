@@ -11,6 +11,7 @@ fn planned(route: Route, body: Value) -> Translated {
         body.to_string().as_bytes(),
         "m",
         "m:latest",
+        false,
         Instant::now(),
     ) {
         Ok(Plan::Send(translated)) => translated,
@@ -24,7 +25,14 @@ fn sent(translated: &Translated) -> Value {
 }
 
 fn refusal(route: Route, body: Value) -> (StatusCode, String) {
-    match plan(route, body.to_string().as_bytes(), "m", "m", Instant::now()) {
+    match plan(
+        route,
+        body.to_string().as_bytes(),
+        "m",
+        "m",
+        false,
+        Instant::now(),
+    ) {
         Err(error) => (error.status(), error.to_string()),
         Ok(other) => panic!("not refused: {other:?}"),
     }
@@ -294,6 +302,7 @@ async fn load_and_empty_calls_are_answered_without_an_engine() {
         body.to_string().as_bytes(),
         "m",
         "m",
+        false,
         Instant::now(),
     ) {
         Ok(Plan::Answer(response)) => response,
@@ -542,4 +551,123 @@ fn not_found_uses_ollamas_wording_per_route() {
         "model 'x' not found"
     );
     assert_eq!(not_found(Route::Chat, "x").status(), StatusCode::NOT_FOUND);
+}
+
+#[test]
+fn a_generate_with_a_suffix_is_an_infill_where_the_hosts_have_it() {
+    let body = json!({"model": "m", "prompt": "def f(", "suffix": "\n    return x\n",
+                      "options": {"num_predict": 4, "temperature": 0.2}});
+    let translated = match plan(
+        Route::Generate,
+        body.to_string().as_bytes(),
+        "m",
+        "m:latest",
+        true,
+        Instant::now(),
+    ) {
+        Ok(Plan::Send(translated)) => translated,
+        other => panic!("not sent: {other:?}"),
+    };
+    assert_eq!(translated.path.as_str(), "/infill");
+    assert_eq!(translated.reply.shape, Shape::Infill);
+    assert!(translated.reply.stream);
+    let sent = sent(&translated);
+    assert_eq!(sent["input_prefix"], "def f(");
+    assert_eq!(sent["input_suffix"], "\n    return x\n");
+    assert_eq!(sent["max_tokens"], 4);
+    assert_eq!(sent["temperature"], 0.2);
+    assert_eq!(sent["stream"], true);
+    assert!(sent.get("stream_options").is_none(), "{sent}");
+    assert!(sent.get("messages").is_none(), "{sent}");
+    // Hosts without /infill: the 400 naming the field.
+    let (status, message) = refusal(Route::Generate, body.clone());
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(message.contains("\"suffix\""), "{message}");
+    // What /infill cannot take, even where it exists.
+    for (extra, field) in [
+        (json!({"system": "s"}), "\"system\""),
+        (json!({"images": ["aGk="]}), "\"images\""),
+        (json!({"format": "json"}), "\"format\""),
+    ] {
+        let mut refused_body = body.clone();
+        refused_body
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        match plan(
+            Route::Generate,
+            refused_body.to_string().as_bytes(),
+            "m",
+            "m",
+            true,
+            Instant::now(),
+        ) {
+            Err(error) => {
+                assert_eq!(error.status(), StatusCode::BAD_REQUEST);
+                assert!(error.to_string().contains(field), "{error}");
+            }
+            Ok(other) => panic!("not refused: {other:?}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_infill_stream_becomes_generate_lines_with_the_engines_counts() {
+    let events = [
+        "data: {\"index\":0,\"content\":\"a\",\"stop\":false,\"tokens_predicted\":1,\"tokens_evaluated\":8}\n\n",
+        "data: {\"index\":0,\"content\":\"b\",\"stop\":false,\"tokens_predicted\":2,\"tokens_evaluated\":8}\n\n",
+        "data: {\"index\":0,\"content\":\"\",\"stop\":true,\"tokens_predicted\":2,\"tokens_evaluated\":8,\"stop_type\":\"limit\",\"timings\":{\"cache_n\":6,\"prompt_n\":2,\"prompt_ms\":7.5,\"predicted_n\":2,\"predicted_ms\":4.0}}\n\n",
+    ];
+    let (headers, text) = translated(
+        Shape::Infill,
+        true,
+        StatusCode::OK,
+        "text/event-stream",
+        &events,
+    )
+    .await;
+    assert_eq!(headers[header::CONTENT_TYPE], "application/x-ndjson");
+    let read = lines(&text);
+    assert_eq!(read.len(), 3, "{text}");
+    assert_eq!(read[0]["response"], "a");
+    assert_eq!(read[1]["response"], "b");
+    assert_eq!(read[0]["done"], false);
+    let last = &read[2];
+    assert_eq!(last["done"], true, "{last}");
+    assert_eq!(last["done_reason"], "length", "{last}");
+    assert_eq!(last["response"], "", "{last}");
+    assert_eq!(last["prompt_eval_count"], 8, "{last}");
+    assert_eq!(last["eval_count"], 2, "{last}");
+    assert_eq!(last["prompt_eval_duration"], 7_500_000, "{last}");
+    assert_eq!(last["eval_duration"], 4_000_000, "{last}");
+
+    // Not streamed: one object; an end by a stop word is "stop".
+    let whole = r#"{"index":0,"content":"ab","stop":true,"tokens_predicted":2,"tokens_evaluated":8,"stop_type":"word"}"#;
+    let (_, text) = translated(
+        Shape::Infill,
+        false,
+        StatusCode::OK,
+        "application/json; charset=utf-8",
+        &[whole],
+    )
+    .await;
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(answer["response"], "ab", "{answer}");
+    assert_eq!(answer["done"], true, "{answer}");
+    assert_eq!(answer["done_reason"], "stop", "{answer}");
+    assert_eq!(answer["prompt_eval_count"], 8, "{answer}");
+    assert_eq!(answer["eval_count"], 2, "{answer}");
+
+    // A stream cut before its last event ends with an error line and no done.
+    let (_, text) = translated(
+        Shape::Infill,
+        true,
+        StatusCode::OK,
+        "text/event-stream",
+        &events[..2],
+    )
+    .await;
+    let read = lines(&text);
+    assert!(read.last().unwrap()["error"].is_string(), "{text}");
+    assert!(read.iter().all(|line| line["done"] != true), "{text}");
 }

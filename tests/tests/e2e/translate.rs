@@ -298,16 +298,11 @@ async fn ollamas_api_is_served_from_llama_servers() {
     }
 
     // What has no equivalent is a 400 naming the field; no engine sees it.
-    for (field, body) in [
-        (
-            "suffix",
-            json!({"model": "oqp-tiny", "prompt": "def f(", "suffix": "return 1"}),
-        ),
-        (
-            "context",
-            json!({"model": "oqp-tiny", "prompt": "more", "context": [1, 2, 3]}),
-        ),
-    ] {
+    // (A `suffix` is a fill-in-the-middle on these hosts: see the test below.)
+    for (field, body) in [(
+        "context",
+        json!({"model": "oqp-tiny", "prompt": "more", "context": [1, 2, 3]}),
+    )] {
         let reply = post(&stack, KEY, "/api/generate", &body).await;
         assert_eq!(reply.status, 400, "{field}: {}", reply.text());
         let message = reply.json()["error"].as_str().unwrap().to_owned();
@@ -468,6 +463,99 @@ async fn ollamas_api_is_served_from_llama_servers() {
     stack.shutdown().await;
     chat_engine.stop().await;
     embed_engine.stop().await;
+}
+
+/// A generate with a `suffix`, for a model only llama-servers serve, is a fill-in-the-middle
+/// on the engine's `/infill`: Ollama's generate answer, streamed and not, with the engine's
+/// counts, budgeted as any other request.
+#[tokio::test]
+async fn a_generate_with_a_suffix_is_a_fill_in_the_middle_on_llama_servers_infill() {
+    if !engine::fill_in_the_middle() {
+        return;
+    }
+    let chat_engine = Engine::builder(Model::Chat)
+        .alias("oqp-tiny:latest")
+        .parallel(1)
+        .context(1024)
+        .start()
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let stack = Stack::start(&config(
+        &[("chat", &chat_engine.url(), "openai")],
+        dir.path(),
+    ))
+    .await;
+    wait_models(&stack, &["oqp-tiny:latest"]).await;
+    // The host must be known as a llama-server (its `/props`) before `/infill` is offered.
+    let http = HttpClient::new();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let status = http
+            .get(
+                &format!("{}/queue/status", stack.url()),
+                &[("authorization", &bearer(KEY))],
+            )
+            .await
+            .json();
+        if status["hosts"][0]["engine"] == "llama-server" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never detected: {status}");
+        // Another process's poll has no event to wait on from here.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let infill = json!({"model": "oqp-tiny", "prompt": "def add(a, b):\n    return ",
+                        "suffix": "\n\nprint(add(1, 2))\n", "options": {"num_predict": 4}});
+    let (status, content_type, lines) = post_stream(&stack, "/api/generate", &infill).await;
+    assert_eq!(
+        (status, content_type.as_str()),
+        (200, "application/x-ndjson"),
+        "{lines:?}"
+    );
+    let (last, chunks) = lines.split_last().unwrap();
+    for chunk in chunks {
+        assert_eq!(chunk["model"], "oqp-tiny", "{chunk}");
+        assert!(chunk["response"].is_string(), "{chunk}");
+        assert_eq!(chunk["done"], false, "{chunk}");
+    }
+    assert_eq!(last["response"], "", "{last}");
+    assert_last(last, 4);
+    // Prefix, suffix and the three fill-in-the-middle tokens are all in the prompt.
+    assert!(last["prompt_eval_count"].as_u64().unwrap() > 10, "{last}");
+
+    let mut whole = infill.clone();
+    whole["stream"] = json!(false);
+    let reply = post(&stack, KEY, "/api/generate", &whole).await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let answer = reply.json();
+    assert_eq!(answer["model"], "oqp-tiny", "{answer}");
+    assert!(answer["response"].is_string(), "{answer}");
+    assert_last(&answer, 4);
+    assert!(answer["eval_count"].as_u64().unwrap() > 0, "{answer}");
+
+    // What /infill cannot take is a 400 naming the field.
+    let mut with_system = whole.clone();
+    with_system["system"] = json!("Complete the code.");
+    let reply = post(&stack, KEY, "/api/generate", &with_system).await;
+    assert_eq!(reply.status, 400, "{}", reply.text());
+    assert!(
+        reply.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("\"system\""),
+        "{}",
+        reply.text()
+    );
+
+    // Budgeted and accounted as the other routes: the engine's counts spend the budget.
+    let first = post(&stack, SPENT_KEY, "/api/generate", &whole).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let refused = post(&stack, SPENT_KEY, "/api/generate", &whole).await;
+    assert_eq!(refused.status, 429, "{}", refused.text());
+
+    stack.shutdown().await;
+    chat_engine.stop().await;
 }
 
 fn whole_chat() -> Value {
