@@ -302,6 +302,7 @@ async fn a_captured_hop_cannot_be_replayed_or_carry_another_body() {
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::High,
             body: hop::Body::Digest(hop::body_digest(body)),
+            group: None,
         };
         let request = hop::Request {
             to: "b",
@@ -448,6 +449,7 @@ async fn a_hop_header_accepted_before_the_owner_restarted_is_refused_after() {
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::Normal,
             body: hop::Body::Digest(digest.clone()),
+            group: None,
         },
         hop::Request {
             to: "b",
@@ -508,6 +510,7 @@ async fn each_key_derived_from_the_node_token_opens_only_its_own_door() {
                 verified: false,
                 tier: oqp_dataplane::scheduler::Tier::High,
                 body: hop::Body::Digest(hop::body_digest(body)),
+                group: None,
             };
             let request = hop::Request {
                 to: "b",
@@ -696,6 +699,7 @@ fn streamed_hop(id: &str, length: usize) -> http::HeaderValue {
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::Normal,
             body: hop::Body::Trailer(Some(length as u64)),
+            group: None,
         },
         hop::Request {
             to: "b",
