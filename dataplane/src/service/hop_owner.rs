@@ -77,7 +77,7 @@ pub(super) fn hopped_identity(
             // Its ceiling and models were applied at the edge, which read its token (the tier
             // comes in the assertion); the group the edge selected from the token's claims is
             // looked up here, so that its ceiling, models and budget hold on this box too. A
-            // group this snapshot does not have is a refusal of this box: another may have it.
+            // group this snapshot does not have is refused as a client it does not know.
             Some((app, _)) if !app.is_expired(now) => {
                 let policy = match &assertion.group {
                     None => None,
