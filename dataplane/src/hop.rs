@@ -7,8 +7,12 @@
 //! must not believe anyone else who says so. So the edge sends one header,
 //!
 //! ```text
-//! x-oqp-hop: v1;n=<edge node, hex>;c=<client id, hex>;v=<1|0>;t=<tier>;b=<body>;ts=<unix ms>;r=<nonce, hex>;s=<hmac, hex>
+//! x-oqp-hop: v1;n=<edge node, hex>;c=<client id, hex>;v=<1|0>;t=<tier>;b=<body>[;g=<group, hex>];ts=<unix ms>;r=<nonce, hex>;s=<hmac, hex>
 //! ```
+//!
+//! `g`, signed with the rest when present, is the `claims_to_policy` value the edge selected
+//! from a token user's claims: the owner applies that group's ceiling, models and budget from
+//! its own snapshot. An edge that sends none (no group, or an older edge) is read as before.
 //!
 //! where the HMAC-SHA256 is keyed by the hop key (derived from the node token
 //! every data plane presents to the control plane, which never crosses the
@@ -73,6 +77,8 @@ pub struct Assertion {
     pub tier: Tier,
     /// How the body is bound to the header.
     pub body: Body,
+    /// The `claims_to_policy` value the edge selected from a token user's claims, if any.
+    pub group: Option<Arc<str>>,
 }
 
 /// How a hop binds its body (the header's `b` field).
@@ -199,8 +205,13 @@ impl HopKey {
                 .finalize()
                 .into_bytes(),
         );
+        let group = assertion
+            .group
+            .as_ref()
+            .map(|group| format!(";g={}", hex::encode(group.as_bytes())))
+            .unwrap_or_default();
         let text = format!(
-            "v1;n={};c={};v={};t={};b={};ts={ts};r={nonce};s={signature}",
+            "v1;n={};c={};v={};t={};b={}{group};ts={ts};r={nonce};s={signature}",
             hex::encode(assertion.node.as_bytes()),
             hex::encode(assertion.client.as_bytes()),
             u8::from(assertion.verified),
@@ -270,6 +281,13 @@ impl HopKey {
         ] {
             mac.update(&(field.len() as u64).to_be_bytes());
             mac.update(field.as_bytes());
+        }
+        // Only when present, so that a hop without a group signs as it always did.
+        if let Some(group) = &assertion.group {
+            for field in ["g", group] {
+                mac.update(&(field.len() as u64).to_be_bytes());
+                mac.update(field.as_bytes());
+            }
         }
         mac
     }
@@ -443,25 +461,37 @@ impl<'a> Fields<'a> {
         if parts.next()? != "v1" {
             return None;
         }
-        let mut field = |name: &str| {
-            let (key, value) = parts.next()?.split_once('=')?;
+        fn next<'a>(parts: &mut std::str::Split<'a, char>) -> Option<(&'a str, &'a str)> {
+            parts.next()?.split_once('=')
+        }
+        let field = |parts: &mut std::str::Split<'a, char>, name: &str| {
+            let (key, value) = next(parts)?;
             (key == name).then_some(value)
         };
-        let node = decode_text(field("n")?)?;
-        let client = decode_text(field("c")?)?;
-        let verified = match field("v")? {
+        let node = decode_text(field(&mut parts, "n")?)?;
+        let client = decode_text(field(&mut parts, "c")?)?;
+        let verified = match field(&mut parts, "v")? {
             "1" => true,
             "0" => false,
             _ => return None,
         };
-        let tier_name = field("t")?;
+        let tier_name = field(&mut parts, "t")?;
         let tier = Tier::ALL
             .into_iter()
             .find(|tier| tier.as_str() == tier_name)?;
-        let body = Body::parse(field("b")?)?;
-        let ts = field("ts")?.parse().ok()?;
-        let nonce = field("r")?;
-        let signature = field("s")?;
+        let body = Body::parse(field(&mut parts, "b")?)?;
+        // `g` is optional: the field after `b` is either it or `ts`.
+        let (group, ts) = match next(&mut parts)? {
+            ("g", group) => {
+                let group: Arc<str> = Arc::from(decode_text(group).filter(|g| !g.is_empty())?);
+                (Some(group), field(&mut parts, "ts")?)
+            }
+            ("ts", ts) => (None, ts),
+            _ => return None,
+        };
+        let ts = ts.parse().ok()?;
+        let nonce = field(&mut parts, "r")?;
+        let signature = field(&mut parts, "s")?;
         if parts.next().is_some() {
             return None;
         }
@@ -472,6 +502,7 @@ impl<'a> Fields<'a> {
                 verified,
                 tier,
                 body,
+                group,
             },
             ts,
             nonce,
@@ -501,6 +532,7 @@ mod tests {
             verified: true,
             tier: Tier::High,
             body: Body::Digest(body_digest(b"{}")),
+            group: None,
         }
     }
 
@@ -671,6 +703,51 @@ mod tests {
             ),
             Err(HopError::NoKey)
         );
+    }
+
+    #[test]
+    fn a_group_is_signed_with_the_hop_and_a_hop_without_one_reads_as_before() {
+        let key = key();
+        let now = SystemTime::now();
+        let at = request("r1", "/api/chat", "");
+        let grouped = Assertion {
+            group: Some(Arc::from("admins")),
+            ..assertion()
+        };
+        let header = key.sign(&grouped, at, now);
+        let text = header.to_str().unwrap().to_owned();
+        let field = format!(";g={};", hex::encode("admins"));
+        assert!(text.contains(&field), "{text}");
+        assert_eq!(key.verify(&header, at, now).unwrap(), grouped);
+        // Another group, or none, is not what was signed.
+        for changed in [
+            text.replace(&field, &format!(";g={};", hex::encode("interns"))),
+            text.replace(&field, ";"),
+        ] {
+            let changed = HeaderValue::from_str(&changed).unwrap();
+            assert_eq!(key.verify(&changed, at, now), Err(HopError::BadSignature));
+        }
+        // Nor can a group be added to a hop signed without one.
+        let plain = key.sign(&assertion(), at, now);
+        let plain_text = plain.to_str().unwrap();
+        assert!(!plain_text.contains(";g="));
+        let added =
+            HeaderValue::from_str(&plain_text.replace(";ts=", &format!("{field}ts="))).unwrap();
+        assert_eq!(key.verify(&added, at, now), Err(HopError::BadSignature));
+        // An empty or undecodable group, or one out of place, is malformed.
+        for bad in [
+            text.replace(&field, ";g=;"),
+            text.replace(&field, ";g=zz;"),
+            text.replace(&field, ";")
+                .replace(";r=", &format!("{field}r=")),
+        ] {
+            let bad = HeaderValue::from_str(&bad).unwrap();
+            assert_eq!(
+                key.verify(&bad, at, now),
+                Err(HopError::Malformed),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

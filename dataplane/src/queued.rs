@@ -226,6 +226,12 @@ async fn placed(
         tier: request.tier,
         // Set by the relay, from the body it sends.
         body: crate::hop::Body::Trailer(None),
+        // The owner applies the group's ceiling, models and budget from its own snapshot.
+        group: request
+            .caller
+            .claims
+            .as_ref()
+            .map(|claims| Arc::from(claims.value.as_str())),
     };
     let relay = relay::Parts {
         peers: parts.peers,

@@ -231,6 +231,7 @@ mod tests {
             verified: true,
             tier: Tier::Normal,
             body: Binding::Trailer(length),
+            group: None,
         };
         let request = Request {
             to: "owner",

@@ -72,6 +72,14 @@ impl ClaimsToPolicy {
         &self.claim
     }
 
+    /// The settings of the policy for `value`, if there is one (a group an edge selected).
+    pub fn group(&self, value: &str) -> Option<Arc<ClaimPolicy>> {
+        self.policies
+            .iter()
+            .find(|policy| policy.value == value)
+            .cloned()
+    }
+
     /// The settings the claim's values `held` select, if any.
     pub fn select(&self, held: &[String]) -> Option<Arc<ClaimPolicy>> {
         self.policies
@@ -132,5 +140,9 @@ mod tests {
         assert_eq!(policy.max_priority, Some(Tier::Low));
         let models = policy.models.as_ref().unwrap();
         assert!(models.allows("llama3.2:3b") && !models.allows("qwen3:8b"));
+        // A group named by value, as a hop names the one its edge selected.
+        let named = claims_to_policy().group("interns").unwrap();
+        assert_eq!(named.max_priority, Some(Tier::Low));
+        assert!(claims_to_policy().group("staff").is_none());
     }
 }

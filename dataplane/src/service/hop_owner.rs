@@ -75,12 +75,26 @@ pub(super) fn hopped_identity(
         match policy.app_of(&assertion.client) {
             // A user of an app key: the edge read it from the request, as it was configured.
             // Its ceiling and models were applied at the edge, which read its token (the tier
-            // comes in the assertion).
-            Some((app, _)) if !app.is_expired(now) => Identity::User {
-                app: app.clone(),
-                id: assertion.client.clone(),
-                policy: None,
-            },
+            // comes in the assertion); the group the edge selected from the token's claims is
+            // looked up here, so that its ceiling, models and budget hold on this box too. A
+            // group this snapshot does not have is refused as a client it does not know.
+            Some((app, _)) if !app.is_expired(now) => {
+                let policy = match &assertion.group {
+                    None => None,
+                    Some(group) => Some(
+                        app.users
+                            .as_ref()
+                            .and_then(|users| users.claims_to_policy.as_ref())
+                            .and_then(|claims| claims.group(group))
+                            .ok_or(ProxyError::ClientUnknownHere)?,
+                    ),
+                };
+                Identity::User {
+                    app: app.clone(),
+                    id: assertion.client.clone(),
+                    policy,
+                }
+            }
             Some(_) => return Err(ProxyError::ClientUnknownHere),
             None => {
                 let client = policy

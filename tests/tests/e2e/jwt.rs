@@ -518,3 +518,129 @@ async fn a_jwks_url_on_a_private_address_is_refused_by_the_ssrf_check() {
     assert_eq!(jwks.hits(), 0, "nothing was sent to a private address");
     assert!(seen(&fake).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_policy_holds_on_the_box_that_runs_a_forwarded_request() {
+    // One host, owned by node `a`: every request that enters at `b` is forwarded to `a`, which
+    // must apply the group the edge selected from the token, not the key's models and
+    // `users.budget`.
+    let _exclusive = crate::support::exclusive().await;
+    const TOKEN: &str = "node-token-0123456789";
+    const BIG: &str = "qwen3:8b";
+    let key = SigningKey::es256("es-1");
+    let fake = FakeOllama::builder().model(MODEL).model(BIG).spawn().await;
+    let jwks = JwksServer::start(&key_set(&[&key])).await;
+    let yaml = format!(
+        r#"proxy:
+  host: "127.0.0.1"
+  max_concurrent: 4
+ollama:
+  hosts:
+    - url: "{fake}"
+      name: gpu
+      max_concurrent: 4
+      node: a
+nodes:
+  a: {{port: 0}}
+  b: {{port: 0}}
+control_plane:
+  node_token: "{TOKEN}"
+auth:
+  enabled: true
+  keys:
+    - client_id: admin
+      key: "{ADMIN}"
+      scope: management
+    - client_id: people
+      models: ["llama3.2*"]
+      jwt:
+        issuer: "{ISSUER}"
+        audiences: ["{AUDIENCE}"]
+        jwks_url: "{jwks}"
+        refresh_min_interval: 1s
+        allowed_hosts: ["127.0.0.1"]
+        claims_to_policy:
+          claim: groups
+          policies:
+            - {{value: big, models: ["qwen3*"], budget: {{tokens: 1000000, window: 1d}}}}
+            - {{value: small, models: ["qwen3*"], budget: {{tokens: 1, window: 1d}}}}
+      users:
+        budget: {{tokens: 1, window: 1d}}
+"#,
+        fake = fake.url(),
+        jwks = jwks.url(),
+    );
+    let cluster = oqp_tests::cluster::Cluster::builder(env!("CARGO_BIN_EXE_oqp-bench"), &yaml)
+        .node("a")
+        .node("b")
+        .node_token(TOKEN)
+        .admin_key(ADMIN)
+        .start()
+        .await;
+    cluster.wait_peer("b", "a").await;
+    let token = |sub: &str, group: &str| {
+        let mut claims = claims(sub);
+        claims["groups"] = json!([group]);
+        key.sign(&claims)
+    };
+    let edge = cluster.url("b");
+    let ask = |token: String, model: &'static str| {
+        let url = format!("{edge}/api/chat");
+        async move {
+            let auth = format!("Bearer {token}");
+            let body = json!({"model": model, "stream": false,
+                              "messages": [{"role": "user", "content": "hi"}]});
+            HttpClient::new()
+                .post_json(&url, &[("authorization", &auth)], &body)
+                .await
+        }
+    };
+    // Until the issuer's keys reach both boxes.
+    let big = token("ada", "big");
+    let deadline = Instant::now() + PATIENCE;
+    let first = loop {
+        let reply = ask(big.clone(), BIG).await;
+        if reply.status == 200 || Instant::now() >= deadline {
+            break reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(first.status, 200, "{}", first.text());
+    // The group's model, which the key alone does not allow, runs on the owner, again and
+    // again past `users.budget` (one token), within the group's budget.
+    for _ in 0..3 {
+        let reply = ask(big.clone(), BIG).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    let status = cluster.queue_status("a").await.unwrap();
+    assert_eq!(
+        status["clients"]["people/ada"]["processed"], 4,
+        "run by the owner: {status:#}"
+    );
+    // The group's models replace the key's.
+    let reply = ask(big.clone(), MODEL).await;
+    assert_eq!(reply.status, 403, "{}", reply.text());
+    // Past the group's budget, refused.
+    let small = token("ivan", "small");
+    let deadline = Instant::now() + PATIENCE;
+    let refused = loop {
+        let reply = ask(small.clone(), BIG).await;
+        if reply.status != 200 || Instant::now() >= deadline {
+            break reply;
+        }
+    };
+    assert_eq!(refused.status, 429, "{}", refused.text());
+    assert!(
+        error_text(&refused).contains("budget"),
+        "{}",
+        refused.text()
+    );
+    let served: Vec<String> = seen(&fake);
+    assert!(
+        served
+            .iter()
+            .all(|id| id == "people/ada" || id == "people/ivan"),
+        "{served:?}"
+    );
+    cluster.shutdown().await;
+}

@@ -302,6 +302,7 @@ async fn a_captured_hop_cannot_be_replayed_or_carry_another_body() {
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::High,
             body: hop::Body::Digest(hop::body_digest(body)),
+            group: None,
         };
         let request = hop::Request {
             to: "b",
@@ -448,6 +449,7 @@ async fn a_hop_header_accepted_before_the_owner_restarted_is_refused_after() {
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::Normal,
             body: hop::Body::Digest(digest.clone()),
+            group: None,
         },
         hop::Request {
             to: "b",
@@ -508,6 +510,7 @@ async fn each_key_derived_from_the_node_token_opens_only_its_own_door() {
                 verified: false,
                 tier: oqp_dataplane::scheduler::Tier::High,
                 body: hop::Body::Digest(hop::body_digest(body)),
+                group: None,
             };
             let request = hop::Request {
                 to: "b",
@@ -696,6 +699,7 @@ fn streamed_hop(id: &str, length: usize) -> http::HeaderValue {
             verified: false,
             tier: oqp_dataplane::scheduler::Tier::Normal,
             body: hop::Body::Trailer(Some(length as u64)),
+            group: None,
         },
         hop::Request {
             to: "b",
@@ -864,6 +868,86 @@ async fn a_streamed_hop_with_another_body_never_reaches_ollama_whole() {
         .await
         .json();
     assert_eq!(tags["models"][0]["name"], "llama3:latest", "{tags}");
+    b.shutdown().await;
+    stack.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_hop_naming_a_token_users_group_gets_the_owners_policy_for_it_and_one_it_lacks_is_refused()
+ {
+    use oqp_dataplane::hop::{self, Assertion, HopKey};
+    use oqp_tests::jwt::{JwksServer, SigningKey, key_set};
+    let fake = FakeOllama::builder()
+        .model("llama3")
+        .model("qwen3:8b")
+        .spawn()
+        .await;
+    let jwks = JwksServer::start(&key_set(&[&SigningKey::es256("es-1")])).await;
+    let yaml = format!(
+        "{}auth:\n  enabled: true\n  keys:\n    - client_id: people\n      models: [\"llama3*\"]\n      \
+         jwt:\n        issuer: https://login.example.com\n        audiences: [oqp]\n        \
+         jwks_url: \"{}\"\n        allowed_hosts: [\"127.0.0.1\"]\n        claims_to_policy:\n          \
+         claim: groups\n          policies:\n            - {{value: big, models: [\"qwen3*\"]}}\n",
+        owned_by_b(&fake.url()),
+        jwks.url()
+    );
+    let (stack, b) = edge_and_b(&yaml).await;
+    let body = br#"{"model":"qwen3:8b","prompt":"hi","stream":false}"#;
+    let http = HttpClient::new();
+    let url = format!("http://{}/api/generate", b.local_addr());
+    let send = |group: &str, id: &str| {
+        let assertion = Assertion {
+            node: "local".into(),
+            client: "people/ada".into(),
+            verified: true,
+            tier: oqp_dataplane::scheduler::Tier::Normal,
+            body: hop::Body::Digest(hop::body_digest(body)),
+            group: Some(group.into()),
+        };
+        let request = hop::Request {
+            to: "b",
+            id,
+            method: &http::Method::POST,
+            path: "/api/generate",
+        };
+        let header =
+            HopKey::new(TOKEN)
+                .unwrap()
+                .sign(&assertion, request, std::time::SystemTime::now());
+        let (http, url, id) = (&http, &url, id.to_owned());
+        async move {
+            let request = serde_json::from_slice::<serde_json::Value>(body).unwrap();
+            http.post_json(
+                url,
+                &[
+                    ("x-oqp-hop", header.to_str().unwrap()),
+                    ("x-request-id", &id),
+                ],
+                &request,
+            )
+            .await
+        }
+    };
+    // The group's model, which the key alone does not allow, is served for the group.
+    let served = send("big", "rid-1").await;
+    assert_eq!(served.status, 200, "{}", served.text());
+    let upstream = fake.handle().requests_to("/api/generate");
+    assert_eq!(upstream.len(), 1);
+    assert_eq!(
+        upstream[0].header("x-client-id").as_deref(),
+        Some("people/ada")
+    );
+    // A group this owner's snapshot lacks (its config is not the edge's yet): refused here,
+    // as a client it does not know, never served under the key's own policy.
+    let refused = send("gone", "rid-2").await;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert_eq!(
+        refused.json()["error"],
+        "client not known to this node",
+        "{}",
+        refused.text()
+    );
+    assert_eq!(fake.handle().requests_to("/api/generate").len(), 1);
     b.shutdown().await;
     stack.shutdown().await;
 }
