@@ -123,7 +123,7 @@ struct Sending<'a> {
 /// Admits `request` to the queue, waits for its grant and sends `outbound`, calling
 /// `on_granted` as soon as the request has its slot (before it is sent) or, forwarded, its
 /// owner's answer. A request refused or failed here has its request log line written here (an
-/// answered one's is written by its completion hook, see [`granted`]).
+/// answered one's is written by its completion hook, see `granted`).
 pub async fn send(
     parts: Parts<'_>,
     policy: &Arc<Policy>,
