@@ -4,7 +4,8 @@
 //! ([`oqp_dataplane::node_keys::hop_key`]): any holder can sign a hop as anyone, to
 //! anyone. A node with its own token ([`crate::node_credentials`]) shares no secret with its
 //! peers, so the control plane keys its hops instead: from a root only it holds
-//! (`state_dir/hop_root`, 0600, minted once), for each ordered pair of nodes in the roster
+//! (`state_dir/hop_root`, 0600, minted once and written before the first pair key leaves,
+//! so that a restart keys every pair as before), for each ordered pair of nodes in the roster
 //! a key ([`oqp_dataplane::node_keys::hop_pair_key`]) that it sends to both sides of the
 //! pair in their snapshots (`hop_peers`): the edge signs with it, the owner verifies with
 //! it. A node thus holds only keys that involve itself: a leaked token (and the snapshot it
@@ -22,7 +23,8 @@
 //! keys, so an edge that hops to it must be in the roster.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 use oqp_dataplane::node_keys::hop_pair_key;
 use oqp_proto::policy::v1 as wire;
@@ -30,6 +32,7 @@ use oqp_proto::policy::v1 as wire;
 use crate::config::{Config, Secret};
 use crate::node_credentials::NodeCredentials;
 use crate::node_token;
+use crate::state_file::write_atomic;
 
 /// The file in the state directory.
 pub const FILE: &str = "hop_root";
@@ -37,6 +40,8 @@ pub const FILE: &str = "hop_root";
 /// The control plane's hop root. Prints as `HopKeys(…)`.
 pub struct HopKeys {
     root: Secret,
+    /// The root's file while the root is not in it yet (no state directory at start).
+    unsaved: Mutex<Option<PathBuf>>,
 }
 
 impl std::fmt::Debug for HopKeys {
@@ -46,11 +51,34 @@ impl std::fmt::Debug for HopKeys {
 }
 
 impl HopKeys {
-    /// The root kept in `state_dir`, or a new one (saved there when the directory exists;
-    /// else in memory, for this run's data planes only).
+    /// The root kept in `state_dir`, or a new one: saved there when the directory exists,
+    /// else when the first pair keys are handed out (a node was issued its own token, which
+    /// created the directory), before they leave.
     pub fn load_or_mint(state_dir: &Path) -> Result<Self, String> {
-        let root = node_token::load_or_mint_at(&state_dir.join(FILE), state_dir)?;
-        Ok(Self { root })
+        let file = state_dir.join(FILE);
+        let root = node_token::load_or_mint_at(&file, state_dir)?;
+        let unsaved = (!file.exists()).then_some(file);
+        Ok(Self {
+            root,
+            unsaved: Mutex::new(unsaved),
+        })
+    }
+
+    /// Writes the root to its file if it is not there yet. A failure is logged and tried
+    /// again at the next snapshot: the keys hold for this run, and change at a restart.
+    fn keep(&self) {
+        let mut unsaved = self.unsaved.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(file) = unsaved.as_ref() else {
+            return;
+        };
+        match write_atomic(file, format!("{}\n", self.root.expose()).as_bytes()) {
+            Ok(()) => *unsaved = None,
+            Err(error) => tracing::error!(
+                path = %file.display(),
+                %error,
+                "cannot write the hop root; a restart will key the hops between nodes anew"
+            ),
+        }
     }
 
     /// Sets `snapshot.hop_peers` for `node`: a pair of keys with every other node of the
@@ -80,6 +108,9 @@ impl HopKeys {
                 verify: hop_pair_key(root, (peer, peer_issued), (node, issued)).to_vec(),
             })
             .collect();
+        if !snapshot.hop_peers.is_empty() {
+            self.keep();
+        }
     }
 }
 
@@ -169,5 +200,42 @@ mod tests {
         again.fill(&mut snapshot, &config, &credentials, "box1");
         assert_eq!(snapshot.hop_peers, renewed.hop_peers);
         assert_eq!(format!("{again:?}"), "HopKeys(…)");
+    }
+
+    #[test]
+    fn a_root_minted_without_a_state_directory_is_kept_with_the_first_node_token() {
+        use std::os::unix::fs::PermissionsExt;
+
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("state");
+        let keys = HopKeys::load_or_mint(&dir).unwrap();
+        let credentials = NodeCredentials::load(&dir).unwrap();
+        let config = config();
+        let mut before = wire::PolicySnapshot::default();
+        keys.fill(&mut before, &config, &credentials, "box1");
+        assert!(before.hop_peers.is_empty());
+        assert!(!dir.exists(), "no pair key yet, nothing written");
+
+        // `nodes add` creates the directory; the root is written before a key leaves.
+        credentials.add("edge", 1_000).unwrap();
+        credentials.add("edge2", 2_000).unwrap();
+        let mut issued = wire::PolicySnapshot::default();
+        keys.fill(&mut issued, &config, &credentials, "edge");
+        assert_eq!(peers(&issued), ["box1", "box2", "edge2"]);
+        let mode = std::fs::metadata(dir.join(FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+
+        // A restart keys the pair as before: hops signed with the old keys still verify.
+        let restarted = HopKeys::load_or_mint(&dir).unwrap();
+        let credentials = NodeCredentials::load(&dir).unwrap();
+        for node in ["edge", "edge2", "box1"] {
+            let (mut old, mut new) = Default::default();
+            keys.fill(&mut old, &config, &credentials, node);
+            restarted.fill(&mut new, &config, &credentials, node);
+            assert_eq!(new.hop_peers, old.hop_peers, "{node}");
+        }
     }
 }

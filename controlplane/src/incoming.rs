@@ -7,8 +7,12 @@
 //! `proxy.first_request_timeout`, and then something within every `proxy.idle_timeout`:
 //! the server sends HTTP/2 pings well within it (a live peer's acknowledgements count), so
 //! a data plane holding its policy stream or an oqpctl waiting on a drain is never cut,
-//! while a socket that says nothing, or a peer that stops answering pings, is closed. The
-//! limits are read from the config in force at each accept.
+//! while a socket that says nothing, or a peer that stops answering pings, is closed. A
+//! peer that completed the HTTP/2 handshake and then went silent is closed within
+//! `first_request_timeout`, as on the data plane's listeners (where a connection that opens
+//! no stream is closed at that deadline): bytes, not streams, are seen here, so the pings'
+//! interval and the time to answer one are each at most half of it. The limits are read
+//! from the config in force at each accept.
 
 use std::io;
 use std::net::SocketAddr;
@@ -31,16 +35,21 @@ use crate::hub::Hub;
 /// How long to back off after a failed `accept`, so that the loop neither spins nor stops.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
-/// The HTTP/2 ping interval (and time to answer one) for connections idle for at most
-/// `idle`: a third of it, between 100 ms and 20 s, so that a live peer always has
-/// answered one within the deadline (`idle_deadline`).
-pub fn ping_interval(idle: Duration) -> Duration {
-    (idle / 3).clamp(Duration::from_millis(100), Duration::from_secs(20))
+/// The HTTP/2 ping interval (and time to answer one) under `limits`: a third of
+/// `idle_timeout`, so that a live peer always has answered one within the idle deadline
+/// (`idle_deadline`), and at most half of `first_request_timeout`, so that a peer that
+/// answers none is closed within it (a ping sent after one interval of silence, the
+/// connection closed when it goes one more unanswered); between 100 ms and 20 s.
+pub fn ping_interval(limits: &ConnectionLimits) -> Duration {
+    (limits.idle_timeout / 3)
+        .min(limits.first_request_timeout / 2)
+        .clamp(Duration::from_millis(100), Duration::from_secs(20))
 }
 
-/// How long a connection may send nothing: `idle`, and never under three ping intervals.
-fn idle_deadline(idle: Duration) -> Duration {
-    idle.max(3 * ping_interval(idle))
+/// How long a connection may send nothing: `idle_timeout`, and never under three ping
+/// intervals.
+fn idle_deadline(limits: &ConnectionLimits) -> Duration {
+    limits.idle_timeout.max(3 * ping_interval(limits))
 }
 
 /// The connection limits of `config`, as the data plane applies them.
@@ -109,7 +118,7 @@ impl Limited {
         Self {
             stream,
             info,
-            idle: idle_deadline(limits.idle_timeout),
+            idle: idle_deadline(limits),
             deadline: Box::pin(tokio::time::sleep(limits.first_request_timeout)),
             _slot: slot,
         }
@@ -178,5 +187,45 @@ impl AsyncWrite for Limited {
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(first_request_timeout: f64, idle_timeout: f64) -> ConnectionLimits {
+        ConnectionLimits {
+            max_connections: 1,
+            max_per_ip: 1,
+            first_request_timeout: Duration::from_secs_f64(first_request_timeout),
+            idle_timeout: Duration::from_secs_f64(idle_timeout),
+            client_stall_timeout: Duration::from_secs(60),
+        }
+    }
+
+    #[test]
+    fn a_peer_answering_no_ping_is_closed_within_the_first_request_deadline() {
+        // The defaults: pinged after 5 s of silence, closed 5 s later, at 10 s as a data
+        // plane connection that opens no stream (40 s before: 20 s and 20 s).
+        let defaults = limits(10.0, 60.0);
+        assert_eq!(ping_interval(&defaults), Duration::from_secs(5));
+        assert_eq!(idle_deadline(&defaults), Duration::from_secs(60));
+        for (first, idle) in [
+            (10.0, 60.0),
+            (30.0, 60.0),
+            (0.3, 0.6),
+            (10.0, 0.3),
+            (900.0, 3600.0),
+        ] {
+            let limits = limits(first, idle);
+            let ping = ping_interval(&limits);
+            assert!(ping >= Duration::from_millis(100) && ping <= Duration::from_secs(20));
+            assert!(
+                2 * ping <= limits.first_request_timeout.max(Duration::from_millis(200)),
+                "{first} s / {idle} s: pinged every {ping:?}"
+            );
+            assert!(3 * ping <= idle_deadline(&limits));
+        }
     }
 }

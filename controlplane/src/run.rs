@@ -221,8 +221,8 @@ impl ControlPlane {
         let shutdown = CancellationToken::new();
         let mut tasks = JoinSet::new();
         // The data plane's limits on its listeners hold here too ([`incoming`]); the ping
-        // interval is fixed at start, from the idle timeout then.
-        let ping = incoming::ping_interval(hub.config().proxy.idle_timeout);
+        // interval is fixed at start, from the connection timeouts then.
+        let ping = incoming::ping_interval(&incoming::limits(&hub.config()));
         let mut server = Server::builder()
             .http2_keepalive_interval(Some(ping))
             .http2_keepalive_timeout(Some(ping));

@@ -360,6 +360,36 @@ async fn frame_arrives(stream: &mut TcpStream, kind: u8) -> bool {
 }
 
 #[tokio::test]
+async fn a_half_open_http2_peer_on_the_grpc_port_is_closed_at_the_data_planes_deadline() {
+    // The default timeouts: the data plane closes an HTTP/2 connection that opens no stream
+    // at `first_request_timeout` (10 s); the gRPC port pings a silent peer after 5 s and
+    // closes it when the ping goes 5 s unanswered (it took 40 s: 20 s and 20 s).
+    let (_fake, stack) = stack("", "").await;
+    let mut mute = TcpStream::connect(stack.control.local_addr())
+        .await
+        .unwrap();
+    // The preface, SETTINGS and the ACK of the server's SETTINGS: a completed handshake.
+    mute.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0\0\0\0\x04\x01\0\0\0\0")
+        .await
+        .unwrap();
+    // Well above 10 s, well below 40 s.
+    let bound = Duration::from_secs(25);
+    let closed = tokio::time::timeout(bound, async {
+        let pinged = frame_arrives(&mut mute, 6).await;
+        let mut rest = Vec::new();
+        let _ = mute.read_to_end(&mut rest).await;
+        pinged
+    })
+    .await;
+    assert_eq!(
+        closed.ok(),
+        Some(true),
+        "a peer answering no ping was not closed within {bound:?} (or was never pinged)"
+    );
+    stack.shutdown().await;
+}
+
+#[tokio::test]
 async fn the_grpc_port_pings_and_closes_a_silent_peer_while_its_data_plane_stays() {
     let proxy = "  first_request_timeout: 0.3\n  idle_timeout: 0.6\n";
     let (fake, stack) = stack(proxy, "").await;

@@ -400,3 +400,75 @@ async fn hops_between_nodes_with_their_own_tokens_work_until_the_edge_is_revoked
     b.shutdown().await;
     stack.shutdown().await;
 }
+
+/// The pair keys `node`'s first snapshot carries, from the control plane at `url`.
+async fn pair_keys(url: &str, token: &str, node: &str) -> Vec<oqp_proto::policy::v1::HopPeer> {
+    let mut client = PolicyServiceClient::connect(url.to_owned()).await.unwrap();
+    let hello = NodeHello {
+        node: node.to_owned(),
+        ..NodeHello::default()
+    };
+    let mut stream = client
+        .watch_policy(presenting(token, hello))
+        .await
+        .unwrap()
+        .into_inner();
+    stream
+        .message()
+        .await
+        .unwrap()
+        .expect("a first snapshot")
+        .hop_peers
+}
+
+#[tokio::test]
+async fn a_hop_root_minted_without_a_state_directory_survives_a_restart() {
+    let fake = FakeOllama::builder().model("llama3").spawn().await;
+    let dir = tempfile::tempdir().unwrap();
+    // No state directory: the first `nodes add` creates it.
+    let state = dir.path().join("state");
+    let config_path = dir.path().join("config.yml");
+    std::fs::write(&config_path, owned_by_b(&fake.url(), &state)).unwrap();
+    let listener = harness::loopback().await;
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let control = harness::start_control_plane(&config_path, listener)
+        .await
+        .unwrap();
+    assert!(!state.exists());
+    let mut tokens = Vec::new();
+    for node in ["b", "e"] {
+        let mut admin = AdminServiceClient::connect(url.clone()).await.unwrap();
+        let added = admin
+            .add_node(authed(api::AddNodeRequest {
+                node: node.to_owned(),
+            }))
+            .await
+            .unwrap();
+        tokens.push(added.into_inner().token);
+    }
+    let (b_token, e_token) = (&tokens[0], &tokens[1]);
+    let before = pair_keys(&url, e_token, "e").await;
+    assert!(before.iter().any(|peer| peer.node == "b"), "{before:?}");
+    control.shutdown().await;
+
+    // Restarted, the control plane hands out the same pair keys: a data plane still on
+    // its last snapshot and one on the new control plane's verify each other's hops.
+    let listener = harness::loopback().await;
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let control = harness::start_control_plane(&config_path, listener)
+        .await
+        .unwrap();
+    assert_eq!(pair_keys(&url, e_token, "e").await, before);
+    let b = harness::start_dataplane(&url, "b", Some(b_token))
+        .await
+        .unwrap();
+    let e = harness::start_dataplane(&url, "e", Some(e_token))
+        .await
+        .unwrap();
+    wait_peer(&e, "b").await;
+    let e_url = format!("http://{}", e.local_addr());
+    assert_eq!(generate(&e_url).await, 200, "e (own token) → b (own token)");
+    e.shutdown().await;
+    b.shutdown().await;
+    control.shutdown().await;
+}
