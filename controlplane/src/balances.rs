@@ -333,6 +333,38 @@ async fn read_unit(
                 Turn::Usage => (Turn::Balance, now + target.interval),
             };
         }
+        // What both reads answer alike: the read limit, and a key that may not read.
+        let what = match this {
+            Turn::Balance => "balance",
+            Turn::Usage => "usage",
+        };
+        match &reply {
+            Ok(reply) if limited => {
+                let after = reply
+                    .retry_after
+                    .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs);
+                tracing::info!(
+                    unit,
+                    retry_after = after.as_secs(),
+                    what,
+                    "Ollama Cloud limits balance and usage reads; backing off"
+                );
+                lock(&budget).back_off(now, after);
+                continue;
+            }
+            Ok(reply)
+                if matches!(
+                    reply.status,
+                    StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
+                ) =>
+            {
+                // Another key of the account may still read it.
+                key += 1;
+                tracing::info!(unit, status = %reply.status, what, "a key may not read the account; trying the next");
+                continue;
+            }
+            _ => {}
+        }
         if this == Turn::Usage {
             match reply {
                 Ok(reply) if reply.status.is_success() => match Spend::parse(&reply.body) {
@@ -348,26 +380,6 @@ async fn read_unit(
                     }
                     None => {}
                 },
-                Ok(reply) if limited => {
-                    let after = reply
-                        .retry_after
-                        .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs);
-                    tracing::info!(
-                        unit,
-                        retry_after = after.as_secs(),
-                        "Ollama Cloud limits usage reads; backing off"
-                    );
-                    lock(&budget).back_off(now, after);
-                }
-                Ok(reply)
-                    if matches!(
-                        reply.status,
-                        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
-                    ) =>
-                {
-                    key += 1;
-                    tracing::info!(unit, status = %reply.status, "a key may not read the usage; trying the next");
-                }
                 Ok(reply) => tracing::debug!(unit, status = %reply.status, "usage read failed"),
                 Err(error) => tracing::debug!(unit, %error, "usage read failed"),
             }
@@ -404,27 +416,6 @@ async fn read_unit(
                 }
                 None => {}
             },
-            Ok(reply) if reply.status == StatusCode::TOO_MANY_REQUESTS => {
-                let after = reply
-                    .retry_after
-                    .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs);
-                tracing::info!(
-                    unit,
-                    retry_after = after.as_secs(),
-                    "Ollama Cloud limits balance reads; backing off"
-                );
-                lock(&budget).back_off(now, after);
-            }
-            Ok(reply)
-                if matches!(
-                    reply.status,
-                    StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
-                ) =>
-            {
-                // Another key of the account may still read it.
-                key += 1;
-                tracing::info!(unit, status = %reply.status, "a key may not read the balance; trying the next");
-            }
             Ok(reply) => {
                 tracing::debug!(unit, status = %reply.status, "balance read failed");
             }

@@ -284,22 +284,7 @@ impl Index {
             self.runners[runner as usize].options = chain.options;
         }
         // The conversation this request continues on this runner, if any.
-        let continued = chain
-            .session
-            .and_then(|session| self.by_session.get(&session).copied())
-            .into_iter()
-            .chain(
-                chain
-                    .points
-                    .iter()
-                    .rev()
-                    .filter_map(|point| self.by_hash.get(&point.hash).copied()),
-            )
-            .find(|&id| {
-                self.entries
-                    .get(id as usize)
-                    .is_some_and(|entry| entry.live && entry.runner == runner)
-            });
+        let continued = self.continued_on(chain, runner);
         let id = match continued {
             Some(id) => {
                 self.unindex(id);
@@ -646,13 +631,10 @@ impl Index {
         u32::try_from(count).unwrap_or(u32::MAX)
     }
 
-    /// `chain`'s conversation waits at `now` for `model`'s runner at `host`, which holds it:
-    /// it counts as [`returning`](Index::returning) there while it waits.
-    pub fn waiting(&mut self, host: &str, model: &str, chain: &Chain, now: Instant) {
-        let Some(runner) = self.runner_id(host, model) else {
-            return;
-        };
-        let held = chain
+    /// The live conversation on `runner` that `chain` continues (its session first, then its
+    /// longest prefix), if any.
+    fn continued_on(&self, chain: &Chain, runner: u32) -> Option<u32> {
+        chain
             .session
             .and_then(|session| self.by_session.get(&session).copied())
             .into_iter()
@@ -667,7 +649,16 @@ impl Index {
                 self.entries
                     .get(id as usize)
                     .is_some_and(|entry| entry.live && entry.runner == runner)
-            });
+            })
+    }
+
+    /// `chain`'s conversation waits at `now` for `model`'s runner at `host`, which holds it:
+    /// it counts as [`returning`](Index::returning) there while it waits.
+    pub fn waiting(&mut self, host: &str, model: &str, chain: &Chain, now: Instant) {
+        let Some(runner) = self.runner_id(host, model) else {
+            return;
+        };
+        let held = self.continued_on(chain, runner);
         if let Some(entry) = held.and_then(|id| self.entries.get_mut(id as usize)) {
             entry.answered_at = Some(now);
         }
