@@ -280,17 +280,11 @@ async fn follow_policy(
         }
     };
     let store = &app.store;
-    let first = store.load();
-    supervise::apply(store, "log level", first.version, || follow_level(&first));
-    drop(first);
+    // The snapshot stored now is applied first, whole: one that arrived after the app was
+    // built from an earlier one, and before the subscription above, brings no change to wait
+    // for (a cloud balance read once would never reach the pools).
+    let mut policy = store.load();
     loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            changed = changes.changed() => if changed.is_err() { return },
-        }
-        // Each part under its own guard: one that fails does not keep the
-        // others (nor the next snapshot, say a pause) from being applied.
-        let policy = store.load();
         let version = policy.version;
         supervise::apply(store, "log level", version, || follow_level(&policy));
         supervise::apply(store, "dispatcher", version, || {
@@ -300,6 +294,13 @@ async fn follow_policy(
             app.cloud.update(&policy);
         });
         supervise::apply(store, "metrics", version, || app.metrics.apply(&policy));
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+        // Each part under its own guard: one that fails does not keep the
+        // others (nor the next snapshot, say a pause) from being applied.
+        policy = store.load();
     }
 }
 
