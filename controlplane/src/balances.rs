@@ -24,7 +24,8 @@ use sha2::Digest;
 use crate::config::{Config, HostConfig, HostKind, Secret};
 
 pub use budget::{MINUTE, READS_PER_MINUTE, ReadBudget};
-pub use parse::{Balance, WindowLeft};
+pub use oqp_proto::balance::Balance;
+pub use parse::parse as parse_balance;
 pub use spend::Spend;
 
 /// What the control plane last read of one unit's balance, and when.
@@ -117,32 +118,8 @@ pub fn attach(snapshot: &mut wire::PolicySnapshot, config: &Config, reads: &Hash
 }
 
 fn fill(account: &mut wire::CloudAccount, read: &Read) {
-    let ms = |time: Option<SystemTime>| time.map_or(0, oqp_proto::unix_ms);
-    account.plan = read.balance.plan().to_owned();
+    read.balance.to_wire(account);
     account.read_at_unix_ms = oqp_proto::unix_ms(read.at);
-    match &read.balance {
-        Balance::Credits {
-            included_usd,
-            allowance_usd,
-            extra_usd,
-            resets_at,
-        } => {
-            account.included_usd = *included_usd;
-            account.allowance_usd = allowance_usd.unwrap_or(0.0);
-            account.extra_usd = *extra_usd;
-            account.resets_at_unix_ms = ms(*resets_at);
-        }
-        Balance::Windows { session, weekly } => {
-            let window = |left: &Option<WindowLeft>| {
-                left.map(|left| wire::CloudWindow {
-                    remaining_percent: left.remaining_percent,
-                    resets_at_unix_ms: ms(left.resets_at),
-                })
-            };
-            account.session = window(session);
-            account.weekly = window(weekly);
-        }
-    }
 }
 
 /// Every reading unit of `config`, in config order.
@@ -179,27 +156,6 @@ pub fn targets(config: &Config) -> Vec<Target> {
         }
     }
     out
-}
-
-/// Whether `balance` is at or under a reserve of `reserve_usd` or `reserve_percent` (of the
-/// allowance on a credit plan, of each window on a window plan); nothing left is under a
-/// reserve of 0. The data planes apply the same rule (`oqp_dataplane::cloud::Account`).
-pub fn under_reserve(balance: &Balance, reserve_usd: f64, reserve_percent: f64) -> bool {
-    match balance {
-        Balance::Credits {
-            included_usd,
-            allowance_usd,
-            extra_usd,
-            ..
-        } => {
-            let floor = reserve_usd.max(allowance_usd.unwrap_or(0.0) * reserve_percent / 100.0);
-            included_usd + extra_usd - floor <= 0.0
-        }
-        Balance::Windows { session, weekly } => [session, weekly]
-            .into_iter()
-            .flatten()
-            .any(|window| window.remaining_percent - reserve_percent <= 0.0),
-    }
 }
 
 /// The (host, account, model) refusals with a 402 in `after` that `before` (the same node's

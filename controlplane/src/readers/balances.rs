@@ -16,7 +16,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::balances::{Balance, MINUTE, ReadBudget, Spend, Target, targets, under_reserve};
+use crate::balances::{MINUTE, ReadBudget, Spend, Target, parse_balance, targets};
 use crate::config::{Secret, WebhookEvent};
 use crate::hub::Hub;
 use crate::outbound::Outbound;
@@ -217,10 +217,10 @@ async fn read_unit(
             continue;
         }
         match reply {
-            Ok(reply) if reply.status.is_success() => match Balance::parse(&reply.body) {
+            Ok(reply) if reply.status.is_success() => match parse_balance(&reply.body) {
                 Some(balance) => {
                     for (account, reserve_usd, reserve_percent) in &target.accounts {
-                        let is_under = under_reserve(&balance, *reserve_usd, *reserve_percent);
+                        let is_under = balance.under_reserve(*reserve_usd, *reserve_percent);
                         let was_under = under.contains(account);
                         if is_under && !was_under {
                             under.push(account.clone());
