@@ -5,7 +5,7 @@
 //! shapes, counts and hosts, never at the text. Without the binary the tests are skipped,
 //! except in CI.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::Method;
 use http_body_util::BodyExt;
@@ -473,8 +473,8 @@ async fn a_generate_with_a_suffix_is_a_fill_in_the_middle_on_llama_servers_infil
     wait_models(&stack, &["oqp-tiny:latest"]).await;
     // The host must be known as a llama-server (its `/props`) before `/infill` is offered.
     let http = HttpClient::new();
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    // Another process's poll has no event to wait on from here.
+    let detected = wait_until(PATIENCE, || async {
         let status = http
             .get(
                 &format!("{}/queue/status", stack.url()),
@@ -483,11 +483,14 @@ async fn a_generate_with_a_suffix_is_a_fill_in_the_middle_on_llama_servers_infil
             .await
             .json();
         if status["hosts"][0]["engine"] == "llama-server" {
-            break;
+            Ok(())
+        } else {
+            Err(status)
         }
-        assert!(Instant::now() < deadline, "never detected: {status}");
-        // Another process's poll has no event to wait on from here.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    })
+    .await;
+    if let Err(status) = detected {
+        panic!("never detected: {status}");
     }
 
     let infill = json!({"model": "oqp-tiny", "prompt": "def add(a, b):\n    return ",
