@@ -20,6 +20,10 @@ use std::path::Path;
 pub struct ConfigYaml {
     /// Each section's name and its lines (indented, each ending in a newline).
     sections: Vec<(String, String)>,
+    /// The items of `ollama.hosts`.
+    hosts: String,
+    /// The items of `auth.keys`.
+    keys: String,
     /// Sections written whole by the test, after the others.
     raw: String,
 }
@@ -66,10 +70,9 @@ impl ConfigYaml {
     }
 
     /// An entry of `ollama.hosts`.
-    pub fn host(self, host: Host) -> Self {
-        let first = !self.has("ollama");
-        let header = if first { "  hosts:\n" } else { "" };
-        self.under("ollama", &format!("{header}{}", item("    ", &host.fields)))
+    pub fn host(mut self, host: Host) -> Self {
+        self.hosts.push_str(&item("    ", &host.fields));
+        self.under("ollama", "")
     }
 
     /// `routing.strategy`.
@@ -77,15 +80,10 @@ impl ConfigYaml {
         self.under("routing", &format!("  strategy: {strategy}\n"))
     }
 
-    /// An entry of `auth.keys`; the first turns auth on.
-    pub fn key(self, key: Key) -> Self {
-        let first = !self.has("auth");
-        let header = if first {
-            "  enabled: true\n  keys:\n"
-        } else {
-            ""
-        };
-        self.under("auth", &format!("{header}{}", item("    ", &key.fields)))
+    /// An entry of `auth.keys`; with any, auth is on.
+    pub fn key(mut self, key: Key) -> Self {
+        self.keys.push_str(&item("    ", &key.fields));
+        self.under("auth", "")
     }
 
     /// Sections the test writes whole (top-level keys, each ending in a newline), after the
@@ -101,14 +99,23 @@ impl ConfigYaml {
         for (name, body) in &self.sections {
             out.push_str(name);
             out.push_str(":\n");
-            out.push_str(body);
+            match name.as_str() {
+                "ollama" if !self.hosts.is_empty() => {
+                    out.push_str(body);
+                    out.push_str("  hosts:\n");
+                    out.push_str(&self.hosts);
+                }
+                "auth" if !self.keys.is_empty() => {
+                    out.push_str("  enabled: true\n");
+                    out.push_str(body);
+                    out.push_str("  keys:\n");
+                    out.push_str(&self.keys);
+                }
+                _ => out.push_str(body),
+            }
         }
         out.push_str(&self.raw);
         out
-    }
-
-    fn has(&self, section: &str) -> bool {
-        self.sections.iter().any(|(name, _)| name == section)
     }
 }
 
@@ -200,6 +207,15 @@ mod tests {
              embedding_cache:\n  enabled: false\n"
         );
         let parsed: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        // Lines of a section named before its first host or key stay in it.
+        let limited = ConfigYaml::new()
+            .under("auth", "  rate_limit:\n    max_failures: 3\n")
+            .key(Key::new("k1", "user"))
+            .yaml();
+        assert_eq!(
+            limited,
+            "auth:\n  enabled: true\n  rate_limit:\n    max_failures: 3\n  keys:\n    - key: \"k1\"\n      client_id: user\n"
+        );
         assert_eq!(parsed["ollama"]["hosts"][0]["kind"], "openai");
         assert_eq!(parsed["auth"]["keys"][1]["max_priority"], "low");
     }
