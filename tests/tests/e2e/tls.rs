@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use oqp_tests::client::wait_until;
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Stack};
 use oqp_tests::tls::{TestCa, client_config, connect, proxy_tls_yaml};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -19,9 +19,11 @@ use tokio::net::TcpStream;
 const PATIENCE: Duration = Duration::from_secs(5);
 
 fn config(url: &str, proxy: &str) -> String {
-    format!(
-        "proxy:\n  max_concurrent: 2\n{proxy}ollama:\n  hosts:\n    - url: \"{url}\"\n      name: primary\n      max_concurrent: 2\n"
-    )
+    ConfigYaml::new()
+        .max_concurrent(2)
+        .under("proxy", proxy)
+        .host(Host::ollama("primary", url).set("max_concurrent", 2))
+        .yaml()
 }
 
 /// A stack whose proxy port speaks TLS with a certificate from `ca`, plus `proxy` settings.
