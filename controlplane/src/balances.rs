@@ -1,50 +1,32 @@
-//! Ollama Cloud balances: the control plane reads `GET /api/balance` per ACCOUNT (keys of one
-//! account share its balance; accounts of one `team` share one, read once), every
-//! `cloud.balance_interval`, and puts what it read in the snapshot
-//! (`Host.cloud_accounts`), where the data planes steer by it.
+//! Ollama Cloud balances: what the control plane reads of them and how the snapshot carries
+//! them. Balances are read per ACCOUNT (keys of one account share its balance; accounts of one
+//! `team` share one, read once), every `cloud.balance_interval`, and the hub puts what was
+//! read in the snapshot (`Host.cloud_accounts`, [`attach`]), where the data planes steer by it.
 //!
-//! The cloud allows 10 reads a minute per account across keys and devices; `budget` keeps
-//! every reader within that (and waits out a 429's `Retry-After`), so that neither more keys
-//! nor more data planes mean more reads: data planes never read balances themselves.
+//! The cloud allows 10 reads a minute per account across keys and devices; [`ReadBudget`]
+//! keeps every reader within that (and waits out a 429's `Retry-After`), so that neither more
+//! keys nor more data planes mean more reads: data planes never read balances themselves.
 //!
-//! [`run`] is one supervisor that follows the config: one task per reading unit (a team, or an
-//! account), restarted when a reload changes how it reads, stopped when it leaves the config.
-//! Budgets outlive their tasks, so a reload does not reset them.
+//! This module owns the reading units, the parsing of the two replies and the snapshot's
+//! account entries; not the task that reads (`crate::readers::balances`, above the hub it
+//! writes into).
 
 mod budget;
 mod parse;
 mod spend;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
-use bytes::Bytes;
-use http::header::{ACCEPT, AUTHORIZATION, USER_AGENT};
-use http::{HeaderValue, Request, StatusCode};
-use http_body_util::Full;
 use oqp_proto::policy::v1 as wire;
 use sha2::Digest;
-use tokio::task::JoinSet;
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, HostConfig, HostKind, Secret, WebhookEvent};
-use crate::hub::Hub;
-use crate::outbound::Outbound;
-use crate::usage::UsageStore;
-use crate::webhooks::Notice;
+use crate::config::{Config, HostConfig, HostKind, Secret};
 
 pub use budget::{MINUTE, READS_PER_MINUTE, ReadBudget};
-pub use parse::{Balance, WindowLeft};
+pub use oqp_proto::balance::Balance;
+pub use parse::parse as parse_balance;
 pub use spend::Spend;
-
-/// Largest `/api/balance` or `/api/usage` body read.
-const BODY_LIMIT: usize = 64 * 1024;
-/// Longest wait for one read.
-const READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// The wait after a 429 that carried no `Retry-After`.
-const DEFAULT_RETRY_AFTER: Duration = MINUTE;
 
 /// What the control plane last read of one unit's balance, and when.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,16 +39,17 @@ pub struct Read {
 
 /// One reading unit: a team, or an account of no team.
 #[derive(Clone, PartialEq)]
-struct Target {
+pub struct Target {
     /// `team:<team>`, `account:<label>` or `key:<hash>`.
-    unit: String,
+    pub unit: String,
     /// The cloud host's base URL.
-    url: String,
+    pub url: String,
     /// The keys that may read it, in config order (the first that is not refused is used).
-    keys: Vec<Secret>,
-    interval: Duration,
+    pub keys: Vec<Secret>,
+    /// How often it is read.
+    pub interval: Duration,
     /// Its accounts with their reserves (USD, percent), for the under-reserve webhook.
-    accounts: Vec<(String, f64, f64)>,
+    pub accounts: Vec<(String, f64, f64)>,
 }
 
 impl std::fmt::Debug for Target {
@@ -135,36 +118,12 @@ pub fn attach(snapshot: &mut wire::PolicySnapshot, config: &Config, reads: &Hash
 }
 
 fn fill(account: &mut wire::CloudAccount, read: &Read) {
-    let ms = |time: Option<SystemTime>| time.map_or(0, oqp_proto::unix_ms);
-    account.plan = read.balance.plan().to_owned();
+    read.balance.to_wire(account);
     account.read_at_unix_ms = oqp_proto::unix_ms(read.at);
-    match &read.balance {
-        Balance::Credits {
-            included_usd,
-            allowance_usd,
-            extra_usd,
-            resets_at,
-        } => {
-            account.included_usd = *included_usd;
-            account.allowance_usd = allowance_usd.unwrap_or(0.0);
-            account.extra_usd = *extra_usd;
-            account.resets_at_unix_ms = ms(*resets_at);
-        }
-        Balance::Windows { session, weekly } => {
-            let window = |left: &Option<WindowLeft>| {
-                left.map(|left| wire::CloudWindow {
-                    remaining_percent: left.remaining_percent,
-                    resets_at_unix_ms: ms(left.resets_at),
-                })
-            };
-            account.session = window(session);
-            account.weekly = window(weekly);
-        }
-    }
 }
 
 /// Every reading unit of `config`, in config order.
-fn targets(config: &Config) -> Vec<Target> {
+pub fn targets(config: &Config) -> Vec<Target> {
     let mut out: Vec<Target> = Vec::new();
     for host in config
         .ollama
@@ -199,252 +158,6 @@ fn targets(config: &Config) -> Vec<Target> {
     out
 }
 
-/// The supervisor: one reader per unit of the config in force, following reloads, until
-/// `shutdown`.
-pub async fn run(
-    hub: Arc<Hub>,
-    usage: Arc<UsageStore>,
-    client: Outbound,
-    shutdown: CancellationToken,
-) {
-    let mut configs = hub.watch_config();
-    let mut running: HashMap<String, (Target, CancellationToken)> = HashMap::new();
-    let budgets: Arc<Mutex<HashMap<String, Arc<Mutex<ReadBudget>>>>> = Arc::default();
-    let mut tasks = JoinSet::new();
-    loop {
-        let config = configs.borrow_and_update().clone();
-        let targets = targets(&config);
-        let accounts: Vec<String> = targets
-            .iter()
-            .flat_map(|target| target.accounts.iter().map(|account| account.0.clone()))
-            .collect();
-        usage.retain_cloud_prices(&accounts);
-        running.retain(|unit, (current, stop)| {
-            let keep = targets.iter().any(|target| target == current);
-            if !keep {
-                stop.cancel();
-                if targets.iter().all(|target| &target.unit != unit) {
-                    hub.forget_balance(unit);
-                }
-            }
-            keep
-        });
-        for target in targets {
-            if running.contains_key(&target.unit) {
-                continue;
-            }
-            let budget = budgets
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .entry(target.unit.clone())
-                .or_default()
-                .clone();
-            let stop = shutdown.child_token();
-            tasks.spawn(read_unit(
-                hub.clone(),
-                usage.clone(),
-                client.clone(),
-                target.clone(),
-                budget,
-                stop.clone(),
-            ));
-            running.insert(target.unit.clone(), (target, stop));
-        }
-        while tasks.try_join_next().is_some() {}
-        tokio::select! {
-            changed = configs.changed() => if changed.is_err() { break },
-            () = shutdown.cancelled() => break,
-        }
-    }
-    for (_, stop) in running.values() {
-        stop.cancel();
-    }
-    while tasks.join_next().await.is_some() {}
-}
-
-/// What a unit's reader reads next.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Turn {
-    Balance,
-    Usage,
-}
-
-/// Reads one unit's balance, then its usage (`/api/usage?range=30d`), every interval,
-/// within its budget (both count), until `stop`.
-async fn read_unit(
-    hub: Arc<Hub>,
-    usage: Arc<UsageStore>,
-    client: Outbound,
-    target: Target,
-    budget: Arc<Mutex<ReadBudget>>,
-    stop: CancellationToken,
-) {
-    let unit = target.unit.as_str();
-    let mut due = Instant::now();
-    let mut key = 0usize;
-    let mut unknown_logged = false;
-    let mut unknown_spend_logged = false;
-    let mut turn = Turn::Balance;
-    let names: Vec<String> = target
-        .accounts
-        .iter()
-        .map(|account| account.0.clone())
-        .collect();
-    // Accounts seen at or under their reserve, so that the webhook fires on the way down only.
-    let mut under: Vec<String> = Vec::new();
-    loop {
-        let at = lock(&budget).next_at(due);
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep_until(at) => {}
-        }
-        // Another task of the same unit (before a reload stopped it) may have read meanwhile.
-        let now = Instant::now();
-        if lock(&budget).next_at(now) > now {
-            due = now;
-            continue;
-        }
-        lock(&budget).record(now);
-        let Some(secret) = target.keys.get(key % target.keys.len().max(1)) else {
-            return;
-        };
-        let path = match turn {
-            Turn::Balance => "/api/balance".to_owned(),
-            Turn::Usage => format!(
-                "/api/usage?range=30d&scope={}&group_by=model",
-                if unit.starts_with("team:") {
-                    "team"
-                } else {
-                    "self"
-                }
-            ),
-        };
-        let reply = tokio::select! {
-            () = stop.cancelled() => return,
-            reply = read(&client, &target.url, &path, secret) => reply,
-        };
-        // The usage read follows the balance's at once (the budget permitting); the next
-        // pair comes an interval later. A 429 keeps the turn: it is read again after it.
-        let limited = matches!(&reply, Ok(reply) if reply.status == StatusCode::TOO_MANY_REQUESTS);
-        let this = turn;
-        if !limited {
-            (turn, due) = match turn {
-                Turn::Balance => (Turn::Usage, now),
-                Turn::Usage => (Turn::Balance, now + target.interval),
-            };
-        }
-        // What both reads answer alike: the read limit, and a key that may not read.
-        let what = match this {
-            Turn::Balance => "balance",
-            Turn::Usage => "usage",
-        };
-        match &reply {
-            Ok(reply) if limited => {
-                let after = reply
-                    .retry_after
-                    .map_or(DEFAULT_RETRY_AFTER, Duration::from_secs);
-                tracing::info!(
-                    unit,
-                    retry_after = after.as_secs(),
-                    what,
-                    "Ollama Cloud limits balance and usage reads; backing off"
-                );
-                lock(&budget).back_off(now, after);
-                continue;
-            }
-            Ok(reply)
-                if matches!(
-                    reply.status,
-                    StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN
-                ) =>
-            {
-                // Another key of the account may still read it.
-                key += 1;
-                tracing::info!(unit, status = %reply.status, what, "a key may not read the account; trying the next");
-                continue;
-            }
-            _ => {}
-        }
-        if this == Turn::Usage {
-            match reply {
-                Ok(reply) if reply.status.is_success() => match Spend::parse(&reply.body) {
-                    Some(spend) => {
-                        usage.observe_cloud(&names, spend.usd, spend.tokens, SystemTime::now());
-                    }
-                    None if !unknown_spend_logged => {
-                        unknown_spend_logged = true;
-                        tracing::warn!(
-                            unit,
-                            "Ollama Cloud answered /api/usage in a shape oqp does not know; ignored"
-                        );
-                    }
-                    None => {}
-                },
-                Ok(reply) => tracing::debug!(unit, status = %reply.status, "usage read failed"),
-                Err(error) => tracing::debug!(unit, %error, "usage read failed"),
-            }
-            continue;
-        }
-        match reply {
-            Ok(reply) if reply.status.is_success() => match Balance::parse(&reply.body) {
-                Some(balance) => {
-                    for (account, reserve_usd, reserve_percent) in &target.accounts {
-                        let is_under = under_reserve(&balance, *reserve_usd, *reserve_percent);
-                        let was_under = under.contains(account);
-                        if is_under && !was_under {
-                            under.push(account.clone());
-                            tracing::info!(unit, account = %account, "a cloud account is at or under its reserve");
-                            hub.webhooks().notify(
-                                Notice::new(WebhookEvent::CloudUnderReserve)
-                                    .field("account", account.as_str())
-                                    .field("plan", balance.plan())
-                                    .field("reserve_usd", *reserve_usd)
-                                    .field("reserve_percent", *reserve_percent),
-                            );
-                        } else if !is_under && was_under {
-                            under.retain(|known| known != account);
-                        }
-                    }
-                    hub.set_balance(unit, balance, SystemTime::now());
-                }
-                None if !unknown_logged => {
-                    unknown_logged = true;
-                    tracing::warn!(
-                        unit,
-                        "Ollama Cloud answered /api/balance in a shape oqp does not know; ignored"
-                    );
-                }
-                None => {}
-            },
-            Ok(reply) => {
-                tracing::debug!(unit, status = %reply.status, "balance read failed");
-            }
-            Err(error) => tracing::debug!(unit, %error, "balance read failed"),
-        }
-    }
-}
-
-/// Whether `balance` is at or under a reserve of `reserve_usd` or `reserve_percent` (of the
-/// allowance on a credit plan, of each window on a window plan); nothing left is under a
-/// reserve of 0. The data planes apply the same rule (`oqp_dataplane::cloud::Account`).
-pub fn under_reserve(balance: &Balance, reserve_usd: f64, reserve_percent: f64) -> bool {
-    match balance {
-        Balance::Credits {
-            included_usd,
-            allowance_usd,
-            extra_usd,
-            ..
-        } => {
-            let floor = reserve_usd.max(allowance_usd.unwrap_or(0.0) * reserve_percent / 100.0);
-            included_usd + extra_usd - floor <= 0.0
-        }
-        Balance::Windows { session, weekly } => [session, weekly]
-            .into_iter()
-            .flatten()
-            .any(|window| window.remaining_percent - reserve_percent <= 0.0),
-    }
-}
-
 /// The (host, account, model) refusals with a 402 in `after` that `before` (the same node's
 /// previous report) did not have.
 pub fn new_refusals(
@@ -472,29 +185,4 @@ pub fn new_refusals(
         }
     }
     out
-}
-
-async fn read(
-    client: &Outbound,
-    url: &str,
-    path: &str,
-    key: &Secret,
-) -> Result<crate::outbound::Reply, String> {
-    let mut request = Request::get(format!("{url}{path}"))
-        .header(ACCEPT, "application/json")
-        .header(USER_AGENT, concat!("oqp/", env!("CARGO_PKG_VERSION")))
-        .body(Full::new(Bytes::new()))
-        .map_err(|_| "invalid cloud URL".to_owned())?;
-    let mut value = HeaderValue::from_str(&format!("Bearer {}", key.expose()))
-        .map_err(|_| "the cloud key is not a valid header value".to_owned())?;
-    value.set_sensitive(true);
-    request.headers_mut().insert(AUTHORIZATION, value);
-    client
-        .send(request, READ_TIMEOUT, BODY_LIMIT)
-        .await
-        .map_err(|error| error.to_string())
-}
-
-fn lock(budget: &Mutex<ReadBudget>) -> std::sync::MutexGuard<'_, ReadBudget> {
-    budget.lock().unwrap_or_else(PoisonError::into_inner)
 }

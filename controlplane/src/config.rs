@@ -7,7 +7,8 @@
 //! 2. `env`: `OQP_SECTION__KEY=value` overrides set on the tree, list indices included.
 //! 3. `schema`: the tree → raw serde structs, section by section and list item by list item;
 //!    errors carry key paths, unknown keys become warnings.
-//! 4. `resolve`, `hosts`, `keys`, `cluster`: defaults, ranges, words, key sources → the public types.
+//! 4. `resolve`, `hosts`, `keys`, `cloud`, `cluster`: defaults, ranges, words, key sources → the
+//!    public types, each field read by `field`.
 //! 5. `validate`: checks that span sections, and security warnings.
 //!
 //! Raw structs are private; the public types ([`Config`] and its sections) hold only values
@@ -18,6 +19,7 @@ mod cluster;
 mod enums;
 mod env;
 mod error;
+mod field;
 mod hosts;
 mod keys;
 mod net;

@@ -2,7 +2,7 @@
 //! control plane, never by a data plane, kept in the [`Hub`], and shipped in every snapshot
 //! (`Jwt.jwks_json`), public members only.
 //!
-//! One task ([`run`]) reads each source (`jwks_url` or `jwks_file`) at start and when the
+//! One task (`crate::readers::jwks`, above the hub it writes into) reads each source (`jwks_url` or `jwks_file`) at start and when the
 //! config changes, again every [`REFRESH_EVERY`] (so that a key the issuer retired leaves),
 //! and when a data plane reports a token that named a key id the snapshot lacks (a rotation):
 //! at most once per the source's `refresh_min_interval`. A failed fetch keeps the keys fetched
@@ -11,8 +11,7 @@
 //! `jwks_url` is fetched under the webhook SSRF rules ([`crate::outbound::ssrf`]), with the
 //! block's own `allowed_hosts` for an identity provider on the LAN.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -20,11 +19,8 @@ use http::Request;
 use http_body_util::Full;
 use oqp_proto::policy::v1::PolicySnapshot;
 use serde_json::Value;
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, JwksSource, JwtConfig, UserSource};
-use crate::hub::Hub;
 use crate::outbound::Outbound;
 
 /// How often a source is read again when nothing asks for it sooner.
@@ -177,91 +173,6 @@ pub async fn fetch(
                 return Err(format!("the issuer answered {}", reply.status));
             }
             public_set(&reply.body)
-        }
-    }
-}
-
-/// Keeps the hub's key sets fresh until `shutdown` (see the module documentation).
-pub async fn run(hub: Arc<Hub>, outbound: Outbound, shutdown: CancellationToken) {
-    let public_only = Outbound::public_only();
-    let mut configs = hub.watch_config();
-    // When each source was last read, and the sources a data plane asked for since.
-    let mut last: HashMap<JwksSource, Instant> = HashMap::new();
-    let mut wanted: std::collections::HashSet<JwksSource> = std::collections::HashSet::new();
-    loop {
-        let config = hub.config();
-        let configured = sources(&config);
-        let mut by_source: BTreeMap<&JwksSource, &JwtConfig> = BTreeMap::new();
-        for (_, jwt) in &configured {
-            by_source.entry(&jwt.jwks).or_insert(jwt);
-        }
-        last.retain(|source, _| by_source.contains_key(source));
-        for client_id in hub.take_jwks_wanted() {
-            if let Some((_, jwt)) = configured.iter().find(|(id, _)| *id == client_id) {
-                wanted.insert(jwt.jwks.clone());
-            }
-        }
-        let mut wake = Instant::now() + REFRESH_EVERY;
-        for (source, jwt) in by_source {
-            let now = Instant::now();
-            let keys = hub.jwks(source);
-            let soon =
-                wanted.contains(source) || keys.as_ref().is_none_or(|keys| keys.json.is_empty());
-            let due = match last.get(source) {
-                None => now,
-                Some(at) if soon => *at + jwt.refresh_min_interval,
-                Some(at) => *at + REFRESH_EVERY,
-            };
-            if due > now {
-                wake = wake.min(due);
-                continue;
-            }
-            let fetched = fetch(jwt, &outbound, &public_only).await;
-            last.insert(source.clone(), Instant::now());
-            wanted.remove(source);
-            let previous = keys.unwrap_or_default();
-            let next = match fetched {
-                Ok(json) => {
-                    if json != previous.json {
-                        tracing::info!(source = %describe(source), "issuer keys fetched");
-                    }
-                    KeySet {
-                        json,
-                        error: String::new(),
-                    }
-                }
-                Err(error) if previous.json.is_empty() => {
-                    tracing::warn!(
-                        source = %describe(source),
-                        %error,
-                        "no issuer keys: tokens of this issuer are refused until a fetch succeeds"
-                    );
-                    wake = wake.min(Instant::now() + jwt.refresh_min_interval);
-                    KeySet {
-                        json: String::new(),
-                        error: format!("fetching the key set failed: {error}"),
-                    }
-                }
-                Err(error) => {
-                    tracing::warn!(
-                        source = %describe(source),
-                        %error,
-                        "issuer keys not refreshed; the keys fetched before stay in force"
-                    );
-                    previous
-                }
-            };
-            hub.set_jwks(source, next);
-        }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep_until(wake) => {}
-            () = hub.jwks_asked() => {}
-            changed = configs.changed() => {
-                if changed.is_err() {
-                    return;
-                }
-            }
         }
     }
 }

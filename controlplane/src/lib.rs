@@ -5,7 +5,7 @@
 //! snapshot is built from ([`hub`]), keeps the keys minted at run time
 //! ([`keystore`]), and serves them to data planes and the
 //! admin API to oqpctl over gRPC ([`grpc`]). In the background it polls the
-//! upstream hosts ([`poller`]), reads Ollama Cloud balances ([`balances`]) and delivers webhooks ([`webhooks`]) over one
+//! upstream hosts ([`poller`]), reads Ollama Cloud balances and issuer keys ([`readers`]) and delivers webhooks ([`webhooks`]) over one
 //! outbound HTTP client ([`outbound`]). Management actions are recorded in
 //! the audit trail ([`audit`]). [`ControlPlane`] starts it all.
 
@@ -24,6 +24,7 @@ pub mod node_credentials;
 pub mod node_token;
 pub mod outbound;
 pub mod poller;
+pub mod readers;
 pub(crate) mod state_file;
 pub mod usage;
 pub mod webhooks;

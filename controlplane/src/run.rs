@@ -274,13 +274,13 @@ impl ControlPlane {
         if let Some(sender) = hub.webhooks().sender(outbound.clone(), shutdown.clone()) {
             tasks.spawn(sender);
         }
-        tasks.spawn(crate::balances::run(
+        tasks.spawn(crate::readers::balances::run(
             hub.clone(),
             usage.clone(),
             outbound.clone(),
             shutdown.clone(),
         ));
-        tasks.spawn(crate::jwks::run(
+        tasks.spawn(crate::readers::jwks::run(
             hub.clone(),
             outbound.clone(),
             shutdown.clone(),

@@ -1,10 +1,13 @@
 //! Ollama Cloud accounts as the snapshot carries them: what the control plane last read of each
-//! account's balance (`GET /api/balance`, credit or legacy window plan) and its reserve.
+//! account's balance (`GET /api/balance`, credit or legacy window plan: [`Balance`], shared with
+//! the control plane through `oqp-proto`) and its reserve.
 //! Data planes never read balances themselves: the cloud allows 10 reads a minute per account,
 //! and the control plane's reader keeps within that for all of them.
 
 use std::sync::Arc;
 use std::time::SystemTime;
+
+pub use oqp_proto::balance::{Balance, WindowLeft};
 
 /// One account of a cloud host's pool.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -23,88 +26,13 @@ pub struct Account {
     pub reserve_percent: f64,
 }
 
-/// What one read said.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Balance {
-    /// A monthly included allowance in USD, then purchased extra usage.
-    Credits {
-        /// What is left of the included allowance.
-        included_usd: f64,
-        /// The period's allowance, when stated.
-        allowance_usd: Option<f64>,
-        /// Purchased extra usage left.
-        extra_usd: f64,
-        /// When the allowance resets.
-        resets_at: Option<SystemTime>,
-    },
-    /// The legacy session and weekly windows.
-    Windows {
-        /// The session window.
-        session: Option<WindowLeft>,
-        /// The weekly window.
-        weekly: Option<WindowLeft>,
-    },
-}
-
-/// What is left of one window.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct WindowLeft {
-    /// Remaining percent, 0 to 100.
-    pub remaining_percent: f64,
-    /// When it resets.
-    pub resets_at: Option<SystemTime>,
-}
-
-impl Balance {
-    /// The plan's name: "credits" or "windows".
-    pub fn plan(&self) -> &'static str {
-        match self {
-            Balance::Credits { .. } => "credits",
-            Balance::Windows { .. } => "windows",
-        }
-    }
-
-    /// Whether the part of the balance an extra-usage-only model draws on differs between
-    /// `self` and `other`: the extra balance of a credit plan; what is left of either window
-    /// of a window plan (its extra usage is not reported separately); any change of plan.
-    pub fn extra_changed(&self, other: &Balance) -> bool {
-        match (self, other) {
-            (Balance::Credits { extra_usd: a, .. }, Balance::Credits { extra_usd: b, .. }) => {
-                a != b
-            }
-            // What is left, not when it resets (a reset time may be restated at each read).
-            (
-                Balance::Windows {
-                    session: s1,
-                    weekly: w1,
-                },
-                Balance::Windows {
-                    session: s2,
-                    weekly: w2,
-                },
-            ) => {
-                let left = |w: &Option<WindowLeft>| w.map(|w| w.remaining_percent);
-                left(s1) != left(s2) || left(w1) != left(w2)
-            }
-            _ => true,
-        }
-    }
-}
-
 impl Account {
     /// The remaining USD above the reserve (credit plans: included and extra), or `None` for a
     /// window plan or an unread balance.
     pub fn spendable_usd(&self) -> Option<f64> {
         match &self.balance {
-            Some(Balance::Credits {
-                included_usd,
-                allowance_usd,
-                extra_usd,
-                ..
-            }) => {
-                let percent_floor = allowance_usd.unwrap_or(0.0) * self.reserve_percent / 100.0;
-                let floor = self.reserve_usd.max(percent_floor);
-                Some(included_usd + extra_usd - floor)
+            Some(balance @ Balance::Credits { .. }) => {
+                balance.left_above(self.reserve_usd, self.reserve_percent)
             }
             _ => None,
         }
@@ -114,11 +42,9 @@ impl Account {
     /// for a credit plan or an unread balance.
     pub fn spendable_percent(&self) -> Option<f64> {
         match &self.balance {
-            Some(Balance::Windows { session, weekly }) => [session, weekly]
-                .into_iter()
-                .flatten()
-                .map(|window| window.remaining_percent - self.reserve_percent)
-                .reduce(f64::min),
+            Some(balance @ Balance::Windows { .. }) => {
+                balance.left_above(self.reserve_usd, self.reserve_percent)
+            }
             _ => None,
         }
     }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
 use oqp_proto::policy::v1::{self as wire, NodeReport};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
@@ -12,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::app::App;
 use crate::auth::ListenerKind;
+use crate::cache::Cache;
 use crate::control::{self, ControlError, ControlLink, ControlOptions, Watcher};
 use crate::policy::{LogLevel, Policy};
 use crate::scheduler::Tier;
@@ -206,7 +208,11 @@ impl DataPlane {
             options.log_level,
             shutdown.clone(),
         ));
-        tasks.spawn(follow_cache(app.clone(), shutdown.clone()));
+        let cache_app = app.clone();
+        let cache_shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            follow_cache(&cache_app.store, &cache_app.embedding_cache, cache_shutdown).await;
+        });
         tasks.spawn(crate::listeners::run(app.clone(), shutdown.clone()));
         tasks.spawn(app.tls.clone().run(shutdown.clone()));
         let drain_app = app.clone();
@@ -307,40 +313,48 @@ async fn follow_policy(
 /// Follows the snapshot's cache settings, in a task of its own: connecting
 /// to a new backend can take `connect_timeout`, and the next snapshot (a
 /// pause, a revocation) must not wait for it.
-async fn follow_cache(app: Arc<App>, shutdown: CancellationToken) {
-    let mut changes = app.store.subscribe();
+async fn follow_cache(
+    store: &PolicyStore,
+    cache: &ArcSwapOption<Cache>,
+    shutdown: CancellationToken,
+) {
+    let mut changes = store.subscribe();
+    // As in `follow_policy`: the snapshot stored now is applied first. One stored after the
+    // cache was connected at start, and before the subscription above, brings no change to
+    // wait for (its cache settings would wait for the next snapshot).
+    let mut policy = store.load();
     loop {
+        supervise::apply_async(
+            store,
+            "embedding cache",
+            policy.version,
+            reconnect_cache(cache, &policy),
+        )
+        .await;
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
-        let policy = app.store.load();
-        supervise::apply_async(
-            &app.store,
-            "embedding cache",
-            policy.version,
-            reconnect_cache(&app, &policy),
-        )
-        .await;
+        policy = store.load();
     }
 }
 
 /// Replaces the embedding cache when its settings changed. A backend that
 /// cannot be reached keeps the old cache (or none) and says why.
-async fn reconnect_cache(app: &App, policy: &Policy) -> Result<(), String> {
+async fn reconnect_cache(cache: &ArcSwapOption<Cache>, policy: &Policy) -> Result<(), String> {
     let settings = &policy.embedding_cache;
-    let current = app.cache();
-    let same = current
+    let same = cache
+        .load()
         .as_ref()
-        .is_some_and(|cache| cache.settings() == settings);
+        .is_some_and(|current| current.settings() == settings);
     if !settings.enabled {
-        app.embedding_cache.store(None);
+        cache.store(None);
     } else if !same {
         // The error names the URL with its password hidden.
-        let cache = crate::cache::connect(settings)
+        let connected = crate::cache::connect(settings)
             .await
             .map_err(|error| error.to_string())?;
-        app.embedding_cache.store(Some(Arc::new(cache)));
+        cache.store(Some(Arc::new(connected)));
     }
     Ok(())
 }
@@ -506,6 +520,34 @@ fn report(app: &App) -> NodeReport {
 #[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
+
+    /// A snapshot that turns the cache on, stored after the cache was set up from the first
+    /// snapshot and before the cache task subscribes, is applied when the task starts: it
+    /// brings no change to wait for.
+    #[tokio::test]
+    async fn the_cache_follows_a_snapshot_stored_before_it_subscribed() {
+        let first = Policy::try_from(crate::policy::minimal_wire()).unwrap();
+        assert!(!first.embedding_cache.enabled);
+        let store = PolicyStore::new(first);
+        let cache = ArcSwapOption::<Cache>::empty();
+        let mut on = crate::policy::minimal_wire();
+        on.version = 2;
+        on.embedding_cache = Some(wire::EmbeddingCacheSettings {
+            enabled: true,
+            backend: "memory".to_owned(),
+            ..Default::default()
+        });
+        store.store(Policy::try_from(on).unwrap());
+        // Stopped before it starts: all it does is what it does on starting.
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        follow_cache(&store, &cache, shutdown).await;
+        let connected = cache
+            .load_full()
+            .expect("the cache the stored snapshot turned on");
+        assert_eq!(connected.settings(), &store.load().embedding_cache);
+        assert!(store.failures().is_empty(), "{:?}", store.failures());
+    }
 
     #[test]
     fn log_colour_only_on_a_terminal_without_no_color() {

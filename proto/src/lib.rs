@@ -2,7 +2,8 @@
 //! its data planes (`oqp.policy.v1`), and the administration API used by
 //! `oqpctl` (`oqp.admin.v1`). Generated from `proto/oqp/**.proto`; beside the
 //! generated code only what both ends must compute alike (where a budget
-//! window starts) and redacting `Debug` impls live here.
+//! window starts, a cloud account's [`balance`] and its reserve) and redacting
+//! `Debug` impls live here.
 
 #![allow(missing_docs, missing_debug_implementations, clippy::all)]
 
@@ -21,6 +22,8 @@ pub mod admin {
         tonic::include_proto!("oqp.admin.v1");
     }
 }
+
+pub mod balance;
 
 /// The start (Unix seconds) of the budget window of `length` seconds anchored at `anchor`
 /// that holds `now`: `anchor` plus whole multiples of `length` (`Budget.window_seconds` and

@@ -168,18 +168,30 @@ impl HttpClient {
     }
 }
 
-/// Runs `check` until it returns true, re-checking every 10 ms, for at most
-/// `limit`. For conditions with no event to wait on (another process's
-/// state); the assertion that follows still decides the test.
-pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+/// Runs `probe` until it gives `Ok`, probing again every 10 ms, for at most `limit`; at the
+/// limit, the last probe's `Err` (what was seen, for the assertion that follows). The one
+/// wait of the tests for conditions with no event to wait on (another process's state, a
+/// poll's result over HTTP).
+pub async fn wait_until<T, E, F>(limit: Duration, mut probe: impl FnMut() -> F) -> Result<T, E>
+where
+    F: std::future::Future<Output = Result<T, E>>,
+{
     let deadline = Instant::now() + limit;
     loop {
-        if check() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
+        let seen = probe().await;
+        if seen.is_ok() || Instant::now() >= deadline {
+            return seen;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// [`wait_until`] for a check with nothing to say: whether `check` returned true within
+/// `limit`. The assertion that follows still decides the test.
+pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    wait_until(limit, || {
+        std::future::ready(if check() { Ok(()) } else { Err(()) })
+    })
+    .await
+    .is_ok()
 }

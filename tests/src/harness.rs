@@ -1,6 +1,8 @@
 //! The test harness: boots the real control plane and data planes on
 //! `127.0.0.1:0`, talking gRPC to each other, from a YAML config written to a
-//! temporary directory.
+//! temporary directory (built with [`ConfigYaml`] from the shapes the tests share).
+
+mod config;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -11,6 +13,8 @@ use oqp_controlplane::{ControlPlane, Options};
 use oqp_dataplane::DataPlane;
 use oqp_dataplane::control::ControlOptions;
 use tokio::net::TcpListener;
+
+pub use config::{ConfigYaml, Host, Key};
 
 /// A control plane with its in-process data plane (node `local`), serving a
 /// config written to a temporary directory.
@@ -178,7 +182,8 @@ pub async fn loopback() -> TcpListener {
 
 /// A minimal config for one Ollama host at `url`, auth off.
 pub fn basic_config(url: &str) -> String {
-    format!(
-        "proxy:\n  max_concurrent: 2\nollama:\n  hosts:\n    - url: \"{url}\"\n      name: \"primary\"\n"
-    )
+    ConfigYaml::new()
+        .max_concurrent(2)
+        .host(Host::ollama("primary", url))
+        .yaml()
 }

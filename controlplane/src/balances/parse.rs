@@ -10,85 +10,44 @@
 
 use std::time::SystemTime;
 
+use oqp_proto::balance::{Balance, WindowLeft};
 use serde_json::Value;
 
-/// What one read said of an account's balance.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Balance {
-    /// A monthly included allowance in USD, then purchased extra usage.
-    Credits {
-        /// What is left of the included allowance.
-        included_usd: f64,
-        /// The period's allowance, when stated.
-        allowance_usd: Option<f64>,
-        /// The purchased extra-usage balance (0 when not stated).
-        extra_usd: f64,
-        /// When the allowance resets, when stated.
-        resets_at: Option<SystemTime>,
-    },
-    /// The legacy session (5-hour) and weekly windows.
-    Windows {
-        /// The session window, when reported.
-        session: Option<WindowLeft>,
-        /// The weekly window, when reported.
-        weekly: Option<WindowLeft>,
-    },
-}
-
-/// What is left of one window.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct WindowLeft {
-    /// Remaining percent, 0 to 100.
-    pub remaining_percent: f64,
-    /// When it resets, when stated.
-    pub resets_at: Option<SystemTime>,
-}
-
-impl Balance {
-    /// Parses a `/api/balance` body; `None` for a shape that is neither plan's.
-    pub fn parse(body: &[u8]) -> Option<Balance> {
-        let value: Value = serde_json::from_slice(body).ok()?;
-        if let Some(included) = value.get("included") {
-            let included_usd = number(included.get("balance_usd"))?;
-            let allowance_usd =
-                number(included.get("allowance_usd")).or(number(value.get("allowance_usd")));
-            let extra_usd = ["extra", "credits"]
+/// Parses a `/api/balance` body; `None` for a shape that is neither plan's.
+pub fn parse(body: &[u8]) -> Option<Balance> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    if let Some(included) = value.get("included") {
+        let included_usd = number(included.get("balance_usd"))?;
+        let allowance_usd =
+            number(included.get("allowance_usd")).or(number(value.get("allowance_usd")));
+        let extra_usd = ["extra", "credits"]
+            .iter()
+            .find_map(|name| number(value.get(name).and_then(|v| v.get("balance_usd"))))
+            .unwrap_or(0.0);
+        let resets_at = value.get("period").and_then(|period| {
+            ["resets_at", "ending_at", "ends_at"]
                 .iter()
-                .find_map(|name| number(value.get(name).and_then(|v| v.get("balance_usd"))))
-                .unwrap_or(0.0);
-            let resets_at = value.get("period").and_then(|period| {
-                ["resets_at", "ending_at", "ends_at"]
-                    .iter()
-                    .find_map(|name| time(period.get(name)))
-            });
-            return Some(Balance::Credits {
-                included_usd: included_usd.max(0.0),
-                allowance_usd: allowance_usd.filter(|usd| *usd > 0.0),
-                extra_usd: extra_usd.max(0.0),
-                resets_at,
-            });
-        }
-        let window = |name: &str| {
-            let window = value.get(name)?;
-            Some(WindowLeft {
-                remaining_percent: number(window.get("remaining_percent"))?.clamp(0.0, 100.0),
-                resets_at: time(window.get("resets_at")),
-            })
-        };
-        let (session, weekly) = (window("session"), window("weekly"));
-        if session.is_none() && weekly.is_none() {
-            return None;
-        }
-        Some(Balance::Windows { session, weekly })
+                .find_map(|name| time(period.get(name)))
+        });
+        return Some(Balance::Credits {
+            included_usd: included_usd.max(0.0),
+            allowance_usd: allowance_usd.filter(|usd| *usd > 0.0),
+            extra_usd: extra_usd.max(0.0),
+            resets_at,
+        });
     }
-
-    /// The plan's name on the wire: "credits" or "windows".
-    pub fn plan(&self) -> &'static str {
-        match self {
-            Balance::Credits { .. } => "credits",
-            Balance::Windows { .. } => "windows",
-        }
+    let window = |name: &str| {
+        let window = value.get(name)?;
+        Some(WindowLeft {
+            remaining_percent: number(window.get("remaining_percent"))?.clamp(0.0, 100.0),
+            resets_at: time(window.get("resets_at")),
+        })
+    };
+    let (session, weekly) = (window("session"), window("weekly"));
+    if session.is_none() && weekly.is_none() {
+        return None;
     }
+    Some(Balance::Windows { session, weekly })
 }
 
 /// A finite number, given as a JSON number or a numeric string (`"1.68"`).
@@ -120,7 +79,7 @@ mod tests {
             allowance_usd,
             extra_usd,
             resets_at,
-        }) = Balance::parse(body)
+        }) = parse(body)
         else {
             panic!("not a credit plan");
         };
@@ -135,7 +94,7 @@ mod tests {
         // The allowance beside `included`, the period named only, no extra usage.
         let beside = br#"{"included":{"balance_usd":1},"allowance_usd":20,"period":"monthly"}"#;
         assert_eq!(
-            Balance::parse(beside),
+            parse(beside),
             Some(Balance::Credits {
                 included_usd: 1.0,
                 allowance_usd: Some(20.0),
@@ -149,14 +108,14 @@ mod tests {
     fn reads_a_legacy_window_plan() {
         let body = br#"{"session":{"remaining_percent":73.5,"resets_at":"2026-12-04T18:00:00.5Z"},
             "weekly":{"remaining_percent":140}}"#;
-        let Some(Balance::Windows { session, weekly }) = Balance::parse(body) else {
+        let Some(Balance::Windows { session, weekly }) = parse(body) else {
             panic!("not a window plan");
         };
         let session = session.unwrap();
         assert_eq!(session.remaining_percent, 73.5);
         assert!(session.resets_at.is_some());
         assert_eq!(weekly.unwrap().remaining_percent, 100.0, "clamped");
-        assert_eq!(Balance::parse(body).unwrap().plan(), "windows");
+        assert_eq!(parse(body).unwrap().plan(), "windows");
     }
 
     #[test]
@@ -168,12 +127,7 @@ mod tests {
             br#"[]"#,
             b"not json",
         ] {
-            assert_eq!(
-                Balance::parse(body),
-                None,
-                "{}",
-                String::from_utf8_lossy(body)
-            );
+            assert_eq!(parse(body), None, "{}", String::from_utf8_lossy(body));
         }
     }
 }

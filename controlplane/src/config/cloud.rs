@@ -17,7 +17,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::error::Problems;
-use super::resolve::duration_within;
+use super::field::duration_within;
 use super::scalar::{Float, Seconds, Text};
 use super::types::HostConfig;
 

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 
 use super::env::Env;
 use super::error::Problems;
+use super::field::{checked, ranged, text};
 use super::keys::{KeySource, Required};
 use super::net;
-use super::resolve::{checked, ranged, text};
 use super::scalar::Text;
 use super::schema::{RawControlPlane, RawNode};
 use super::types::{

@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use super::HostKind;
 use super::error::Problems;
+use super::field::{checked, ranged};
 use super::net;
-use super::resolve::{checked, ranged};
 use super::scalar::Text;
 use super::schema::{RawInjection, RawListener};
 use super::types::{AuthConfig, ClientInjectionConfig, Config, InjectionListener};
@@ -86,7 +86,7 @@ pub(crate) fn client_injection(
                 inject_as,
                 bind,
                 tls,
-                trust_users: super::resolve::flag(raw.trust_users, false),
+                trust_users: super::field::flag(raw.trust_users, false),
             });
         }
         ClientInjectionConfig {

@@ -35,7 +35,7 @@ impl Clock {
     }
 
     fn unix_ms(&self) -> u64 {
-        u64::try_from(crate::compile::unix_ms((self.0)())).unwrap_or(0)
+        u64::try_from(oqp_proto::unix_ms((self.0)())).unwrap_or(0)
     }
 }
 

@@ -876,38 +876,14 @@ fn tls_files(files: Option<wire::TlsFiles>, what: &str) -> Result<Option<TlsFile
 /// A cloud account and its balance as the control plane read it; a plan oqp does not know
 /// (or none read yet) is an account without a balance.
 fn cloud_account_from_wire(account: wire::CloudAccount) -> crate::balance::Account {
-    use crate::balance::{Balance, WindowLeft};
-    let time = |ms: i64| {
-        u64::try_from(ms)
-            .ok()
-            .filter(|ms| *ms > 0)
-            .map(|ms| SystemTime::UNIX_EPOCH + Duration::from_millis(ms))
-    };
+    use oqp_proto::balance::{Balance, time_of};
     let finite = |value: f64| if value.is_finite() { value } else { 0.0 };
-    let window = |window: Option<wire::CloudWindow>| {
-        window.map(|window| WindowLeft {
-            remaining_percent: finite(window.remaining_percent).clamp(0.0, 100.0),
-            resets_at: time(window.resets_at_unix_ms),
-        })
-    };
-    let balance = match account.plan.as_str() {
-        "credits" => Some(Balance::Credits {
-            included_usd: finite(account.included_usd),
-            allowance_usd: (account.allowance_usd > 0.0).then(|| finite(account.allowance_usd)),
-            extra_usd: finite(account.extra_usd),
-            resets_at: time(account.resets_at_unix_ms),
-        }),
-        "windows" => Some(Balance::Windows {
-            session: window(account.session),
-            weekly: window(account.weekly),
-        }),
-        _ => None,
-    };
+    let balance = Balance::from_wire(&account);
     crate::balance::Account {
+        read_at: balance.as_ref().and(time_of(account.read_at_unix_ms)),
+        balance,
         account: Arc::from(account.account),
         team: Arc::from(account.team),
-        read_at: balance.as_ref().and(time(account.read_at_unix_ms)),
-        balance,
         reserve_usd: finite(account.reserve_usd).max(0.0),
         reserve_percent: finite(account.reserve_percent).clamp(0.0, 100.0),
     }

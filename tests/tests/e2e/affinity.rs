@@ -14,7 +14,7 @@ use http::Method;
 use oqp_tests::bench::scenarios::affinity::filler;
 use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::{FakeHandle, FakeOllama};
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::{Value, json};
 
 const KEY: &str = "sk-agent-0123456789";
@@ -25,39 +25,27 @@ const BATCH: &str = "sk-batch-0123456789";
 const PREFILL_MS_PER_1K: f64 = 250.0;
 
 fn config(hosts: &[(&str, &str)], extra: &str) -> String {
-    let hosts: String = hosts
+    hosts
         .iter()
-        .map(|(url, name)| {
-            format!(
-                "    - url: \"{url}\"\n      name: {name}\n      max_concurrent: 2\n      num_parallel: 2\n"
-            )
+        .fold(ConfigYaml::new().max_concurrent(8), |yaml, (url, name)| {
+            let host = Host::ollama(name, url).set("max_concurrent", 2);
+            yaml.host(host.set("num_parallel", 2))
         })
-        .collect();
-    format!(
-        r#"proxy:
-  max_concurrent: 8
-ollama:
-  hosts:
-{hosts}routing:
-  strategy: model_aware
-{extra}queue:
-  model_swap:
-    enabled: false
-embedding_cache:
-  enabled: false
-auth:
-  enabled: true
-  keys:
-    - key: "{KEY}"
-      client_id: agent
-    - key: "{OTHER}"
-      client_id: other
-    - key: "{BATCH}"
-      client_id: batch
-      max_priority: low
-      default_priority: low
-"#
-    )
+        .strategy("model_aware")
+        .under("routing", extra)
+        .under("queue", "  model_swap:\n    enabled: false\n")
+        .under("embedding_cache", "  enabled: false\n")
+        .key(Key::new(KEY, "agent"))
+        .key(Key::new(OTHER, "other"))
+        .key(batch_key(BATCH))
+        .yaml()
+}
+
+/// A client of the low tier only.
+fn batch_key(key: &str) -> Key {
+    Key::new(key, "batch")
+        .set("max_priority", "low")
+        .set("default_priority", "low")
 }
 
 async fn gpu() -> FakeOllama {

@@ -7,7 +7,7 @@
 
 use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::Value;
 
 use crate::usage::{fake, usage_of};
@@ -16,29 +16,14 @@ const LIMITED: &str = "sk-limited-0123456789";
 const OPEN: &str = "sk-open-0123456789";
 
 fn config(url: &str, state_dir: &str) -> String {
-    format!(
-        r#"control_plane:
-  state_dir: "{state_dir}"
-ollama:
-  hosts:
-    - url: "{url}"
-      name: gpu
-      max_concurrent: 4
-keep_alive:
-  default: "30m"
-auth:
-  enabled: true
-  keys:
-    - key: "{LIMITED}"
-      client_id: limited
-      models: ["llama3*", "nomic-embed-text"]
-    - key: "{OPEN}"
-      client_id: open
-    - key: "sk-admin-0123456789"
-      client_id: admin
-      scope: management
-"#
-    )
+    ConfigYaml::new()
+        .state_dir(std::path::Path::new(state_dir))
+        .host(Host::ollama("gpu", url).set("max_concurrent", 4))
+        .under("keep_alive", "  default: \"30m\"\n")
+        .key(Key::new(LIMITED, "limited").set("models", r#"["llama3*", "nomic-embed-text"]"#))
+        .key(Key::new(OPEN, "open"))
+        .key(Key::new("sk-admin-0123456789", "admin").set("scope", "management"))
+        .yaml()
 }
 
 /// The requests the fake received from oqp on behalf of a client (they carry the client's

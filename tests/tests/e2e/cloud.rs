@@ -7,7 +7,7 @@ mod spend;
 
 use std::time::Duration;
 
-use oqp_tests::client::{HttpClient, eventually};
+use oqp_tests::client::{HttpClient, eventually, wait_until};
 use oqp_tests::fake::{CloudPlan, CloudReply, FakeOllama, READS_PER_MINUTE};
 use oqp_tests::harness::Stack;
 use serde_json::{Value, json};
@@ -195,14 +195,12 @@ async fn until_accounts(
 ) -> Vec<Value> {
     // Past a minute: at the shortest intervals the reads of a minute's budget are spent in
     // its first second, so a read lost under load comes back only with the next minute.
-    let deadline = std::time::Instant::now() + Duration::from_secs(90);
-    loop {
+    let seen = wait_until(Duration::from_secs(90), || async {
         let seen = accounts(http, base).await;
-        if check(&seen) || std::time::Instant::now() >= deadline {
-            return seen;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        if check(&seen) { Ok(seen) } else { Err(seen) }
+    })
+    .await;
+    seen.unwrap_or_else(|seen| seen)
 }
 
 fn account<'a>(accounts: &'a [Value], name: &str) -> &'a Value {

@@ -15,7 +15,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use oqp_tests::bench::load::{Conn, Req};
 use oqp_tests::client::eventually;
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Stack};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -24,9 +24,12 @@ use tokio::net::TcpStream;
 const PATIENCE: Duration = Duration::from_secs(5);
 
 fn config(url: &str, proxy: &str, extra: &str) -> String {
-    format!(
-        "proxy:\n  max_concurrent: 2\n{proxy}ollama:\n  hosts:\n    - url: \"{url}\"\n      name: primary\n      max_concurrent: 2\n{extra}"
-    )
+    ConfigYaml::new()
+        .max_concurrent(2)
+        .under("proxy", proxy)
+        .host(Host::ollama("primary", url).set("max_concurrent", 2))
+        .raw(extra)
+        .yaml()
 }
 
 async fn stack(proxy: &str, extra: &str) -> (FakeOllama, Stack) {

@@ -11,7 +11,7 @@ use oqp_dataplane::dashboard::session::SESSION_TTL;
 use oqp_tests::browser::{self, Browser};
 use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::{Value, json};
 
 const READ: &str = "sk-read-0123456789";
@@ -21,35 +21,25 @@ const ADMIN: &str = "sk-admin-0123456789";
 const WEBUI: &str = "sk-webui-0123456789";
 
 fn config(url: &str, refresh_seconds: u32) -> String {
-    format!(
-        r#"ollama:
-  hosts:
-    - url: "{url}"
-      name: primary
-auth:
-  enabled: true
-  keys:
-    - key: "{READ}"
-      client_id: widget
-      scope: read
-    - key: "{CHAT}"
-      client_id: chat
-      models: ["llama3*"]
-      budget: {{gpu_seconds: 3600, tokens: 100000, window: 1d}}
-    - key: "{BATCH}"
-      client_id: batch
-    - key: "{WEBUI}"
-      client_id: webui
-      users:
-        header: X-User
-        budget: {{tokens: 5000, window: 1d}}
-    - key: "{ADMIN}"
-      client_id: admin
-      scope: management
-dashboard:
-  refresh_seconds: {refresh_seconds}
-"#
-    )
+    ConfigYaml::new()
+        .host(Host::ollama("primary", url))
+        .key(Key::new(READ, "widget").set("scope", "read"))
+        .key(
+            Key::new(CHAT, "chat")
+                .set("models", r#"["llama3*"]"#)
+                .set("budget", "{gpu_seconds: 3600, tokens: 100000, window: 1d}"),
+        )
+        .key(Key::new(BATCH, "batch"))
+        .key(Key::new(WEBUI, "webui").set(
+            "users",
+            "{header: X-User, budget: {tokens: 5000, window: 1d}}",
+        ))
+        .key(Key::new(ADMIN, "admin").set("scope", "management"))
+        .under(
+            "dashboard",
+            &format!("  refresh_seconds: {refresh_seconds}\n"),
+        )
+        .yaml()
 }
 
 const GENERATE: &str = r#"{"model":"llama3","prompt":"hi","stream":false}"#;

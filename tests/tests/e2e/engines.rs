@@ -7,12 +7,12 @@
 //! looks at the model's text: only at statuses, shapes, counts and what the
 //! engine reports about itself.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use oqp_tests::client::HttpClient;
+use oqp_tests::client::{HttpClient, wait_until};
 use oqp_tests::engine::{self, Engine, Model};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Stack};
 use serde_json::{Value, json};
 
 /// How long a test waits for a poll to show (polls run every second).
@@ -20,22 +20,23 @@ const PATIENCE: Duration = Duration::from_secs(20);
 
 /// A config of `hosts` (`(name, url, kind)`), polled every second, model-aware routing.
 fn config(hosts: &[(&str, &str, &str)]) -> String {
-    let mut yaml = String::from("proxy:\n  max_concurrent: 4\nollama:\n  hosts:\n");
-    for (name, url, kind) in hosts {
-        yaml.push_str(&format!(
-            "    - {{url: \"{url}\", name: {name}, kind: {kind}, model_sync_interval: 1}}\n"
-        ));
-    }
-    yaml.push_str("routing:\n  strategy: model_aware\n  model_poll_timeout: 2\n");
-    yaml
+    hosts
+        .iter()
+        .fold(
+            ConfigYaml::new().max_concurrent(4),
+            |yaml, (name, url, kind)| yaml.host(Host::openai(name, url).set("kind", kind)),
+        )
+        .strategy("model_aware")
+        .under("routing", "  model_poll_timeout: 2\n")
+        .yaml()
 }
 
 /// Polls the data plane's `/queue/status` until host `name` satisfies
 /// `check`; returns that host's entry.
 async fn wait_host(stack: &Stack, name: &str, check: impl Fn(&Value) -> bool) -> Value {
     let http = HttpClient::new();
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    // Another process's poll has no event to wait on from here.
+    let seen = wait_until(PATIENCE, || async {
         let status = http
             .get(&format!("{}/queue/status", stack.url()), &[])
             .await
@@ -45,16 +46,10 @@ async fn wait_host(stack: &Stack, name: &str, check: impl Fn(&Value) -> bool) ->
             .and_then(|hosts| hosts.iter().find(|host| host["name"] == name))
             .cloned()
             .unwrap_or(Value::Null);
-        if check(&host) {
-            return host;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "host {name} never matched; last seen: {host}"
-        );
-        // Another process's poll has no event to wait on from here.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        if check(&host) { Ok(host) } else { Err(host) }
+    })
+    .await;
+    seen.unwrap_or_else(|host| panic!("host {name} never matched; last seen: {host}"))
 }
 
 /// A chat completion through oqp for `model`; returns (status, the host that served it).
@@ -534,14 +529,19 @@ async fn follow_ups_on_real_llama_servers_are_hits_that_find_their_history_cache
             .context(16384);
         engines.push(engine.start().await);
     }
-    let mut yaml = String::from("proxy:\n  max_concurrent: 8\nollama:\n  hosts:\n");
-    for (index, engine) in engines.iter().enumerate() {
-        yaml.push_str(&format!(
-            "    - {{url: \"{}\", name: e{index}, kind: openai, max_concurrent: 2, model_sync_interval: 1}}\n",
-            engine.url()
-        ));
-    }
-    yaml.push_str("routing:\n  strategy: model_aware\n  model_poll_timeout: 2\n");
+    let yaml = engines
+        .iter()
+        .enumerate()
+        .fold(
+            ConfigYaml::new().max_concurrent(8),
+            |yaml, (index, engine)| {
+                let host = Host::openai(&format!("e{index}"), &engine.url());
+                yaml.host(host.set("max_concurrent", 2))
+            },
+        )
+        .strategy("model_aware")
+        .under("routing", "  model_poll_timeout: 2\n")
+        .yaml();
     let stack = Stack::start(&yaml).await;
     for index in 0..2 {
         wait_host(&stack, &format!("e{index}"), |host| {
@@ -608,10 +608,12 @@ async fn three_conversations_on_two_named_slots_come_back_cached_one_at_a_time()
         .context(8192)
         .start()
         .await;
-    let yaml = format!(
-        "proxy:\n  max_concurrent: 4\nollama:\n  hosts:\n    - {{url: \"{}\", name: e0, kind: openai, max_concurrent: 2, model_sync_interval: 1}}\nrouting:\n  strategy: model_aware\n  model_poll_timeout: 2\n",
-        engine.url()
-    );
+    let yaml = ConfigYaml::new()
+        .max_concurrent(4)
+        .host(Host::openai("e0", &engine.url()).set("max_concurrent", 2))
+        .strategy("model_aware")
+        .under("routing", "  model_poll_timeout: 2\n")
+        .yaml();
     let stack = Stack::start(&yaml).await;
     wait_host(&stack, "e0", |host| host["engine_slots"] == 2).await;
     let http = HttpClient::new();

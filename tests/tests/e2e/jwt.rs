@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use oqp_tests::client::{HttpClient, Reply};
+use oqp_tests::client::{HttpClient, Reply, wait_until};
 use oqp_tests::fake::FakeOllama;
 use oqp_tests::harness::Stack;
 use oqp_tests::jwt::{JwksServer, SigningKey, hs256, key_set, now, unsigned};
@@ -95,14 +95,16 @@ fn seen(fake: &FakeOllama) -> Vec<String> {
 
 /// Sends `token` until it is accepted, or [`PATIENCE`] ends; the last reply.
 async fn until_accepted(stack: &Stack, token: &str) -> Reply {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    let reply = wait_until(PATIENCE, || async {
         let reply = chat_as(stack, token).await;
-        if reply.status == 200 || Instant::now() >= deadline {
-            return reply;
+        if reply.status == 200 {
+            Ok(reply)
+        } else {
+            Err(reply)
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    })
+    .await;
+    reply.unwrap_or_else(|reply| reply)
 }
 
 async fn stack_with(keys: &str, allowed: &str) -> (FakeOllama, JwksServer, Stack) {

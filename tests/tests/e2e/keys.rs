@@ -12,7 +12,7 @@ use oqp_proto::admin::v1::{self as api, admin_service_client::AdminServiceClient
 use oqp_proto::policy::v1 as wire;
 use oqp_tests::client::HttpClient;
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::{self, Stack};
+use oqp_tests::harness::{self, ConfigYaml, Host, Key, Stack};
 use sha2::{Digest, Sha256};
 use tonic::transport::Channel;
 
@@ -20,31 +20,21 @@ const ADMIN: &str = "sk-admin-0123456789";
 const READER: &str = "sk-read-0123456789";
 
 fn config(url: &str, state_dir: &Path) -> String {
-    format!(
-        r#"proxy:
-  max_concurrent: 4
-ollama:
-  hosts:
-    - url: "{url}"
-      name: primary
-auth:
-  enabled: true
-  rate_limit:
-    max_failures: 1000
-    window_seconds: 60
-  keys:
-    - key: "{ADMIN}"
-      client_id: admin
-      scope: management
-      max_priority: high
-    - key: "{READER}"
-      client_id: widget
-      scope: read
-control_plane:
-  state_dir: "{}"
-"#,
-        state_dir.display()
-    )
+    ConfigYaml::new()
+        .max_concurrent(4)
+        .host(Host::ollama("primary", url))
+        .under(
+            "auth",
+            "  rate_limit:\n    max_failures: 1000\n    window_seconds: 60\n",
+        )
+        .key(
+            Key::new(ADMIN, "admin")
+                .set("scope", "management")
+                .set("max_priority", "high"),
+        )
+        .key(Key::new(READER, "widget").set("scope", "read"))
+        .state_dir(state_dir)
+        .yaml()
 }
 
 struct Setup {

@@ -13,9 +13,9 @@ use oqp_controlplane::node_credentials::FILE;
 use oqp_proto::admin::v1::{self as api, admin_service_client::AdminServiceClient};
 use oqp_proto::policy::v1::policy_service_client::PolicyServiceClient;
 use oqp_proto::policy::v1::{NodeHello, NodeReport, PolicySnapshot};
-use oqp_tests::client::HttpClient;
+use oqp_tests::client::{HttpClient, wait_until};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::{self, Stack};
+use oqp_tests::harness::{self, ConfigYaml, Host, Key, Stack};
 use tonic::transport::Channel;
 
 const ADMIN: &str = "sk-admin-0123456789";
@@ -23,22 +23,21 @@ const CHAT: &str = "sk-chat-0123456789";
 const SHARED: &str = "sk-node-shared-0123456789";
 
 fn config(url: &str, state_dir: &Path) -> String {
-    format!(
-        r#"ollama:
-  hosts:
-    - url: "{url}"
-      name: primary
-auth:
-  enabled: true
-  keys:
-    - {{key: "{ADMIN}", client_id: admin, scope: management, max_priority: high}}
-    - {{key: "{CHAT}", client_id: chat, scope: inference, max_priority: normal}}
-control_plane:
-  node_token: "{SHARED}"
-  state_dir: "{}"
-"#,
-        state_dir.display()
-    )
+    ConfigYaml::new()
+        .host(Host::ollama("primary", url))
+        .key(
+            Key::new(ADMIN, "admin")
+                .set("scope", "management")
+                .set("max_priority", "high"),
+        )
+        .key(
+            Key::new(CHAT, "chat")
+                .set("scope", "inference")
+                .set("max_priority", "normal"),
+        )
+        .under("control_plane", &format!("  node_token: \"{SHARED}\"\n"))
+        .state_dir(state_dir)
+        .yaml()
 }
 
 async fn admin(stack: &Stack) -> AdminServiceClient<Channel> {
@@ -145,14 +144,15 @@ async fn connected(stack: &Stack, node: &str) -> bool {
 
 /// Waits (polling the admin API, at most 20 s) until `node`'s link is `up`.
 async fn wait_connected(stack: &Stack, node: &str, up: bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while connected(stack, node).await != up {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "node {node} never became connected={up}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let seen = wait_until(Duration::from_secs(20), || async {
+        if connected(stack, node).await == up {
+            Ok(())
+        } else {
+            Err(())
+        }
+    })
+    .await;
+    assert!(seen.is_ok(), "node {node} never became connected={up}");
 }
 
 #[tokio::test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use oqp_tests::client::{HttpClient, Reply, eventually};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::{Value, json};
 
 const GENERATE: &str = r#"{"model":"llama3","prompt":"hi","stream":false}"#;
@@ -40,26 +40,13 @@ auth:
 
 /// Auth on, a key of every scope, the dashboard on.
 fn auth_config(url: &str) -> String {
-    format!(
-        r#"ollama:
-  hosts:
-    - url: "{url}"
-      name: primary
-auth:
-  enabled: true
-  keys:
-    - key: "sk-read-0123456789"
-      client_id: widget
-      scope: read
-    - key: "sk-chat-0123456789"
-      client_id: chat
-    - key: "sk-admin-0123456789"
-      client_id: admin
-      scope: management
-dashboard:
-  enabled: true
-"#
-    )
+    ConfigYaml::new()
+        .host(Host::ollama("primary", url))
+        .key(Key::new("sk-read-0123456789", "widget").set("scope", "read"))
+        .key(Key::new("sk-chat-0123456789", "chat"))
+        .key(Key::new("sk-admin-0123456789", "admin").set("scope", "management"))
+        .under("dashboard", "  enabled: true\n")
+        .yaml()
 }
 
 fn metrics_names() -> [(&'static str, &'static str, &'static [&'static str]); 28] {

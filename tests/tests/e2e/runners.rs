@@ -7,7 +7,7 @@
 
 use oqp_tests::client::{HttpClient, Reply};
 use oqp_tests::fake::{Failure, FakeOllama};
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::{Value, json};
 
 use crate::support::{dispatcher, wait_depth};
@@ -16,42 +16,34 @@ const CHAT: &str = "sk-chat-0123456789";
 const BATCH: &str = "sk-batch-0123456789";
 const OTHER: &str = "sk-other-0123456789";
 
-fn config(hosts: &str) -> String {
-    format!(
-        r#"proxy:
-  max_concurrent: 8
-ollama:
-  hosts:
-{hosts}routing:
-  strategy: model_aware
-queue:
-  model_swap:
-    enabled: false
-embedding_cache:
-  enabled: false
-auth:
-  enabled: true
-  keys:
-    - key: "{CHAT}"
-      client_id: chat
-      max_priority: high
-      default_priority: high
-    - key: "{BATCH}"
-      client_id: batch
-      max_priority: low
-      default_priority: low
-      max_concurrent: 1
-    - key: "{OTHER}"
-      client_id: other
-      default_priority: low
-"#
-    )
+fn config(hosts: &[Host]) -> String {
+    hosts
+        .iter()
+        .fold(ConfigYaml::new().max_concurrent(8), |yaml, host| {
+            yaml.host(host.clone())
+        })
+        .strategy("model_aware")
+        .under("queue", "  model_swap:\n    enabled: false\n")
+        .under("embedding_cache", "  enabled: false\n")
+        .key(
+            Key::new(CHAT, "chat")
+                .set("max_priority", "high")
+                .set("default_priority", "high"),
+        )
+        .key(
+            Key::new(BATCH, "batch")
+                .set("max_priority", "low")
+                .set("default_priority", "low")
+                .set("max_concurrent", 1),
+        )
+        .key(Key::new(OTHER, "other").set("default_priority", "low"))
+        .yaml()
 }
 
-fn host(url: &str, name: &str, max_concurrent: u32, num_parallel: u32) -> String {
-    format!(
-        "    - url: \"{url}\"\n      name: {name}\n      max_concurrent: {max_concurrent}\n      num_parallel: {num_parallel}\n"
-    )
+fn host(url: &str, name: &str, max_concurrent: u32, num_parallel: u32) -> Host {
+    Host::ollama(name, url)
+        .set("max_concurrent", max_concurrent)
+        .set("num_parallel", num_parallel)
 }
 
 fn spawn(
@@ -81,7 +73,7 @@ async fn one_slot_per_runner_a_high_chat_sent_after_four_low_ones_runs_second() 
         .slots(8)
         .spawn()
         .await;
-    let stack = Stack::start(&config(&host(&fake.url(), "gpu", 8, 1))).await;
+    let stack = Stack::start(&config(&[host(&fake.url(), "gpu", 8, 1)])).await;
     let base = stack.url();
     let handle = fake.handle();
     let queue = dispatcher(&stack);
@@ -128,7 +120,7 @@ async fn an_idle_runner_starts_at_once_while_another_models_queue_waits() {
         .slots(8)
         .spawn()
         .await;
-    let stack = Stack::start(&config(&host(&fake.url(), "gpu", 8, 1))).await;
+    let stack = Stack::start(&config(&[host(&fake.url(), "gpu", 8, 1)])).await;
     let base = stack.url();
     let handle = fake.handle();
     let queue = dispatcher(&stack);
@@ -165,7 +157,7 @@ async fn an_embedding_runner_has_one_slot_whatever_the_setting_learned_from_show
         .slots(16)
         .spawn()
         .await;
-    let stack = Stack::start(&config(&host(&fake.url(), "gpu", 8, 4))).await;
+    let stack = Stack::start(&config(&[host(&fake.url(), "gpu", 8, 4)])).await;
     let base = stack.url();
     let handle = fake.handle();
     let queue = dispatcher(&stack);
@@ -246,8 +238,7 @@ async fn a_request_failing_over_waits_holding_nothing() {
         host(&a.url(), "a", 1, 1),
         host(&b.url(), "b", 1, 1),
         host(&c.url(), "c", 1, 1),
-    ]
-    .concat();
+    ];
     let stack = Stack::start(&config(&hosts)).await;
     let base = stack.url();
     let queue = dispatcher(&stack);

@@ -6,38 +6,29 @@ use std::time::{Duration, Instant};
 
 use oqp_tests::client::{HttpClient, Reply, eventually};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::json;
 
 use crate::support::{dispatcher, wait_depth};
 
 fn config(url: &str, slots: u32, queue: &str) -> String {
-    format!(
-        r#"proxy:
-  max_concurrent: 4
-ollama:
-  hosts:
-    - url: "{url}"
-      name: primary
-      max_concurrent: {slots}
-auth:
-  enabled: true
-  keys:
-    - key: "sk-chat-0123456789"
-      client_id: chat
-      max_priority: high
-    - key: "sk-editor-0123456789"
-      client_id: editor
-    - key: "sk-batch-0123456789"
-      client_id: batch
-      max_priority: low
-      max_concurrent: 1
-    - key: "sk-admin-0123456789"
-      client_id: admin
-      scope: management
-      max_priority: high
-{queue}"#
-    )
+    ConfigYaml::new()
+        .max_concurrent(4)
+        .host(Host::ollama("primary", url).set("max_concurrent", slots))
+        .key(Key::new("sk-chat-0123456789", "chat").set("max_priority", "high"))
+        .key(Key::new("sk-editor-0123456789", "editor"))
+        .key(
+            Key::new("sk-batch-0123456789", "batch")
+                .set("max_priority", "low")
+                .set("max_concurrent", 1),
+        )
+        .key(
+            Key::new("sk-admin-0123456789", "admin")
+                .set("scope", "management")
+                .set("max_priority", "high"),
+        )
+        .raw(queue)
+        .yaml()
 }
 
 const GENERATE: &str = r#"{"model":"llama3","prompt":"hi","stream":false}"#;

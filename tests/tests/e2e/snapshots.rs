@@ -24,7 +24,7 @@ use oqp_proto::policy::v1::policy_service_server::{PolicyService, PolicyServiceS
 use oqp_proto::policy::v1::{NodeHello, NodeReport, PolicySnapshot, ReportAck};
 use oqp_tests::client::{HttpClient, Reply, eventually};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::{self, Stack};
+use oqp_tests::harness::{self, ConfigYaml, Host, Key, Stack};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_stream::StreamExt;
@@ -34,23 +34,16 @@ use tokio_util::sync::CancellationToken;
 const GENERATE: &str = r#"{"model":"llama3","prompt":"hi","stream":false}"#;
 
 fn config(url: &str, extra: &str) -> String {
-    format!(
-        r#"ollama:
-  hosts:
-    - url: "{url}"
-      name: primary
-auth:
-  enabled: true
-  keys:
-    - key: "sk-batch-0123456789"
-      client_id: batch
-      max_priority: low
-    - key: "sk-admin-0123456789"
-      client_id: admin
-      scope: management
-      max_priority: high
-{extra}"#
-    )
+    ConfigYaml::new()
+        .host(Host::ollama("primary", url))
+        .key(Key::new("sk-batch-0123456789", "batch").set("max_priority", "low"))
+        .key(
+            Key::new("sk-admin-0123456789", "admin")
+                .set("scope", "management")
+                .set("max_priority", "high"),
+        )
+        .raw(extra)
+        .yaml()
 }
 
 /// A low-tier generate through `base`.

@@ -12,7 +12,7 @@ use http_body_util::Full;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use oqp_tests::client::{HttpClient, eventually};
 use oqp_tests::fake::{Failure, FakeOllama};
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Stack};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -24,9 +24,12 @@ const PATIENCE: Duration = Duration::from_secs(20);
 
 /// One host with one slot.
 fn config(url: &str, proxy: &str, extra: &str) -> String {
-    format!(
-        "proxy:\n  max_concurrent: 1\n{proxy}ollama:\n  hosts:\n    - url: \"{url}\"\n      name: primary\n      max_concurrent: 1\n{extra}"
-    )
+    ConfigYaml::new()
+        .max_concurrent(1)
+        .under("proxy", proxy)
+        .host(Host::ollama("primary", url).set("max_concurrent", 1))
+        .raw(extra)
+        .yaml()
 }
 
 fn generate(stream: bool) -> Value {

@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
+use oqp_tests::client::wait_until;
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Stack};
 use oqp_tests::tls::{TestCa, client_config, connect, proxy_tls_yaml};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -18,9 +19,11 @@ use tokio::net::TcpStream;
 const PATIENCE: Duration = Duration::from_secs(5);
 
 fn config(url: &str, proxy: &str) -> String {
-    format!(
-        "proxy:\n  max_concurrent: 2\n{proxy}ollama:\n  hosts:\n    - url: \"{url}\"\n      name: primary\n      max_concurrent: 2\n"
-    )
+    ConfigYaml::new()
+        .max_concurrent(2)
+        .under("proxy", proxy)
+        .host(Host::ollama("primary", url).set("max_concurrent", 2))
+        .yaml()
 }
 
 /// A stack whose proxy port speaks TLS with a certificate from `ca`, plus `proxy` settings.
@@ -57,14 +60,9 @@ async fn until_connected(stack: &Stack, ca_pem: &str) -> Sender {
 
 /// Retries [`http1_to`] until a handshake trusting `ca_pem` succeeds (within [`PATIENCE`]).
 async fn until_connected_to(addr: std::net::SocketAddr, ca_pem: &str) -> Sender {
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        match http1_to(addr, ca_pem).await {
-            Ok(sender) => return sender,
-            Err(error) if Instant::now() >= deadline => panic!("no handshake: {error}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-        }
-    }
+    wait_until(PATIENCE, || http1_to(addr, ca_pem))
+        .await
+        .unwrap_or_else(|error| panic!("no handshake: {error}"))
 }
 
 async fn get(sender: &mut Sender, path: &str) -> (http::StatusCode, String) {

@@ -5,14 +5,14 @@
 //! shapes, counts and hosts, never at the text. Without the binary the tests are skipped,
 //! except in CI.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use http::Method;
 use http_body_util::BodyExt;
-use oqp_tests::client::HttpClient;
+use oqp_tests::client::{HttpClient, wait_until};
 use oqp_tests::engine::{self, Engine, Model};
 use oqp_tests::fake::FakeOllama;
-use oqp_tests::harness::Stack;
+use oqp_tests::harness::{ConfigYaml, Host, Key, Stack};
 use serde_json::{Value, json};
 
 /// How long a test waits for a poll to show (polls run every second).
@@ -25,40 +25,25 @@ const SPENT_KEY: &str = "sk-spent-0123456789";
 /// A config of `hosts` (`(name, url, kind)`), polled every second, with keys: one for
 /// everything, one limited to the embedding model, one with a token budget of 1.
 fn config(hosts: &[(&str, &str, &str)], state_dir: &std::path::Path) -> String {
-    let mut yaml = format!(
-        "control_plane:\n  state_dir: \"{}\"\nproxy:\n  max_concurrent: 4\nollama:\n  hosts:\n",
-        state_dir.display()
-    );
-    for (name, url, kind) in hosts {
-        yaml.push_str(&format!(
-            "    - {{url: \"{url}\", name: {name}, kind: {kind}, model_sync_interval: 1}}\n"
-        ));
-    }
-    yaml.push_str(&format!(
-        r#"routing:
-  strategy: model_aware
-  model_poll_timeout: 2
-auth:
-  enabled: true
-  keys:
-    - key: "{KEY}"
-      client_id: user
-    - key: "{EMBED_ONLY_KEY}"
-      client_id: embedder
-      models: ["oqp-embed*"]
-    - key: "{SPENT_KEY}"
-      client_id: spent
-      budget: {{tokens: 1, window: 1d}}
-"#
-    ));
-    yaml
+    hosts
+        .iter()
+        .fold(
+            ConfigYaml::new().state_dir(state_dir).max_concurrent(4),
+            |yaml, (name, url, kind)| yaml.host(Host::openai(name, url).set("kind", kind)),
+        )
+        .strategy("model_aware")
+        .under("routing", "  model_poll_timeout: 2\n")
+        .key(Key::new(KEY, "user"))
+        .key(Key::new(EMBED_ONLY_KEY, "embedder").set("models", r#"["oqp-embed*"]"#))
+        .key(Key::new(SPENT_KEY, "spent").set("budget", "{tokens: 1, window: 1d}"))
+        .yaml()
 }
 
 /// Waits until the data plane lists every model of `models` on some healthy host.
 async fn wait_models(stack: &Stack, models: &[&str]) {
     let http = HttpClient::new();
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    // Another process's poll has no event to wait on from here.
+    let seen = wait_until(PATIENCE, || async {
         let status = http
             .get(
                 &format!("{}/queue/status", stack.url()),
@@ -78,14 +63,14 @@ async fn wait_models(stack: &Stack, models: &[&str]) {
             .iter()
             .all(|model| listed.iter().any(|listed| listed == model))
         {
-            return;
+            Ok(())
+        } else {
+            Err(status)
         }
-        assert!(
-            Instant::now() < deadline,
-            "models {models:?} never listed; last status: {status}"
-        );
-        // Another process's poll has no event to wait on from here.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    })
+    .await;
+    if let Err(status) = seen {
+        panic!("models {models:?} never listed; last status: {status}");
     }
 }
 
@@ -488,8 +473,8 @@ async fn a_generate_with_a_suffix_is_a_fill_in_the_middle_on_llama_servers_infil
     wait_models(&stack, &["oqp-tiny:latest"]).await;
     // The host must be known as a llama-server (its `/props`) before `/infill` is offered.
     let http = HttpClient::new();
-    let deadline = Instant::now() + PATIENCE;
-    loop {
+    // Another process's poll has no event to wait on from here.
+    let detected = wait_until(PATIENCE, || async {
         let status = http
             .get(
                 &format!("{}/queue/status", stack.url()),
@@ -498,11 +483,14 @@ async fn a_generate_with_a_suffix_is_a_fill_in_the_middle_on_llama_servers_infil
             .await
             .json();
         if status["hosts"][0]["engine"] == "llama-server" {
-            break;
+            Ok(())
+        } else {
+            Err(status)
         }
-        assert!(Instant::now() < deadline, "never detected: {status}");
-        // Another process's poll has no event to wait on from here.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    })
+    .await;
+    if let Err(status) = detected {
+        panic!("never detected: {status}");
     }
 
     let infill = json!({"model": "oqp-tiny", "prompt": "def add(a, b):\n    return ",

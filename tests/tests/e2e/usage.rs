@@ -5,10 +5,10 @@
 //! and OpenAI calls.
 
 use std::os::unix::fs::PermissionsExt;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use oqp_proto::admin::v1::{self as api, admin_service_client::AdminServiceClient};
-use oqp_tests::client::{HttpClient, Reply};
+use oqp_tests::client::{HttpClient, Reply, wait_until};
 use oqp_tests::fake::{FakeOllama, USAGE_HEADER};
 use oqp_tests::harness::{self, Stack};
 use serde_json::{Value, json};
@@ -282,16 +282,20 @@ pub async fn usage_of(
 
 /// Waits (bounded) until the control plane's total counts `requests` requests.
 pub async fn wait_for_requests(control_url: &str, requests: u64) -> api::GetUsageResponse {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    let usage = wait_until(Duration::from_secs(10), || async {
         let usage = usage_of(control_url, 0, true, true).await;
         let total = usage.total.clone().unwrap_or_default();
-        if total.requests >= requests || Instant::now() >= deadline {
-            assert_eq!(total.requests, requests, "{usage:?}");
-            return usage;
+        if total.requests >= requests {
+            Ok(usage)
+        } else {
+            Err(usage)
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
+    .unwrap_or_else(|usage| usage);
+    let total = usage.total.clone().unwrap_or_default();
+    assert_eq!(total.requests, requests, "{usage:?}");
+    usage
 }
 
 fn row<'a>(usage: &'a api::GetUsageResponse, client: &str, model: &str) -> &'a api::UsageTotals {
