@@ -39,10 +39,11 @@ static EMPTY_VIEW: BodyView = BodyView::EMPTY;
 /// forwarded here: such a request was prepared there (keep_alive, translation, cache), and is
 /// queued here, on this node's hosts only.
 ///
-/// The phases: the path classified ([`Classified::of`]), the body read or streamed
-/// ([`read`]), the caller settled and the request made the one sent
-/// upstream ([`settle`]); then the route's own phase ([`queue`]). The phases that look inside the
-/// request are plain functions over references: only what waits holds this future's state.
+/// The phases: the path classified and the tier settled ([`begin`]), the body read or
+/// streamed ([`read`]), the caller settled and the request made the one sent upstream
+/// ([`settle`]); then the route's own phase (metadata, or [`queue`]). The phases that look
+/// inside the request are plain functions over references: only what waits holds this
+/// future's state.
 pub(super) async fn forward(
     app: &Arc<App>,
     policy: &Arc<Policy>,
