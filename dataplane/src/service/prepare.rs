@@ -528,10 +528,12 @@ fn inference_next(
 ) -> Result<Next, ProxyError> {
     // Read with the body: an inference route always reads it.
     let (policy, view) = (read.policy, read.view.unwrap_or(&EMPTY_VIEW));
-    let RequestBody::Buffered(body) =
-        std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()))
-    else {
-        return Ok(Next::Queue(request, outbound));
+    let body = match std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new())) {
+        RequestBody::Buffered(body) => body,
+        streamed => {
+            outbound.body = streamed;
+            return Ok(Next::Queue(request, outbound));
+        }
     };
     let model = inference_model(read.identity, inference, &outbound, &body, view)?;
     // A generation whose answer comes whole has its head only when it is done.
