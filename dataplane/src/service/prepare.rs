@@ -566,21 +566,30 @@ fn inference_next(
         return Ok(Next::Embed(request, outbound, body));
     }
     let inputs = view.input_count(&body);
-    let body = if inference.takes_keep_alive() {
-        // Who may keep its own keep_alive: `KeepAlive::for_caller`.
-        let swaps = policy.queue.model_swap.enabled;
-        let keep_alive = (policy.keep_alive).for_caller(swaps, request.caller.sets_keep_alive);
-        rewrite::insert_keep_alive(&body, view, &keep_alive).unwrap_or(body)
-    } else {
-        body
-    };
-    outbound.body = RequestBody::Buffered(body);
+    outbound.body = RequestBody::Buffered(keep_alive(policy, inference, &request, body, view));
     request.model = model;
     if inference.is_embedding() {
         return Ok(Next::EmbedUncached(request, outbound, inputs));
     }
     request.chain = chain;
     Ok(Next::Queue(request, outbound))
+}
+
+/// The body with the keep_alive its caller gets, on a route that takes one (who may keep its
+/// own: `KeepAlive::for_caller`).
+fn keep_alive(
+    policy: &Policy,
+    inference: Inference,
+    request: &queued::Request,
+    body: Bytes,
+    view: &BodyView,
+) -> Bytes {
+    if !inference.takes_keep_alive() {
+        return body;
+    }
+    let swaps = policy.queue.model_swap.enabled;
+    let keep_alive = (policy.keep_alive).for_caller(swaps, request.caller.sets_keep_alive);
+    rewrite::insert_keep_alive(&body, view, &keep_alive).unwrap_or(body)
 }
 
 /// The model an inference request names (in its JSON body, or a transcription's form),
