@@ -9,6 +9,10 @@ use crate::headers;
 use crate::policy::Scope;
 use crate::scheduler::Tier;
 
+pub mod retry;
+
+pub use retry::{Attempt, Elsewhere};
+
 /// A refusal or failure produced by the proxy itself (never an upstream
 /// answer, which is passed through as it is).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -328,14 +332,23 @@ impl ProxyError {
     /// queue, its byte ceiling, the client's cap on it, its hosts, its shutdown), not of
     /// the request.
     pub fn worth_another_box(&self) -> bool {
-        matches!(
-            self,
+        self.attempt().may_go(Elsewhere::Box)
+    }
+
+    /// What a box that answered with this error did with the request ([`Attempt`]): the
+    /// refusals of the box, before any work (its hosts all failed before it ran: none of
+    /// them took it), or a failure after a host may have run it, or the request's own.
+    pub fn attempt(&self) -> Attempt {
+        match self {
             Self::QueueFull { .. }
-                | Self::OverCapacity { .. }
-                | Self::AllHostsFailed(_)
-                | Self::ShuttingDown
-                | Self::ClientUnknownHere
-        )
+            | Self::OverCapacity { .. }
+            | Self::AllHostsFailed(_)
+            | Self::ShuttingDown
+            | Self::ClientUnknownHere => Attempt::Refused,
+            // A host broke the connection or went silent after it was written.
+            Self::HostsFailedAfterWrite(_) => Attempt::Broken,
+            _ => Attempt::Final,
+        }
     }
 
     /// The response for this error, carrying `request_id` in the body and in
@@ -476,6 +489,45 @@ impl ProxyError {
 mod tests {
     use super::*;
     use http_body_util::BodyExt;
+
+    #[test]
+    fn only_a_boxs_own_refusal_sends_a_request_to_another_box() {
+        let full = StatusCode::SERVICE_UNAVAILABLE;
+        let table = [
+            (
+                ProxyError::QueueFull {
+                    status: full,
+                    retry_after: 1,
+                },
+                Attempt::Refused,
+            ),
+            (
+                ProxyError::OverCapacity {
+                    status: full,
+                    retry_after: 1,
+                },
+                Attempt::Refused,
+            ),
+            (ProxyError::hosts_failed(), Attempt::Refused),
+            (ProxyError::ShuttingDown, Attempt::Refused),
+            (ProxyError::ClientUnknownHere, Attempt::Refused),
+            (
+                ProxyError::HostsFailedAfterWrite(Failures::none()),
+                Attempt::Broken,
+            ),
+            (ProxyError::BodyNotJson, Attempt::Final),
+            (ProxyError::ModelUnreadable, Attempt::Final),
+            (ProxyError::Expired, Attempt::Final),
+        ];
+        for (error, attempt) in table {
+            assert_eq!(error.attempt(), attempt, "{error}");
+            assert_eq!(
+                error.worth_another_box(),
+                attempt == Attempt::Refused,
+                "{error}"
+            );
+        }
+    }
 
     async fn body_of(error: ProxyError) -> (StatusCode, http::HeaderMap, serde_json::Value) {
         shaped(error, Shape::Native).await

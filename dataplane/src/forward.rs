@@ -26,6 +26,9 @@
 //!   the client gets one `402` of oqp's own naming the model
 //!   ([`ProxyError::CloudExtraUsageEmpty`]), in its route's shape.
 //!
+//! Whether a failed attempt may go to another host or key is
+//! [`crate::error::retry`]'s, as for every retry loop.
+//!
 //! The slot time of every attempt that reached a host and was not the answer
 //! passed on is handed back to the caller to charge (`spent`).
 
@@ -39,7 +42,7 @@ use http_body_util::BodyExt;
 use crate::body::{self, Body};
 use crate::cloud::{self, CloudPools, Failure};
 use crate::dispatch::{Dispatcher, Lease};
-use crate::error::{Failures, ProxyError};
+use crate::error::{Attempt, Elsewhere, Failures, ProxyError};
 use crate::headers;
 use crate::metrics::Metrics;
 use crate::policy::{Host, HostKind, Policy};
@@ -122,7 +125,7 @@ pub async fn send(
             break;
         };
         let (this_attempt, replay) = split_for_retry(attempt);
-        let mut can_retry = replay.is_some();
+        let replayable = replay.is_some();
         outbound = replay;
         tried.push(host.name.clone());
         let started = Instant::now();
@@ -135,49 +138,42 @@ pub async fn send(
                 send_local(parts, &host, this_attempt, head_timeout).await
             }
         };
-        // Every attempt that reached the host held its slot there.
-        let reached = !matches!(
-            result,
-            Err(UpstreamError::Connect(_) | UpstreamError::Stale(_))
-        );
-        let down = match result {
+        let (attempt, down) = match result {
             Ok(Sent::Done(forwarded)) => return Ok(forwarded),
             Ok(Sent::Refused(error)) => return Err(error),
             Ok(Sent::Busy(answer)) => {
                 last_refusal = Some(answer);
-                false
+                (Attempt::Refused, false)
             }
             Ok(Sent::ModelMissing(answer)) => {
                 if let Some(model) = model {
                     parts.dispatcher.forget_model(&host.name, model);
                 }
                 last_refusal = Some(answer);
-                false
+                (Attempt::Refused, false)
             }
             Err(error) => {
-                written |= !matches!(error, UpstreamError::Connect(_) | UpstreamError::Stale(_));
                 parts.metrics.host_failure(&host.name);
                 tracing::warn!(host = %host.name, %error, "upstream attempt failed");
                 failures.push(host.name.clone(), error.cause());
-                match error {
-                    UpstreamError::Connect(_) => true,
-                    // The host took the whole request and has not answered in time: it may
-                    // be running it still, so it is neither sent elsewhere (it would run
-                    // twice) nor taken for down (it is busy, not gone).
-                    UpstreamError::Timeout => {
-                        can_retry = false;
-                        false
-                    }
-                    UpstreamError::Transport(_) => true,
-                    // Pooled connections the host had closed, past the resends: nothing ran
-                    // and the host is not down.
-                    UpstreamError::Stale(_) => false,
-                }
+                // Unreachable, or the connection broken: down until its next poll. One that
+                // has not answered in time is busy, not gone; a pooled connection it had
+                // closed says nothing of it.
+                let down = matches!(
+                    error,
+                    UpstreamError::Connect(_) | UpstreamError::Transport(_)
+                );
+                (error.attempt(), down)
             }
         };
-        if reached {
+        written |= attempt.may_have_run();
+        // Every attempt that reached the host held its slot there.
+        if attempt != Attempt::NotSent {
             *spent += started.elapsed();
         }
+        // One that took the whole request and has not answered in time may be running it
+        // still: never sent elsewhere (it would run twice). A streamed body goes once.
+        let can_retry = replayable && attempt.may_go(Elsewhere::Host);
         if !can_retry
             || !parts
                 .dispatcher
@@ -453,14 +449,20 @@ async fn send_cloud(
             .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
             let response = match parts.upstream.send(request, head_timeout).await {
                 Ok(response) => response,
-                Err(UpstreamError::Timeout) => {
-                    // It may be running under this key: never sent again under another.
-                    attempts.fail(&attempt, Failure::Timeout, Instant::now());
-                    return Err(UpstreamError::Timeout);
-                }
                 Err(error) => {
-                    attempts.fail(&attempt, Failure::Connect, Instant::now());
-                    return Err(error);
+                    let tried = error.attempt();
+                    let failure = match tried {
+                        Attempt::Unanswered => Failure::Timeout,
+                        _ => Failure::Connect,
+                    };
+                    attempts.fail(&attempt, failure, Instant::now());
+                    // No other key after a failure of the host (`Attempt::may_go`): one that
+                    // may be running under this key is never sent again under another, and
+                    // a host not reached is for the host's failover.
+                    if !tried.may_go(Elsewhere::Key) {
+                        return Err(error);
+                    }
+                    continue;
                 }
             };
             let mut answer = Answer::new(host.clone(), response);

@@ -15,7 +15,7 @@ use hyper::body::Incoming;
 
 use crate::body::{self, Body, BoxError};
 use crate::budget::{OverBudget, Reservation};
-use crate::error::{Failures, ProxyError};
+use crate::error::{Elsewhere, Failures, ProxyError};
 use crate::headers;
 use crate::policy::Host;
 use crate::upstream::{Completion, Framing, ResponseBody, Upstream, UpstreamError};
@@ -348,6 +348,10 @@ pub async fn send(
                 on_failure(host, &error);
                 failed.push(host.name.clone());
                 failures.push(host.name.clone(), error.cause());
+                // A read goes on to the next host whatever this attempt did.
+                if !error.attempt().may_go(Elsewhere::Read) {
+                    break;
+                }
             }
         }
     }

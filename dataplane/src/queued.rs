@@ -22,7 +22,7 @@ use crate::auth::Caller;
 use crate::body::Body;
 use crate::cloud::CloudPools;
 use crate::dispatch::{self, Dispatcher, Grant};
-use crate::error::ProxyError;
+use crate::error::{Elsewhere, ProxyError};
 use crate::forward;
 use crate::headers;
 use crate::hop::Assertion;
@@ -258,7 +258,7 @@ async fn placed(
         outbound = replay;
         match target {
             Target::Local => match local(sending, this, granted).await {
-                Err(error) if error.worth_another_box() => last = Some(Err(error)),
+                Err(error) if error.attempt().may_go(Elsewhere::Box) => last = Some(Err(error)),
                 answer => return answer,
             },
             Target::Peer(node) => {

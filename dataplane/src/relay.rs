@@ -8,7 +8,9 @@
 //! back decides what the edge does:
 //!
 //! - a connection refused (nothing was delivered): the peer is marked down
-//!   and the next box is tried;
+//!   and the next box is tried; so is the next box, without the mark, after a
+//!   pooled connection the peer had closed before reading the request
+//!   ([`crate::error::retry`] decides for both);
 //! - an answer marked `x-oqp-hop-refused` (its queue is full, its hosts
 //!   failed, it is shutting down): the next box is tried, and this answer is
 //!   passed on if none is left;
@@ -23,7 +25,7 @@ use http::{HeaderValue, Response, header};
 use http_body_util::BodyExt;
 
 use crate::body::{self, Body};
-use crate::error::ProxyError;
+use crate::error::{Elsewhere, ProxyError};
 use crate::headers;
 use crate::hop::{self, Assertion};
 use crate::metrics::Metrics;
@@ -140,20 +142,7 @@ pub async fn send(
     let sent = Instant::now();
     let response = match parts.peers.client().send(request, head_timeout).await {
         Ok(response) => response,
-        Err(UpstreamError::Connect(error)) => {
-            tracing::warn!(%node, %error, "peer data plane unreachable; trying the next box");
-            parts.peers.mark_down(policy, node);
-            return Ok(Relayed::Unreachable);
-        }
-        Err(error) => {
-            // Written, so never sent elsewhere; but a peer that broke the connection or
-            // went silent is not chosen again until it answers a probe.
-            tracing::warn!(%node, %error, "peer data plane failed before answering");
-            parts.peers.forwarded(node);
-            parts.metrics.forwarded(node);
-            parts.peers.mark_down(policy, node);
-            return Err(ProxyError::PeerFailed(node.to_string()));
-        }
+        Err(error) => return failed(parts, policy, node, &error),
     };
     parts.peers.forwarded(node);
     parts.metrics.forwarded(node);
@@ -190,6 +179,42 @@ pub async fn send(
     })
 }
 
+/// A hop that failed before the owner's answer head: the next box when nothing reached the
+/// owner ([`unreached`]); else a failure of the request (written, so never sent elsewhere),
+/// and a peer that broke the connection or went silent is not chosen again until it
+/// answers a probe.
+fn failed(
+    parts: Parts<'_>,
+    policy: &Arc<Policy>,
+    node: &Arc<str>,
+    error: &UpstreamError,
+) -> Result<Relayed, ProxyError> {
+    if let Some(down) = unreached(error) {
+        tracing::warn!(%node, %error, "peer data plane unreachable; trying the next box");
+        if down {
+            parts.peers.mark_down(policy, node);
+        }
+        return Ok(Relayed::Unreachable);
+    }
+    tracing::warn!(%node, %error, "peer data plane failed before answering");
+    parts.peers.forwarded(node);
+    parts.metrics.forwarded(node);
+    parts.peers.mark_down(policy, node);
+    Err(ProxyError::PeerFailed(node.to_string()))
+}
+
+/// For a hop that failed before the owner's answer head: `Some` when nothing reached the owner
+/// and the next box may take it ([`Attempt::may_go`](crate::error::Attempt::may_go)), with
+/// whether the peer is marked down (it could not be reached; a pooled connection it had
+/// closed as idle says nothing of it: the owner never read the request). `None` when the
+/// owner may have run it.
+fn unreached(error: &UpstreamError) -> Option<bool> {
+    error
+        .attempt()
+        .may_go(Elsewhere::Box)
+        .then_some(matches!(error, UpstreamError::Connect(_)))
+}
+
 /// Marks an owner's answer to a hop: how long it took here (the edge
 /// subtracts it to see what the hop added) and, for a refusal another box
 /// may not give, [`hop::REFUSED`].
@@ -202,5 +227,24 @@ pub fn mark_answer(response: &mut Response<Body>, took: Duration, refused: bool)
         response
             .headers_mut()
             .insert(hop::REFUSED, HeaderValue::from_static("1"));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_hop_that_reached_no_owner_goes_to_the_next_box() {
+        let table = [
+            (UpstreamError::Connect("refused".into()), Some(true)),
+            // The owner had closed the pooled connection: nothing ran, and it is not down.
+            (UpstreamError::Stale("closed".into()), Some(false)),
+            (UpstreamError::Transport("reset".into()), None),
+            (UpstreamError::Timeout, None),
+        ];
+        for (error, next_box) in table {
+            assert_eq!(unreached(&error), next_box, "{error}");
+        }
     }
 }

@@ -25,7 +25,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::Sleep;
 
 use crate::body::{Body, BoxError};
-use crate::error::Cause;
+use crate::error::{Attempt, Cause};
 use crate::policy::HostKind;
 
 mod reuse;
@@ -66,6 +66,18 @@ impl UpstreamError {
                     Cause::ConnectionFailed
                 }
             }
+        }
+    }
+
+    /// What the failed attempt may have run upstream ([`Attempt`]): nothing when it could not
+    /// connect, or when its reused connection was found closed before one byte (the server
+    /// never read it); maybe when the connection broke after it was written, or when no head
+    /// came in time (then it may be running still).
+    pub fn attempt(&self) -> Attempt {
+        match self {
+            Self::Connect(_) | Self::Stale(_) => Attempt::NotSent,
+            Self::Transport(_) => Attempt::Broken,
+            Self::Timeout => Attempt::Unanswered,
         }
     }
 }
@@ -796,6 +808,22 @@ pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failure_says_what_the_attempt_may_have_run() {
+        // Nothing ran: the connection failed, or a reused one was closed before one byte
+        // (the server never read the request). Maybe: broken after it was written, or no
+        // head in time (running still, perhaps).
+        let table = [
+            (UpstreamError::Connect("refused".into()), Attempt::NotSent),
+            (UpstreamError::Stale("closed".into()), Attempt::NotSent),
+            (UpstreamError::Transport("reset".into()), Attempt::Broken),
+            (UpstreamError::Timeout, Attempt::Unanswered),
+        ];
+        for (error, attempt) in table {
+            assert_eq!(error.attempt(), attempt, "{error}");
+        }
+    }
 
     #[test]
     fn the_prefill_rate_is_read_from_llama_servers_timings() {

@@ -68,47 +68,7 @@ pub(super) fn hopped_identity(
         }
     };
     tracing::debug!(edge = %assertion.node, "forwarded by a peer data plane");
-    let identity = if assertion.verified {
-        // The owner's own snapshot decides the client's ceiling, weight and caps; a client
-        // it does not know (not in its snapshot yet, or already gone) is a refusal of this
-        // box: another may know it.
-        match policy.app_of(&assertion.client) {
-            // A user of an app key: the edge read it from the request, as it was configured.
-            // Its ceiling and models were applied at the edge, which read its token (the tier
-            // comes in the assertion); the group the edge selected from the token's claims is
-            // looked up here, so that its ceiling, models and budget hold on this box too. A
-            // group this snapshot does not have is refused as a client it does not know.
-            Some((app, _)) if !app.is_expired(now) => {
-                let policy = match &assertion.group {
-                    None => None,
-                    Some(group) => Some(
-                        app.users
-                            .as_ref()
-                            .and_then(|users| users.claims_to_policy.as_ref())
-                            .and_then(|claims| claims.group(group))
-                            .ok_or(ProxyError::ClientUnknownHere)?,
-                    ),
-                };
-                Identity::User {
-                    app: app.clone(),
-                    id: assertion.client.clone(),
-                    policy,
-                }
-            }
-            Some(_) => return Err(ProxyError::ClientUnknownHere),
-            None => {
-                let client = policy
-                    .clients_by_id
-                    .get(&assertion.client)
-                    .filter(|client| !client.is_expired(now))
-                    .cloned()
-                    .ok_or(ProxyError::ClientUnknownHere)?;
-                Identity::Client(client)
-            }
-        }
-    } else {
-        Identity::Anonymous(Some(assertion.client.clone()))
-    };
+    let identity = asserted_identity(policy, &assertion, now)?;
     let hop = Hop {
         tier: identity.tier(Some(assertion.tier)),
         body: assertion.body,
@@ -116,6 +76,53 @@ pub(super) fn hopped_identity(
         key,
     };
     Ok((identity, hop))
+}
+
+/// The identity a verified hop asserts, as this node's own snapshot knows it: the owner's
+/// snapshot decides the client's ceiling, weight and caps, and a client it does not know
+/// (not in its snapshot yet, or already gone) is a refusal of this box: another may know it.
+fn asserted_identity(
+    policy: &Policy,
+    assertion: &hop::Assertion,
+    now: std::time::SystemTime,
+) -> Result<Identity, ProxyError> {
+    if !assertion.verified {
+        return Ok(Identity::Anonymous(Some(assertion.client.clone())));
+    }
+    match policy.app_of(&assertion.client) {
+        // A user of an app key: the edge read it from the request, as it was configured.
+        // Its ceiling and models were applied at the edge, which read its token (the tier
+        // comes in the assertion); the group the edge selected from the token's claims is
+        // looked up here, so that its ceiling, models and budget hold on this box too. A
+        // group this snapshot does not have is refused as a client it does not know.
+        Some((app, _)) if !app.is_expired(now) => {
+            let policy = match &assertion.group {
+                None => None,
+                Some(group) => Some(
+                    app.users
+                        .as_ref()
+                        .and_then(|users| users.claims_to_policy.as_ref())
+                        .and_then(|claims| claims.group(group))
+                        .ok_or(ProxyError::ClientUnknownHere)?,
+                ),
+            };
+            Ok(Identity::User {
+                app: app.clone(),
+                id: assertion.client.clone(),
+                policy,
+            })
+        }
+        Some(_) => Err(ProxyError::ClientUnknownHere),
+        None => {
+            let client = policy
+                .clients_by_id
+                .get(&assertion.client)
+                .filter(|client| !client.is_expired(now))
+                .cloned()
+                .ok_or(ProxyError::ClientUnknownHere)?;
+            Ok(Identity::Client(client))
+        }
+    }
 }
 
 /// What a verified hop settled for the request it carries.

@@ -105,7 +105,6 @@ pub(super) async fn union_response(
     outbound: Outbound,
     path: &str,
 ) -> Result<Response<Body>, ProxyError> {
-    use http_body_util::BodyExt;
     // The engines' entries come from what oqp knows of them ([`translate`]); `/v1/models`
     // they answer themselves.
     let ollama_listing = matches!(path, "/api/tags" | "/api/ps");
@@ -117,50 +116,7 @@ pub(super) async fn union_response(
     let asks = hosts
         .iter()
         .filter(|host| !(ollama_listing && host.kind == HostKind::Openai))
-        .map(|host| {
-            let request = proxy::request_for(
-                host,
-                &outbound.method,
-                &outbound.path_and_query,
-                &outbound.headers,
-                body::empty(),
-            );
-            async move {
-                // A host that does not answer with a list is left out and named in the 503
-                // if no host does.
-                let failed = |cause: Cause| Err((host.name.clone(), cause));
-                let Ok(request) = request else {
-                    return failed(Cause::ConnectionFailed);
-                };
-                let response = match app
-                    .upstream
-                    .send(request, policy.proxy.request_timeout)
-                    .await
-                {
-                    Ok(response) => response,
-                    Err(error) => return failed(error.cause()),
-                };
-                if !response.status().is_success() {
-                    return failed(Cause::Http(response.status()));
-                }
-                // Bounded like any upstream body: a host that sends its head
-                // and then nothing must not hold the union.
-                let bytes = match tokio::time::timeout(
-                    policy.proxy.upstream_stall_timeout,
-                    response.into_body().collect(),
-                )
-                .await
-                {
-                    Ok(Ok(collected)) => collected.to_bytes(),
-                    Ok(Err(_)) => return failed(Cause::ConnectionClosed),
-                    Err(_) => return failed(Cause::Timeout),
-                };
-                match serde_json::from_slice::<serde_json::Value>(&bytes) {
-                    Ok(value) => Ok((host.name.clone(), value)),
-                    Err(_) => failed(Cause::InvalidAnswer),
-                }
-            }
-        });
+        .map(|host| listing_of(app, policy, host, &outbound));
     let mut answers: Vec<(Arc<str>, serde_json::Value)> = Vec::new();
     let mut failures = Failures::none();
     for outcome in futures_util::future::join_all(asks).await {
@@ -193,6 +149,55 @@ pub(super) async fn union_response(
         map.insert(headers::FAILOVER_HOST, value);
     }
     Ok(response)
+}
+
+/// One host's listing for a union: its answer's JSON, or the host and why it gave none (it
+/// is left out, and named in the 503 if no host answers).
+async fn listing_of(
+    app: &App,
+    policy: &Policy,
+    host: &Arc<Host>,
+    outbound: &Outbound,
+) -> Result<(Arc<str>, serde_json::Value), (Arc<str>, Cause)> {
+    use http_body_util::BodyExt;
+    let failed = |cause: Cause| Err((host.name.clone(), cause));
+    let request = proxy::request_for(
+        host,
+        &outbound.method,
+        &outbound.path_and_query,
+        &outbound.headers,
+        body::empty(),
+    );
+    let Ok(request) = request else {
+        return failed(Cause::ConnectionFailed);
+    };
+    let response = match app
+        .upstream
+        .send(request, policy.proxy.request_timeout)
+        .await
+    {
+        Ok(response) => response,
+        Err(error) => return failed(error.cause()),
+    };
+    if !response.status().is_success() {
+        return failed(Cause::Http(response.status()));
+    }
+    // Bounded like any upstream body: a host that sends its head
+    // and then nothing must not hold the union.
+    let bytes = match tokio::time::timeout(
+        policy.proxy.upstream_stall_timeout,
+        response.into_body().collect(),
+    )
+    .await
+    {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(_)) => return failed(Cause::ConnectionClosed),
+        Err(_) => return failed(Cause::Timeout),
+    };
+    match serde_json::from_slice::<serde_json::Value>(&bytes) {
+        Ok(value) => Ok((host.name.clone(), value)),
+        Err(_) => failed(Cause::InvalidAnswer),
+    }
 }
 
 /// A listing (`/api/tags`, `/api/ps`, `/v1/models`) with only the models `identity` may use.
