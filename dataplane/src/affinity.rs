@@ -24,7 +24,7 @@ pub mod tap;
 mod tests;
 
 pub use chain::{Chain, Point, Shape};
-pub use index::{EngineChoice, Index, RunnerWarmth, Slot, Warm};
+pub use index::{EngineChoice, Hold, Index, RunnerWarmth, Slot, Warm};
 
 /// How a request's host was chosen, as `X-OQP-Affinity` and `oqp_affinity_total{result}`
 /// name it.

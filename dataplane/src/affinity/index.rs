@@ -43,6 +43,32 @@ struct Entry {
     answered_at: Option<Instant>,
 }
 
+/// How long a slot is held for a conversation expected back on its runner (see
+/// [`Index::returning`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hold {
+    /// The shortest hold.
+    pub floor: Duration,
+    /// The longest hold.
+    pub ceiling: Duration,
+    /// Prefill seconds per token where the runner has learned none.
+    pub fallback_rate: f64,
+}
+
+impl Hold {
+    /// The hold for a conversation of `tokens` tokens on a runner that prefills at `rate`
+    /// seconds a token: what re-reading it would take, within the floor and the ceiling.
+    pub fn window(&self, tokens: u32, rate: f64) -> Duration {
+        let reread = f64::from(tokens) * rate;
+        let reread = if reread.is_finite() && reread > 0.0 {
+            Duration::from_secs_f64(reread.min(self.ceiling.as_secs_f64()))
+        } else {
+            Duration::ZERO
+        };
+        reread.clamp(self.floor, self.ceiling.max(self.floor))
+    }
+}
+
 /// One slot of a runner whose slots oqp names (a llama-server's `id_slot`).
 #[derive(Clone, Copy, Debug, Default)]
 struct EngineSlot {
@@ -611,21 +637,30 @@ impl Index {
     }
 
     /// Conversations of `model`'s runner at `host` answered (or seen [waiting](Index::waiting)
-    /// for it) within `grace` before `now` whose next turn has not been placed yet: a slot
-    /// freed there is likely wanted again at once by one of them, whose history is cached
-    /// there.
-    pub fn returning(&self, host: &str, model: &str, now: Instant, grace: Duration) -> u32 {
+    /// for it) recently whose next turn has not been placed yet: a slot freed there is likely
+    /// wanted again soon by one of them, whose history is cached there.
+    ///
+    /// How recently is each one's own [`Hold`]: at least its floor, and as long as re-reading
+    /// the conversation's history elsewhere would take it (its tokens at the runner's learned
+    /// prefill rate, else `hold.fallback_rate`), up to its ceiling. Holding a slot for a
+    /// conversation that may not come back costs at most what losing the slot would cost it
+    /// (the ski-rental bound); a fixed second let a conversation that thought for two seconds
+    /// find its slot spilled onto and re-read its whole history in turn.
+    pub fn returning(&self, host: &str, model: &str, now: Instant, hold: Hold) -> u32 {
         let Some(runner) = self.runner_id(host, model) else {
             return 0;
         };
-        let count = self.runners[runner as usize]
+        let state = &self.runners[runner as usize];
+        let rate = state.prefill.unwrap_or(hold.fallback_rate);
+        let count = state
             .entries
             .iter()
             .filter_map(|&id| self.entries.get(id as usize))
             .filter(|entry| {
-                entry
-                    .answered_at
-                    .is_some_and(|at| now.saturating_duration_since(at) < grace)
+                entry.answered_at.is_some_and(|at| {
+                    let tokens = entry.answer.unwrap_or(entry.prompt).tokens;
+                    now.saturating_duration_since(at) < hold.window(tokens, rate)
+                })
             })
             .count();
         u32::try_from(count).unwrap_or(u32::MAX)

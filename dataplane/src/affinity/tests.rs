@@ -2,7 +2,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::chain::{Chain, Shape};
-use super::index::{ENTRY_BYTES, Index};
+use super::index::{ENTRY_BYTES, Hold, Index};
 
 fn turn(scope: &str, history: &[&str]) -> Chain {
     let messages: Vec<serde_json::Value> = history
@@ -264,6 +264,73 @@ fn a_set_aside_conversation_is_not_named_into_an_empty_slot() {
     assert!(fresh.named);
 }
 
+/// A hold of at least `floor`, at most 30 s, at 250 ms per 1,000 tokens where nothing is learned.
+fn hold(floor: Duration) -> Hold {
+    Hold {
+        floor,
+        ceiling: Duration::from_secs(30),
+        fallback_rate: 0.000_25,
+    }
+}
+
+#[test]
+fn a_long_conversation_is_expected_back_for_as_long_as_re_reading_it_would_take() {
+    let mut index = Index::new(100);
+    let a: Arc<str> = Arc::from("a");
+    let t0 = Instant::now();
+    let floor = Duration::from_secs(1);
+    let long = (0..4000)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let first = turn("t", &[&long]);
+    let tokens = first.tokens;
+    assert!(tokens >= 2000, "{tokens}");
+    let slot = index.place(&a, "m:latest", 4, &first).unwrap();
+    // The runner learns a prefill rate of 4 ms a token from an answer.
+    index.started(&a, "m:latest", t0);
+    index.ended(
+        "a",
+        "m:latest",
+        t0,
+        Duration::from_secs(1),
+        Some(0.004),
+        None,
+    );
+    let answer = first.answered("ok").unwrap();
+    let held = answer.tokens;
+    index.answered(slot, answer, t0);
+    let reread = Duration::from_secs_f64(f64::from(held) * 0.004);
+    assert!(reread > 2 * floor, "{reread:?}");
+    // Past the floor, still within what re-reading it would take: held.
+    assert_eq!(
+        index.returning("a", "m:latest", t0 + 2 * floor, hold(floor)),
+        1
+    );
+    assert_eq!(
+        index.returning(
+            "a",
+            "m:latest",
+            t0 + reread - Duration::from_millis(10),
+            hold(floor)
+        ),
+        1
+    );
+    assert_eq!(
+        index.returning("a", "m:latest", t0 + reread, hold(floor)),
+        0
+    );
+    // Never past the ceiling.
+    let short = Hold {
+        ceiling: Duration::from_secs(2),
+        ..hold(floor)
+    };
+    assert_eq!(index.returning("a", "m:latest", t0 + 2 * floor, short), 0);
+    // A short conversation keeps the floor.
+    assert_eq!(hold(floor).window(10, 0.004), floor);
+    assert_eq!(hold(floor).window(10, f64::NAN), floor);
+}
+
 #[test]
 fn a_conversation_just_answered_is_expected_back_until_its_next_turn_or_the_grace_ends() {
     let mut index = Index::new(100);
@@ -272,13 +339,13 @@ fn a_conversation_just_answered_is_expected_back_until_its_next_turn_or_the_grac
     let grace = Duration::from_secs(1);
     let first = turn("t", &["hi"]);
     let slot = index.place(&a, "m:latest", 4, &first).unwrap();
-    assert_eq!(index.returning("a", "m:latest", t0, grace), 0);
+    assert_eq!(index.returning("a", "m:latest", t0, hold(grace)), 0);
     index.answered(slot, first.answered("hello").unwrap(), t0);
-    assert_eq!(index.returning("a", "m:latest", t0, grace), 1);
-    assert_eq!(index.returning("a", "m:latest", t0 + grace, grace), 0);
+    assert_eq!(index.returning("a", "m:latest", t0, hold(grace)), 1);
+    assert_eq!(index.returning("a", "m:latest", t0 + grace, hold(grace)), 0);
     index.place(&a, "m:latest", 4, &turn("t", &["hi", "hello", "more"]));
     assert_eq!(
-        index.returning("a", "m:latest", t0, grace),
+        index.returning("a", "m:latest", t0, hold(grace)),
         0,
         "it came back"
     );
@@ -294,10 +361,10 @@ fn a_conversation_waiting_for_its_host_counts_as_returning_there() {
     let slot = index.place(&a, "m:latest", 4, &first).unwrap();
     index.answered(slot, first.answered("hello").unwrap(), t0);
     let later = t0 + 2 * grace;
-    assert_eq!(index.returning("a", "m:latest", later, grace), 0);
+    assert_eq!(index.returning("a", "m:latest", later, hold(grace)), 0);
     let next = turn("t", &["hi", "hello", "more"]);
     index.waiting("a", "m:latest", &next, later);
-    assert_eq!(index.returning("a", "m:latest", later, grace), 1);
+    assert_eq!(index.returning("a", "m:latest", later, hold(grace)), 1);
     // Another tenant's identical turn is not it.
     index.waiting(
         "a",
@@ -305,7 +372,10 @@ fn a_conversation_waiting_for_its_host_counts_as_returning_there() {
         &turn("u", &["hi", "hello", "more"]),
         later + grace,
     );
-    assert_eq!(index.returning("a", "m:latest", later + grace, grace), 0);
+    assert_eq!(
+        index.returning("a", "m:latest", later + grace, hold(grace)),
+        0
+    );
 }
 
 #[test]

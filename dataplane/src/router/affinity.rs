@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{ModelKey, Placement, Rank, RouteReason, Router, Strategy};
-use crate::affinity::{Chain, Index, Outcome, RunnerWarmth, Slot, Verdict};
+use crate::affinity::{Chain, Hold, Index, Outcome, RunnerWarmth, Slot, Verdict};
 use crate::policy::Affinity;
 
 /// Expected slot time of a request on a runner nothing has been learned of, in seconds.
@@ -32,9 +32,13 @@ const DEFAULT_SERVICE: f64 = 1.0;
 pub const MIN_CACHED_TOKENS: u32 = 128;
 
 /// How long after its answer (or after it was last seen waiting for its host) a
-/// conversation's next turn is expected there, keeping a slot of that host from being spilled
-/// onto by another host's conversation.
+/// conversation's next turn is expected there at least, keeping a slot of that host from being
+/// spilled onto by another host's conversation; longer for a conversation whose re-reading
+/// would take longer (see [`Index::returning`]).
 const RETURN_GRACE: Duration = Duration::from_secs(1);
+
+/// The longest a slot is held for a conversation expected back.
+const RETURN_MAX: Duration = Duration::from_secs(30);
 
 /// The longest a ticket waiting for its conversation's host goes without being offered
 /// again.
@@ -330,7 +334,11 @@ impl Router {
                             &state.host.name,
                             &key.local,
                             now,
-                            RETURN_GRACE,
+                            Hold {
+                                floor: RETURN_GRACE,
+                                ceiling: RETURN_MAX,
+                                fallback_rate,
+                            },
                         )
             })
             .map(|(_, state)| prefill(self, &state.host.name, cached_on(&state.host.name)))
@@ -358,6 +366,16 @@ impl Router {
         ) + f64::from(ahead) * DEFAULT_SERVICE / f64::from(slots);
         let at_home = wait + prefill(self, &home_name, home_tokens);
         if over_bound || elsewhere < at_home {
+            tracing::debug!(
+                home = %home_name,
+                wait,
+                at_home,
+                elsewhere,
+                over_bound,
+                home_load,
+                share,
+                "affinity spills"
+            );
             let tried = [home_name];
             let choice = match self.choose(model, strategy, &tried, vram) {
                 Some(placement) => Choice::Run(placement),

@@ -521,6 +521,77 @@ fn a_spill_does_not_take_the_slot_a_conversation_just_answered_there_comes_back_
     drop(running);
 }
 
+/// A conversation that thinks longer than a second keeps its host's slot from a spill while
+/// re-reading its history elsewhere would take longer than its think: another host's
+/// conversation waits for its own host (here it would re-read its whole history otherwise),
+/// and spills once the hold has run out.
+#[test]
+fn a_long_conversation_keeps_its_slot_from_a_spill_while_it_thinks() {
+    use crate::scheduler::Offer;
+    let mut router = fleet(vec![
+        spec("A").slots(1).loaded(&["m"]),
+        spec("B").slots(1).loaded(&["m"]),
+    ]);
+    let words = |seed: usize, count: usize| {
+        (0..count)
+            .map(|i| format!("w{}", seed * 10_000 + i))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let t0 = Instant::now();
+    let run = |offer: Offer<Placement>| match offer {
+        Offer::Run(placement) => placement,
+        _ => panic!("expected to run"),
+    };
+    // X: a long history on A, answered and ended; A learned 2 ms a token.
+    let x = vec![words(1, 3000)];
+    let placed =
+        run(router.offer_for(Some("m"), Some(&conversation(&x)), Strategy::ModelAware, t0));
+    assert_eq!(&*placed.host.name, "A");
+    let slot = placed.affinity.unwrap().slot.unwrap();
+    router.answered(slot, conversation(&x).answered("ok").unwrap(), t0);
+    router.ended("A", "m", t0, Some(0.002), None, t0);
+    drop(placed);
+    let hold = Duration::from_secs_f64(f64::from(conversation(&x).tokens) * 0.002);
+    assert!(hold > Duration::from_secs(4), "{hold:?}");
+    // Y: a short one on B, still running.
+    let y = vec![words(2, 300)];
+    let running =
+        run(router.offer_for(Some("m"), Some(&conversation(&y)), Strategy::ModelAware, t0));
+    assert_eq!(&*running.host.name, "B");
+    let slot = running.affinity.unwrap().slot.unwrap();
+    router.answered(slot, conversation(&y).answered("ok").unwrap(), t0);
+    let next = vec![words(2, 300), "ok".to_owned(), words(3, 300)];
+    // Three seconds on (a fixed second's hold would be over): Y's wait for B costs more than
+    // re-reading it on A, but X is still expected back there.
+    let thinking = t0 + Duration::from_secs(3);
+    router.begin_pass();
+    assert!(matches!(
+        router.offer_for(
+            Some("m"),
+            Some(&conversation(&next)),
+            Strategy::ModelAware,
+            thinking
+        ),
+        Offer::Wait
+    ));
+    // Past X's hold: Y spills to A.
+    let late = t0 + hold + Duration::from_millis(10);
+    router.begin_pass();
+    let spilled = run(router.offer_for(
+        Some("m"),
+        Some(&conversation(&next)),
+        Strategy::ModelAware,
+        late,
+    ));
+    assert_eq!(&*spilled.host.name, "A");
+    assert_eq!(
+        spilled.affinity.map(|verdict| verdict.outcome),
+        Some(crate::affinity::Outcome::Spill)
+    );
+    drop(running);
+}
+
 /// Places under `round_robin` and releases at once; returns the host names, one letter each.
 fn round_robin_names(router: &mut Router, model: Option<&str>, count: usize) -> String {
     (0..count)

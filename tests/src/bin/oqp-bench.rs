@@ -120,6 +120,13 @@ async fn main() -> ExitCode {
 }
 
 async fn benchmark(args: Args, no_build: bool) -> anyhow::Result<()> {
+    // The scenarios that run oqp in this process log as `OQP_LOG` says, to stderr.
+    if let Ok(filter) = tracing_subscriber::EnvFilter::try_from_env("OQP_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
+    }
     if !no_build && args.fake_bin.is_none() && args.oqp_bin.is_none() {
         build_programs()?;
     }
