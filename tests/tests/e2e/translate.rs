@@ -987,8 +987,16 @@ async fn a_translated_stream_arrives_line_by_line_not_buffered() {
         .lines()
         .map(|line| serde_json::from_str(line).unwrap())
         .collect();
-    assert_eq!(lines.len(), 6, "{text}");
-    assert_eq!(lines[5]["done"], true, "{text}");
+    // The fake writes its role-only event on its own: the opening line of nothing, then one
+    // line a token, then the last.
+    assert_eq!(lines.len(), 7, "{text}");
+    assert_eq!(
+        lines[0]["message"],
+        json!({"role": "assistant", "content": ""}),
+        "{text}"
+    );
+    assert_eq!(lines[0]["done"], false, "{text}");
+    assert_eq!(lines[6]["done"], true, "{text}");
     stack.shutdown().await;
 }
 
