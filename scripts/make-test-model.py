@@ -6,7 +6,8 @@ Usage: make-test-model.py LLAMA_CPP_SOURCE OUT_DIR
 Writes OUT_DIR/tiny.gguf (a chat model) and OUT_DIR/tiny-embed.gguf (served with
 `--embedding --pooling mean`). Both are llama architectures with f16 weights and the
 tokenizer of the source's vocab-only file models/ggml-vocab-llama-spm.gguf (32,000 tokens),
-with three of its byte tokens named fill-in-the-middle tokens (so llama-server serves `/infill`).
+with three of its byte tokens named fill-in-the-middle tokens (so llama-server serves `/infill`),
+and without the tokenizer's added space prefix (so a JSON schema's grammar can start).
 The weights are random with a fixed seed, so the text they produce is noise; the tokenizer,
 slots, KV cache, prompt cache, timings and HTTP API are the engine's own. The chat model is
 large enough (dim 384, 6 layers) that prefill on CPU is slow enough to tell a prompt-cache hit
@@ -70,6 +71,16 @@ def add_fim_tokens(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
         writer.add_uint32(key, tokens.index(text))
 
 
+# No space prefix: with one, the SPM tokenizer writes the generation prompt `<|im_start|>assistant\n`
+# as ` <`, `|`, `im`… (token 529, " <", first). llama-server builds a `response_format`'s grammar
+# with that prompt as its literal start and feeds the prompt's tokens through it, dropping a first
+# token that begins with a space the prompt does not have: ` <` goes, `<` with it, the grammar
+# then meets `|` and throws, and every `response_format` is a 400 "Failed to initialize samplers".
+# Without the prefix the first token is `<` and the grammar runs.
+def drop_space_prefix(writer: gguf.GGUFWriter) -> None:
+    writer.add_add_space_prefix(False)
+
+
 def write_model(
     source: Path,
     path: Path,
@@ -96,6 +107,7 @@ def write_model(
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     n_vocab = copy_tokenizer(reader, writer)
     add_fim_tokens(reader, writer)
+    drop_space_prefix(writer)
     writer.add_vocab_size(n_vocab)
     writer.add_chat_template(CHAT_TEMPLATE)
 

@@ -27,7 +27,7 @@ fi
 # this same folder. The models are made again when models_version (kept in the folder's
 # models-version) changes, without building llama-server again.
 llama_version="11434.0.0"
-models_version="2" # 2: fill-in-the-middle tokens, for /infill
+models_version="3" # 2: fill-in-the-middle tokens, for /infill; 3: no space prefix, for grammars
 llama_sha256="b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
 llama_dir="${OQP_CACHE_DIR:-$HOME/.cache/oqp}/llama-server-$llama_version"
 scripts_dir="$(cd "$(dirname "$0")" && pwd)"

@@ -114,28 +114,45 @@ pub fn installed() -> bool {
 /// `/infill`): `scripts/setup.sh`'s `models_version`, kept in the folder's `models-version`.
 const FIM_MODELS_VERSION: u32 = 2;
 
+/// The models' version from which a `response_format` (a JSON schema's grammar) runs on the
+/// chat model: its tokenizer adds no space prefix (see `scripts/make-test-model.py`).
+const GRAMMAR_MODELS_VERSION: u32 = 3;
+
 /// Whether [`installed`], with models that have fill-in-the-middle tokens. When the models
 /// are older (a cache made before them), prints why (the test is then skipped), or panics
 /// when `CI=true`.
 pub fn fill_in_the_middle() -> bool {
+    models_from(FIM_MODELS_VERSION, "fill-in-the-middle tokens")
+}
+
+/// Whether [`installed`], with a chat model on which llama-server runs a JSON schema's
+/// grammar. Older models: skipped with the reason printed, or a panic when `CI=true`.
+pub fn grammars() -> bool {
+    models_from(
+        GRAMMAR_MODELS_VERSION,
+        "grammars (a tokenizer without a space prefix)",
+    )
+}
+
+/// Whether [`installed`] with models of at least `version`, which brought `what`.
+fn models_from(version: u32, what: &str) -> bool {
     if !installed() {
         return false;
     }
-    let version = std::fs::read_to_string(dir().join("models-version"))
+    let found = std::fs::read_to_string(dir().join("models-version"))
         .ok()
         .and_then(|text| text.trim().parse::<u32>().ok())
         .unwrap_or(1);
-    if version >= FIM_MODELS_VERSION {
+    if found >= version {
         return true;
     }
     assert!(
         std::env::var("CI").as_deref() != Ok("true"),
-        "the test models predate fill-in-the-middle tokens (models-version {version}); \
-         scripts/setup.sh makes them again"
+        "the test models predate {what} (models-version {found}); scripts/setup.sh makes them \
+         again"
     );
     eprintln!(
-        "SKIPPED: the test models predate fill-in-the-middle tokens (models-version {version}); \
-         run scripts/setup.sh"
+        "SKIPPED: the test models predate {what} (models-version {found}); run scripts/setup.sh"
     );
     false
 }

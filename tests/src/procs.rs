@@ -57,6 +57,9 @@ pub struct FakeSpec {
     /// The runners' prompt cache, with this prefill time per 1,000 uncached tokens
     /// (`--prompt-cache-ms-per-1k`), off when `None`.
     pub prompt_cache_ms_per_1k: Option<f64>,
+    /// An OpenAI stream's tokens end in `@<Unix nanoseconds>` of their sending
+    /// (`--stamp-tokens`).
+    pub stamp_tokens: bool,
 }
 
 /// The fake's VRAM mode: room for so many bytes of models, loads and unloads that take time.
@@ -96,6 +99,7 @@ impl Default for FakeSpec {
             vram: None,
             runners: None,
             prompt_cache_ms_per_1k: None,
+            stamp_tokens: false,
         }
     }
 }
@@ -211,6 +215,9 @@ pub async fn spawn_fake(binaries: &Binaries, spec: FakeSpec) -> anyhow::Result<P
         .arg(spec.token_interval.as_millis().to_string())
         .arg("--tokens")
         .arg(spec.tokens.to_string());
+    if spec.stamp_tokens {
+        command.arg("--stamp-tokens");
+    }
     if let Some(num_parallel) = spec.runners {
         command
             .arg("--runners")

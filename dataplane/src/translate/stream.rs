@@ -7,6 +7,14 @@
 //! `{"error": "…"}`. An engine's in-band error (`data: {"error":…}`), or a stream that ends
 //! before its answer is complete, ends the NDJSON with one `{"error": "…"}` line and no
 //! `done`, as Ollama ends a stream that fails.
+//!
+//! An engine that writes its first event on its own, before any token (the role-only chunk
+//! OpenAI's API and the fake send at once, a tool call's first fragment), gets its opening line
+//! written for it at once: `message` of the assistant with empty `content`, `done: false` (the
+//! shape of every line before the last, which Ollama's clients read as a delta of nothing), so
+//! that an Ollama client's first byte comes when the engine's does, not one token later. An
+//! engine that sends the role with its first token in one write (llama-server) gets no such
+//! line.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::pin::Pin;
@@ -75,6 +83,10 @@ pub(super) struct Translating {
     out: VecDeque<Bytes>,
     /// Nothing more is written (the last line, or an error, is out).
     finished: bool,
+    /// SSE events read.
+    events: u64,
+    /// A line has been written.
+    wrote: bool,
 }
 
 impl std::fmt::Debug for Translating {
@@ -98,6 +110,8 @@ impl Translating {
             answer: Answer::default(),
             out: VecDeque::new(),
             finished: false,
+            events: 0,
+            wrote: false,
         }
     }
 
@@ -105,6 +119,7 @@ impl Translating {
     fn read(&mut self, data: &[u8]) {
         match self.source {
             Source::Sse => {
+                let events = self.events;
                 self.held.extend_from_slice(data);
                 while let Some(end) = self.held.iter().position(|byte| *byte == b'\n') {
                     let line: Vec<u8> = self.held.drain(..=end).collect();
@@ -115,6 +130,10 @@ impl Translating {
                 }
                 if self.held.len() > MAX_HELD {
                     self.fail("the engine sent a stream line too long to translate");
+                } else if self.ndjson && !self.wrote && self.events > events {
+                    // The engine has begun, with nothing to write yet: the opening line.
+                    let line = self.chunk("", "");
+                    self.push_line(&line);
                 }
             }
             Source::Json => {
@@ -139,6 +158,7 @@ impl Translating {
             return;
         };
         let payload = payload.trim_ascii();
+        self.events += 1;
         if payload == b"[DONE]" {
             self.complete();
             return;
@@ -510,6 +530,7 @@ impl Translating {
     }
 
     fn push_line(&mut self, value: &Value) {
+        self.wrote = true;
         let mut line = value.to_string().into_bytes();
         line.push(b'\n');
         self.out.push_back(Bytes::from(line));

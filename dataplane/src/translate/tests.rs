@@ -355,19 +355,25 @@ async fn a_stream_becomes_ndjson_line_by_line_with_a_last_line_of_counts_and_dur
     .await;
     assert_eq!(headers[header::CONTENT_TYPE], "application/x-ndjson");
     let read = lines(&text);
-    assert_eq!(read.len(), 4, "{text}");
+    assert_eq!(read.len(), 5, "{text}");
+    // The role, on its own: the opening line, at once.
     assert_eq!(
         read[0]["message"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(read[0]["done"], false);
+    assert_eq!(
+        read[1]["message"],
         json!({"role": "assistant", "content": "", "thinking": "t"})
     );
     assert_eq!(
-        read[1]["message"],
+        read[2]["message"],
         json!({"role": "assistant", "content": "He"})
     );
-    assert_eq!(read[1]["model"], "m");
-    assert_eq!(read[1]["done"], false);
-    assert!(read[1]["created_at"].as_str().unwrap().ends_with('Z'));
-    let last = &read[3];
+    assert_eq!(read[2]["model"], "m");
+    assert_eq!(read[2]["done"], false);
+    assert!(read[2]["created_at"].as_str().unwrap().ends_with('Z'));
+    let last = &read[4];
     assert_eq!(last["done"], true);
     assert_eq!(last["done_reason"], "length");
     assert_eq!(last["message"], json!({"role": "assistant", "content": ""}));
@@ -376,6 +382,74 @@ async fn a_stream_becomes_ndjson_line_by_line_with_a_last_line_of_counts_and_dur
     assert_eq!(last["prompt_eval_duration"], 3_500_000);
     assert_eq!(last["eval_duration"], 6_250_000);
     assert!(last["total_duration"].as_u64().is_some());
+}
+
+/// What each frame of the engine's stream makes the client get as that frame arrives.
+async fn per_frame(shape: Shape, frames: &[&str]) -> Vec<Vec<Value>> {
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+    let inner = http_body_util::StreamBody::new(
+        tokio_stream::wrappers::UnboundedReceiverStream::new(receiver),
+    )
+    .boxed();
+    let mut upstream = Response::new(inner);
+    upstream.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    let reply = Reply {
+        shape,
+        model: "m".into(),
+        stream: true,
+        received: Instant::now(),
+    };
+    let mut body = response(reply, upstream).into_body();
+    let mut seen = Vec::new();
+    for frame in frames {
+        let data: Result<http_body::Frame<Bytes>, crate::body::BoxError> =
+            Ok(http_body::Frame::data(Bytes::from(frame.to_string())));
+        sender.send(data).unwrap();
+        // What the body yields before it would wait for the next frame.
+        let mut text = String::new();
+        while let Some(Some(frame)) = futures_util::FutureExt::now_or_never(body.frame()) {
+            text.push_str(std::str::from_utf8(frame.unwrap().data_ref().unwrap()).unwrap());
+        }
+        seen.push(
+            text.lines()
+                .map(|line| serde_json::from_str(line).unwrap())
+                .collect(),
+        );
+    }
+    seen
+}
+
+#[tokio::test]
+async fn an_engines_first_event_alone_is_an_opening_line_at_once() {
+    const TOKEN: &str = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"He\"}}]}\n\n";
+    // The role on its own (OpenAI's API, the fake): its line before any token.
+    let seen = per_frame(Shape::Chat, &[ROLE, TOKEN]).await;
+    assert_eq!(
+        seen[0],
+        [json!({"model": "m", "created_at": seen[0][0]["created_at"],
+                "message": {"role": "assistant", "content": ""}, "done": false})]
+    );
+    assert_eq!(seen[1].len(), 1);
+    assert_eq!(seen[1][0]["message"]["content"], "He");
+    // A generate's opening line is a generate's.
+    let seen = per_frame(Shape::Generate { completions: false }, &[ROLE]).await;
+    assert_eq!(seen[0][0]["response"], "");
+    assert_eq!(seen[0][0]["done"], false);
+    // The role with the first token in one write (llama-server): no empty line.
+    let together = format!("{ROLE}{TOKEN}");
+    let seen = per_frame(Shape::Chat, &[&together, TOKEN]).await;
+    assert_eq!(seen[0].len(), 1, "{:?}", seen[0]);
+    assert_eq!(seen[0][0]["message"]["content"], "He");
+    // A comment carries no event: nothing until the first event.
+    let seen = per_frame(Shape::Chat, &[": ping\n\n", TOKEN]).await;
+    assert!(seen[0].is_empty(), "{:?}", seen[0]);
+    assert_eq!(seen[1][0]["message"]["content"], "He");
+    // Only once: a second event without content writes nothing.
+    let seen = per_frame(Shape::Chat, &[ROLE, ROLE, TOKEN]).await;
+    assert_eq!(seen.iter().map(Vec::len).collect::<Vec<_>>(), [1, 0, 1]);
 }
 
 #[tokio::test]
@@ -394,7 +468,13 @@ async fn tool_call_fragments_are_gathered_on_the_last_line() {
     )
     .await;
     let read = lines(&text);
-    assert_eq!(read.len(), 1, "{text}");
+    // The first fragment, on its own, opens the stream with a line of nothing.
+    assert_eq!(read.len(), 2, "{text}");
+    assert_eq!(
+        read[0]["message"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let read = &read[1..];
     assert_eq!(read[0]["done_reason"], "stop");
     assert_eq!(
         read[0]["message"]["tool_calls"],
@@ -413,10 +493,9 @@ async fn a_cut_or_failed_stream_ends_with_an_error_line_and_no_done() {
         true,
         StatusCode::OK,
         "text/event-stream",
-        &[
-            ROLE,
-            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n",
-        ],
+        &[&format!(
+            "{ROLE}data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"a\"}}}}]}}\n\n"
+        )],
     )
     .await;
     let read = lines(&text);

@@ -45,6 +45,9 @@ struct Args {
     /// Content chunks per generation.
     #[arg(long, default_value_t = 5)]
     tokens: usize,
+    /// An OpenAI stream's tokens end in `@<Unix nanoseconds>` of the moment each is written.
+    #[arg(long)]
+    stamp_tokens: bool,
     /// Answer a bare 403 to requests whose Host is not local.
     #[arg(long)]
     host_check: bool,
@@ -98,6 +101,7 @@ async fn main() -> anyhow::Result<()> {
         .first_token_delay(Duration::from_millis(args.first_token_delay_ms))
         .latency(Duration::from_millis(args.latency_ms))
         .tokens(args.tokens)
+        .stamp_tokens(args.stamp_tokens)
         .host_check(args.host_check)
         .record_limit(args.record_limit);
     for name in &args.models {

@@ -63,6 +63,7 @@ impl Default for FakeBuilder {
                 first_token_delay: Duration::ZERO,
                 token_interval: Duration::ZERO,
                 tokens: 5,
+                stamp_tokens: false,
             },
             version: "0.32.15".to_owned(),
             host_check: false,
@@ -164,6 +165,13 @@ impl FakeBuilder {
     /// Streamed responses: delay between lines.
     pub fn token_interval(mut self, interval: Duration) -> Self {
         self.timing.token_interval = interval;
+        self
+    }
+
+    /// An OpenAI stream's tokens end in `@<Unix nanoseconds>`, the moment each frame is
+    /// written (a proxy's per-line delay measured from the sender, through any translation).
+    pub fn stamp_tokens(mut self, stamp: bool) -> Self {
+        self.timing.stamp_tokens = stamp;
         self
     }
 

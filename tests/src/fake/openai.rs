@@ -208,6 +208,7 @@ async fn generate(
         prompt_tokens: ctx.reported.prompt(prompt_tokens),
         include_usage,
         reported: ctx.reported,
+        stamp: ctx.shared.timing().stamp_tokens,
     };
     if streaming {
         return Ok(stream(ctx, admitted, EVENT_STREAM, script).await);
@@ -228,6 +229,8 @@ struct Sse {
     prompt_tokens: usize,
     include_usage: bool,
     reported: Reported,
+    /// Tokens end in `@<Unix nanoseconds>` of the moment the frame is made.
+    stamp: bool,
 }
 
 impl Sse {
@@ -289,6 +292,16 @@ impl Sse {
             self.tokens
                 .get(line.wrapping_sub(first_token))
                 .map_or("", String::as_str)
+        };
+        let stamped;
+        let token = if self.stamp && !token.is_empty() {
+            let nanos = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |since| since.as_nanos());
+            stamped = format!("{token}@{nanos}");
+            stamped.as_str()
+        } else {
+            token
         };
         let finish_reason = if finish {
             json!(self.finish_reason)

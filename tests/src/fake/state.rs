@@ -53,6 +53,9 @@ pub(crate) struct Timing {
     pub token_interval: Duration,
     /// Content chunks per generation.
     pub tokens: usize,
+    /// An OpenAI stream's tokens end in `@` and the moment the frame is written (Unix
+    /// nanoseconds), so that a client times each token from its sending through any proxy.
+    pub stamp_tokens: bool,
 }
 
 /// One connection's kill switch: a handler uses it to drop its connection without answering.

@@ -115,6 +115,46 @@ async fn completions_stream_text_chunks() {
 }
 
 #[tokio::test]
+async fn stamped_tokens_end_in_the_moment_they_were_written() {
+    let fake = FakeOllama::builder()
+        .model("llama3.2")
+        .tokens(3)
+        .stamp_tokens(true)
+        .spawn()
+        .await;
+    let unix_nanos = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    };
+    let before = unix_nanos();
+    let body = r#"{"model":"llama3.2","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    let mut sse = open(fake.addr(), Method::POST, "/v1/chat/completions", body, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let frames = frames(&sse.rest().await.unwrap_or_default());
+    let after = unix_nanos();
+    let tokens: Vec<&str> = frames
+        .iter()
+        .filter_map(|frame| frame["choices"][0]["delta"]["content"].as_str())
+        .filter(|content| !content.is_empty())
+        .collect();
+    assert_eq!(tokens.len(), 3, "{frames:?}");
+    let mut last = before;
+    for token in tokens {
+        let (text, stamp) = token.rsplit_once('@').unwrap_or_else(|| panic!("{token}"));
+        assert!(!text.is_empty(), "{token}");
+        let stamp: u128 = stamp.parse().unwrap_or_else(|_| panic!("{token}"));
+        assert!(
+            (last..=after).contains(&stamp),
+            "{token}: not in {last}..={after}"
+        );
+        last = stamp;
+    }
+}
+
+#[tokio::test]
 async fn embeddings_as_floats_and_base64() {
     let fake = FakeOllama::builder()
         .embedding_model("all-minilm")
