@@ -9,6 +9,12 @@ use clap::Parser;
 use oqp_controlplane::config::Env;
 use oqp_controlplane::{ControlPlane, Options};
 
+/// jemalloc rather than the system's allocator: with glibc's, whose chunk headers lie
+/// between allocations, the pages of hyper's 8 KiB connection buffers are made resident
+/// though mostly never written, so an open connection or a queued request costs more.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 /// Admission-control proxy for Ollama: the control plane.
 #[derive(Debug, Parser)]
 #[command(version, about)]
