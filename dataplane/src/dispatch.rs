@@ -136,11 +136,22 @@ pub struct Grant {
 pub struct Pending {
     dispatcher: Arc<Dispatcher>,
     id: TicketId,
-    receiver: Option<oneshot::Receiver<Result<Grant, ProxyError>>>,
+    /// Until it is answered (or cancelled).
+    answer: Option<Answer>,
     /// 1-based position in its tier at admission.
     pub position: u32,
     /// Whether it was dispatched during admission (no wait at all).
     pub immediate: bool,
+}
+
+/// How a [`Pending`] request gets its answer.
+#[derive(Debug)]
+enum Answer {
+    /// Through its channel, from the dispatcher.
+    Channel(oneshot::Receiver<Result<Grant, ProxyError>>),
+    /// Dispatched during admission: taken from its channel then, which is done with (boxed,
+    /// so that a waiting request's `Pending` is no larger than the channel alone).
+    Ready(Box<Result<Grant, ProxyError>>),
 }
 
 /// What a request asks of the queue, and how it was identified.
@@ -314,16 +325,9 @@ impl Dispatcher {
         drop(dropped);
         let admitted = result?;
         let mut receiver = receiver;
-        let immediate = match receiver.try_recv() {
-            Ok(grant) => {
-                // Dispatched during admission: hand the grant over through a
-                // fresh, already-filled channel.
-                let (sender, fresh) = oneshot::channel();
-                let _ = sender.send(grant);
-                receiver = fresh;
-                true
-            }
-            Err(_) => false,
+        let (answer, immediate) = match receiver.try_recv() {
+            Ok(grant) => (Answer::Ready(Box::new(grant)), true),
+            Err(_) => (Answer::Channel(receiver), false),
         };
         if admitted.watermark_crossed && !immediate {
             // Only a request that really waits counts towards the watermark:
@@ -337,7 +341,7 @@ impl Dispatcher {
             let mut pending = Pending {
                 dispatcher: self.clone(),
                 id: admitted.id,
-                receiver: Some(receiver),
+                answer: Some(answer),
                 position: admitted.position,
                 immediate,
             };
@@ -354,7 +358,7 @@ impl Dispatcher {
         Ok(Pending {
             dispatcher: self.clone(),
             id: admitted.id,
-            receiver: Some(receiver),
+            answer: Some(answer),
             position: admitted.position,
             immediate,
         })
@@ -707,7 +711,7 @@ impl Dispatcher {
         let pending = Pending {
             dispatcher: this,
             id,
-            receiver: Some(receiver),
+            answer: Some(Answer::Channel(receiver)),
             position: 0,
             immediate: false,
         };
@@ -878,22 +882,32 @@ impl Pending {
     /// Waits for the dispatcher's answer. Dropping the future (the client
     /// left) removes the ticket at once.
     pub async fn granted(mut self) -> Result<Grant, ProxyError> {
-        let Some(receiver) = self.receiver.as_mut() else {
+        match self.answer.take() {
+            Some(Answer::Ready(grant)) => return *grant,
+            // Kept in place while it waits: dropping this future cancels the ticket.
+            Some(channel) => self.answer = Some(channel),
+            None => return Err(ProxyError::ShuttingDown),
+        }
+        let Some(Answer::Channel(receiver)) = self.answer.as_mut() else {
             return Err(ProxyError::ShuttingDown);
         };
         let result = receiver.await.unwrap_or(Err(ProxyError::ShuttingDown));
-        self.receiver = None;
+        self.answer = None;
         result
     }
 
     fn cancel(&mut self) {
-        if let Some(mut receiver) = self.receiver.take() {
-            receiver.close();
-            // A grant that arrived meanwhile is dropped here, releasing its
-            // lease; otherwise the ticket is still waiting: remove it.
-            if receiver.try_recv().is_err() {
-                self.dispatcher.cancel(self.id);
+        match self.answer.take() {
+            Some(Answer::Channel(mut receiver)) => {
+                receiver.close();
+                // A grant that arrived meanwhile is dropped here, releasing its
+                // lease; otherwise the ticket is still waiting: remove it.
+                if receiver.try_recv().is_err() {
+                    self.dispatcher.cancel(self.id);
+                }
             }
+            // A grant taken at admission is dropped here, releasing its lease.
+            Some(Answer::Ready(_)) | None => {}
         }
     }
 }

@@ -923,15 +923,20 @@ pub use oqp_proto::unix_ms;
 /// Normalises a model name the way Ollama matches them: case-insensitive, and
 /// a missing tag means `:latest`.
 pub fn normalize_model(name: &str) -> String {
-    let lower = name.trim().to_ascii_lowercase();
+    const LATEST: &str = ":latest";
+    let name = name.trim();
     // The tag separator is the last ':' after the last '/', so that a
     // registry host with a port ("host:5000/ns/model") is not mistaken for one.
-    let last_segment = lower.rsplit('/').next().unwrap_or(&lower);
-    if last_segment.contains(':') {
-        lower
-    } else {
-        format!("{lower}:latest")
+    let last_segment = name.rsplit('/').next().unwrap_or(name);
+    let tagged = last_segment.contains(':');
+    // One allocation: this runs several times for every request that names a model.
+    let mut normalized = String::with_capacity(name.len() + if tagged { 0 } else { LATEST.len() });
+    normalized.push_str(name);
+    normalized.make_ascii_lowercase();
+    if !tagged {
+        normalized.push_str(LATEST);
     }
+    normalized
 }
 
 /// The smallest wire snapshot that compiles: one listener on port 0, one

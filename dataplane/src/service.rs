@@ -77,9 +77,11 @@ pub async fn handle(
     // grant (or instead of queueing) are boxed below for the same reason: a
     // waiting request holds only what waiting needs.
     let mut hopped = false;
-    let routed =
-        Box::pin(route(&app, &policy, kind, peer, request, &mut hopped).instrument(span.clone()))
-            .await;
+    // The box instrumented, not the route's future before it is boxed: a future is moved
+    // whole (its largest state) each time it is wrapped or boxed, and this one is kilobytes.
+    let routed = Box::pin(route(&app, &policy, kind, peer, request, &mut hopped))
+        .instrument(span.clone())
+        .await;
     let mut refused = false;
     let mut response = match routed {
         Ok(response) => response,

@@ -769,10 +769,7 @@ pub fn engine_prefill(tail: &[u8]) -> Option<f64> {
         return None;
     }
     let field = b"\"prompt_ms\":";
-    let start = tail
-        .windows(field.len())
-        .rposition(|window| window == field)?
-        + field.len();
+    let start = rfind(tail, field)? + field.len();
     let text: String = tail[start..]
         .iter()
         .skip_while(|b| b.is_ascii_whitespace())
@@ -792,17 +789,33 @@ pub fn total_duration(tail: &[u8]) -> Option<Duration> {
 /// The unsigned integer after the last occurrence of `field` (a quoted name and its colon)
 /// in `tail`, if there is one.
 pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
-    let start = tail
-        .windows(field.len())
-        .rposition(|window| window == field)?
-        + field.len();
-    let digits: String = tail[start..]
+    let start = rfind(tail, field)? + field.len();
+    let mut digits = tail[start..]
         .iter()
         .skip_while(|b| b.is_ascii_whitespace())
         .take_while(|b| b.is_ascii_digit())
-        .map(|b| char::from(*b))
-        .collect();
-    digits.parse::<u64>().ok()
+        .peekable();
+    // At least one digit; more than `u64` holds is no number (as `str::parse` says).
+    digits.peek()?;
+    digits.try_fold(0u64, |number, digit| {
+        number.checked_mul(10)?.checked_add(u64::from(digit - b'0'))
+    })
+}
+
+/// Where the last occurrence of `needle` (not empty) starts in `haystack`. Every answer's
+/// end is searched for a dozen field names when its body ends: only the places that hold
+/// the needle's first byte (a quote, for a field name) are compared, not every window.
+fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    let (&first, rest) = needle.split_first()?;
+    // Candidates start before `end`.
+    let mut end = haystack.len().checked_sub(needle.len())? + 1;
+    while let Some(at) = haystack[..end].iter().rposition(|&byte| byte == first) {
+        if haystack[at + 1..].starts_with(rest) {
+            return Some(at);
+        }
+        end = at;
+    }
+    None
 }
 
 #[cfg(test)]
@@ -823,6 +836,29 @@ mod tests {
         for (error, attempt) in table {
             assert_eq!(error.attempt(), attempt, "{error}");
         }
+    }
+
+    #[test]
+    fn a_number_is_read_after_the_last_occurrence_of_its_field() {
+        let tail = br#"{"eval_count":1}{"x":"\"eval_count\":","eval_count": 42,"eval":7}"#;
+        assert_eq!(last_number(tail, b"\"eval_count\":"), Some(42));
+        assert_eq!(last_number(tail, b"\"eval\":"), Some(7));
+        assert_eq!(last_number(tail, b"\"missing\":"), None);
+        // No digits, too many for a u64, a field cut at the end.
+        assert_eq!(last_number(br#"{"n":"1"}"#, b"\"n\":"), None);
+        assert_eq!(
+            last_number(br#"{"n":18446744073709551616}"#, b"\"n\":"),
+            None
+        );
+        assert_eq!(
+            last_number(br#"{"n":18446744073709551615}"#, b"\"n\":"),
+            Some(u64::MAX)
+        );
+        assert_eq!(last_number(br#"{"n""#, b"\"n\":"), None);
+        assert_eq!(rfind(b"abcabc", b"abc"), Some(3));
+        assert_eq!(rfind(b"aab", b"ab"), Some(1));
+        assert_eq!(rfind(b"ab", b"abc"), None);
+        assert_eq!(rfind(b"abc", b"c"), Some(2));
     }
 
     #[test]
