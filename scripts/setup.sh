@@ -13,6 +13,8 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium fonts-dejavu-core)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3 python3-venv)
 # ollama-js, pinned in tests/clients/js, is installed there with npm.
 command -v npm >/dev/null 2>&1 || need+=(nodejs npm)
+# The binaries' allocator, jemalloc, is built from its C source by the tikv-jemalloc-sys crate.
+command -v make >/dev/null 2>&1 || need+=(make)
 if ((${#need[@]})); then
   sudo_cmd=""
   [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
