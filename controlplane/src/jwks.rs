@@ -1,5 +1,5 @@
 //! The issuers' public keys for `jwt:` users (`auth.keys[].jwt`, `users.jwt`): fetched by the
-//! control plane, never by a data plane, kept in the [`Hub`], and shipped in every snapshot
+//! control plane, never by a data plane, kept in the hub (`hub::Hub`), and shipped in every snapshot
 //! (`Jwt.jwks_json`), public members only.
 //!
 //! One task (`crate::readers::jwks`, above the hub it writes into) reads each source (`jwks_url` or `jwks_file`) at start and when the

@@ -10,7 +10,7 @@
 //! one's answer. With an even number of conversations in lock step on two hosts, plain round
 //! robin sends conversation `i`'s turn `t` to host `(n·t + i) mod 2`, the same host every
 //! turn: it is sticky by accident, which agents arriving at their own pace are not. *Paced*:
-//! each agent starts and thinks between turns for a random time ([`THINK_MS`], drawn from a
+//! each agent starts and thinks between turns for a random time (`THINK_MS`, drawn from a
 //! seed per conversation, the same for every setup), so that arrivals interleave as they
 //! would. Both are reported.
 //!
