@@ -263,4 +263,44 @@ mod tests {
         assert_eq!(Fields::of(b"").number(Field::EvalCount), None);
         assert_eq!(Fields::of(b"\"").number(Field::EvalCount), None);
     }
+
+    /// Pieces a tail is made of: whole field names, stray and escaped quotes, colons, names
+    /// in part, numbers (one past `u64::MAX` too).
+    const PIECES: [&str; 16] = [
+        "\"eval_count\":",
+        "\"prompt_n\":",
+        "\"cache_read_input_tokens\":",
+        "\"",
+        "\\\"",
+        "\":",
+        ":",
+        " ",
+        ",",
+        "7",
+        "42",
+        "18446744073709551616",
+        "null",
+        "eval_count",
+        "prompt_",
+        "n",
+    ];
+
+    proptest::proptest! {
+        #[test]
+        fn any_tail_is_read_as_a_backward_search_reads_it(
+            picks in proptest::collection::vec(0..PIECES.len(), 0..64),
+        ) {
+            let tail: String = picks.iter().map(|&pick| PIECES[pick]).collect();
+            let fields = Fields::of(tail.as_bytes());
+            for field in Field::ALL {
+                proptest::prop_assert_eq!(
+                    fields.number(field),
+                    searched(tail.as_bytes(), field.name()),
+                    "{} in {}",
+                    field.name(),
+                    tail
+                );
+            }
+        }
+    }
 }
