@@ -119,6 +119,9 @@ pub struct Metrics {
     /// Normalised hosted model → the label it is counted under: the first spelling seen, so
     /// that other spellings of one model share it.
     hosted_labels: RwLock<std::collections::HashMap<String, Arc<str>>>,
+    /// The usage series and ledger labels of each client and model that ended a request,
+    /// resolved once until the next snapshot (see [`Metrics::usage`]).
+    usage_series: RwLock<UsageCache>,
     clients: Budget,
     models: Budget,
     endpoints: Budget,
@@ -178,6 +181,38 @@ pub struct Metrics {
     snapshot_version: IntGauge,
     snapshot_rejected: IntCounter,
     uptime: IntGauge,
+}
+
+/// Most client and model pairs whose usage series [`Metrics::usage`] keeps resolved: past
+/// it, another pair is resolved at each request, as if nothing were kept.
+const MAX_USAGE_SERIES: usize = 1024;
+
+/// One client's usage of one model, as [`Metrics::usage`] resolves it: the labels its
+/// ledger row is kept under and the series it counts in.
+#[derive(Debug)]
+struct UsageSeries {
+    row_client: Arc<str>,
+    row_model: Arc<str>,
+    gpu_seconds: Option<prometheus::Counter>,
+    prompt_tokens: Option<IntCounter>,
+    completion_tokens: Option<IntCounter>,
+}
+
+/// Resolved usage series, by client then model (both as requests name them). Emptied by
+/// [`Metrics::apply`], which holds it locked while it changes what the labels depend on
+/// (the configured clients, the hosted models), so that nothing resolved before a
+/// snapshot is kept past it; the label budgets only ever grow, so what they gave stands.
+#[derive(Debug, Default)]
+struct UsageCache {
+    by_client:
+        std::collections::HashMap<Box<str>, std::collections::HashMap<Box<str>, UsageSeries>>,
+    len: usize,
+}
+
+impl UsageCache {
+    fn get(&self, client: &str, model: &str) -> Option<&UsageSeries> {
+        self.by_client.get(client)?.get(model)
+    }
 }
 
 /// A bounded set of label values for one dimension.
@@ -531,6 +566,7 @@ impl Metrics {
             configured: ArcSwap::from_pointee(HashSet::new()),
             hosted_models: ArcSwap::from_pointee(HashSet::new()),
             hosted_labels: RwLock::default(),
+            usage_series: RwLock::default(),
             clients: Budget::default(),
             models: Budget::default(),
             endpoints: Budget::default(),
@@ -560,6 +596,11 @@ impl Metrics {
 
     /// Follows a new snapshot: its clients keep their own label values.
     pub fn apply(&self, policy: &Policy) {
+        // Held to the end: a usage series resolved meanwhile would follow the old snapshot.
+        let mut usage_series = self
+            .usage_series
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         self.configured
             .store(Arc::new(policy.clients_by_id.keys().cloned().collect()));
         let hosted = policy
@@ -572,6 +613,7 @@ impl Metrics {
             labels.retain(|model, _| hosted.contains(model));
         }
         self.hosted_models.store(Arc::new(hosted));
+        *usage_series = UsageCache::default();
     }
 
     /// A dispatched request waited `waited` in `tier`.
@@ -757,7 +799,54 @@ impl Metrics {
         gpu: Duration,
         prompt: u64,
         completion: u64,
-    ) -> (String, String) {
+    ) -> (Arc<str>, Arc<str>) {
+        let count = |series: &UsageSeries| {
+            if let Some(counter) = &series.gpu_seconds {
+                counter.inc_by(gpu.as_secs_f64());
+            }
+            if let Some(counter) = &series.prompt_tokens {
+                counter.inc_by(prompt);
+            }
+            if let Some(counter) = &series.completion_tokens {
+                counter.inc_by(completion);
+            }
+            (series.row_client.clone(), series.row_model.clone())
+        };
+        let full = match self.usage_series.read() {
+            Ok(cache) => match cache.get(client, model) {
+                Some(series) => return count(series),
+                None => cache.len >= MAX_USAGE_SERIES,
+            },
+            Err(_) => true,
+        };
+        if full {
+            return count(&self.usage_series_of(client, model));
+        }
+        // Resolved under the write lock, so that `apply` cannot change the labels between
+        // the resolving and the keeping.
+        let Ok(mut cache) = self.usage_series.write() else {
+            return count(&self.usage_series_of(client, model));
+        };
+        if let Some(series) = cache.get(client, model) {
+            return count(series);
+        }
+        let series = self.usage_series_of(client, model);
+        let counted = count(&series);
+        if cache.len < MAX_USAGE_SERIES {
+            cache.len += 1;
+            cache
+                .by_client
+                .entry(client.into())
+                .or_default()
+                .insert(model.into(), series);
+        }
+        counted
+    }
+
+    /// The labels and series of `client`'s usage of `model`: the client's label, and the
+    /// model's when a host lists it, else [`OTHER`] in the ledger (its own metric label
+    /// while the budget has room).
+    fn usage_series_of(&self, client: &str, model: &str) -> UsageSeries {
         let row_client = self.ledger_client(client);
         let client = self.client_label(client);
         let (model, hosted) = if model.is_empty() {
@@ -768,26 +857,21 @@ impl Metrics {
                 None => (Cow::Borrowed(self.unlisted_label(model)), false),
             }
         };
-        if let Ok(counter) = self
-            .client_gpu_seconds
-            .get_metric_with_label_values(&[client, &model])
-        {
-            counter.inc_by(gpu.as_secs_f64());
-        }
-        for (kind, count) in [("prompt", prompt), ("completion", completion)] {
-            if let Ok(counter) = self
-                .client_tokens
+        let tokens = |kind: &str| {
+            self.client_tokens
                 .get_metric_with_label_values(&[client, &model, kind])
-            {
-                counter.inc_by(count);
-            }
-        }
-        let row_model = if hosted {
-            model.into_owned()
-        } else {
-            OTHER.to_owned()
+                .ok()
         };
-        (row_client.to_owned(), row_model)
+        UsageSeries {
+            row_client: row_client.into(),
+            row_model: if hosted { model.as_ref() } else { OTHER }.into(),
+            gpu_seconds: self
+                .client_gpu_seconds
+                .get_metric_with_label_values(&[client, &model])
+                .ok(),
+            prompt_tokens: tokens("prompt"),
+            completion_tokens: tokens("completion"),
+        }
     }
 
     /// The client a usage row is kept under: a user of a configured app keeps its own id
@@ -1261,7 +1345,12 @@ mod tests {
         snapshot.hosts[0].installed_models = vec!["llama3:latest".into()];
         let policy = Policy::try_from(snapshot).unwrap();
         let metrics = Metrics::new(&policy);
-        let row = |model: &str| metrics.usage("chat", model, Duration::ZERO, 1, 1).1;
+        let row = |model: &str| {
+            metrics
+                .usage("chat", model, Duration::ZERO, 1, 1)
+                .1
+                .to_string()
+        };
         assert_eq!(row("llama3"), "llama3");
         assert_eq!(row(""), "", "no model named");
         // A name no host lists: (other) in the rows, its own metric label while there is
@@ -1274,6 +1363,33 @@ mod tests {
         assert_eq!(metrics.model_label(&long), OTHER);
         let just = "m".repeat(MAX_MODEL_LABEL_BYTES);
         assert_eq!(metrics.model_label(&just), just.as_str());
+    }
+
+    #[test]
+    fn usage_series_are_kept_until_the_next_snapshot() {
+        let snapshot = crate::policy::minimal_wire();
+        let metrics = Metrics::new(&Policy::try_from(snapshot.clone()).unwrap());
+        let prompt = |model: &str| {
+            metrics
+                .client_tokens
+                .get_metric_with_label_values(&["chat", model, "prompt"])
+                .unwrap()
+                .get()
+        };
+        let row = |model: &str| {
+            let (client, model) = metrics.usage("chat", model, Duration::ZERO, 2, 1);
+            (client.to_string(), model.to_string())
+        };
+        // No host lists it: (other) in the ledger, counted under its own label.
+        assert_eq!(row("llama3"), ("chat".into(), OTHER.into()));
+        assert_eq!(row("llama3"), ("chat".into(), OTHER.into()));
+        assert_eq!(prompt("llama3"), 4);
+        // A snapshot in which a host lists it: its own row from then on.
+        let mut listed = snapshot;
+        listed.hosts[0].installed_models = vec!["llama3:latest".into()];
+        metrics.apply(&Policy::try_from(listed).unwrap());
+        assert_eq!(row("llama3"), ("chat".into(), "llama3".into()));
+        assert_eq!(prompt("llama3"), 6, "the same series");
     }
 
     #[test]

@@ -28,7 +28,10 @@ use crate::body::{Body, BoxError};
 use crate::error::{Attempt, Cause};
 use crate::policy::HostKind;
 
+mod fields;
 mod reuse;
+
+pub use fields::{Field, Fields};
 
 /// How a connection attempt failed before any response arrived.
 #[derive(Debug, thiserror::Error)]
@@ -339,6 +342,9 @@ pub struct Outcome {
 /// JSON object with an `error` member and no `data: [DONE]` after it (llama-server's
 /// `data: {"error":{…}}`, Anthropic's `error` event). A whole JSON answer is never one.
 pub fn in_band_error(framing: Framing, tail: &[u8]) -> bool {
+    if framing == Framing::Opaque {
+        return false;
+    }
     let last = tail
         .split(|byte| *byte == b'\n')
         .map(<[u8]>::trim_ascii)
@@ -370,50 +376,46 @@ pub struct Tokens {
 
 impl Tokens {
     /// Whether the kept tail of a body states a prompt count at all.
-    fn states_prompt(tail: &[u8]) -> bool {
+    fn states_prompt(fields: &Fields<'_>) -> bool {
         PROMPT_FIELDS
             .into_iter()
-            .any(|field| last_number(tail, field).is_some())
+            .any(|field| fields.number(field).is_some())
     }
 
     /// Whether the kept tail of a body states a completion count at all.
-    fn states_completion(tail: &[u8]) -> bool {
+    fn states_completion(fields: &Fields<'_>) -> bool {
         COMPLETION_FIELDS
             .into_iter()
-            .any(|field| last_number(tail, field).is_some())
+            .any(|field| fields.number(field).is_some())
     }
 
-    /// The counts in the kept tail of a body; zero where it has none.
-    pub fn of(tail: &[u8], head_prompt: Option<u64>) -> Self {
-        let any = |fields: [&[u8]; 4]| {
-            fields
-                .into_iter()
-                .find_map(|field| last_number(tail, field))
-        };
-        let prompt = [PROMPT_FIELDS[0], PROMPT_FIELDS[1]]
-            .into_iter()
-            .find_map(|field| last_number(tail, field))
+    /// The counts in the kept tail of a body (its `fields`); zero where it has none.
+    pub fn of(fields: &Fields<'_>, head_prompt: Option<u64>) -> Self {
+        let prompt = fields
+            .number(Field::PromptEvalCount)
+            .or_else(|| fields.number(Field::PromptTokens))
             // The agents' layers: a Messages answer counts apart the prompt tokens read
             // from or written to its cache; they are prompt tokens all the same.
-            .or_else(|| last_number(tail, PROMPT_FIELDS[2]).map(|input| input + cache_extra(tail)))
-            .or_else(|| last_number(tail, PROMPT_FIELDS[3]));
+            .or_else(|| {
+                fields
+                    .number(Field::InputTokens)
+                    .map(|input| input + cache_extra(fields))
+            })
+            .or_else(|| fields.number(Field::TokensEvaluated));
         Self {
             prompt: prompt.or(head_prompt).unwrap_or(0),
-            completion: any(COMPLETION_FIELDS).unwrap_or(0),
+            completion: COMPLETION_FIELDS
+                .into_iter()
+                .find_map(|field| fields.number(field))
+                .unwrap_or(0),
         }
     }
 }
 
-/// Anthropic's `cache_read_input_tokens`.
-const CACHE_READ: &[u8] = b"\"cache_read_input_tokens\":";
-
-/// Anthropic's `cache_creation_input_tokens`.
-const CACHE_CREATION: &[u8] = b"\"cache_creation_input_tokens\":";
-
 /// The prompt tokens a Messages `usage` counts apart from its `input_tokens`.
-fn cache_extra(bytes: &[u8]) -> u64 {
-    let read = last_number(bytes, CACHE_READ).unwrap_or(0);
-    let created = last_number(bytes, CACHE_CREATION).unwrap_or(0);
+fn cache_extra(fields: &Fields<'_>) -> u64 {
+    let read = fields.number(Field::CacheReadInputTokens).unwrap_or(0);
+    let created = fields.number(Field::CacheCreationInputTokens).unwrap_or(0);
     read.saturating_add(created)
 }
 
@@ -422,35 +424,37 @@ fn cache_extra(bytes: &[u8]) -> u64 {
 /// `input_tokens_details.cached_tokens`, Anthropic's `cache_read_input_tokens` (in the tail,
 /// else `head_cached`, what a Messages stream's head stated), else llama.cpp's
 /// `timings.cache_n`.
-pub fn engine_cached(tail: &[u8], head_cached: Option<u64>) -> Option<u64> {
-    last_number(tail, b"\"cached_tokens\":")
-        .or_else(|| last_number(tail, CACHE_READ))
+pub fn engine_cached(fields: &Fields<'_>, head_cached: Option<u64>) -> Option<u64> {
+    fields
+        .number(Field::CachedTokens)
+        .or_else(|| fields.number(Field::CacheReadInputTokens))
         .or(head_cached)
-        .or_else(|| last_number(tail, b"\"cache_n\":"))
+        .or_else(|| fields.number(Field::CacheN))
 }
 
 /// The fields that count a completion's tokens: Ollama's, OpenAI's, the agents' layers',
 /// llama-server's own completion API's (`/infill`).
-const COMPLETION_FIELDS: [&[u8]; 4] = [
-    b"\"eval_count\":",
-    b"\"completion_tokens\":",
-    b"\"output_tokens\":",
-    b"\"tokens_predicted\":",
+const COMPLETION_FIELDS: [Field; 4] = [
+    Field::EvalCount,
+    Field::CompletionTokens,
+    Field::OutputTokens,
+    Field::TokensPredicted,
 ];
 
 /// The fields that count a prompt's tokens: Ollama's, OpenAI's, the agents' layers',
 /// llama-server's own completion API's (`/infill`).
-const PROMPT_FIELDS: [&[u8]; 4] = [
-    b"\"prompt_eval_count\":",
-    b"\"prompt_tokens\":",
-    b"\"input_tokens\":",
-    b"\"tokens_evaluated\":",
+const PROMPT_FIELDS: [Field; 4] = [
+    Field::PromptEvalCount,
+    Field::PromptTokens,
+    Field::InputTokens,
+    Field::TokensEvaluated,
 ];
 
-/// The prompt's tokens as the head of a body states them (a Messages stream's
-/// `message_start`), if it does.
-fn head_prompt(head: &[u8]) -> Option<u64> {
-    last_number(head, PROMPT_FIELDS[2]).map(|input| input + cache_extra(head))
+/// The prompt's tokens as the head of a body (its `fields`) states them (a Messages
+/// stream's `message_start`), if it does.
+fn head_prompt(head: &Fields<'_>) -> Option<u64> {
+    head.number(Field::InputTokens)
+        .map(|input| input + cache_extra(head))
 }
 
 /// Called once when a response body ends, fails or is dropped.
@@ -571,59 +575,70 @@ impl ResponseBody {
         // whole answer states its counts at its end).
         if self.framing == Framing::Sse && self.head_prompt.is_none() && self.seen < TAIL_BYTES {
             self.seen = self.seen.saturating_add(data.len());
-            self.head_prompt = head_prompt(&self.tail);
+            let head = Fields::of(&self.tail);
+            self.head_prompt = head_prompt(&head);
             if self.head_prompt.is_some() {
-                self.head_cached = last_number(&self.tail, CACHE_READ);
+                self.head_cached = head.number(Field::CacheReadInputTokens);
             }
         }
     }
 
     fn finish(&mut self, complete: bool, cancelled: bool) {
         if let Some(completion) = self.completion.take() {
-            completion(Outcome {
-                complete,
-                cancelled,
-                total_duration: complete.then(|| total_duration(&self.tail)).flatten(),
-                load_duration: complete
-                    .then(|| last_number(&self.tail, b"\"load_duration\":"))
-                    .flatten()
-                    .map(Duration::from_nanos),
-                prompt_eval_duration: complete
-                    .then(|| last_number(&self.tail, b"\"prompt_eval_duration\":"))
-                    .flatten()
-                    .map(Duration::from_nanos),
-                tokens: if complete {
-                    let mut tokens = Tokens::of(&self.tail, self.head_prompt);
-                    // A stream that states no completion count (an OpenAI stream without
-                    // `stream_options.include_usage`) counts its chunks, as one cut short
-                    // does, so that leaving the option out does not dodge a token budget.
-                    if self.framing != Framing::Opaque && !Tokens::states_completion(&self.tail) {
-                        tokens.completion = self.chunks;
-                    }
-                    tokens
-                } else {
-                    // Cut short (the upstream died, the client went away): no final
-                    // object, so the chunks seen stand for the tokens generated, and a
-                    // token budget is not dodged by disconnecting.
-                    Tokens {
-                        prompt: self.head_prompt.unwrap_or(0),
-                        completion: self.chunks,
-                    }
-                },
-                prompt_stated: self.framing == Framing::Opaque
-                    || self.head_prompt.is_some()
-                    || complete && Tokens::states_prompt(&self.tail),
-                cached_tokens: complete
-                    .then(|| engine_cached(&self.tail, self.head_cached))
-                    .flatten(),
-                in_band_error: complete && in_band_error(self.framing, &self.tail),
-                engine_prefill: complete.then(|| engine_prefill(&self.tail)).flatten(),
-                elapsed: self.started.elapsed(),
-            });
+            completion(self.outcome(complete, cancelled));
         }
         // After the completion hook, so that the cost is charged before the
         // freed slot lets the scheduler pick again.
         self.guard = None;
+    }
+
+    /// What the completion hook is told: read from the kept tail, in one pass, when the
+    /// body ended whole.
+    fn outcome(&self, complete: bool, cancelled: bool) -> Outcome {
+        let prompt_stated = self.framing == Framing::Opaque || self.head_prompt.is_some();
+        if !complete {
+            // Cut short (the upstream died, the client went away): no final object, so
+            // the chunks seen stand for the tokens generated, and a token budget is not
+            // dodged by disconnecting.
+            return Outcome {
+                complete,
+                cancelled,
+                total_duration: None,
+                load_duration: None,
+                prompt_eval_duration: None,
+                tokens: Tokens {
+                    prompt: self.head_prompt.unwrap_or(0),
+                    completion: self.chunks,
+                },
+                prompt_stated,
+                cached_tokens: None,
+                engine_prefill: None,
+                in_band_error: false,
+                elapsed: self.started.elapsed(),
+            };
+        }
+        let fields = Fields::of(&self.tail);
+        let nanos = |field| fields.number(field).map(Duration::from_nanos);
+        let mut tokens = Tokens::of(&fields, self.head_prompt);
+        // A stream that states no completion count (an OpenAI stream without
+        // `stream_options.include_usage`) counts its chunks, as one cut short does, so
+        // that leaving the option out does not dodge a token budget.
+        if self.framing != Framing::Opaque && !Tokens::states_completion(&fields) {
+            tokens.completion = self.chunks;
+        }
+        Outcome {
+            complete,
+            cancelled,
+            total_duration: nanos(Field::TotalDuration),
+            load_duration: nanos(Field::LoadDuration),
+            prompt_eval_duration: nanos(Field::PromptEvalDuration),
+            tokens,
+            prompt_stated: prompt_stated || Tokens::states_prompt(&fields),
+            cached_tokens: engine_cached(&fields, self.head_cached),
+            in_band_error: in_band_error(self.framing, &self.tail),
+            engine_prefill: engine_prefill(&fields),
+            elapsed: self.started.elapsed(),
+        }
     }
 
     fn error_frame(&self, error: &BoxError) -> Option<Bytes> {
@@ -763,59 +778,21 @@ const MIN_PREFILL_TOKENS: u64 = 64;
 /// `prompt_ms / prompt_n`, where `prompt_n` counts only the tokens it evaluated (not those
 /// it found cached), so an answer with a cache hit teaches the rate too. `None` without
 /// `timings`, or for fewer than `MIN_PREFILL_TOKENS` evaluated tokens.
-pub fn engine_prefill(tail: &[u8]) -> Option<f64> {
-    let evaluated = last_number(tail, b"\"prompt_n\":")?;
+pub fn engine_prefill(fields: &Fields<'_>) -> Option<f64> {
+    let evaluated = fields.number(Field::PromptN)?;
     if evaluated < MIN_PREFILL_TOKENS {
         return None;
     }
-    let field = b"\"prompt_ms\":";
-    let start = rfind(tail, field)? + field.len();
-    let text: String = tail[start..]
-        .iter()
-        .skip_while(|b| b.is_ascii_whitespace())
-        .take_while(|b| b.is_ascii_digit() || matches!(b, b'.' | b'e' | b'E' | b'-' | b'+'))
-        .map(|b| char::from(*b))
-        .collect();
-    let millis: f64 = text.parse().ok()?;
+    let millis = fields.decimal(Field::PromptMs)?;
     (millis.is_finite() && millis > 0.0).then(|| millis / 1000.0 / evaluated as f64)
 }
 
 /// Ollama's `total_duration` (nanoseconds) in the final object, if the tail
 /// of the body has one.
 pub fn total_duration(tail: &[u8]) -> Option<Duration> {
-    last_number(tail, b"\"total_duration\":").map(Duration::from_nanos)
-}
-
-/// The unsigned integer after the last occurrence of `field` (a quoted name and its colon)
-/// in `tail`, if there is one.
-pub fn last_number(tail: &[u8], field: &[u8]) -> Option<u64> {
-    let start = rfind(tail, field)? + field.len();
-    let mut digits = tail[start..]
-        .iter()
-        .skip_while(|b| b.is_ascii_whitespace())
-        .take_while(|b| b.is_ascii_digit())
-        .peekable();
-    // At least one digit; more than `u64` holds is no number (as `str::parse` says).
-    digits.peek()?;
-    digits.try_fold(0u64, |number, digit| {
-        number.checked_mul(10)?.checked_add(u64::from(digit - b'0'))
-    })
-}
-
-/// Where the last occurrence of `needle` (not empty) starts in `haystack`. Every answer's
-/// end is searched for a dozen field names when its body ends: only the places that hold
-/// the needle's first byte (a quote, for a field name) are compared, not every window.
-fn rfind(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    let (&first, rest) = needle.split_first()?;
-    // Candidates start before `end`.
-    let mut end = haystack.len().checked_sub(needle.len())? + 1;
-    while let Some(at) = haystack[..end].iter().rposition(|&byte| byte == first) {
-        if haystack[at + 1..].starts_with(rest) {
-            return Some(at);
-        }
-        end = at;
-    }
-    None
+    Fields::of(tail)
+        .number(Field::TotalDuration)
+        .map(Duration::from_nanos)
 }
 
 #[cfg(test)]
@@ -840,43 +817,44 @@ mod tests {
 
     #[test]
     fn a_number_is_read_after_the_last_occurrence_of_its_field() {
-        let tail = br#"{"eval_count":1}{"x":"\"eval_count\":","eval_count": 42,"eval":7}"#;
-        assert_eq!(last_number(tail, b"\"eval_count\":"), Some(42));
-        assert_eq!(last_number(tail, b"\"eval\":"), Some(7));
-        assert_eq!(last_number(tail, b"\"missing\":"), None);
+        let number = |tail: &[u8], field| Fields::of(tail).number(field);
+        let tail = br#"{"eval_count":1}{"x":"\"eval_count\":","eval_count": 42,"prompt_n":7}"#;
+        assert_eq!(number(tail, Field::EvalCount), Some(42));
+        assert_eq!(number(tail, Field::PromptN), Some(7));
+        assert_eq!(number(tail, Field::PromptEvalCount), None);
         // No digits, too many for a u64, a field cut at the end.
-        assert_eq!(last_number(br#"{"n":"1"}"#, b"\"n\":"), None);
+        assert_eq!(number(br#"{"cache_n":"1"}"#, Field::CacheN), None);
         assert_eq!(
-            last_number(br#"{"n":18446744073709551616}"#, b"\"n\":"),
+            number(br#"{"cache_n":18446744073709551616}"#, Field::CacheN),
             None
         );
         assert_eq!(
-            last_number(br#"{"n":18446744073709551615}"#, b"\"n\":"),
+            number(br#"{"cache_n":18446744073709551615}"#, Field::CacheN),
             Some(u64::MAX)
         );
-        assert_eq!(last_number(br#"{"n""#, b"\"n\":"), None);
-        assert_eq!(rfind(b"abcabc", b"abc"), Some(3));
-        assert_eq!(rfind(b"aab", b"ab"), Some(1));
-        assert_eq!(rfind(b"ab", b"abc"), None);
-        assert_eq!(rfind(b"abc", b"c"), Some(2));
+        assert_eq!(number(br#"{"cache_n""#, Field::CacheN), None);
     }
 
     #[test]
     fn the_prefill_rate_is_read_from_llama_servers_timings() {
         let tail = br#"{"usage":{"prompt_tokens":1296,"prompt_tokens_details":{"cached_tokens":908}},"timings":{"cache_n":908,"prompt_n":388,"prompt_ms":1241.6,"prompt_per_token_ms":3.2}}"#;
-        let rate = engine_prefill(tail).expect("a rate");
+        let rate = engine_prefill(&Fields::of(tail)).expect("a rate");
         assert!((rate - 0.0032).abs() < 1e-9, "{rate}");
         // Too few evaluated tokens to say anything; no timings at all.
         assert_eq!(
-            engine_prefill(br#"{"timings":{"prompt_n":1,"prompt_ms":3.9}}"#),
+            engine_prefill(&Fields::of(
+                br#"{"timings":{"prompt_n":1,"prompt_ms":3.9}}"#
+            )),
             None
         );
         assert_eq!(
-            engine_prefill(br#"{"done":true,"prompt_eval_count":300}"#),
+            engine_prefill(&Fields::of(br#"{"done":true,"prompt_eval_count":300}"#)),
             None
         );
         assert_eq!(
-            engine_prefill(br#"{"timings":{"prompt_n":100,"prompt_ms":0}}"#),
+            engine_prefill(&Fields::of(
+                br#"{"timings":{"prompt_n":100,"prompt_ms":0}}"#
+            )),
             None
         );
     }
@@ -1047,7 +1025,7 @@ mod tests {
 {"done":true,"total_duration":5,"prompt_eval_count":12,"eval_count":30}
 "#;
         assert_eq!(
-            Tokens::of(native, None),
+            Tokens::of(&Fields::of(native), None),
             Tokens {
                 prompt: 12,
                 completion: 30
@@ -1055,7 +1033,7 @@ mod tests {
         );
         let sse = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":9,\"total_tokens\":16}}\n\ndata: [DONE]\n\n";
         assert_eq!(
-            Tokens::of(sse, None),
+            Tokens::of(&Fields::of(sse), None),
             Tokens {
                 prompt: 7,
                 completion: 9
@@ -1063,13 +1041,16 @@ mod tests {
         );
         let embed = br#"{"embeddings":[[0.1]],"total_duration":3,"prompt_eval_count":4}"#;
         assert_eq!(
-            Tokens::of(embed, None),
+            Tokens::of(&Fields::of(embed), None),
             Tokens {
                 prompt: 4,
                 completion: 0
             }
         );
-        assert_eq!(Tokens::of(b"{\"done\":true}", None), Tokens::default());
+        assert_eq!(
+            Tokens::of(&Fields::of(b"{\"done\":true}"), None),
+            Tokens::default()
+        );
     }
 
     #[test]
@@ -1077,7 +1058,7 @@ mod tests {
         let message =
             br#"{"type":"message","content":[],"usage":{"input_tokens":11,"output_tokens":5}}"#;
         assert_eq!(
-            Tokens::of(message, None),
+            Tokens::of(&Fields::of(message), None),
             Tokens {
                 prompt: 11,
                 completion: 5
@@ -1087,9 +1068,9 @@ mod tests {
         // the last message_delta.
         let start = b"event: message_start\ndata: {\"message\":{\"usage\":{\"input_tokens\":21,\"output_tokens\":0}}}\n\n";
         let end = b"event: message_delta\ndata: {\"usage\":{\"output_tokens\":8}}\n\nevent: message_stop\ndata: {}\n\n";
-        assert_eq!(head_prompt(start), Some(21));
+        assert_eq!(head_prompt(&Fields::of(start)), Some(21));
         assert_eq!(
-            Tokens::of(end, head_prompt(start)),
+            Tokens::of(&Fields::of(end), head_prompt(&Fields::of(start))),
             Tokens {
                 prompt: 21,
                 completion: 8
@@ -1097,13 +1078,13 @@ mod tests {
         );
         let completed = br#"data: {"type":"response.completed","response":{"usage":{"input_tokens":3,"input_tokens_details":{"cached_tokens":0},"output_tokens":4,"total_tokens":7}}}"#;
         assert_eq!(
-            Tokens::of(completed, None),
+            Tokens::of(&Fields::of(completed), None),
             Tokens {
                 prompt: 3,
                 completion: 4
             }
         );
-        assert_eq!(engine_cached(completed, None), Some(0));
+        assert_eq!(engine_cached(&Fields::of(completed), None), Some(0));
     }
 
     #[test]
@@ -1111,7 +1092,7 @@ mod tests {
         // `/infill` (and `/completion`): the last event counts the whole prompt and the answer.
         let tail = b"data: {\"content\":\"a\",\"stop\":false,\"tokens_predicted\":1,\"tokens_evaluated\":13}\n\ndata: {\"content\":\"\",\"stop\":true,\"tokens_predicted\":4,\"tokens_evaluated\":13,\"timings\":{\"cache_n\":6,\"prompt_n\":7}}\n\n";
         assert_eq!(
-            Tokens::of(tail, None),
+            Tokens::of(&Fields::of(tail), None),
             Tokens {
                 prompt: 13,
                 completion: 4
@@ -1124,31 +1105,37 @@ mod tests {
         // llama-server's Messages answer: input_tokens excludes what its cache held.
         let message = br#"{"type":"message","usage":{"cache_read_input_tokens":47,"input_tokens":1,"output_tokens":8}}"#;
         assert_eq!(
-            Tokens::of(message, None),
+            Tokens::of(&Fields::of(message), None),
             Tokens {
                 prompt: 48,
                 completion: 8
             }
         );
-        assert_eq!(engine_cached(message, None), Some(47));
+        assert_eq!(engine_cached(&Fields::of(message), None), Some(47));
         let created = br#"{"usage":{"input_tokens":2,"cache_creation_input_tokens":30,"cache_read_input_tokens":10,"output_tokens":1}}"#;
-        assert_eq!(Tokens::of(created, None).prompt, 42);
+        assert_eq!(Tokens::of(&Fields::of(created), None).prompt, 42);
         // A Messages stream states them in message_start only.
         let start = b"event: message_start\ndata: {\"message\":{\"usage\":{\"cache_read_input_tokens\":20,\"input_tokens\":5,\"output_tokens\":0}}}\n\n";
         let end = b"event: message_delta\ndata: {\"usage\":{\"output_tokens\":3}}\n\n";
-        assert_eq!(head_prompt(start), Some(25));
-        assert_eq!(engine_cached(end, Some(20)), Some(20));
+        assert_eq!(head_prompt(&Fields::of(start)), Some(25));
+        assert_eq!(engine_cached(&Fields::of(end), Some(20)), Some(20));
         // OpenAI's usage (prompt_tokens includes the cached ones) and llama.cpp's timings.
         let chat = br#"{"usage":{"completion_tokens":8,"prompt_tokens":52,"total_tokens":60,"prompt_tokens_details":{"cached_tokens":51}},"timings":{"cache_n":51,"prompt_n":1}}"#;
-        assert_eq!(Tokens::of(chat, None).prompt, 52);
-        assert_eq!(engine_cached(chat, None), Some(51));
+        assert_eq!(Tokens::of(&Fields::of(chat), None).prompt, 52);
+        assert_eq!(engine_cached(&Fields::of(chat), None), Some(51));
         assert_eq!(
-            engine_cached(br#"{"timings":{"cache_n":9,"prompt_n":3}}"#, None),
+            engine_cached(
+                &Fields::of(br#"{"timings":{"cache_n":9,"prompt_n":3}}"#),
+                None
+            ),
             Some(9)
         );
         // Ollama says nothing of a cache.
         assert_eq!(
-            engine_cached(br#"{"done":true,"prompt_eval_count":12}"#, None),
+            engine_cached(
+                &Fields::of(br#"{"done":true,"prompt_eval_count":12}"#),
+                None
+            ),
             None
         );
     }

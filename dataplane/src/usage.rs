@@ -169,13 +169,12 @@ struct Ledger {
 }
 
 impl Ledger {
-    fn add(&mut self, client: &str, model: &str, totals: &Totals, now: i64) {
-        let client: Arc<str> = Arc::from(client);
+    fn add(&mut self, client: &Arc<str>, model: &Arc<str>, totals: &Totals, now: i64) {
         self.rows
-            .entry((client.clone(), Arc::from(model)))
+            .entry((client.clone(), model.clone()))
             .or_default()
             .add(totals);
-        self.clients.entry(client).or_default().add(totals);
+        self.clients.entry(client.clone()).or_default().add(totals);
         self.last_unix_s = self.last_unix_s.max(now);
     }
 
@@ -291,7 +290,7 @@ impl Usage {
             let tokens = inner
                 .pending
                 .cloud
-                .entry((Arc::from(client.as_str()), Arc::from(account)))
+                .entry((client, Arc::from(account)))
                 .or_default();
             *tokens = tokens.saturating_add(totals.tokens());
         }

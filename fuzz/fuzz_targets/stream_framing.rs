@@ -4,7 +4,9 @@
 //! panics; the client receives every upstream byte unchanged, in order; a
 //! failure adds exactly one in-band error frame for NDJSON and SSE (on its
 //! own line) and nothing for opaque bodies (which end with an error); the
-//! completion hook runs once, with `total_duration` read from the tail.
+//! completion hook runs once, with `total_duration` read from the tail; the
+//! tail's index (`Fields`) reads every field as a backward search for its last
+//! `"name":` does.
 //!
 //! Input: the first byte picks the framing and whether the upstream fails;
 //! the rest is split into chunks at every 0xff byte.
@@ -20,7 +22,7 @@ use http_body::{Body as _, Frame};
 use http_body_util::{BodyExt, StreamBody};
 use libfuzzer_sys::fuzz_target;
 use oqp_dataplane::body::BoxError;
-use oqp_dataplane::upstream::{Framing, Outcome, ResponseBody, total_duration};
+use oqp_dataplane::upstream::{Field, Fields, Framing, Outcome, ResponseBody, total_duration};
 use serde_json::Value;
 
 fuzz_target!(|data: &[u8]| {
@@ -28,6 +30,15 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let _ = total_duration(rest);
+    let fields = Fields::of(rest);
+    for field in Field::ALL {
+        assert_eq!(
+            fields.number(field),
+            searched(rest, field.name()),
+            "{}",
+            field.name()
+        );
+    }
     if let Ok(value) = http::HeaderValue::from_bytes(rest) {
         let _ = Framing::of(Some(&value));
     }
@@ -120,3 +131,19 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(outcomes[0].total_duration, total_duration(tail));
     }
 });
+
+/// The number after the last `"name":` in `tail`, found by a backward search: the reading
+/// the index must agree with.
+fn searched(tail: &[u8], name: &str) -> Option<u64> {
+    let needle = format!("\"{name}\":");
+    let at = tail
+        .windows(needle.len())
+        .rposition(|window| window == needle.as_bytes())?;
+    let value = tail[at + needle.len()..].trim_ascii_start();
+    let digits: String = value
+        .iter()
+        .take_while(|byte| byte.is_ascii_digit())
+        .map(|byte| char::from(*byte))
+        .collect();
+    digits.parse().ok()
+}
