@@ -56,11 +56,12 @@ mod tests;
 #[allow(clippy::expect_used, clippy::unwrap_used)]
 mod vram_tests;
 
-use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
+
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
 use crate::policy::{Host, HostKind, ModelSwap, Policy, Strategy, normalize_model};
 use crate::swap::HostVram;

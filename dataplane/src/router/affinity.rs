@@ -15,9 +15,10 @@
 //! A request without a cached prefix anywhere is placed as before (model rank, then smooth
 //! weighted round-robin) and recorded where it went.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use foldhash::{HashMap, HashMapExt};
 
 use super::{ModelKey, Placement, Rank, RouteReason, Router, Strategy};
 use crate::affinity::{Chain, Hold, Index, Outcome, RunnerWarmth, Slot, Verdict};
