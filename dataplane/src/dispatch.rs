@@ -565,6 +565,9 @@ impl Dispatcher {
                 cost = cost.saturating_sub(load.unwrap_or_default());
             }
             if let (Some((host, _)), Some(model)) = (ran, model) {
+                // Normalised once here: the router's calls below then borrow it as it is.
+                let model = crate::policy::normal_model(model);
+                let model = &*model;
                 inner.router.completed(&host, model, load, now);
                 inner
                     .router

@@ -923,20 +923,37 @@ pub use oqp_proto::unix_ms;
 /// Normalises a model name the way Ollama matches them: case-insensitive, and
 /// a missing tag means `:latest`.
 pub fn normalize_model(name: &str) -> String {
+    normal_model(name).into_owned()
+}
+
+/// [`normalize_model`] without an allocation when the name is already normal (trimmed,
+/// lowercase, tagged), as a client's name usually is: the router compares a request's model
+/// with every host's lists on each dispatch and each completion.
+pub fn normal_model(name: &str) -> std::borrow::Cow<'_, str> {
     const LATEST: &str = ":latest";
     let name = name.trim();
     // The tag separator is the last ':' after the last '/', so that a
     // registry host with a port ("host:5000/ns/model") is not mistaken for one.
-    let last_segment = name.rsplit('/').next().unwrap_or(name);
-    let tagged = last_segment.contains(':');
-    // One allocation: this runs several times for every request that names a model.
+    // One pass over the bytes: this runs on every dispatch and completion.
+    let (mut tagged, mut upper) = (false, false);
+    for byte in name.bytes() {
+        match byte {
+            b'/' => tagged = false,
+            b':' => tagged = true,
+            b'A'..=b'Z' => upper = true,
+            _ => {}
+        }
+    }
+    if tagged && !upper {
+        return std::borrow::Cow::Borrowed(name);
+    }
     let mut normalized = String::with_capacity(name.len() + if tagged { 0 } else { LATEST.len() });
     normalized.push_str(name);
     normalized.make_ascii_lowercase();
     if !tagged {
         normalized.push_str(LATEST);
     }
-    normalized
+    std::borrow::Cow::Owned(normalized)
 }
 
 /// The smallest wire snapshot that compiles: one listener on port 0, one
@@ -976,6 +993,30 @@ mod tests {
             normalize_model("registry:5000/ns/model"),
             "registry:5000/ns/model:latest"
         );
+        assert_eq!(normalize_model("  qwen3:8b \n"), "qwen3:8b");
+    }
+
+    #[test]
+    fn a_normal_model_name_is_borrowed() {
+        use std::borrow::Cow;
+        assert!(matches!(
+            normal_model("qwen3:8b"),
+            Cow::Borrowed("qwen3:8b")
+        ));
+        assert!(matches!(
+            normal_model(" qwen3:8b "),
+            Cow::Borrowed("qwen3:8b")
+        ));
+        assert!(matches!(
+            normal_model("registry:5000/ns/model:v1"),
+            Cow::Borrowed("registry:5000/ns/model:v1")
+        ));
+        assert!(matches!(normal_model("Qwen3:8b"), Cow::Owned(name) if name == "qwen3:8b"));
+        assert!(matches!(normal_model("llama3"), Cow::Owned(name) if name == "llama3:latest"));
+        assert!(matches!(
+            normal_model("registry:5000/ns/model"),
+            Cow::Owned(name) if name == "registry:5000/ns/model:latest"
+        ));
     }
 
     #[test]

@@ -56,11 +56,12 @@ mod tests;
 #[allow(clippy::expect_used, clippy::unwrap_used)]
 mod vram_tests;
 
-use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
+
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 
 use crate::policy::{Host, HostKind, ModelSwap, Policy, Strategy, normalize_model};
 use crate::swap::HostVram;
@@ -71,10 +72,7 @@ pub use vram::Placing;
 /// How well `host` matches `model`, as the router ranks it: 2 loaded, 1 installed, 0 neither.
 pub fn model_rank(host: &Host, model: &str) -> u8 {
     let key = ModelKey::new(model);
-    let name = match (host.kind, &key.cloud) {
-        (HostKind::Cloud, Some(cloud)) => cloud,
-        _ => &key.local,
-    };
+    let name = key.listed_by(host.kind);
     if host.loaded.contains(name) {
         2
     } else if host.installed.contains(name) {
@@ -357,7 +355,8 @@ impl Router {
     /// Chooses a host for a request for `model` and reserves a slot on it; `None` when no
     /// candidate host has a free slot (or there is no host). `round_robin` ignores the model.
     pub fn place(&mut self, model: Option<&str>, strategy: Strategy) -> Option<Placement> {
-        self.choose(model, strategy, &[], false)
+        let key = model.map(ModelKey::new);
+        self.choose(key.as_ref(), strategy, &[], false)
     }
 
     /// Chooses another host for the same request after a connect error, timeout or busy 503
@@ -369,7 +368,8 @@ impl Router {
         strategy: Strategy,
         tried: &[Arc<str>],
     ) -> Option<Placement> {
-        self.choose(model, strategy, tried, false)
+        let key = model.map(ModelKey::new);
+        self.choose(key.as_ref(), strategy, tried, false)
     }
 
     /// Marks a host down after a connection failure, until a newer poll of it arrives.
@@ -444,11 +444,12 @@ impl Router {
             .find(|state| state.active && &*state.host.name == host)
     }
 
-    /// The choice (see the module documentation). With `vram`, "loaded" means resident in this
-    /// data plane's VRAM view, and hosts marked `unfit` count as busy.
+    /// The choice (see the module documentation) for a request for `key`. With `vram`,
+    /// "loaded" means resident in this data plane's VRAM view, and hosts marked `unfit` count
+    /// as busy.
     fn choose(
         &mut self,
-        model: Option<&str>,
+        key: Option<&ModelKey<'_>>,
         strategy: Strategy,
         tried: &[Arc<str>],
         vram: bool,
@@ -463,21 +464,18 @@ impl Router {
                 && !tried.iter().any(|name| *name == state.host.name)
         };
         // The runner counts whatever the strategy: round-robin hosts run models too.
-        let runner = model.map(|name| ModelKey::new(name).local);
-        let runner = runner.as_deref();
-        let named = model.map(ModelKey::new);
-        let engines = named
-            .as_ref()
+        let runner = key.map(|key| &*key.local);
+        let engines = key
             .filter(|_| strategy == Strategy::RoundRobin)
             .and_then(|key| self.engine_split(key, vram, &candidate));
         let model = match strategy {
-            Strategy::ModelAware => named,
+            Strategy::ModelAware => key,
             Strategy::RoundRobin => None,
         };
 
         // Which rank to pick among: the best one with a free slot, and hosts without the model
         // only when no candidate has it at all.
-        let (wanted, reason) = match &model {
+        let (wanted, reason) = match model {
             None => (None, RouteReason::RoundRobin),
             Some(key) => {
                 let mut best_free: Option<Rank> = None;
@@ -525,8 +523,7 @@ impl Router {
         }
         let (index, _) = best?;
         self.hosts.get_mut(index)?.current -= total;
-        let runner = runner.map(str::to_owned);
-        Some(self.reserve_runner(index, reason, runner.as_deref()))
+        Some(self.reserve_runner(index, reason, runner))
     }
 
     /// Under `round_robin`, which kinds of candidate host may take a request naming `model`
@@ -644,11 +641,15 @@ impl HostState {
         {
             return None;
         }
-        let in_use = self
-            .runners
-            .entry(model.to_owned())
-            .or_insert_with(|| Arc::new(AtomicU32::new(0)))
-            .clone();
+        // Looked up before an entry is made: the key is copied only for a new runner.
+        let in_use = match self.runners.get(model) {
+            Some(in_use) => in_use.clone(),
+            None => {
+                let in_use = Arc::new(AtomicU32::new(0));
+                self.runners.insert(model.to_owned(), in_use.clone());
+                in_use
+            }
+        };
         in_use.fetch_add(1, Ordering::AcqRel);
         Some(in_use)
     }
@@ -685,10 +686,7 @@ impl HostState {
     }
 
     fn rank(&self, model: &ModelKey, vram: bool) -> Rank {
-        let name = match (self.host.kind, &model.cloud) {
-            (HostKind::Cloud, Some(cloud)) => cloud,
-            _ => &model.local,
-        };
+        let name = model.listed_by(self.host.kind);
         if !self.forgotten.is_empty() && self.forgotten.contains(name) {
             Rank::Missing
         } else if if vram {

@@ -139,10 +139,11 @@ mod sim;
 #[allow(clippy::expect_used)]
 mod tests;
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use foldhash::{HashMap, HashMapExt};
 
 pub use client::{ClientLimits, ClientStat};
 pub use swap::{Cold, Offer, Placer, Requester, SwapRule, SwitchReason};

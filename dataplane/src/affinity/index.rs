@@ -10,9 +10,10 @@
 //! An entry is about [`ENTRY_BYTES`] bytes (the entry, its two prefix hashes and its session
 //! in the maps); [`Index::new`] caps the total.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use foldhash::{HashMap, HashMapExt};
 
 use super::chain::{Chain, Point};
 

@@ -15,13 +15,14 @@
 //! A request without a cached prefix anywhere is placed as before (model rank, then smooth
 //! weighted round-robin) and recorded where it went.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use foldhash::{HashMap, HashMapExt};
+
 use super::{ModelKey, Placement, Rank, RouteReason, Router, Strategy};
 use crate::affinity::{Chain, Hold, Index, Outcome, RunnerWarmth, Slot, Verdict};
-use crate::policy::Affinity;
+use crate::policy::{Affinity, normal_model};
 
 /// Expected slot time of a request on a runner nothing has been learned of, in seconds.
 const DEFAULT_SERVICE: f64 = 1.0;
@@ -113,7 +114,7 @@ impl Router {
         now: Instant,
     ) {
         if self.affinity.settings.enabled {
-            let local = ModelKey::new(model).local;
+            let local = normal_model(model);
             let held = now.saturating_duration_since(started);
             self.affinity
                 .index
@@ -131,7 +132,7 @@ impl Router {
     /// expected cached there: slots are no longer named there (see
     /// [`Index::stop_naming`]).
     pub fn named_slot_missed(&mut self, host: &str, model: &str) {
-        let local = ModelKey::new(model).local;
+        let local = normal_model(model);
         if self.affinity.index.stop_naming(host, &local) {
             tracing::warn!(
                 host,
@@ -154,7 +155,7 @@ impl Router {
         engine_slot: Option<u32>,
     ) {
         if self.affinity.settings.enabled {
-            let local = ModelKey::new(model).local;
+            let local = normal_model(model);
             self.affinity
                 .index
                 .moved(from, to, &local, started, engine_slot);
@@ -217,22 +218,21 @@ impl Router {
     /// documentation); [`choose`](Router::choose) for any other.
     pub(super) fn choose_affine(
         &mut self,
-        model: Option<&str>,
+        model: Option<&ModelKey<'_>>,
         chain: Option<&Chain>,
         strategy: Strategy,
         vram: bool,
         now: Instant,
     ) -> Choice {
-        let (Some(name), true) = (model, self.affinity.settings.enabled) else {
+        let (Some(key), true) = (model, self.affinity.settings.enabled) else {
             return self.plain_choice(model, strategy, vram);
         };
-        let key = ModelKey::new(name);
         let Some(chain) = chain else {
             let mut choice = self.plain_choice(model, strategy, vram);
             if let Choice::Run(placement) = &mut choice {
                 let host = placement.host.clone();
                 self.affinity.index.started(&host.name, &key.local, now);
-                placement.engine_slot = self.name_engine_slot(&host, &key, None, now);
+                placement.engine_slot = self.name_engine_slot(&host, key, None, now);
             }
             return choice;
         };
@@ -246,7 +246,7 @@ impl Router {
         let candidate = |state: &super::HostState| {
             state.active
                 && (!any_healthy || state.healthy())
-                && (!model_aware || state.rank(&key, vram) > Rank::Missing)
+                && (!model_aware || state.rank(key, vram) > Rank::Missing)
         };
         let cached_on = |host: &str| {
             warm.iter()
@@ -269,7 +269,7 @@ impl Router {
                 Outcome::New
             };
             let choice = self.plain_choice(model, strategy, vram);
-            return self.placed(choice, chain, &key, outcome, now);
+            return self.placed(choice, chain, key, outcome, now);
         };
         let fallback_rate = self.affinity.settings.prefill_per_token;
         let epsilon = self.affinity.settings.epsilon;
@@ -348,7 +348,7 @@ impl Router {
 
         if home_free && (!over_bound || alternative.is_none()) {
             let placement = self.reserve_runner(home, RouteReason::Loaded, Some(&key.local));
-            return self.placed(Choice::Run(placement), chain, &key, Outcome::Hit, now);
+            return self.placed(Choice::Run(placement), chain, key, Outcome::Hit, now);
         }
         let Some(elsewhere) = alternative else {
             self.affinity
@@ -381,7 +381,7 @@ impl Router {
                 Some(placement) => Choice::Run(placement),
                 None => Choice::Wait,
             };
-            return self.placed(choice, chain, &key, Outcome::Spill, now);
+            return self.placed(choice, chain, key, Outcome::Spill, now);
         }
         self.affinity
             .index
@@ -408,7 +408,12 @@ impl Router {
             .engine_slot(&host.name, &key.local, slots, slot, now)
     }
 
-    fn plain_choice(&mut self, model: Option<&str>, strategy: Strategy, vram: bool) -> Choice {
+    fn plain_choice(
+        &mut self,
+        model: Option<&ModelKey<'_>>,
+        strategy: Strategy,
+        vram: bool,
+    ) -> Choice {
         match self.choose(model, strategy, &[], vram) {
             Some(placement) => Choice::Run(placement),
             None => Choice::Wait,

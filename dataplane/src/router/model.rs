@@ -1,21 +1,32 @@
 //! Model names as hosts list them, and Ollama's "model not found".
 
-use crate::policy::normalize_model;
+use std::borrow::Cow;
 
-/// A requested model in the forms hosts list it.
-pub(super) struct ModelKey {
+use crate::policy::{HostKind, normal_model};
+
+/// A requested model in the forms hosts list it: borrowed from the request's name when that
+/// is already normal. Made once per placement and once per completion, and handed down.
+pub(super) struct ModelKey<'a> {
     /// As a local Ollama lists it.
-    pub(super) local: String,
+    pub(super) local: Cow<'a, str>,
     /// As Ollama Cloud lists it, when that differs (a `:cloud`/`-cloud` suffix removed).
-    pub(super) cloud: Option<String>,
+    pub(super) cloud: Option<Cow<'a, str>>,
 }
 
-impl ModelKey {
-    pub(super) fn new(model: &str) -> Self {
+impl<'a> ModelKey<'a> {
+    pub(super) fn new(model: &'a str) -> Self {
         let stripped = strip_cloud_suffix(model);
         ModelKey {
-            local: normalize_model(model),
-            cloud: (stripped.len() != model.trim().len()).then(|| normalize_model(stripped)),
+            local: normal_model(model),
+            cloud: (stripped.len() != model.trim().len()).then(|| normal_model(stripped)),
+        }
+    }
+
+    /// The name as a host of `kind` lists it.
+    pub(super) fn listed_by(&self, kind: HostKind) -> &str {
+        match (kind, &self.cloud) {
+            (HostKind::Cloud, Some(cloud)) => cloud,
+            _ => &self.local,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use super::affinity::Choice;
 use super::{ModelKey, Placement, Router, Strategy};
-use crate::policy::{Host, ModelSwap};
+use crate::policy::{Host, ModelSwap, normal_model};
 use crate::scheduler::{Offer, Placer, Requester};
 use crate::swap::{Fit, SwapStat, SwitchReason};
 
@@ -61,6 +61,7 @@ impl Router {
         let Some(name) = model else {
             return self.plain(None, None, strategy, now);
         };
+        // Normalised once for the whole decision.
         let key = ModelKey::new(name);
         let any_healthy = self
             .hosts
@@ -73,7 +74,7 @@ impl Router {
             .iter()
             .any(|state| candidate(state) && state.rank(&key, true) > super::Rank::Missing);
         if !self.swap.enabled || !anyone_has_it {
-            return self.plain(Some(name), chain, strategy, now);
+            return self.plain(Some(&key), chain, strategy, now);
         }
         let mut cold: Option<(bool, usize)> = None;
         let mut blocked: Option<usize> = None;
@@ -90,7 +91,7 @@ impl Router {
                 continue;
             }
             let free = state.has_free_slot_for(Some(&key.local));
-            if state.vram.switching_to() == Some(key.local.as_str()) {
+            if state.vram.switching_to() == Some(&*key.local) {
                 switching_here = Some(index);
             }
             match fit {
@@ -102,7 +103,7 @@ impl Router {
                 _ => {}
             }
         }
-        let chosen = self.choose_affine(model, chain, strategy, true, now);
+        let chosen = self.choose_affine(Some(&key), chain, strategy, true, now);
         for state in &mut self.hosts {
             state.unfit = false;
         }
@@ -130,7 +131,7 @@ impl Router {
     /// reports, and holding once the rule is on).
     fn plain(
         &mut self,
-        model: Option<&str>,
+        model: Option<&ModelKey<'_>>,
         chain: Option<&crate::affinity::Chain>,
         strategy: Strategy,
         now: Instant,
@@ -138,7 +139,7 @@ impl Router {
         match self.choose_affine(model, chain, strategy, false, now) {
             Choice::Run(mut placement) => {
                 match model {
-                    Some(name) => self.record(&mut placement, &ModelKey::new(name), now),
+                    Some(key) => self.record(&mut placement, key, now),
                     None => self.uncounted(&placement.host.name),
                 }
                 Offer::Run(placement)
@@ -185,7 +186,7 @@ impl Router {
                 state.unfit = state.active && matches!(fit, Fit::Switch | Fit::Blocked);
             }
         }
-        let chosen = self.choose(model, strategy, tried, vram);
+        let chosen = self.choose(key.as_ref(), strategy, tried, vram);
         for state in &mut self.hosts {
             state.unfit = false;
         }
@@ -209,7 +210,7 @@ impl Router {
     /// before reaching it, or was given up): its in-flight count goes back.
     pub fn released(&mut self, host: &str, model: &str, now: Instant) {
         if let Some(state) = self.state_of_any(host) {
-            state.vram.completed(&ModelKey::new(model).local, None, now);
+            state.vram.completed(&normal_model(model), None, now);
         }
     }
 
@@ -244,7 +245,7 @@ impl Router {
     /// A request for `model` on `host` ended with this `load_duration`.
     pub fn completed(&mut self, host: &str, model: &str, load: Option<Duration>, now: Instant) {
         if let Some(state) = self.state_of_any(host) {
-            state.vram.completed(&ModelKey::new(model).local, load, now);
+            state.vram.completed(&normal_model(model), load, now);
         }
     }
 
@@ -266,7 +267,7 @@ impl Router {
             state.vram.unloaded(model);
         }
         // Its runner's prompt cache went with it.
-        self.forget_runner(host, Some(&ModelKey::new(model).local));
+        self.forget_runner(host, Some(&normal_model(model)));
     }
 
     /// Switches under way: (host, model as the scheduler named it). A switch given up is

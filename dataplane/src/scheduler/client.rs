@@ -1,9 +1,11 @@
 //! Per-client state: limits, the client's waiting tickets in each tier (FIFO), its fair-queuing
 //! flows, in-flight count, decayed usage and counters.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use foldhash::HashSet;
 
 use super::TicketId;
 use super::fair::{CostMean, Decayed, Flow};

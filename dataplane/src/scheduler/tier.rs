@@ -1,10 +1,12 @@
 //! Priority tiers: the tier type, its limits, and the per-tier bookkeeping of the scheduler
 //! (deadline order, virtual clock, watermark, counters).
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use foldhash::{HashSet, HashSetExt};
 
 use super::TicketId;
 
