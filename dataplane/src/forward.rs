@@ -112,7 +112,10 @@ pub async fn send(
     let policy: &Policy = &policy;
     let head_timeout = outbound.head_timeout(&policy.proxy);
     let mut tried: Vec<Arc<str>> = Vec::new();
-    let mut outbound = Some(outbound);
+    // Each attempt sends what it needs of this one request (a copy of its headers; a
+    // streamed body, which goes once, taken): no copy of the whole request for a retry.
+    let mut outbound = outbound;
+    let replayable = matches!(outbound.body, RequestBody::Buffered(_));
     let mut last_refusal: Option<Answer> = None;
     let mut failures = Failures::none();
     // Whether an attempt failed after its request was written (it may have run).
@@ -121,20 +124,15 @@ pub async fn send(
         let Some(host) = lease.host().cloned() else {
             return Err(ProxyError::AllHostsFailed(failures));
         };
-        let Some(attempt) = outbound.take() else {
-            break;
-        };
-        let (this_attempt, replay) = split_for_retry(attempt);
-        let replayable = replay.is_some();
-        outbound = replay;
         tried.push(host.name.clone());
         let started = Instant::now();
         let result = match host.kind {
             HostKind::Cloud => {
-                send_cloud(parts, policy, &host, model, this_attempt, head_timeout).await
+                send_cloud(parts, policy, &host, model, &mut outbound, head_timeout).await
             }
             HostKind::Ollama | HostKind::Openai => {
-                let this_attempt = name_slot(&host, lease.named_slot(), this_attempt);
+                let mut named = name_slot(&host, lease.named_slot(), &outbound);
+                let this_attempt = named.as_mut().unwrap_or(&mut outbound);
                 send_local(parts, &host, this_attempt, head_timeout).await
             }
         };
@@ -198,20 +196,25 @@ pub async fn send(
 
 /// The request with the engine slot the router chose for it named (`id_slot`), on a host of
 /// kind `openai` (a llama-server: the router names slots only there), when its body is one
-/// JSON object in memory; else as it is.
-fn name_slot(host: &Host, slot: Option<u32>, mut outbound: Outbound) -> Outbound {
+/// JSON object in memory: a copy for this host alone. `None` to send it as it is.
+fn name_slot(host: &Host, slot: Option<u32>, outbound: &Outbound) -> Option<Outbound> {
     if host.kind != HostKind::Openai || outbound.openai_embeddings.is_some() {
-        return outbound;
+        return None;
     }
-    if let (Some(slot), RequestBody::Buffered(body)) = (slot, &outbound.body)
-        && let Some(named) = rewrite::set_slot(body, slot)
-    {
-        outbound
-            .headers
-            .insert(header::CONTENT_LENGTH, HeaderValue::from(named.len()));
-        outbound.body = RequestBody::Buffered(named);
-    }
-    outbound
+    let (Some(slot), RequestBody::Buffered(body)) = (slot, &outbound.body) else {
+        return None;
+    };
+    let named = rewrite::set_slot(body, slot)?;
+    let mut headers = outbound.headers.clone();
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(named.len()));
+    Some(Outbound {
+        method: outbound.method.clone(),
+        path_and_query: outbound.path_and_query.clone(),
+        headers,
+        body: RequestBody::Buffered(named),
+        unstreamed: outbound.unstreamed,
+        openai_embeddings: None,
+    })
 }
 
 /// What one host did with the request.
@@ -227,45 +230,46 @@ enum Sent {
     Refused(ProxyError),
 }
 
+/// Sends `outbound` to `host`: a copy of a request whose body is in memory, or the request
+/// itself with a streamed body (taken: it goes once).
 async fn send_local(
     parts: Parts<'_>,
     host: &Arc<Host>,
-    outbound: Outbound,
+    outbound: &mut Outbound,
     head_timeout: std::time::Duration,
 ) -> Result<Sent, UpstreamError> {
     if host.kind == HostKind::Openai
         && let Some(origin) = &outbound.openai_embeddings
         && outbound.path_and_query.path() == "/api/embed"
     {
-        return send_openai_embeddings(parts, host, origin.clone(), outbound, head_timeout).await;
+        let origin = origin.clone();
+        return send_openai_embeddings(parts, host, origin, outbound, head_timeout).await;
     }
-    let response = match outbound.body {
+    let response = if let RequestBody::Buffered(bytes) = &outbound.body {
         // A body in memory can be sent again when a pooled connection turns out closed.
-        RequestBody::Buffered(bytes) => {
-            let request = || {
-                let body = body_of(RequestBody::Buffered(bytes.clone()));
-                let path = &outbound.path_and_query;
-                proxy::request_for(host, &outbound.method, path, &outbound.headers, body).ok()
-            };
-            parts
-                .upstream
-                .send_replayable(host.kind, request, head_timeout)
-                .await?
-        }
-        streamed @ RequestBody::Streamed(_) => {
-            let request = proxy::request_for(
-                host,
-                &outbound.method,
-                &outbound.path_and_query,
-                &outbound.headers,
-                body_of(streamed),
-            )
-            .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
-            parts
-                .upstream
-                .send_to(host.kind, request, head_timeout)
-                .await?
-        }
+        let request = || {
+            let body = body_of(RequestBody::Buffered(bytes.clone()));
+            let (method, path) = (&outbound.method, &outbound.path_and_query);
+            proxy::request_for(host, method, path, outbound.headers.clone(), body).ok()
+        };
+        parts
+            .upstream
+            .send_replayable(host.kind, request, head_timeout)
+            .await?
+    } else {
+        let streamed = std::mem::replace(&mut outbound.body, RequestBody::Buffered(Bytes::new()));
+        let request = proxy::request_for(
+            host,
+            &outbound.method,
+            &outbound.path_and_query,
+            std::mem::take(&mut outbound.headers),
+            body_of(streamed),
+        )
+        .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
+        parts
+            .upstream
+            .send_to(host.kind, request, head_timeout)
+            .await?
     };
     let mut answer = Answer::new(host.clone(), response);
     let status = answer.response.status();
@@ -293,7 +297,7 @@ async fn send_openai_embeddings(
     parts: Parts<'_>,
     host: &Arc<Host>,
     origin: Bytes,
-    outbound: Outbound,
+    outbound: &Outbound,
     timeout: std::time::Duration,
 ) -> Result<Sent, UpstreamError> {
     let RequestBody::Buffered(embed) = &outbound.body else {
@@ -318,7 +322,14 @@ async fn send_openai_embeddings(
     let path = http::uri::PathAndQuery::from_static(rewrite::openai_host::EMBEDDINGS_PATH);
     let request = || {
         let body = body::full(body.clone());
-        proxy::request_for(host, &outbound.method, &path, &outbound.headers, body).ok()
+        proxy::request_for(
+            host,
+            &outbound.method,
+            &path,
+            outbound.headers.clone(),
+            body,
+        )
+        .ok()
     };
     let response = parts
         .upstream
@@ -373,7 +384,7 @@ async fn send_cloud(
     policy: &Policy,
     host: &Arc<Host>,
     model: Option<&str>,
-    outbound: Outbound,
+    outbound: &mut Outbound,
     head_timeout: std::time::Duration,
 ) -> Result<Sent, UpstreamError> {
     let Some(pool) = parts.cloud.get(&host.name) else {
@@ -397,19 +408,14 @@ async fn send_cloud(
             headers: Vec::new(),
         }));
     }
-    let RequestBody::Buffered(body) = outbound.body else {
+    let RequestBody::Buffered(body) = &outbound.body else {
         // A streamed body cannot be retried on another key: one attempt.
         let key = pool
             .attempts(&cloud::Lease::none())
             .next_key(Instant::now());
-        let mut headers = outbound.headers;
         if let Some(key) = &key {
-            set_bearer(&mut headers, key.key());
+            set_bearer(&mut outbound.headers, key.key());
         }
-        let outbound = Outbound {
-            headers,
-            ..outbound
-        };
         return send_local(parts, host, outbound, head_timeout).await;
     };
     let requested = model.unwrap_or_default();
@@ -443,7 +449,7 @@ async fn send_cloud(
                 host,
                 &outbound.method,
                 &outbound.path_and_query,
-                &headers,
+                headers,
                 body::full(body.clone()),
             )
             .map_err(|_| UpstreamError::Connect("invalid upstream URL".into()))?;
@@ -593,7 +599,7 @@ async fn key_refused(parts: Parts<'_>, policy: &Policy, host: &Arc<Host>, key: &
         host,
         &http::Method::GET,
         &http::uri::PathAndQuery::from_static("/api/usage"),
-        &headers,
+        headers,
         body::empty(),
     ) else {
         return false;

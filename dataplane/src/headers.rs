@@ -40,7 +40,8 @@ pub const API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 /// A client's own headers that never reach an upstream: every way the SDKs send a key
 /// (`Authorization` is removed beside them), the client's cookies, and the client address
 /// chain (which only oqp reads, for the throttle and logs). Ollama ignores all of them; a
-/// cloud upstream must see oqp's key alone.
+/// cloud upstream must see oqp's key alone. (Matched by name in `stays_before_upstream`.)
+#[cfg(test)]
 const CLIENT_ONLY: [HeaderName; 7] = [
     API_KEY,
     HeaderName::from_static("api-key"),
@@ -52,7 +53,9 @@ const CLIENT_ONLY: [HeaderName; 7] = [
 ];
 
 /// Headers that describe one connection and never cross a proxy (RFC 9110
-/// §7.6.1), plus the non-standard ones clients still send.
+/// §7.6.1), plus the non-standard ones clients still send. (Matched by name in
+/// `is_hop_by_hop`.)
+#[cfg(test)]
 const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
@@ -64,47 +67,96 @@ const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// Whether `name` is hop-by-hop (RFC 9110 §7.6.1, and the non-standard ones clients still
+/// send) or `Transfer-Encoding`, which is hyper's:
+/// it owns framing.
+fn is_hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "transfer-encoding"
+    )
+}
+
+/// oqp's own hop headers, which only a data plane sets.
+fn is_internal(name: &str) -> bool {
+    matches!(
+        name,
+        "x-oqp-hop" | "x-oqp-hop-refused" | "x-oqp-hop-elapsed-us"
+    )
+}
+
+/// Whether `name` never reaches an upstream: hop-by-hop, the client's own `Host`, its
+/// credentials and the other ways SDKs send a key, its cookies and its address chain, oqp's request headers and its hop headers.
+fn stays_before_upstream(name: &str) -> bool {
+    is_hop_by_hop(name)
+        || is_internal(name)
+        || matches!(
+            name,
+            "host"
+                | "authorization"
+                | "x-api-key"
+                | "api-key"
+                | "x-goog-api-key"
+                | "cookie"
+                | "x-forwarded-for"
+                | "forwarded"
+                | "x-real-ip"
+                | "x-queue-priority"
+                | "x-client-id"
+        )
+}
+
+/// Removes every header `unwanted` names and every header a `Connection` header names, in
+/// one pass over the headers there are (most are kept) rather than a removal per name that
+/// may be there.
+fn remove_where(headers: &mut HeaderMap, unwanted: fn(&str) -> bool) {
+    let mut named: Vec<HeaderName> = Vec::new();
+    // A removal reorders the map: the scan starts again, over what is left.
+    while let Some(name) = headers
+        .keys()
+        .find(|name| unwanted(name.as_str()) || named.contains(name))
+        .cloned()
+    {
+        if name == header::CONNECTION {
+            named.extend(
+                headers
+                    .get_all(header::CONNECTION)
+                    .iter()
+                    .filter_map(|value| value.to_str().ok())
+                    .flat_map(|value| value.split(','))
+                    .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok()),
+            );
+        }
+        headers.remove(&name);
+    }
+}
+
 /// Removes hop-by-hop headers, including every header the `Connection`
 /// header names. `Transfer-Encoding` is left to hyper, which owns framing.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(','))
-        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
-        .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
-        headers.remove(name);
-    }
-    headers.remove(header::TRANSFER_ENCODING);
+    remove_where(headers, is_hop_by_hop);
 }
 
 /// Prepares an upstream answer's headers for the client: hop-by-hop headers removed, and
 /// oqp's own hop headers, which only a data plane may set (an upstream's
 /// `x-oqp-hop-refused` would make an edge send the request to another box again).
 pub fn from_upstream(headers: &mut HeaderMap) {
-    strip_hop_by_hop(headers);
-    for internal in [HOP, HOP_REFUSED, HOP_ELAPSED] {
-        headers.remove(internal);
-    }
+    remove_where(headers, |name| is_hop_by_hop(name) || is_internal(name));
 }
 
 /// Prepares a client's request headers for the upstream: hop-by-hop and
 /// oqp's own headers removed, the client's credentials dropped, the resolved
 /// client id set.
 pub fn for_upstream(headers: &mut HeaderMap, client_id: Option<&str>) {
-    strip_hop_by_hop(headers);
-    headers.remove(header::HOST);
-    headers.remove(header::AUTHORIZATION);
-    for name in CLIENT_ONLY {
-        headers.remove(name);
-    }
-    headers.remove(QUEUE_PRIORITY);
-    headers.remove(CLIENT_ID);
-    for internal in [HOP, HOP_REFUSED, HOP_ELAPSED] {
-        headers.remove(internal);
-    }
+    remove_where(headers, stays_before_upstream);
     if let Some(id) = client_id.and_then(|id| http::HeaderValue::from_str(id).ok()) {
         headers.insert(CLIENT_ID, id);
     }
@@ -169,6 +221,84 @@ mod tests {
         strip_hop_by_hop(&mut headers);
         assert_eq!(headers.len(), 1);
         assert!(headers.contains_key(header::CONTENT_TYPE));
+    }
+
+    #[test]
+    fn each_pass_removes_exactly_its_names() {
+        let (hop_by_hop, client_only) = (HOP_BY_HOP, CLIENT_ONLY);
+        let internal = [HOP, HOP_REFUSED, HOP_ELAPSED];
+        let own = [
+            header::HOST,
+            header::AUTHORIZATION,
+            QUEUE_PRIORITY,
+            CLIENT_ID,
+        ];
+        let kept = [
+            header::CONTENT_TYPE,
+            header::CONTENT_LENGTH,
+            header::ACCEPT,
+            header::USER_AGENT,
+            REQUEST_ID,
+            HeaderName::from_static("x-custom"),
+        ];
+        let hop = hop_by_hop
+            .iter()
+            .chain([&header::TRANSFER_ENCODING])
+            .cloned();
+        for name in hop.clone() {
+            assert!(is_hop_by_hop(name.as_str()), "{name}");
+        }
+        for name in internal.iter().chain(&own).chain(&client_only) {
+            assert!(!is_hop_by_hop(name.as_str()), "{name}");
+        }
+        let everything: Vec<HeaderName> = hop
+            .chain(internal.clone())
+            .chain(own.clone())
+            .chain(client_only.clone())
+            .chain(kept.clone())
+            .collect();
+        let full = || {
+            let mut headers = HeaderMap::new();
+            for name in &everything {
+                headers.append(name.clone(), "1".parse().unwrap());
+                headers.append(name.clone(), "2".parse().unwrap());
+            }
+            headers
+        };
+        let mut request = full();
+        for_upstream(&mut request, None);
+        let mut left: Vec<&str> = request.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        let mut wanted: Vec<&str> = kept.iter().map(HeaderName::as_str).collect();
+        wanted.sort_unstable();
+        assert_eq!(left, wanted);
+        assert_eq!(request.len(), 2 * kept.len());
+        let mut answer = full();
+        from_upstream(&mut answer);
+        let mut left: Vec<&str> = answer.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        let mut wanted: Vec<&str> = kept
+            .iter()
+            .chain(&own)
+            .chain(&client_only)
+            .map(HeaderName::as_str)
+            .collect();
+        wanted.sort_unstable();
+        assert_eq!(left, wanted);
+    }
+
+    #[test]
+    fn a_header_named_by_connection_goes_wherever_it_comes() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-before", "1".parse().unwrap());
+        headers.append(header::CONNECTION, "x-before".parse().unwrap());
+        headers.append(header::CONNECTION, " X-After ,keep-alive".parse().unwrap());
+        headers.insert("x-after", "1".parse().unwrap());
+        headers.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        for_upstream(&mut headers, Some("c"));
+        let mut left: Vec<&str> = headers.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["content-type", "x-client-id"]);
     }
 
     #[test]

@@ -328,7 +328,7 @@ pub async fn send(
     };
     let mut failed = Vec::new();
     let mut failures = Failures::none();
-    for host in hosts {
+    for (index, host) in hosts.iter().enumerate() {
         let body = match (&buffered, streamed.take()) {
             (Some(bytes), _) if bytes.is_empty() => body::empty(),
             (Some(bytes), _) => body::full(bytes.clone()),
@@ -336,7 +336,13 @@ pub async fn send(
             // A streamed body was consumed by the failed attempt.
             (None, None) => break,
         };
-        let request = request_for(host, &method, &path_and_query, &headers, body)?;
+        // The last host's request takes the headers: none is built after it.
+        let headers = if index + 1 == hosts.len() {
+            std::mem::take(&mut headers)
+        } else {
+            headers.clone()
+        };
+        let request = request_for(host, &method, &path_and_query, headers, body)?;
         match upstream.send_to(host.kind, request, timeout).await {
             Ok(response) => {
                 let mut answer = Answer::new(host.clone(), response);
@@ -383,12 +389,13 @@ pub fn respond(
     Response::from_parts(parts, body.boxed())
 }
 
-/// Builds the request for one host.
+/// Builds the request for one host, with `headers` (a copy for each attempt that may not be
+/// the last, made by the caller).
 pub fn request_for(
     host: &Host,
     method: &http::Method,
     path_and_query: &http::uri::PathAndQuery,
-    headers: &http::HeaderMap,
+    headers: http::HeaderMap,
     body: Body,
 ) -> Result<Request<Body>, ProxyError> {
     let uri = http::Uri::builder()
@@ -400,7 +407,7 @@ pub fn request_for(
     let mut request = Request::new(body);
     *request.method_mut() = method.clone();
     *request.uri_mut() = uri;
-    *request.headers_mut() = headers.clone();
+    *request.headers_mut() = headers;
     Ok(request)
 }
 /// Requests in flight upstream, each counted while its guard lives.

@@ -23,12 +23,16 @@ pub fn from_headers(headers: &HeaderMap) -> String {
 pub fn generate() -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let random = rand::random::<u64>();
-    // Written digit by digit, not through `format!`: every request without an id of its own
-    // takes one.
-    (0..16)
-        .rev()
-        .map(|digit| char::from(HEX[((random >> (digit * 4)) & 0xf) as usize]))
-        .collect()
+    // Written digit by digit into one buffer, not through `format!` nor a `char` at a time:
+    // every request without an id of its own takes one.
+    let mut digits = [0u8; 16];
+    for (at, digit) in digits.iter_mut().enumerate() {
+        *digit = HEX[((random >> ((15 - at) * 4)) & 0xf) as usize];
+    }
+    // Hex digits: always UTF-8.
+    std::str::from_utf8(&digits)
+        .map(str::to_owned)
+        .unwrap_or_default()
 }
 
 #[cfg(test)]

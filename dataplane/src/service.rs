@@ -55,9 +55,12 @@ pub async fn handle(
     let request_id = request_id::from_headers(request.headers());
     let shape = error::Shape::of(request.uri().path());
     // Set on the request too, so that what goes upstream or to the owner of
-    // the chosen host carries the same id as the answer and both logs.
-    if let Ok(id) = HeaderValue::from_str(&request_id) {
-        request.headers_mut().insert(headers::REQUEST_ID, id);
+    // the chosen host carries the same id as the answer and both logs (one value, shared).
+    let id_value = HeaderValue::from_str(&request_id).ok();
+    if let Some(id) = &id_value {
+        request
+            .headers_mut()
+            .insert(headers::REQUEST_ID, id.clone());
     }
 
     // The one policy load of this request: the whole request sees one snapshot.
@@ -93,7 +96,7 @@ pub async fn handle(
     if hopped {
         crate::relay::mark_answer(&mut response, started.elapsed(), refused);
     }
-    if let Ok(id) = HeaderValue::from_str(&request_id) {
+    if let Some(id) = id_value {
         response.headers_mut().insert(headers::REQUEST_ID, id);
     }
     span.in_scope(|| {

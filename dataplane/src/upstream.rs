@@ -249,9 +249,17 @@ impl Upstream {
 
     async fn exchange(
         client: &Client<Connector, Body>,
-        request: Request<Body>,
+        mut request: Request<Body>,
         timeout: Duration,
     ) -> Result<Response<Incoming>, UpstreamError> {
+        // What the client would write itself, formatted anew for each request: here mostly
+        // the authority as it is. (A request oqp sends never has its own.)
+        if let Some(host) = host_header(request.uri())
+            && let http::header::Entry::Vacant(vacant) =
+                request.headers_mut().entry(http::header::HOST)
+        {
+            vacant.insert(host);
+        }
         match tokio::time::timeout(timeout, client.request(request)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(Ok(response)) => {
@@ -264,6 +272,36 @@ impl Upstream {
             }
             Ok(Err(error)) => Err(UpstreamError::Transport(root_cause(&error))),
         }
+    }
+}
+
+/// The `Host` header of a request to `uri`, as hyper_util's client writes it when a request
+/// has none (the host, and the port unless it is the scheme's default), without its
+/// `format!`: for an authority with no user info and no default port, the authority itself.
+fn host_header(uri: &http::Uri) -> Option<http::HeaderValue> {
+    let authority = uri.authority()?;
+    let host = authority.host();
+    let default_port = if matches!(uri.scheme_str(), Some("https" | "wss")) {
+        443
+    } else {
+        80
+    };
+    let port = authority
+        .port()
+        .filter(|port| port.as_u16() != default_port);
+    let whole = authority.as_str();
+    let written = match &port {
+        None => whole == host,
+        Some(port) => {
+            whole.len() == host.len() + 1 + port.as_str().len() && whole.starts_with(host)
+        }
+    };
+    if written {
+        return http::HeaderValue::from_str(whole).ok();
+    }
+    match port {
+        Some(port) => http::HeaderValue::from_str(&format!("{host}:{port}")).ok(),
+        None => http::HeaderValue::from_str(host).ok(),
     }
 }
 
@@ -798,6 +836,26 @@ pub fn total_duration(tail: &[u8]) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_host_header_is_the_one_the_client_would_write() {
+        let cases = [
+            ("http://127.0.0.1:11434/api/tags", "127.0.0.1:11434"),
+            ("http://gpu/api/tags", "gpu"),
+            ("http://gpu:80/api/tags", "gpu"),
+            ("https://ollama.com:443/api/chat", "ollama.com"),
+            ("https://ollama.com:80/api/chat", "ollama.com:80"),
+            ("http://gpu:443/", "gpu:443"),
+            ("http://user:secret@gpu:8080/", "gpu:8080"),
+            ("http://user@gpu/", "gpu"),
+            ("http://[::1]:11434/", "[::1]:11434"),
+        ];
+        for (uri, host) in cases {
+            let uri: http::Uri = uri.parse().unwrap();
+            assert_eq!(host_header(&uri).unwrap(), host, "{uri}");
+        }
+        assert_eq!(host_header(&"/api/tags".parse().unwrap()), None);
+    }
 
     #[test]
     fn a_failure_says_what_the_attempt_may_have_run() {

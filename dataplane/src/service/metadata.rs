@@ -165,7 +165,7 @@ async fn listing_of(
         host,
         &outbound.method,
         &outbound.path_and_query,
-        &outbound.headers,
+        outbound.headers.clone(),
         body::empty(),
     );
     let Ok(request) = request else {
