@@ -263,14 +263,26 @@ impl HopKey {
             .map(|(assertion, _)| assertion)
     }
 
-    /// [`HopKey::verify`], with the header's timestamp (Unix ms).
+    /// [`HopKey::verify`], with the header's timestamp (Unix ms) and signature.
     fn verified(
         &self,
         header: &HeaderValue,
         request: Request<'_>,
         now: SystemTime,
-    ) -> Result<(Assertion, u64), HopError> {
+    ) -> Result<(Assertion, Signed), HopError> {
         let fields = Fields::parse(header).ok_or(HopError::Malformed)?;
+        let signed = self.check(&fields, request, now)?;
+        Ok((fields.assertion, signed))
+    }
+
+    /// Whether `fields`' signature is this key's for `request`, and their timestamp within
+    /// [`MAX_SKEW`] of `now`.
+    fn check(
+        &self,
+        fields: &Fields<'_>,
+        request: Request<'_>,
+        now: SystemTime,
+    ) -> Result<Signed, HopError> {
         let signature = hex::decode(fields.signature).map_err(|_| HopError::Malformed)?;
         self.mac(&fields.assertion, request, fields.ts, fields.nonce)
             .verify_slice(&signature)
@@ -279,7 +291,12 @@ impl HopKey {
         if u128::from(skew) > MAX_SKEW.as_millis() {
             return Err(HopError::Skew);
         }
-        Ok((fields.assertion, fields.ts))
+        // It verified: it is a SHA-256 output.
+        let signature = signature.try_into().map_err(|_| HopError::BadSignature)?;
+        Ok(Signed {
+            ts: fields.ts,
+            signature,
+        })
     }
 
     fn mac(
@@ -381,7 +398,57 @@ impl HopKey {
 
 /// The edge a hop header names, before it is verified: which key to verify it with.
 pub fn claimed_edge(header: &HeaderValue) -> Option<Arc<str>> {
-    Fields::parse(header).map(|fields| fields.assertion.node)
+    Claim::read(header).map(|claim| claim.0.assertion.node)
+}
+
+/// A hop header read once, not yet verified: the edge it names ([`Claim::edge`], which says
+/// which keys to verify it with) and what its signature covers ([`Claim::verify_any`]).
+pub struct Claim<'a>(Fields<'a>);
+
+impl std::fmt::Debug for Claim<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("edge", &self.edge())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Claim<'a> {
+    /// `header`'s fields; `None` when it is not of the form above.
+    pub fn read(header: &'a HeaderValue) -> Option<Self> {
+        Fields::parse(header).map(Self)
+    }
+
+    /// The edge node it names.
+    pub fn edge(&self) -> &str {
+        &self.0.assertion.node
+    }
+}
+
+/// [`verify_any`] of a header already read: `claim` is `None` for one that was not of the
+/// form above (refused as malformed, once there is a key to check it with).
+pub fn verify_claim(
+    keys: &[HopKey],
+    replays: &Replays,
+    claim: Option<Claim<'_>>,
+    request: Request<'_>,
+    now: SystemTime,
+) -> Result<(Assertion, HopKey), HopError> {
+    if keys.is_empty() {
+        return Err(HopError::NoKey);
+    }
+    let Claim(fields) = claim.ok_or(HopError::Malformed)?;
+    for key in keys {
+        match key.check(&fields, request, now) {
+            Ok(signed) => {
+                replays.accept(&signed, Instant::now())?;
+                return Ok((fields.assertion, key.clone()));
+            }
+            Err(HopError::BadSignature) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Err(HopError::BadSignature)
 }
 
 /// [`verify`] with the first of `keys` that the signature matches; returns that key too,
@@ -393,23 +460,7 @@ pub fn verify_any(
     request: Request<'_>,
     now: SystemTime,
 ) -> Result<(Assertion, HopKey), HopError> {
-    if keys.is_empty() {
-        return Err(HopError::NoKey);
-    }
-    for key in keys {
-        match key.verified(header, request, now) {
-            Ok((assertion, ts)) => {
-                if ts < replays.since_ms {
-                    return Err(HopError::BeforeStart);
-                }
-                replays.first_time(header.as_bytes(), Instant::now())?;
-                return Ok((assertion, key.clone()));
-            }
-            Err(HopError::BadSignature) => {}
-            Err(error) => return Err(error),
-        }
-    }
-    Err(HopError::BadSignature)
+    verify_claim(keys, replays, Claim::read(header), request, now)
 }
 
 /// Verifies `header` with `key`, if this node has one, and refuses one `replays` has seen.
@@ -420,16 +471,21 @@ pub fn verify(
     request: Request<'_>,
     now: SystemTime,
 ) -> Result<Assertion, HopError> {
-    let (assertion, ts) = key.ok_or(HopError::NoKey)?.verified(header, request, now)?;
-    if ts < replays.since_ms {
-        return Err(HopError::BeforeStart);
-    }
-    replays.first_time(header.as_bytes(), Instant::now())?;
+    let (assertion, signed) = key.ok_or(HopError::NoKey)?.verified(header, request, now)?;
+    replays.accept(&signed, Instant::now())?;
     Ok(assertion)
 }
 
+/// What a header that verified was signed with: its timestamp and its signature.
+struct Signed {
+    ts: u64,
+    signature: [u8; 32],
+}
+
 /// The hop headers accepted in the last [`MAX_SKEW`] × 2 (older ones fail the clock check),
-/// by digest: a header captured on the wire cannot be sent again. Bounded: when full, the
+/// by signature: a header captured on the wire cannot be sent again, however its text is
+/// written (the signature covers every field but itself, so two headers that verify with
+/// one signature assert the same thing for the same request). Bounded: when full, the
 /// oldest entries go first. Headers signed before it was created (this run's start) are
 /// refused, since they may have been accepted by a previous run, which this one does not
 /// remember.
@@ -458,8 +514,16 @@ impl Replays {
         }
     }
 
-    fn first_time(&self, header: &[u8], now: Instant) -> Result<(), HopError> {
-        let digest: [u8; 32] = Sha256::digest(header).into();
+    /// Whether a header that verified as `signed` may be accepted: signed since this run
+    /// started, and not seen before (it is remembered from now on).
+    fn accept(&self, signed: &Signed, now: Instant) -> Result<(), HopError> {
+        if signed.ts < self.since_ms {
+            return Err(HopError::BeforeStart);
+        }
+        self.first_time(signed.signature, now)
+    }
+
+    fn first_time(&self, signature: [u8; 32], now: Instant) -> Result<(), HopError> {
         let mut seen = self
             .seen
             .lock()
@@ -474,7 +538,7 @@ impl Replays {
                 seen.retain(|_, at| *at > cut);
             }
         }
-        match seen.insert(digest, now) {
+        match seen.insert(signature, now) {
             Some(_) => Err(HopError::Replayed),
             None => Ok(()),
         }
@@ -836,6 +900,42 @@ mod tests {
         assert!(text.starts_with(&prefix), "{text}");
         let (nonce, signature) = text[prefix.len()..].split_once(";s=").unwrap();
         assert_eq!((nonce.len(), signature.len()), (24, 64), "{text}");
+    }
+
+    #[test]
+    fn a_replayed_header_is_refused_however_its_hex_is_written() {
+        let (key, replays) = (key(), Replays::default());
+        let now = SystemTime::now();
+        let at = request("r1", "/api/chat", "");
+        let header = key.sign(&assertion(), at, now);
+        assert!(verify(Some(&key), &replays, &header, at, now).is_ok());
+        let text = header.to_str().unwrap();
+        let (head, signature) = text.split_once(";s=").unwrap();
+        let node = hex::encode("box1");
+        for respelled in [
+            format!("{head};s={}", signature.to_uppercase()),
+            text.replace(
+                &format!("n={node};"),
+                &format!("n={};", node.to_uppercase()),
+            ),
+        ] {
+            assert_ne!(respelled, text);
+            let respelled = HeaderValue::from_str(&respelled).unwrap();
+            assert_eq!(
+                key.verify(&respelled, at, now),
+                Ok(assertion()),
+                "{respelled:?}"
+            );
+            assert_eq!(
+                verify(Some(&key), &replays, &respelled, at, now),
+                Err(HopError::Replayed),
+                "{respelled:?}"
+            );
+            assert_eq!(
+                verify_any(std::slice::from_ref(&key), &replays, &respelled, at, now).unwrap_err(),
+                HopError::Replayed
+            );
+        }
     }
 
     #[test]
