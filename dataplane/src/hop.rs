@@ -402,7 +402,7 @@ pub fn claimed_edge(header: &HeaderValue) -> Option<Arc<str>> {
 }
 
 /// A hop header read once, not yet verified: the edge it names ([`Claim::edge`], which says
-/// which keys to verify it with) and what its signature covers ([`Claim::verify_any`]).
+/// which keys to verify it with) and what its signature covers ([`verify_claim`]).
 pub struct Claim<'a>(Fields<'a>);
 
 impl std::fmt::Debug for Claim<'_> {
