@@ -39,6 +39,7 @@
 
 pub mod streamed;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -93,11 +94,11 @@ pub enum Body {
 
 impl Body {
     /// The `b` field.
-    fn field(&self) -> String {
+    fn field(&self) -> Cow<'_, str> {
         match self {
-            Self::Digest(digest) => digest.clone(),
-            Self::Trailer(None) => "~".to_owned(),
-            Self::Trailer(Some(length)) => format!("~{length}"),
+            Self::Digest(digest) => Cow::Borrowed(digest),
+            Self::Trailer(None) => Cow::Borrowed("~"),
+            Self::Trailer(Some(length)) => Cow::Owned(format!("~{length}")),
         }
     }
 
@@ -176,7 +177,20 @@ pub struct Request<'a> {
 
 /// The body part of a [`Request`]: the hex SHA-256 of a buffered body.
 pub fn body_digest(body: &[u8]) -> String {
-    hex::encode(Sha256::digest(body))
+    let mut text = Vec::with_capacity(64);
+    push_hex(&mut text, &Sha256::digest(body));
+    String::from_utf8(text).unwrap_or_default()
+}
+
+/// Appends the lower-case hex of `bytes` to `out` (as `hex::encode`, without its
+/// character-by-character `String`).
+fn push_hex(out: &mut Vec<u8>, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for &byte in bytes {
+        out.push(DIGITS[usize::from(byte >> 4)]);
+        out.push(DIGITS[usize::from(byte & 0x0f)]);
+    }
 }
 
 impl HopKey {
@@ -199,26 +213,41 @@ impl HopKey {
         now: SystemTime,
     ) -> HeaderValue {
         let ts = unix_ms(now);
-        let nonce = hex::encode(rand::random::<[u8; 12]>());
-        let signature = hex::encode(
-            self.mac(assertion, request, ts, &nonce)
-                .finalize()
-                .into_bytes(),
-        );
-        let group = assertion
-            .group
-            .as_ref()
-            .map(|group| format!(";g={}", hex::encode(group.as_bytes())))
-            .unwrap_or_default();
-        let text = format!(
-            "v1;n={};c={};v={};t={};b={}{group};ts={ts};r={nonce};s={signature}",
-            hex::encode(assertion.node.as_bytes()),
-            hex::encode(assertion.client.as_bytes()),
-            u8::from(assertion.verified),
-            assertion.tier.as_str(),
-            assertion.body.field(),
-        );
-        let mut value = HeaderValue::from_str(&text).unwrap_or(HeaderValue::from_static("v1"));
+        let mut nonce = Vec::with_capacity(24);
+        push_hex(&mut nonce, &rand::random::<[u8; 12]>());
+        let nonce = std::str::from_utf8(&nonce).unwrap_or_default();
+        let signature = self
+            .mac(assertion, request, ts, nonce)
+            .finalize()
+            .into_bytes();
+        // The header's text, written in one buffer (it is made for every hop).
+        let (node, client) = (assertion.node.as_bytes(), assertion.client.as_bytes());
+        let group = assertion.group.as_deref().map_or(&[][..], str::as_bytes);
+        let mut text = Vec::with_capacity(200 + 2 * (node.len() + client.len() + group.len()));
+        text.extend_from_slice(b"v1;n=");
+        push_hex(&mut text, node);
+        text.extend_from_slice(b";c=");
+        push_hex(&mut text, client);
+        text.extend_from_slice(if assertion.verified {
+            b";v=1;t="
+        } else {
+            b";v=0;t="
+        });
+        text.extend_from_slice(assertion.tier.as_str().as_bytes());
+        text.extend_from_slice(b";b=");
+        text.extend_from_slice(assertion.body.field().as_bytes());
+        if assertion.group.is_some() {
+            text.extend_from_slice(b";g=");
+            push_hex(&mut text, group);
+        }
+        text.extend_from_slice(b";ts=");
+        text.extend_from_slice(Decimal::of(ts).as_str().as_bytes());
+        text.extend_from_slice(b";r=");
+        text.extend_from_slice(nonce.as_bytes());
+        text.extend_from_slice(b";s=");
+        push_hex(&mut text, &signature);
+        let mut value = HeaderValue::from_maybe_shared(bytes::Bytes::from(text))
+            .unwrap_or(HeaderValue::from_static("v1"));
         value.set_sensitive(true);
         value
     }
@@ -234,14 +263,26 @@ impl HopKey {
             .map(|(assertion, _)| assertion)
     }
 
-    /// [`HopKey::verify`], with the header's timestamp (Unix ms).
+    /// [`HopKey::verify`], with the header's timestamp (Unix ms) and signature.
     fn verified(
         &self,
         header: &HeaderValue,
         request: Request<'_>,
         now: SystemTime,
-    ) -> Result<(Assertion, u64), HopError> {
+    ) -> Result<(Assertion, Signed), HopError> {
         let fields = Fields::parse(header).ok_or(HopError::Malformed)?;
+        let signed = self.check(&fields, request, now)?;
+        Ok((fields.assertion, signed))
+    }
+
+    /// Whether `fields`' signature is this key's for `request`, and their timestamp within
+    /// [`MAX_SKEW`] of `now`.
+    fn check(
+        &self,
+        fields: &Fields<'_>,
+        request: Request<'_>,
+        now: SystemTime,
+    ) -> Result<Signed, HopError> {
         let signature = hex::decode(fields.signature).map_err(|_| HopError::Malformed)?;
         self.mac(&fields.assertion, request, fields.ts, fields.nonce)
             .verify_slice(&signature)
@@ -250,7 +291,12 @@ impl HopKey {
         if u128::from(skew) > MAX_SKEW.as_millis() {
             return Err(HopError::Skew);
         }
-        Ok((fields.assertion, fields.ts))
+        // It verified: it is a SHA-256 output.
+        let signature = signature.try_into().map_err(|_| HopError::BadSignature)?;
+        Ok(Signed {
+            ts: fields.ts,
+            signature,
+        })
     }
 
     fn mac(
@@ -262,7 +308,7 @@ impl HopKey {
     ) -> Hmac<Sha256> {
         let mut mac = Hmac::clone(&self.0);
         // Each field with its length first, so that no two field lists sign alike.
-        let ts = ts.to_string();
+        let ts = Decimal::of(ts);
         let verified = if assertion.verified { "1" } else { "0" };
         let body = assertion.body.field();
         for field in [
@@ -271,7 +317,7 @@ impl HopKey {
             &assertion.client,
             verified,
             assertion.tier.as_str(),
-            &ts,
+            ts.as_str(),
             nonce,
             request.to,
             request.id,
@@ -297,8 +343,13 @@ impl HopKey {
     /// The trailer value binding a streamed body of SHA-256 `digest` to the hop whose
     /// header is `header`: no other hop's header (each has its own nonce) gives the same.
     pub fn seal_body(&self, header: &HeaderValue, digest: &[u8; 32]) -> HeaderValue {
-        let seal = hex::encode(self.body_mac(header, digest).finalize().into_bytes());
-        HeaderValue::from_str(&seal).unwrap_or(HeaderValue::from_static("-"))
+        let mut seal = Vec::with_capacity(64);
+        push_hex(
+            &mut seal,
+            &self.body_mac(header, digest).finalize().into_bytes(),
+        );
+        HeaderValue::from_maybe_shared(bytes::Bytes::from(seal))
+            .unwrap_or(HeaderValue::from_static("-"))
     }
 
     /// Whether `seal` is [`HopKey::seal_body`] of `header` and `digest`.
@@ -347,7 +398,57 @@ impl HopKey {
 
 /// The edge a hop header names, before it is verified: which key to verify it with.
 pub fn claimed_edge(header: &HeaderValue) -> Option<Arc<str>> {
-    Fields::parse(header).map(|fields| fields.assertion.node)
+    Claim::read(header).map(|claim| claim.0.assertion.node)
+}
+
+/// A hop header read once, not yet verified: the edge it names ([`Claim::edge`], which says
+/// which keys to verify it with) and what its signature covers ([`verify_claim`]).
+pub struct Claim<'a>(Fields<'a>);
+
+impl std::fmt::Debug for Claim<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Claim")
+            .field("edge", &self.edge())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> Claim<'a> {
+    /// `header`'s fields; `None` when it is not of the form above.
+    pub fn read(header: &'a HeaderValue) -> Option<Self> {
+        Fields::parse(header).map(Self)
+    }
+
+    /// The edge node it names.
+    pub fn edge(&self) -> &str {
+        &self.0.assertion.node
+    }
+}
+
+/// [`verify_any`] of a header already read: `claim` is `None` for one that was not of the
+/// form above (refused as malformed, once there is a key to check it with).
+pub fn verify_claim(
+    keys: &[HopKey],
+    replays: &Replays,
+    claim: Option<Claim<'_>>,
+    request: Request<'_>,
+    now: SystemTime,
+) -> Result<(Assertion, HopKey), HopError> {
+    if keys.is_empty() {
+        return Err(HopError::NoKey);
+    }
+    let Claim(fields) = claim.ok_or(HopError::Malformed)?;
+    for key in keys {
+        match key.check(&fields, request, now) {
+            Ok(signed) => {
+                replays.accept(&signed, Instant::now())?;
+                return Ok((fields.assertion, key.clone()));
+            }
+            Err(HopError::BadSignature) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Err(HopError::BadSignature)
 }
 
 /// [`verify`] with the first of `keys` that the signature matches; returns that key too,
@@ -359,23 +460,7 @@ pub fn verify_any(
     request: Request<'_>,
     now: SystemTime,
 ) -> Result<(Assertion, HopKey), HopError> {
-    if keys.is_empty() {
-        return Err(HopError::NoKey);
-    }
-    for key in keys {
-        match key.verified(header, request, now) {
-            Ok((assertion, ts)) => {
-                if ts < replays.since_ms {
-                    return Err(HopError::BeforeStart);
-                }
-                replays.first_time(header.as_bytes(), Instant::now())?;
-                return Ok((assertion, key.clone()));
-            }
-            Err(HopError::BadSignature) => {}
-            Err(error) => return Err(error),
-        }
-    }
-    Err(HopError::BadSignature)
+    verify_claim(keys, replays, Claim::read(header), request, now)
 }
 
 /// Verifies `header` with `key`, if this node has one, and refuses one `replays` has seen.
@@ -386,16 +471,21 @@ pub fn verify(
     request: Request<'_>,
     now: SystemTime,
 ) -> Result<Assertion, HopError> {
-    let (assertion, ts) = key.ok_or(HopError::NoKey)?.verified(header, request, now)?;
-    if ts < replays.since_ms {
-        return Err(HopError::BeforeStart);
-    }
-    replays.first_time(header.as_bytes(), Instant::now())?;
+    let (assertion, signed) = key.ok_or(HopError::NoKey)?.verified(header, request, now)?;
+    replays.accept(&signed, Instant::now())?;
     Ok(assertion)
 }
 
+/// What a header that verified was signed with: its timestamp and its signature.
+struct Signed {
+    ts: u64,
+    signature: [u8; 32],
+}
+
 /// The hop headers accepted in the last [`MAX_SKEW`] × 2 (older ones fail the clock check),
-/// by digest: a header captured on the wire cannot be sent again. Bounded: when full, the
+/// by signature: a header captured on the wire cannot be sent again, however its text is
+/// written (the signature covers every field but itself, so two headers that verify with
+/// one signature assert the same thing for the same request). Bounded: when full, the
 /// oldest entries go first. Headers signed before it was created (this run's start) are
 /// refused, since they may have been accepted by a previous run, which this one does not
 /// remember.
@@ -424,8 +514,16 @@ impl Replays {
         }
     }
 
-    fn first_time(&self, header: &[u8], now: Instant) -> Result<(), HopError> {
-        let digest: [u8; 32] = Sha256::digest(header).into();
+    /// Whether a header that verified as `signed` may be accepted: signed since this run
+    /// started, and not seen before (it is remembered from now on).
+    fn accept(&self, signed: &Signed, now: Instant) -> Result<(), HopError> {
+        if signed.ts < self.since_ms {
+            return Err(HopError::BeforeStart);
+        }
+        self.first_time(signed.signature, now)
+    }
+
+    fn first_time(&self, signature: [u8; 32], now: Instant) -> Result<(), HopError> {
         let mut seen = self
             .seen
             .lock()
@@ -440,7 +538,7 @@ impl Replays {
                 seen.retain(|_, at| *at > cut);
             }
         }
-        match seen.insert(digest, now) {
+        match seen.insert(signature, now) {
             Some(_) => Err(HopError::Replayed),
             None => Ok(()),
         }
@@ -513,6 +611,31 @@ impl<'a> Fields<'a> {
 
 fn decode_text(hex_text: &str) -> Option<String> {
     String::from_utf8(hex::decode(hex_text).ok()?).ok()
+}
+
+/// A `u64` in decimal, on the stack (`to_string` without its allocation).
+struct Decimal {
+    digits: [u8; 20],
+    start: usize,
+}
+
+impl Decimal {
+    fn of(mut n: u64) -> Self {
+        let mut digits = [0; 20];
+        let mut start = digits.len();
+        loop {
+            start -= 1;
+            digits[start] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                return Self { digits, start };
+            }
+        }
+    }
+
+    fn as_str(&self) -> &str {
+        std::str::from_utf8(&self.digits[self.start..]).unwrap_or_default()
+    }
 }
 
 fn unix_ms(at: SystemTime) -> u64 {
@@ -746,6 +869,71 @@ mod tests {
                 key.verify(&bad, at, now),
                 Err(HopError::Malformed),
                 "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_header_is_written_as_the_hex_and_decimal_crates_write_it() {
+        for bytes in [
+            &b""[..],
+            b"\x00\x0f\xf0\xff",
+            "box1 é".as_bytes(),
+            &[0xab; 32],
+        ] {
+            let mut out = b"x".to_vec();
+            push_hex(&mut out, bytes);
+            assert_eq!(out, format!("x{}", hex::encode(bytes)).into_bytes());
+        }
+        assert_eq!(body_digest(b"{}"), hex::encode(Sha256::digest(b"{}")));
+        for n in [0, 7, 10, 1_733_000_000_123, u64::MAX] {
+            assert_eq!(Decimal::of(n).as_str(), n.to_string());
+        }
+        let header = key().sign(&assertion(), request("r1", "/api/chat", ""), UNIX_EPOCH);
+        let text = header.to_str().unwrap();
+        let prefix = format!(
+            "v1;n={};c={};v=1;t=high;b={};ts=0;r=",
+            hex::encode("box1"),
+            hex::encode("chat;ui=1"),
+            body_digest(b"{}")
+        );
+        assert!(text.starts_with(&prefix), "{text}");
+        let (nonce, signature) = text[prefix.len()..].split_once(";s=").unwrap();
+        assert_eq!((nonce.len(), signature.len()), (24, 64), "{text}");
+    }
+
+    #[test]
+    fn a_replayed_header_is_refused_however_its_hex_is_written() {
+        let (key, replays) = (key(), Replays::default());
+        let now = SystemTime::now();
+        let at = request("r1", "/api/chat", "");
+        let header = key.sign(&assertion(), at, now);
+        assert!(verify(Some(&key), &replays, &header, at, now).is_ok());
+        let text = header.to_str().unwrap();
+        let (head, signature) = text.split_once(";s=").unwrap();
+        let node = hex::encode("box1");
+        for respelled in [
+            format!("{head};s={}", signature.to_uppercase()),
+            text.replace(
+                &format!("n={node};"),
+                &format!("n={};", node.to_uppercase()),
+            ),
+        ] {
+            assert_ne!(respelled, text);
+            let respelled = HeaderValue::from_str(&respelled).unwrap();
+            assert_eq!(
+                key.verify(&respelled, at, now),
+                Ok(assertion()),
+                "{respelled:?}"
+            );
+            assert_eq!(
+                verify(Some(&key), &replays, &respelled, at, now),
+                Err(HopError::Replayed),
+                "{respelled:?}"
+            );
+            assert_eq!(
+                verify_any(std::slice::from_ref(&key), &replays, &respelled, at, now).unwrap_err(),
+                HopError::Replayed
             );
         }
     }

@@ -43,10 +43,12 @@ pub(super) fn hopped_identity(
     // A hop that verifies is a peer's, whatever else its address did: only failures meet
     // the throttle (which answers 429 once they are too many).
     let now = std::time::SystemTime::now();
+    // Read once: the edge it names picks the keys, and its fields are checked with them.
+    let read = hop::Claim::read(claim);
     let keys = app
         .peers
-        .verifying_keys(policy, hop::claimed_edge(claim).as_deref());
-    let verified = hop::verify_any(&keys, app.peers.replays(), claim, signed, now).and_then(
+        .verifying_keys(policy, read.as_ref().map(hop::Claim::edge));
+    let verified = hop::verify_claim(&keys, app.peers.replays(), read, signed, now).and_then(
         |(assertion, key)| {
             // Not from itself (a peer URL that leads back here), and never an unverified
             // caller where this node's own snapshot requires keys.
