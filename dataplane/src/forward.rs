@@ -438,7 +438,7 @@ async fn send_cloud(
         let body = if candidate.is_empty() {
             body.clone()
         } else {
-            with_model(&body, cloud::upstream_model(&candidate))
+            with_model(body, cloud::upstream_model(&candidate))
         };
         let mut attempts = pool.attempts(&lease).for_model(&candidate);
         let mut give_up_host = false;
