@@ -442,6 +442,10 @@ impl Dispatcher {
     /// Returns whether that changed what may run (a switch dropped, or an unload that could
     /// not be sent taken as done), so that the caller dispatches again.
     fn swap_upkeep(self: &Arc<Self>, inner: &mut Inner, now: Instant) -> bool {
+        // Twice a pump, two pumps a request: nothing to look at is the usual case.
+        if !inner.router.swap_pending() {
+            return false;
+        }
         let mut changed = false;
         for (host, model) in inner.router.switches() {
             if !inner.router.swap_enabled() || !inner.scheduler.waiting_for(&model) {

@@ -10,10 +10,13 @@ mod claims;
 mod convert;
 mod keep_alive;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
+
+// The request path looks clients up by key digest and id, and models in each host's lists,
+// on every request: a seeded fast hasher (see the workspace's Cargo.toml).
+use foldhash::{HashMap, HashSet};
 
 use crate::scheduler::Tier;
 
@@ -612,9 +615,9 @@ pub struct Host {
     /// Whether the control plane's last poll succeeded.
     pub healthy: bool,
     /// Installed models, normalised (see [`normalize_model`]).
-    pub installed: std::collections::HashSet<String>,
+    pub installed: HashSet<String>,
     /// Loaded models, normalised.
-    pub loaded: std::collections::HashSet<String>,
+    pub loaded: HashSet<String>,
     /// Installed model names as Ollama reports them (for status).
     pub installed_names: Vec<String>,
     /// Loaded model names as Ollama reports them (for status).
@@ -646,7 +649,7 @@ pub struct Runners {
     /// `ollama.hosts[].models."<glob>".num_parallel`, the first match winning.
     pub overrides: Vec<(wildmatch::WildMatch, u32)>,
     /// Models Ollama runs with one slot, learned from `/api/show`, with the reason.
-    pub forced: std::collections::HashMap<String, Arc<str>>,
+    pub forced: HashMap<String, Arc<str>>,
 }
 
 impl Runners {

@@ -628,6 +628,11 @@ impl HostVram {
         std::mem::take(&mut self.unloads)
     }
 
+    /// Whether drain time to charge or an unload waits to be taken.
+    pub fn has_pending(&self) -> bool {
+        !self.charges.is_empty() || !self.unloads.is_empty()
+    }
+
     /// An explicit unload of `model` answered (or failed: Ollama evicts it on the load anyway).
     pub fn unloaded(&mut self, model: &str) {
         if let Some(switch) = &mut self.switch

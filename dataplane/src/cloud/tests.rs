@@ -1,4 +1,3 @@
-use std::collections::HashSet;
 use std::future::Future;
 use std::pin::{Pin, pin};
 use std::task::{Context, Poll, Waker};
@@ -24,8 +23,8 @@ fn host(keys: &[(&str, &str)], fallback: &[&str]) -> Host {
         max_concurrent: 10,
         kind: HostKind::Cloud,
         healthy: true,
-        installed: HashSet::new(),
-        loaded: HashSet::new(),
+        installed: Default::default(),
+        loaded: Default::default(),
         installed_names: Vec::new(),
         loaded_names: Vec::new(),
         last_checked: None,

@@ -1,7 +1,7 @@
 //! Wire snapshot → [`Policy`]. The only place where `oqp_proto` policy types
 //! meet the data plane's own; everything after this works on compiled types.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, UNIX_EPOCH};
@@ -126,10 +126,10 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
             },
         };
 
-        let mut clients = HashMap::new();
-        let mut clients_by_id: HashMap<Arc<str>, Arc<Client>> = HashMap::new();
+        let mut clients = foldhash::HashMap::default();
+        let mut clients_by_id: foldhash::HashMap<Arc<str>, Arc<Client>> = Default::default();
         let mut token_clients = Vec::new();
-        let mut clients_by_subject: HashMap<Arc<str>, Arc<Client>> = HashMap::new();
+        let mut clients_by_subject: foldhash::HashMap<Arc<str>, Arc<Client>> = Default::default();
         for client in snapshot.clients {
             let client = Arc::new(convert_client(client)?);
             // Several digests may map to one id (a rotated key in its grace
@@ -303,7 +303,10 @@ impl TryFrom<wire::PolicySnapshot> for Policy {
                     retention_days: requests.retention_days.max(1),
                 })
             });
-        let mut hop_peers = HashMap::with_capacity(snapshot.hop_peers.len());
+        let mut hop_peers = foldhash::HashMap::with_capacity_and_hasher(
+            snapshot.hop_peers.len(),
+            Default::default(),
+        );
         for peer in &snapshot.hop_peers {
             let key = |bytes: &[u8]| {
                 crate::hop::HopKey::from_bytes(bytes).ok_or_else(|| {

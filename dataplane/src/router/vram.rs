@@ -249,6 +249,13 @@ impl Router {
         }
     }
 
+    /// Whether a switch is under way, or drain time to charge or an unload waits to be taken:
+    /// when not, [`switches`](Self::switches), [`take_charges`](Self::take_charges) and
+    /// [`take_unloads`](Self::take_unloads) would all return nothing.
+    pub fn swap_pending(&self) -> bool {
+        !self.switching.is_empty() || self.hosts.iter().any(|state| state.vram.has_pending())
+    }
+
     /// Explicit unloads due now: (host, model) pairs, each to be answered with
     /// [`unloaded`](Router::unloaded).
     pub fn take_unloads(&mut self) -> Vec<(Arc<Host>, String)> {
