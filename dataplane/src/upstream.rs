@@ -437,7 +437,7 @@ impl Tokens {
             .or_else(|| {
                 fields
                     .number(Field::InputTokens)
-                    .map(|input| input + cache_extra(fields))
+                    .map(|input| input.saturating_add(cache_extra(fields)))
             })
             .or_else(|| fields.number(Field::TokensEvaluated));
         Self {
@@ -492,7 +492,7 @@ const PROMPT_FIELDS: [Field; 4] = [
 /// stream's `message_start`), if it does.
 fn head_prompt(head: &Fields<'_>) -> Option<u64> {
     head.number(Field::InputTokens)
-        .map(|input| input + cache_extra(head))
+        .map(|input| input.saturating_add(cache_extra(head)))
 }
 
 /// Called once when a response body ends, fails or is dropped.
@@ -1196,6 +1196,22 @@ mod tests {
             ),
             None
         );
+    }
+
+    #[test]
+    fn counts_that_add_up_past_a_u64_stop_at_its_largest() {
+        // An upstream's figures are its own: no sum of them may overflow (a panic in a
+        // debug build).
+        let most = u64::MAX;
+        let answer = format!(
+            r#"{{"usage":{{"input_tokens":{most},"cache_read_input_tokens":{most},"cache_creation_input_tokens":{most},"output_tokens":1}}}}"#
+        );
+        assert_eq!(
+            Tokens::of(&Fields::of(answer.as_bytes()), None).prompt,
+            most
+        );
+        let start = format!("event: message_start\ndata: {answer}\n\n");
+        assert_eq!(head_prompt(&Fields::of(start.as_bytes())), Some(most));
     }
 
     /// The tokens a body of `framing` reports when it is dropped after `frames`.
