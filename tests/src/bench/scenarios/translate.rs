@@ -12,8 +12,6 @@
 //! late each content line arrives after its token was written, per route, and how much later a
 //! translated line is than the native one of its place: each line timed from its own stamp, so
 //! that the fake's timer (a stream's tokens come when its own sleeps end) is not in the pairing.
-//! The lines are measured pinned where the machine allows it, as the latency rows are: oqp on
-//! one CPU, the client and the fake on the other.
 
 use std::time::Duration;
 
@@ -63,7 +61,7 @@ pub async fn run(bench: &Bench, report: &mut Report) -> anyhow::Result<()> {
     };
     let lines = {
         let fake = procs::spawn_fake(&bench.binaries, spec).await?;
-        let result = line_delays(bench, &fake).await;
+        let result = line_delays(bench, &fake.url()).await;
         fake.stop().await;
         result?
     };
@@ -173,28 +171,13 @@ struct LineDelays {
     translated: Vec<f64>,
     delays: Vec<f64>,
     unpaired: usize,
-    /// Whether oqp had a CPU of its own (the client and the fake the other).
-    pinned: bool,
 }
 
-async fn line_delays(bench: &Bench, fake: &procs::Proc) -> anyhow::Result<LineDelays> {
-    let oqp = engine_oqp(bench, &fake.url()).await?;
-    // Pinned as the latency rows are: the client and the fake on CPU 0, oqp on CPU 1, so that
-    // a line's delay is oqp's and not the other processes' turn on the same CPU.
-    let own = std::process::id();
-    let original = procs::affinity(own).unwrap_or_else(|| "0-1".to_owned());
-    let pinned = bench.pin
-        && bench.cpus >= 2
-        && procs::on_path("taskset")
-        && procs::pin(own, "0")
-        && procs::pin(fake.pid(), "0")
-        && procs::pin(oqp.pid(), "1");
+async fn line_delays(bench: &Bench, upstream: &str) -> anyhow::Result<LineDelays> {
+    let oqp = engine_oqp(bench, upstream).await?;
     let result = async {
         let mut conn = Conn::open(oqp.addr()).await?;
-        let mut figures = LineDelays {
-            pinned,
-            ..LineDelays::default()
-        };
+        let mut figures = LineDelays::default();
         for i in 0..size(bench, 60, 6) {
             // The order alternates, so that neither route is always the one a pause follows.
             let (native_lines, translated_lines) = if i % 2 == 0 {
@@ -222,9 +205,6 @@ async fn line_delays(bench: &Bench, fake: &procs::Proc) -> anyhow::Result<LineDe
         anyhow::Ok(figures)
     }
     .await;
-    for pid in [own, fake.pid(), oqp.pid()] {
-        procs::pin(pid, &original);
-    }
     oqp.stop().await;
     result
 }
@@ -305,11 +285,6 @@ fn push_rows(report: &mut Report, first: &FirstBytes, lines: &LineDelays) {
     } else {
         String::new()
     };
-    let placement = if lines.pinned {
-        "pinned: oqp on CPU 1, the client and the fake on CPU 0"
-    } else {
-        "unpinned"
-    };
     let spread = |samples: &[f64]| match (percentile(samples, 50.0), max(samples)) {
         (Some(p50), Some(worst)) => format!(
             "p50 {p50:+.2} ms, p99 {:+.2} ms, max {worst:+.2} ms ({} lines)",
@@ -321,7 +296,7 @@ fn push_rows(report: &mut Report, first: &FirstBytes, lines: &LineDelays) {
     report.push(
         Row::new(
             SCENARIO_TRANSLATE,
-            format!("stream lines, 20 ms apart, {placement}: arrival after the engine wrote the token (its stamp), /v1/chat/completions (minimal column) vs /api/chat translated (oqp column)"),
+            "stream lines, 20 ms apart: arrival after the engine wrote the token (its stamp), /v1/chat/completions (minimal column) vs /api/chat translated (oqp column)",
         )
         .minimal(spread(&lines.native))
         .oqp(spread(&lines.translated)),
