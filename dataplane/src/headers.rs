@@ -114,28 +114,25 @@ fn stays_before_upstream(name: &str) -> bool {
         )
 }
 
-/// Removes every header `unwanted` names and every header a `Connection` header names, in
-/// one pass over the headers there are (most are kept) rather than a removal per name that
-/// may be there.
+/// Removes every header `unwanted` names and every header a `Connection` header names: the
+/// names there are looked at once (most are kept), not a removal tried for every name that
+/// may be there; the names a `Connection` header lists are removed one by one, as many as
+/// it lists, each a hashed removal.
 fn remove_where(headers: &mut HeaderMap, unwanted: fn(&str) -> bool) {
-    let mut named: Vec<HeaderName> = Vec::new();
-    // A removal reorders the map: the scan starts again, over what is left.
-    while let Some(name) = headers
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    let doomed: Vec<HeaderName> = headers
         .keys()
-        .find(|name| unwanted(name.as_str()) || named.contains(name))
+        .filter(|name| unwanted(name.as_str()))
         .cloned()
-    {
-        if name == header::CONNECTION {
-            named.extend(
-                headers
-                    .get_all(header::CONNECTION)
-                    .iter()
-                    .filter_map(|value| value.to_str().ok())
-                    .flat_map(|value| value.split(','))
-                    .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok()),
-            );
-        }
-        headers.remove(&name);
+        .collect();
+    for name in doomed.iter().chain(&named) {
+        headers.remove(name);
     }
 }
 
